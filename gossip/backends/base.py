@@ -1,0 +1,350 @@
+"""The communicator interface every backend implements, and the pieces they share.
+
+A communicator offers a handful of primitives with identical semantics on every backend:
+
+* ``rank``, ``size``, ``local_rank``, ``local_size``;
+* ``exchange(sends, recvs, seq=...)``: in one non-blocking call, send these contiguous tensors to these peers and
+  receive into those tensors from those peers; returns a :class:`Handle` whose ``wait(timeout)`` completes it;
+* ``all_reduce`` (sum or average, in place), ``broadcast``, ``barrier``, ``all_gather_object``, ``close``.
+
+The wire protocol of ``exchange``. Every tensor travels behind a small int64 header
+``[MAGIC, seq, index, count, dtype code, numel]``. The receiver reads the header first and compares it with the
+buffer it posted, so a wrong dtype, a wrong size, a different number of tensors or a peer that is at another
+sequence number (another step) raises :class:`ExchangeMismatchError` naming the peer -- instead of Gloo
+aborting the process on a too-small buffer or silently accepting a wrong dtype. The payload receive is posted
+only after its header matched. Messages between one pair of ranks are delivered in order (MPI and Gloo both
+guarantee this per tag), so headers and payloads travel on two tags.
+
+Send buffers must not be modified until the handle's ``wait`` returns. Receive buffers hold the peer's data
+when ``wait`` returns.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gossip.errors import CommTimeoutError, ExchangeMismatchError, GossipError
+
+MAGIC = 0x60551B
+HEADER_LEN = 6
+HEADER_TAG = 7
+PAYLOAD_TAG = 8
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float64: 2,
+    torch.float16: 3,
+    torch.bfloat16: 4,
+    torch.int64: 5,
+    torch.int32: 6,
+    torch.uint8: 7,
+    torch.int8: 8,
+    torch.bool: 9,
+}
+_CODE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in DTYPE_CODES.items()}
+REDUCE_OPS = ("sum", "avg")
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One tensor to or from one peer, the ``index``-th of ``count`` with that peer in this exchange."""
+
+    peer: int
+    tensor: torch.Tensor
+    index: int
+    count: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def header(self, seq: int) -> list[int]:
+        return [MAGIC, seq, self.index, self.count, DTYPE_CODES[self.tensor.dtype], self.tensor.numel()]
+
+    def describe(self, direction: str) -> str:
+        return f"{direction} peer {self.peer} (tensor {self.index + 1}/{self.count})"
+
+
+def _spec(code: int, numel: int) -> str:
+    return f"{_CODE_NAMES.get(code, f'dtype code {code}')}[{numel}]"
+
+
+def check_header(header: Sequence[int], expected: Transfer, seq: int, rank: int) -> None:
+    """Raise :class:`ExchangeMismatchError` unless ``header`` announces exactly what ``expected`` can hold."""
+    magic, their_seq, index, count, code, numel = (int(v) for v in header)
+    where = f"rank {rank}: exchange {seq}: message from peer {expected.peer}"
+    if magic != MAGIC:
+        raise ExchangeMismatchError(f"{where} is not a gossip-train header (magic {magic:#x})")
+    if their_seq != seq:
+        raise ExchangeMismatchError(
+            f"{where} belongs to exchange {their_seq}: the two ranks are at different steps or their schedules disagree"
+        )
+    if count != expected.count:
+        raise ExchangeMismatchError(
+            f"{where}: peer {expected.peer} sends {count} tensor(s), rank {rank} expects {expected.count}"
+        )
+    mine = (DTYPE_CODES[expected.tensor.dtype], expected.tensor.numel())
+    if index != expected.index or (code, numel) != mine:
+        raise ExchangeMismatchError(
+            f"{where}: tensor {index + 1}/{count} is {_spec(code, numel)} but the receive buffer is {_spec(*mine)}"
+        )
+
+
+def _check_tensor(tensor: Any, what: str, device: torch.device) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in DTYPE_CODES:
+        raise TypeError(f"{what} has dtype {tensor.dtype}; supported: {', '.join(_CODE_NAMES.values())}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what} is not contiguous; pass a contiguous (flat) buffer")
+    if tensor.device.type != device.type:
+        raise ValueError(f"{what} is on {tensor.device} but this communicator moves {device.type} tensors")
+    return tensor.detach()
+
+
+def plan_transfers(
+    pairs: Sequence[tuple[int, torch.Tensor]], direction: str, rank: int, size: int, device: torch.device
+) -> list[Transfer]:
+    """Validate ``(peer, tensor)`` pairs and number the tensors per peer in the order given."""
+    counts: dict[int, int] = {}
+    for peer, _ in pairs:
+        if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < size:
+            raise ValueError(f"rank {rank}: {direction} peer {peer!r} is not a rank in [0, {size})")
+        if peer == rank:
+            raise ValueError(f"rank {rank}: cannot {direction} itself; keep the local share out of exchange()")
+        counts[peer] = counts.get(peer, 0) + 1
+    seen: dict[int, int] = {}
+    transfers = []
+    for peer, tensor in pairs:
+        index = seen.get(peer, 0)
+        seen[peer] = index + 1
+        what = f"rank {rank}: tensor {index + 1}/{counts[peer]} to {direction} peer {peer}"
+        transfers.append(Transfer(peer, _check_tensor(tensor, what, device), index, counts[peer]))
+    return transfers
+
+
+@dataclass
+class Progress:
+    """What an operation still waits for, kept up to date so that a timeout can name the missing peers."""
+
+    operation: str
+    outstanding: dict[str, None] = field(default_factory=dict)
+
+    def add(self, part: str) -> None:
+        self.outstanding[part] = None
+
+    def finish(self, part: str) -> None:
+        self.outstanding.pop(part, None)
+
+    def describe(self) -> str:
+        parts = list(self.outstanding)
+        return ", ".join(parts) if parts else "nothing (completing)"
+
+
+class Handle(abc.ABC):
+    """A started operation. ``wait`` completes it (or raises); ``wait_seconds`` is the time spent blocked."""
+
+    wait_seconds: float = 0.0
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once the operation has completed; never blocks and never drives progress itself."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until complete; raise :class:`CommTimeoutError` naming the missing peers after ``timeout``."""
+
+
+class FutureHandle(Handle):
+    """A handle on an operation run by a :class:`CommThread`."""
+
+    def __init__(self, future: concurrent.futures.Future, progress: Progress, owner: CommThread):
+        self._future = future
+        self.progress = progress
+        self._owner = owner
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        timeout = self._owner.timeout if timeout is None else timeout
+        start = time.perf_counter()
+        try:
+            self._future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            error = CommTimeoutError(
+                f"rank {self._owner.rank}: {self.progress.operation} timed out after {timeout:.1f} s; "
+                f"still waiting for {self._owner.pending_description(self.progress)}"
+            )
+            self._owner.fail(error)
+            raise error from None
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+
+class CommThread:
+    """One thread that runs a communicator's operations in submission order.
+
+    Every rank submits the same operations in the same order, so running them in FIFO order on one thread keeps
+    the ranks matched. The thread, not the training thread, drives transfers forward: Gloo progresses by
+    itself, while an MPI request only advances inside MPI calls, which this thread makes (polling with short
+    sleeps rather than a busy wait, so it does not burn a core that the training needs). After one failure the
+    communicator is unusable, as a Gloo process group is after a timeout, and every later operation says so.
+    """
+
+    def __init__(self, name: str, rank: int, timeout: float):
+        self.rank = rank
+        self.timeout = timeout
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._failure: BaseException | None = None
+        self._running: Progress | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, operation: str, run: Callable[[Progress], Any]) -> FutureHandle:
+        progress = Progress(operation)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._failure is not None:
+            future.set_exception(self._refusal(operation))
+        else:
+            self._queue.put((run, progress, future))
+        return FutureHandle(future, progress, self)
+
+    def _refusal(self, operation: str) -> GossipError:
+        return GossipError(
+            f"rank {self.rank}: {operation} refused: this communicator is unusable after an earlier failure: "
+            f"{self._failure}"
+        )
+
+    def call(self, operation: str, run: Callable[[Progress], Any], timeout: float | None = None) -> Any:
+        handle = self.submit(operation, run)
+        handle.wait(timeout)
+        return handle._future.result()
+
+    def fail(self, error: BaseException) -> None:
+        if self._failure is None:
+            self._failure = error
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
+    def pending_description(self, progress: Progress) -> str:
+        running = self._running
+        if running is not None and running is not progress:
+            return f"an earlier operation ({running.operation}) still waiting for {running.describe()}"
+        return progress.describe()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            run, progress, future = item
+            if self._failure is not None:
+                future.set_exception(self._refusal(progress.operation))
+                continue
+            self._running = progress
+            try:
+                future.set_result(run(progress))
+            except BaseException as error:  # handed to the waiting thread, which re-raises it
+                self.fail(error)
+                future.set_exception(error)
+            finally:
+                self._running = None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+
+class Communicator(abc.ABC):
+    """The primitives every backend offers. See the module docstring for the exchange protocol."""
+
+    backend: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    device: torch.device
+    timeout: float
+
+    def __init__(self) -> None:
+        self.bytes_sent: dict[int, int] = {}
+        self.bytes_received: dict[int, int] = {}
+
+    # -- point to point -------------------------------------------------------------------------------------
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        *,
+        seq: int = 0,
+    ) -> Handle:
+        """Start sending ``sends`` and receiving into ``recvs``; ``seq`` (e.g. the step) must match the peers'."""
+        outgoing = plan_transfers(sends, "send to", self.rank, self.size, self.device)
+        incoming = plan_transfers(recvs, "receive from", self.rank, self.size, self.device)
+        for transfer in outgoing:
+            self.bytes_sent[transfer.peer] = self.bytes_sent.get(transfer.peer, 0) + transfer.nbytes
+        for transfer in incoming:
+            self.bytes_received[transfer.peer] = self.bytes_received.get(transfer.peer, 0) + transfer.nbytes
+        return self._start_exchange(outgoing, incoming, seq)
+
+    @abc.abstractmethod
+    def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle: ...
+
+    # -- collectives ----------------------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False) -> Handle | None:
+        """Sum (or average) ``tensor`` over all ranks, in place."""
+        if op not in REDUCE_OPS:
+            raise ValueError(f"rank {self.rank}: all_reduce op {op!r} is not one of {REDUCE_OPS}")
+        buffer = _check_tensor(tensor, f"rank {self.rank}: all_reduce tensor", self.device)
+        if op == "avg" and not buffer.is_floating_point():
+            raise TypeError(f"rank {self.rank}: all_reduce 'avg' needs a floating-point tensor, got {buffer.dtype}")
+        handle = self._all_reduce(buffer, op)
+        return handle if async_op else handle.wait()
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Handle | None:
+        """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
+        if not 0 <= src < self.size:
+            raise ValueError(f"rank {self.rank}: broadcast source {src} is not a rank in [0, {self.size})")
+        handle = self._broadcast(_check_tensor(tensor, f"rank {self.rank}: broadcast tensor", self.device), src)
+        return handle if async_op else handle.wait()
+
+    @abc.abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle: ...
+
+    @abc.abstractmethod
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> Handle: ...
+
+    @abc.abstractmethod
+    def barrier(self, timeout: float | None = None) -> None:
+        """Wait until every rank arrives; on timeout name the ranks that did not (where the backend can tell)."""
+
+    @abc.abstractmethod
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the backend; safe to call twice."""
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(backend={self.backend!r}, rank={self.rank}, size={self.size}, "
+            f"local_rank={self.local_rank}, local_size={self.local_size})"
+        )

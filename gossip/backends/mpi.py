@@ -1,0 +1,212 @@
+"""MPI communicator on mpi4py.
+
+An MPI request advances only inside MPI calls, so every MPI call of this communicator is made by its
+:class:`CommThread`, which polls its requests with ``Test`` and short sleeps: transfers progress while the
+training thread computes, and a rank waiting for a slow peer does not spin a whole core (a blocking
+``Wait`` busy-polls in MPICH). Tensors travel as bytes (``MPI.BYTE``), so every torch dtype -- bfloat16 too --
+moves bit for bit; contiguous CPU tensors are passed without a copy, CUDA tensors go straight to a CUDA-aware MPI.
+Reductions of float16/bfloat16 run in float32 (MPI has no portable 16-bit float sum).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from gossip.backends.base import (
+    HEADER_LEN,
+    HEADER_TAG,
+    PAYLOAD_TAG,
+    CommThread,
+    Communicator,
+    Handle,
+    Progress,
+    Transfer,
+    check_header,
+)
+from gossip.errors import CommTimeoutError, GossipError
+from gossip.launch_env import LaunchInfo
+
+_BARRIER_TAG = 9
+_POLL_SLEEP_MAX = 1e-3  # seconds between Test() calls once a wait has lasted a while
+_Pending = tuple[Any, str, "Callable[[], None] | None"]  # (request, part it completes, continuation)
+
+
+def _bytes(tensor: torch.Tensor) -> Any:
+    """A zero-copy byte view mpi4py accepts (numpy for CPU tensors, the tensor itself for CUDA)."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return flat.numpy() if flat.device.type == "cpu" else flat
+
+
+class MPICommunicator(Communicator):
+    """A communicator on a duplicate of ``MPI.COMM_WORLD``."""
+
+    backend = "mpi"
+
+    def __init__(self, info: LaunchInfo, timeout: float):
+        super().__init__()
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self._comm = MPI.COMM_WORLD.Dup()
+        self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
+        if (self.rank, self.size) != (info.rank, info.size):
+            raise GossipError(
+                f"MPI reports rank {self.rank} of {self.size} but the {info.launcher} environment says rank "
+                f"{info.rank} of {info.size}: launch with mpiexec/mpirun (or srun --mpi=pmix) so MPI sees all ranks"
+            )
+        self.local_rank, self.local_size = info.local_rank, info.local_size
+        self.device = torch.device("cpu")
+        self.timeout = timeout
+        self._thread = CommThread(f"gossip-mpi-rank{self.rank}", self.rank, timeout)
+        self._closed = False
+
+    def _poll(self, progress: Progress, pending: list[_Pending]) -> None:
+        """Drive ``pending`` requests to completion; a continuation may append more requests to ``pending``."""
+        deadline = time.monotonic() + self.timeout
+        sleep = 0.0
+        while pending:
+            finished = [entry for entry in pending if entry[0].Test()]
+            for entry in finished:
+                pending.remove(entry)
+                request, part, then = entry
+                if then is not None:
+                    then()
+                else:
+                    progress.finish(part)
+            if finished:
+                sleep = 0.0
+                continue
+            if self._thread.failure is not None:  # a waiter gave up (its own timeout); stop polling
+                for request, _, _ in pending:
+                    request.Cancel()
+                raise self._thread.failure
+            if time.monotonic() > deadline:
+                for request, _, _ in pending:
+                    request.Cancel()
+                raise CommTimeoutError(
+                    f"rank {self.rank}: {progress.operation} timed out after {self.timeout:.1f} s waiting to "
+                    f"{progress.describe()}"
+                )
+            time.sleep(sleep)
+            sleep = min(_POLL_SLEEP_MAX, sleep * 2 + 1e-5)
+
+    # -- point to point -------------------------------------------------------------------------------------
+    def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle:
+        comm = self._comm
+
+        def run(progress: Progress) -> None:
+            pending: list[_Pending] = []
+            keep_alive = []
+            for transfer in sends:
+                part = transfer.describe("send to")
+                progress.add(part)
+                header = np.asarray(transfer.header(seq), dtype=np.int64)
+                keep_alive.append(header)
+                if transfer.tensor.numel():
+                    pending.append((comm.Isend(header, transfer.peer, HEADER_TAG), f"header of {part}", None))
+                    pending.append((comm.Isend(_bytes(transfer.tensor), transfer.peer, PAYLOAD_TAG), part, None))
+                else:
+                    pending.append((comm.Isend(header, transfer.peer, HEADER_TAG), part, None))
+            for transfer in recvs:
+                part = transfer.describe("receive from")
+                progress.add(part)
+                header = np.empty(HEADER_LEN, dtype=np.int64)
+                keep_alive.append(header)
+
+                def on_header(transfer: Transfer = transfer, header: np.ndarray = header, part: str = part) -> None:
+                    check_header(header.tolist(), transfer, seq, self.rank)
+                    if transfer.tensor.numel():
+                        pending.append((comm.Irecv(_bytes(transfer.tensor), transfer.peer, PAYLOAD_TAG), part, None))
+                    else:
+                        progress.finish(part)
+
+                pending.append((comm.Irecv(header, transfer.peer, HEADER_TAG), part, on_header))
+            self._poll(progress, pending)
+
+        peers = sorted({t.peer for t in sends} | {t.peer for t in recvs})
+        return self._thread.submit(f"exchange {seq} with peer(s) {peers}", run)
+
+    # -- collectives ----------------------------------------------------------------------------------------
+    def _await(self, progress: Progress, request: Any, part: str) -> None:
+        progress.add(part)
+        self._poll(progress, [(request, part, None)])
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
+        if tensor.dtype == torch.bool:
+            raise TypeError(f"rank {self.rank}: all_reduce of a bool tensor is not supported")
+        narrow = tensor.dtype in (torch.float16, torch.bfloat16)
+
+        def run(progress: Progress) -> None:
+            work = tensor.to(torch.float32) if narrow else tensor
+            request = self._comm.Iallreduce(self._MPI.IN_PLACE, work.reshape(-1).numpy())
+            self._await(progress, request, "every rank")
+            if op == "avg":
+                work.div_(self.size)
+            if narrow:
+                tensor.copy_(work)
+
+        return self._thread.submit(f"all_reduce({op}) of {tensor.dtype}{list(tensor.shape)}", run)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
+        def run(progress: Progress) -> None:
+            self._await(progress, self._comm.Ibcast(_bytes(tensor), root=src), f"rank {src}")
+
+        return self._thread.submit(f"broadcast from rank {src}", run)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """A monitored barrier: rank 0 collects a token from every rank, so a timeout names who is missing."""
+
+        def run(progress: Progress) -> None:
+            token = np.zeros(1, dtype=np.int8)
+            if self.rank == 0:
+                arrivals: list[_Pending] = []
+                for peer in range(1, self.size):
+                    part = f"rank {peer} to arrive at the barrier"
+                    progress.add(part)
+                    arrivals.append((self._comm.Irecv(np.zeros(1, dtype=np.int8), peer, _BARRIER_TAG), part, None))
+                self._poll(progress, arrivals)
+                releases = [
+                    (self._comm.Isend(token, p, _BARRIER_TAG), f"release rank {p}", None) for p in range(1, self.size)
+                ]
+                self._poll(progress, releases)
+            else:
+                self._await(
+                    progress,
+                    self._comm.Isend(token, 0, _BARRIER_TAG),
+                    "rank 0 to receive this rank's arrival",
+                )
+                self._await(progress, self._comm.Irecv(token, 0, _BARRIER_TAG), "rank 0 to release the barrier")
+
+        self._thread.call("barrier", run, timeout)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        def run(progress: Progress) -> list[Any]:
+            data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+            sizes = np.zeros(self.size, dtype=np.int64)
+            self._await(progress, self._comm.Iallgather(np.asarray([data.size], dtype=np.int64), sizes), "every rank")
+            out = np.empty(int(sizes.sum()), dtype=np.uint8)
+            self._await(progress, self._comm.Iallgatherv(data, [out, sizes.tolist()]), "every rank")
+            offsets = np.concatenate([[0], np.cumsum(sizes)])
+            return [pickle.loads(out[offsets[r] : offsets[r + 1]].tobytes()) for r in range(self.size)]
+
+        return self._thread.call("all_gather_object", run)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._thread.failure is None:
+                self.barrier()
+        except GossipError:
+            pass
+        finally:
+            self._thread.stop()
+            if self._thread.failure is None:
+                self._comm.Free()

@@ -1,0 +1,250 @@
+"""An in-process communicator: ``n`` virtual ranks, one thread each, the oracle for the real backends.
+
+``simulate(n, fn)`` runs ``fn(comm)`` on ``n`` threads, each with its own :class:`SimulatorCommunicator`, and
+returns the ``n`` results in rank order. The primitives behave as on a real backend -- same validation, same
+headers, same errors, same timeouts -- and the numbers are deterministic: a message is copied when it is sent,
+an all-reduce sums in rank order, so nothing depends on how the threads interleave. When one rank raises, the
+others stop waiting at once with :class:`PeerFailedError` and ``simulate`` re-raises the first root cause.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gossip.backends.base import Communicator, Handle, Transfer, check_header
+from gossip.errors import CommTimeoutError, ExchangeMismatchError, GossipError, PeerFailedError
+
+
+class _World:
+    """Shared state of the virtual ranks: mailboxes, collective rendezvous, failure."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.cond = threading.Condition()
+        self.mail: dict[tuple[int, int], deque] = {}
+        self.rounds: dict[int, dict[int, tuple[str, Any]]] = {}
+        self.results: dict[int, list[Any]] = {}
+        self.readers: dict[int, int] = {}
+        self.failed: tuple[int, BaseException] | None = None
+
+    def _raise_if_failed(self, rank: int) -> None:
+        if self.failed is not None and self.failed[0] != rank:
+            peer, error = self.failed
+            raise PeerFailedError(f"rank {rank}: peer rank {peer} failed: {error}")
+
+    def wait_for(
+        self, rank: int, ready: Callable[[], bool], timeout: float, operation: str, missing: Callable[[], str]
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not ready():
+                self._raise_if_failed(rank)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CommTimeoutError(
+                        f"rank {rank}: {operation} timed out after {timeout:.1f} s; still waiting for {missing()}"
+                    )
+                self.cond.wait(remaining)
+
+    def fail(self, rank: int, error: BaseException) -> None:
+        with self.cond:
+            if self.failed is None:
+                self.failed = (rank, error)
+            self.cond.notify_all()
+
+
+class _ExchangeHandle(Handle):
+    def __init__(self, comm: SimulatorCommunicator, recvs: list[Transfer], seq: int):
+        self._comm, self._recvs, self._seq, self._done = comm, recvs, seq, not recvs
+
+    def _arrived(self) -> bool:
+        world, rank = self._comm._world, self._comm.rank
+        need: dict[int, int] = {}
+        for transfer in self._recvs:
+            need[transfer.peer] = need.get(transfer.peer, 0) + 1
+        return all(len(world.mail.get((peer, rank), ())) >= k for peer, k in need.items())
+
+    def done(self) -> bool:
+        with self._comm._world.cond:
+            return self._done or self._arrived()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._done:
+            return
+        comm, world = self._comm, self._comm._world
+        start = time.perf_counter()
+
+        def missing() -> str:
+            queued: dict[int, int] = {}
+            parts = []
+            for transfer in self._recvs:
+                queued[transfer.peer] = queued.get(transfer.peer, 0) + 1
+                if len(world.mail.get((transfer.peer, comm.rank), ())) < queued[transfer.peer]:
+                    parts.append(transfer.describe("receive from"))
+            return ", ".join(parts)
+
+        peers = sorted({t.peer for t in self._recvs})
+        operation = f"exchange {self._seq} with peer(s) {peers}"
+        try:
+            world.wait_for(comm.rank, self._arrived, comm.timeout if timeout is None else timeout, operation, missing)
+            with world.cond:
+                messages = [world.mail[(t.peer, comm.rank)].popleft() for t in self._recvs]
+            for transfer, (header, payload) in zip(self._recvs, messages, strict=True):
+                check_header(header, transfer, self._seq, comm.rank)
+                transfer.tensor.copy_(payload)
+            self._done = True
+        except GossipError as error:
+            comm._failure = comm._failure or error
+            raise
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+
+class _DoneHandle(Handle):
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+
+class SimulatorCommunicator(Communicator):
+    """One virtual rank of a :func:`simulate` run."""
+
+    backend = "simulator"
+
+    def __init__(self, world: _World, rank: int, local_size: int, timeout: float):
+        super().__init__()
+        self._world = world
+        self.rank, self.size = rank, world.size
+        self.local_size, self.local_rank = local_size, rank % local_size
+        self.device = torch.device("cpu")
+        self.timeout = timeout
+        self._rounds = 0
+        self._failure: GossipError | None = None
+
+    def _check_usable(self, operation: str) -> None:
+        if self._failure is not None:
+            raise GossipError(
+                f"rank {self.rank}: {operation} refused: this communicator is unusable after an earlier "
+                f"failure: {self._failure}"
+            )
+
+    def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle:
+        self._check_usable(f"exchange {seq}")
+        world = self._world
+        with world.cond:
+            world._raise_if_failed(self.rank)
+            for transfer in sends:
+                world.mail.setdefault((self.rank, transfer.peer), deque()).append(
+                    (transfer.header(seq), transfer.tensor.clone())
+                )
+            world.cond.notify_all()
+        return _ExchangeHandle(self, recvs, seq)
+
+    def _collective(self, kind: str, payload: Any, combine: Callable[[list[Any]], Any]) -> Any:
+        """Rendezvous of all ranks on their k-th collective; ``combine`` sees the payloads in rank order."""
+        self._check_usable(kind)
+        world, index = self._world, self._rounds
+        self._rounds += 1
+        with world.cond:
+            entries = world.rounds.setdefault(index, {})
+            entries[self.rank] = (kind, payload)
+            if len(entries) == world.size:
+                kinds = {rank: k for rank, (k, _) in entries.items()}
+                if len(set(kinds.values())) > 1:
+                    error = ExchangeMismatchError(f"collective #{index} differs across ranks: {kinds}")
+                    world.failed = world.failed or (self.rank, error)
+                    world.cond.notify_all()
+                    raise error
+                world.results[index] = combine([entries[r][1] for r in range(world.size)])
+                world.readers[index] = world.size
+                del world.rounds[index]
+                world.cond.notify_all()
+
+        def missing() -> str:
+            arrived = set(world.rounds.get(index, {}))
+            return f"rank(s) {sorted(set(range(world.size)) - arrived)}"
+
+        world.wait_for(self.rank, lambda: index in world.results, self.timeout, f"{kind} #{index}", missing)
+        with world.cond:
+            result = world.results[index]
+            world.readers[index] -= 1
+            if world.readers[index] == 0:
+                del world.results[index], world.readers[index]
+        return result
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
+        def total(parts: list[tuple[torch.Size, torch.dtype, torch.Tensor]]) -> torch.Tensor:
+            if len({(shape, dtype) for shape, dtype, _ in parts}) > 1:
+                specs = {rank: f"{dtype}{list(shape)}" for rank, (shape, dtype, _) in enumerate(parts)}
+                raise ExchangeMismatchError(f"all_reduce tensors differ across ranks: {specs}")
+            acc = parts[0][2].clone()
+            for _, _, part in parts[1:]:
+                acc += part
+            return acc
+
+        result = self._collective("all_reduce", (tensor.shape, tensor.dtype, tensor.clone()), total)
+        tensor.copy_(result / self.size if op == "avg" else result)
+        return _DoneHandle()
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
+        result = self._collective(f"broadcast from {src}", tensor.clone(), lambda parts: parts[src])
+        if result.shape != tensor.shape or result.dtype != tensor.dtype:
+            raise ExchangeMismatchError(
+                f"rank {self.rank}: broadcast from {src} sends {result.dtype}{list(result.shape)} "
+                f"into {tensor.dtype}{list(tensor.shape)}"
+            )
+        tensor.copy_(result)
+        return _DoneHandle()
+
+    def barrier(self, timeout: float | None = None) -> None:
+        self._collective("barrier", None, lambda parts: None)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return self._collective("all_gather_object", obj, list)
+
+    def close(self) -> None:
+        return None
+
+
+def simulate(
+    size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 60.0,
+    local_size: int | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(comm, *args, **kwargs)`` on ``size`` virtual ranks; return their results in rank order."""
+    if size < 1:
+        raise ValueError(f"simulate needs at least one rank, got size={size}")
+    local_size = size if local_size is None else local_size
+    if local_size < 1 or size % local_size:
+        raise ValueError(f"simulate: local_size {local_size} must divide size {size}")
+    world = _World(size)
+    results: list[Any] = [None] * size
+    errors: dict[int, BaseException] = {}
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(SimulatorCommunicator(world, rank, local_size, timeout), *args, **kwargs)
+        except BaseException as error:
+            errors[rank] = error
+            world.fail(rank, error)
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"sim-rank-{r}") for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        root = [e for _, e in sorted(errors.items()) if not isinstance(e, PeerFailedError)]
+        raise (root or [errors[min(errors)]])[0]
+    return results

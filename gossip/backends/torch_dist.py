@@ -1,0 +1,166 @@
+"""torch.distributed communicator: Gloo on CPU, NCCL on GPU, one code path.
+
+Transfers run on a :class:`CommThread`. Gloo moves bytes on its own I/O threads, so the comm thread only posts
+the operations and waits on them; receives are always posted together with sends (a blocking Gloo send is a
+rendezvous: two peers that both send first deadlock). NCCL ignores tags but keeps per-pair order, which is all
+the header/payload protocol needs. A peer that dies surfaces as Gloo's "connection closed" and is re-raised as
+:class:`PeerFailedError` naming the peer; a peer that never answers as :class:`CommTimeoutError` naming it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gossip.backends.base import (
+    HEADER_LEN,
+    HEADER_TAG,
+    PAYLOAD_TAG,
+    CommThread,
+    Communicator,
+    Handle,
+    Progress,
+    Transfer,
+    check_header,
+)
+from gossip.errors import CommTimeoutError, GossipError, PeerFailedError
+from gossip.launch_env import LaunchInfo
+
+
+class TorchDistCommunicator(Communicator):
+    """A communicator on the default torch.distributed process group (``backend`` is "gloo" or "nccl")."""
+
+    def __init__(self, backend: str, info: LaunchInfo, init_method: str | None, timeout: float, **init: Any):
+        super().__init__()
+        self.backend = backend
+        self.rank, self.size = info.rank, info.size
+        self.local_rank, self.local_size = info.local_rank, info.local_size
+        self.timeout = timeout
+        if backend == "nccl":
+            self.device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=info.rank,
+            world_size=info.size,
+            timeout=datetime.timedelta(seconds=timeout),
+            **init,
+        )
+        self._thread = CommThread(f"gossip-{backend}-rank{self.rank}", self.rank, timeout)
+        self._closed = False
+
+    # -- helpers --------------------------------------------------------------------------------------------
+    def _wait(self, work: dist.Work, part: str, progress: Progress, peer: int | None) -> None:
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as error:
+            text = str(error)
+            who = f"peer {peer}" if peer is not None else "a peer"
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                raise CommTimeoutError(
+                    f"rank {self.rank}: {progress.operation} timed out after {self.timeout:.1f} s waiting to "
+                    f"{part} ({text.splitlines()[0]})"
+                ) from error
+            raise PeerFailedError(
+                f"rank {self.rank}: {progress.operation}: {who} failed or closed its connection while this "
+                f"rank waited to {part}: {text.splitlines()[0]}"
+            ) from error
+        progress.finish(part)
+
+    # -- point to point -------------------------------------------------------------------------------------
+    def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle:
+        def run(progress: Progress) -> None:
+            posted: list[tuple[dist.Work, str, int]] = []
+            for transfer in sends:
+                part = transfer.describe("send to")
+                progress.add(part)
+                header = torch.tensor(transfer.header(seq), dtype=torch.int64, device=self.device)
+                posted.append((dist.isend(header, transfer.peer, tag=HEADER_TAG), part, transfer.peer))
+                if transfer.tensor.numel():
+                    posted.append((dist.isend(transfer.tensor, transfer.peer, tag=PAYLOAD_TAG), part, transfer.peer))
+            headers = []
+            for transfer in recvs:
+                part = transfer.describe("receive from")
+                progress.add(part)
+                buffer = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+                headers.append((transfer, buffer, dist.irecv(buffer, transfer.peer, tag=HEADER_TAG), part))
+            for transfer, buffer, work, part in headers:
+                self._wait(work, f"receive the header of {part}", progress, transfer.peer)
+                check_header(buffer.tolist(), transfer, seq, self.rank)
+                if transfer.tensor.numel():
+                    posted.append((dist.irecv(transfer.tensor, transfer.peer, tag=PAYLOAD_TAG), part, transfer.peer))
+                else:
+                    progress.finish(part)
+            for work, part, peer in posted:
+                self._wait(work, part, progress, peer)
+                progress.finish(part)
+
+        peers = sorted({t.peer for t in sends} | {t.peer for t in recvs})
+        return self._thread.submit(f"exchange {seq} with peer(s) {peers}", run)
+
+    # -- collectives ----------------------------------------------------------------------------------------
+    def _collective(self, operation: str, post: Any) -> Handle:
+        def run(progress: Progress) -> Any:
+            progress.add("every rank")
+            work = post()
+            if isinstance(work, dist.Work):
+                self._wait(work, "hear from every rank", progress, None)
+            return work
+
+        return self._thread.submit(operation, run)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
+        reduce_op = dist.ReduceOp.AVG if op == "avg" and self.backend == "nccl" else dist.ReduceOp.SUM
+
+        def post() -> dist.Work:
+            work = dist.all_reduce(tensor, op=reduce_op, async_op=True)
+            if op == "avg" and reduce_op == dist.ReduceOp.SUM:
+                work.wait(datetime.timedelta(seconds=self.timeout))
+                tensor.div_(self.size)
+            return work
+
+        return self._collective(f"all_reduce({op}) of {tensor.dtype}{list(tensor.shape)}", post)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
+        return self._collective(f"broadcast from rank {src}", lambda: dist.broadcast(tensor, src, async_op=True))
+
+    def barrier(self, timeout: float | None = None) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        if self.backend == "gloo":
+            # monitored_barrier names the ranks that did not arrive.
+            def run(progress: Progress) -> None:
+                try:
+                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+                except RuntimeError as error:
+                    raise CommTimeoutError(f"rank {self.rank}: barrier failed: {error}") from error
+
+            self._thread.call("barrier", run, timeout + 5.0)
+        else:
+            self._collective("barrier", lambda: dist.barrier(async_op=True)).wait(timeout)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        self._thread.call("all_gather_object", lambda progress: dist.all_gather_object(out, obj))
+        return out
+
+    def close(self) -> None:
+        """Barrier (when healthy), then destroy the process group; a clean exit needs both."""
+        if self._closed:
+            return
+        self._closed = True
+        healthy = self._thread.failure is None
+        try:
+            if healthy:
+                self.barrier()
+        except GossipError:
+            healthy = False
+        finally:
+            self._thread.stop(timeout=1.0 if healthy else 0.0)
+            if dist.is_initialized():
+                dist.destroy_process_group()

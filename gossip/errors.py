@@ -1,0 +1,31 @@
+"""Exceptions raised by gossip-train.
+
+Every error names what went wrong and where: the rank that raises it, the peer(s) involved, the operation and,
+where one exists, the step. The table of failure cases and their messages is in the README.
+"""
+
+from __future__ import annotations
+
+
+class GossipError(RuntimeError):
+    """Base class of every error raised by the communication layer."""
+
+
+class LaunchError(GossipError):
+    """The launcher environment is inconsistent (e.g. RANK without WORLD_SIZE, rank >= size)."""
+
+
+class BackendUnavailableError(GossipError):
+    """A requested backend cannot run in this process; the message names the fix."""
+
+
+class CommTimeoutError(GossipError, TimeoutError):
+    """A wait expired; the message names this rank, the missing peer(s) and the operation."""
+
+
+class ExchangeMismatchError(GossipError):
+    """A peer sent something other than what this rank expected (dtype, size, count or sequence number)."""
+
+
+class PeerFailedError(GossipError):
+    """A peer closed its connection or failed; the message names the peer."""

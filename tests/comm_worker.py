@@ -1,0 +1,32 @@
+"""Worker: run every communicator scenario on a real backend and save this rank's results.
+
+Usage (by tests/launch.py): python tests/comm_worker.py OUT_DIR BACKEND
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from comm_scenarios import run_all
+
+import gossip
+
+
+def main() -> None:
+    out_dir, backend = Path(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    comm = gossip.init(backend, timeout=30.0)
+    results = run_all(comm)
+    torch.save(results, out_dir / f"rank{comm.rank}.pt")
+    comm.close()
+    if backend == "gloo":
+        # The failures scenario leaves a transfer stuck inside Gloo on purpose; leaving through the interpreter
+        # would run Gloo's destructors on it. (MPI must leave through MPI_Finalize, which mpi4py calls at exit.)
+        # Every other worker exits normally and is checked for crash messages.
+        sys.stdout.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Start a worker script on N real processes (Gloo with torchrun's environment, or ``mpiexec -n N``).
+
+The workers write ``rank{r}.pt`` into ``out_dir``; :func:`launch` returns those results in rank order and fails
+with every rank's output when a process exits non-zero or the job outlives its timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def mpiexec() -> str:
+    found = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or shutil.which("mpiexec")
+    if found is None:
+        raise RuntimeError("mpiexec not found: pip install -e '.[test]' installs the mpich wheel")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env(extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
+    env.update({"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}, **extra)
+    return env
+
+
+def launch(
+    script: str, out_dir: Path, args: list[str], *, backend: str, n: int = 4, timeout: float = 240.0
+) -> tuple[list[Any], str]:
+    """Run ``tests/<script>`` on ``n`` processes with ``backend`` ("gloo" or "mpi"); return results and output."""
+    argv = [sys.executable, str(REPO / "tests" / script), str(out_dir), *args]
+    if backend == "mpi":
+        procs = [
+            subprocess.Popen(
+                [mpiexec(), "-n", str(n), *argv],
+                env=_env({}),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        ]
+    else:
+        port = str(_free_port())
+        procs = [
+            subprocess.Popen(
+                argv,
+                env=_env(
+                    {
+                        "RANK": str(r),
+                        "WORLD_SIZE": str(n),
+                        "LOCAL_RANK": str(r),
+                        "LOCAL_WORLD_SIZE": str(n),
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": port,
+                    }
+                ),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            for r in range(n)
+        ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout)[0].decode(errors="replace"))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        raise AssertionError(f"{backend} job {script} did not finish within {timeout} s") from None
+    failed = [i for i, proc in enumerate(procs) if proc.returncode != 0]
+    if failed or "terminate called" in "".join(outputs):
+        raise AssertionError(f"{backend} job {script} failed or crashed at exit:\n" + "\n".join(outputs))
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(n)], "\n".join(outputs)

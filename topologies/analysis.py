@@ -1,0 +1,205 @@
+"""Spectral analysis, consensus simulation and communication volume (algorithms.md F.3, F.4, A.9).
+
+Notation: J = (1/n) 1 1^T. For a step W(t), rho = ||W - J||_2 and the spectral gap is 1 - rho (F.3).
+For a periodic schedule the product over one period is Pi = W(p-1) ... W(0). Consensus distance (F.4,
+Kong et al. 2021): Xi_t^2 = (1/n) sum_i ||x_i^t - xbar^t||^2.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from topologies.schedule import Schedule, ScheduleError
+
+ALGORITHMS = ("exact", "powergossip", "allreduce")
+
+
+def rho(matrix: np.ndarray) -> float:
+    """||W - J||_2, the largest singular value of W - J (valid for directed W, F.3)."""
+    n = matrix.shape[0]
+    return float(np.linalg.norm(matrix - np.full((n, n), 1.0 / n), 2))
+
+
+def spectral_gap(matrix: np.ndarray) -> float:
+    """1 - ||W - J||_2."""
+    return 1.0 - rho(matrix)
+
+
+def step_rhos(schedule: Schedule) -> np.ndarray:
+    """rho(W(t)) for every t in one period (or the first ``window`` steps when aperiodic)."""
+    return np.array([rho(schedule.mixing_matrix(t)) for t in schedule.check_steps])
+
+
+def period_product(schedule: Schedule) -> np.ndarray:
+    """Pi = W(p-1) ... W(0) over one period (or the first ``window`` steps)."""
+    product = np.eye(schedule.n)
+    for t in schedule.check_steps:
+        product = apply_step(schedule, t, product)
+    return product
+
+
+def period_rho(schedule: Schedule) -> float:
+    """||Pi - J||_2 for the product over one period; 0 for finite-time exact schedules (one-peer, n = 2^K)."""
+    return rho(period_product(schedule))
+
+
+def optimal_overrelaxation(schedule_or_matrix: Schedule | np.ndarray) -> float:
+    """gamma* = 2 / (mu_min + mu_max) over the non-zero eigenvalues mu of I - W (symmetric W).
+
+    Mixing with x <- x + gamma (W - I) x contracts fastest at gamma* (the classic optimal Richardson step).
+    A Schedule must be static (period 1).
+    """
+    matrix = _static_matrix(schedule_or_matrix)
+    if not np.allclose(matrix, matrix.T, atol=1e-12):
+        raise ScheduleError("optimal_overrelaxation needs a symmetric W (property 'symmetric')")
+    mu = 1.0 - np.linalg.eigvalsh(matrix)
+    nonzero = mu[np.abs(mu) > 1e-10]
+    if nonzero.size == 0:
+        return 1.0
+    return float(2.0 / (nonzero.min() + nonzero.max()))
+
+
+def _static_matrix(schedule_or_matrix: Schedule | np.ndarray) -> np.ndarray:
+    if isinstance(schedule_or_matrix, Schedule):
+        if schedule_or_matrix.period != 1:
+            raise ScheduleError(
+                f"schedule '{schedule_or_matrix.name}' is time-varying (period={schedule_or_matrix.period}); "
+                "pass one step's mixing_matrix(t)"
+            )
+        return schedule_or_matrix.mixing_matrix(0)
+    return np.asarray(schedule_or_matrix, dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class ConsensusRate:
+    """Koloskova et al. 2020 consensus rate: E||Pi X - Xbar||^2 <= (1 - p) ||X - Xbar||^2 over tau steps."""
+
+    p: float
+    tau: int
+
+
+def expected_consensus_rate(schedule: Schedule) -> ConsensusRate:
+    """p and tau (F.3): periodic: tau = period, 1 - p = ||(I - J) Pi||_2^2 (worst case over X, so exact).
+
+    Aperiodic: tau = 1 and 1 - p = lambda_max((I - J) mean_t[W(t)^T (I - J) W(t)] (I - J)), the
+    expectation estimated by the mean over the first ``window`` steps.
+    """
+    n = schedule.n
+    centering = np.eye(n) - 1.0 / n
+    if schedule.period is not None:
+        contraction = np.linalg.norm(centering @ period_product(schedule), 2) ** 2
+        return ConsensusRate(p=float(1.0 - contraction), tau=schedule.period)
+    second_moment = np.zeros((n, n))
+    for t in schedule.check_steps:
+        w = schedule.mixing_matrix(t)
+        second_moment += w.T @ centering @ w
+    second_moment /= len(schedule.check_steps)
+    largest = np.linalg.eigvalsh(centering @ second_moment @ centering).max()
+    return ConsensusRate(p=float(1.0 - largest), tau=1)
+
+
+def apply_step(schedule: Schedule, t: int, values: np.ndarray) -> np.ndarray:
+    """W(t) @ values using the sparse step (rows of ``values`` are ranks), without building W."""
+    rows, cols, weights = schedule.triplets(t)
+    out = np.zeros_like(values, dtype=np.float64)
+    np.add.at(out, rows, weights.reshape(-1, *([1] * (values.ndim - 1))) * values[cols])
+    return out
+
+
+def consensus_distance(values: np.ndarray) -> float:
+    """Xi^2 = (1/n) sum_i ||x_i - xbar||^2 (rows of ``values`` are ranks)."""
+    return float(np.mean(np.sum((values - values.mean(axis=0)) ** 2, axis=tuple(range(1, values.ndim)))))
+
+
+def simulate_consensus(schedule: Schedule, steps: int, *, dim: int = 16, seed: int = 0) -> np.ndarray:
+    """Trajectory Xi_0^2 .. Xi_steps^2 of plain gossip x <- W(t) x from standard normal x_i in R^dim."""
+    if steps < 0 or dim < 1:
+        raise ScheduleError(f"simulate_consensus needs steps >= 0 and dim >= 1, got steps={steps}, dim={dim}")
+    values = np.random.default_rng(seed).standard_normal((schedule.n, dim))
+    trajectory = [consensus_distance(values)]
+    for t in range(steps):
+        values = apply_step(schedule, t, values)
+        trajectory.append(consensus_distance(values))
+    return np.array(trajectory)
+
+
+def steps_to_consensus(schedule: Schedule, tol: float = 1e-6, *, max_steps: int = 100_000) -> int | None:
+    """Smallest t with ||(I - J) W(t-1) ... W(0)||_2^2 <= tol, or None if not reached within max_steps.
+
+    That is the number of steps after which Xi_t^2 <= tol * Xi_0^2 for *every* initial x (worst case),
+    so it is deterministic: log2 n for the one-peer hypercube and exponential graphs when n = 2^K.
+    """
+    if not 0 < tol < 1:
+        raise ScheduleError(f"steps_to_consensus needs 0 < tol < 1, got tol={tol}")
+    n = schedule.n
+    product = np.eye(n)
+    for t in range(max_steps + 1):
+        deviation = product - product.mean(axis=0)
+        # ||A||_2^2 >= ||A||_F^2 / n: skip the SVD while the Frobenius norm proves we are not there yet.
+        frobenius_sq = float(np.sum(deviation**2))
+        if frobenius_sq <= n * tol and np.linalg.norm(deviation, 2) ** 2 <= tol:
+            return t
+        product = apply_step(schedule, t, product)
+    return None
+
+
+def _message_elements(param_shapes: Iterable[Sequence[int]], algorithm: str, rank: int) -> float:
+    """Elements one rank sends to one peer in one step (per direction, per edge)."""
+    full = compressed_odd = compressed_even = uncompressed = 0
+    for shape in param_shapes:
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ScheduleError(f"parameter shape {shape} has a negative dimension")
+        size = math.prod(shape)
+        full += size
+        if len(shape) < 2:
+            uncompressed += size
+        else:
+            m, k = shape[0], size // shape[0] if shape[0] else 0
+            r = min(m, k, rank)
+            compressed_odd += r * m
+            compressed_even += r * k
+    if algorithm == "exact":
+        return float(full)
+    return (compressed_odd + compressed_even) / 2 + uncompressed
+
+
+def bytes_per_step(
+    schedule: Schedule,
+    param_shapes: Iterable[Sequence[int]],
+    algorithm: str = "exact",
+    rank: int = 1,
+    bytes_per_element: int = 4,
+    rank_id: int | None = None,
+) -> float:
+    """Bytes one rank sends per step, averaged over one period (and over ranks when rank_id is None).
+
+    - ``exact``: every out-peer gets the full model, M = sum_l prod(shape_l) elements.
+    - ``powergossip`` (A.9, one power iteration per step): per edge per direction sum_l r m_l elements on
+      odd and sum_l r k_l on even iterations, averaged, where each tensor is reshaped to
+      (m_l, k_l) = (shape[0], -1) and r = min(m_l, k_l, rank); tensors with ndim < 2 are sent
+      uncompressed on top. Needs a symmetric schedule.
+    - ``allreduce``: ring all-reduce, 2 (n - 1) / n * M per rank, independent of the schedule's edges.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ScheduleError(f"unknown algorithm={algorithm!r}; expected one of {ALGORITHMS}")
+    if rank < 1 or bytes_per_element <= 0:
+        raise ScheduleError(f"need rank >= 1 and bytes_per_element > 0, got rank={rank}, {bytes_per_element=}")
+    shapes = list(param_shapes)
+    if algorithm == "allreduce":
+        n = schedule.n
+        return 2.0 * (n - 1) / n * _message_elements(shapes, "exact", rank) * bytes_per_element
+    if algorithm == "powergossip" and not schedule.is_symmetric:
+        raise ScheduleError(
+            f"schedule '{schedule.name}' is not symmetric (property 'symmetric'); PowerGossip needs pairwise "
+            "exchange: use e.g. one_peer_hypercube(n)"
+        )
+    ranks = range(schedule.n) if rank_id is None else [rank_id]
+    steps = schedule.check_steps
+    sends = sum(len(schedule.peers(r, t).out_peers) for r in ranks for t in steps)
+    mean_out_degree = sends / (len(ranks) * len(steps))
+    return mean_out_degree * _message_elements(shapes, algorithm, rank) * bytes_per_element

@@ -1,0 +1,61 @@
+"""Numbers shown by ``python -m topologies describe`` and ``compare``, computed in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from topologies import analysis
+from topologies.registry import by_name, names
+from topologies.schedule import Schedule, ScheduleError
+
+CONSENSUS_TOL = 1e-6
+
+
+@dataclass(frozen=True)
+class ScheduleSummary:
+    name: str
+    n: int
+    period: int | None
+    steps_checked: int
+    min_in_degree: int
+    max_in_degree: int
+    symmetric: bool
+    doubly_stochastic: bool
+    step_rhos: tuple[float, ...]
+    period_rho: float
+    steps_to_consensus: int | None
+
+    @property
+    def period_label(self) -> str:
+        return str(self.period) if self.period is not None else f"none ({self.steps_checked} checked)"
+
+
+def summarize(schedule: Schedule, tol: float = CONSENSUS_TOL) -> ScheduleSummary:
+    """Period, in-degree range, flags, rho per step and per period, steps to tol consensus."""
+    degrees = [len(schedule.peers(r, t).in_peers) for t in schedule.check_steps for r in range(schedule.n)]
+    return ScheduleSummary(
+        name=schedule.name,
+        n=schedule.n,
+        period=schedule.period,
+        steps_checked=len(schedule.check_steps),
+        min_in_degree=min(degrees),
+        max_in_degree=max(degrees),
+        symmetric=schedule.is_symmetric,
+        doubly_stochastic=schedule.is_doubly_stochastic,
+        step_rhos=tuple(float(r) for r in analysis.step_rhos(schedule)),
+        period_rho=analysis.period_rho(schedule),
+        steps_to_consensus=analysis.steps_to_consensus(schedule, tol),
+    )
+
+
+def compare(n: int, tol: float = CONSENSUS_TOL) -> tuple[list[ScheduleSummary], list[tuple[str, str]]]:
+    """Summaries of every built-in constructible at n, and (name, reason) for those that are not."""
+    built, skipped = [], []
+    for name in names():
+        try:
+            schedule = by_name(name, n)
+        except ScheduleError as err:
+            skipped.append((name, str(err)))
+            continue
+        built.append(summarize(schedule, tol))
+    return built, skipped

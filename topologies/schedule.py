@@ -1,0 +1,259 @@
+"""The schedule abstraction: who mixes with whom, with which weights, at step t.
+
+A schedule is a pure function of the step t -> mixing matrix W(t), identical on every rank without
+communication. Mixing semantics (algorithms.md F): x_i <- sum_j W_ij(t) x_j, so rank i *receives* x_j from
+every in-peer j (W_ij > 0) and *sends* x_i to every out-peer j (W_ji > 0).
+
+Internally a step is stored sparsely as coordinate triplets (rows, cols, weights) so that ``peers()`` never
+builds an n x n matrix; dense matrices are built only on request (``mixing_matrix``, analysis).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import numbers
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+
+import networkx as nx
+import numpy as np
+
+#: Steps checked for aperiodic schedules (random matchings) by validation, symmetry flags and fingerprint.
+DEFAULT_APERIODIC_WINDOW = 32
+
+Triplets = tuple[np.ndarray, np.ndarray, np.ndarray]
+StepFunction = Callable[[int], Triplets]
+
+
+class ScheduleError(ValueError):
+    """A schedule, or a request to it, is invalid. The message names the step, rank(s) and property."""
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """What one rank needs for one gossip step.
+
+    ``in_peers``: (j, W[rank, j]) for j != rank with W[rank, j] > 0, sorted by j -- rank receives x_j.
+    ``out_peers``: (j, W[j, rank]) for j != rank with W[j, rank] > 0, sorted by j -- rank sends x_rank to j.
+    """
+
+    rank: int
+    step: int
+    self_weight: float
+    in_peers: tuple[tuple[int, float], ...]
+    out_peers: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class _PhaseTable:
+    """One step in canonical sparse form plus every rank's peer lists (built once per phase)."""
+
+    rows: np.ndarray
+    cols: np.ndarray
+    weights: np.ndarray
+    self_weights: tuple[float, ...]
+    in_peers: tuple[tuple[tuple[int, float], ...], ...]
+    out_peers: tuple[tuple[tuple[int, float], ...], ...]
+
+
+def canonical_triplets(n: int, rows, cols, weights) -> Triplets:
+    """Sum duplicate (row, col) entries, drop exact zeros, sort by (row, col)."""
+    rows = np.asarray(rows, dtype=np.int64).ravel()
+    cols = np.asarray(cols, dtype=np.int64).ravel()
+    weights = np.asarray(weights, dtype=np.float64).ravel()
+    if not (rows.shape == cols.shape == weights.shape):
+        raise ScheduleError(f"rows, cols and weights differ in length: {rows.size}, {cols.size}, {weights.size}")
+    bad = (rows < 0) | (rows >= n) | (cols < 0) | (cols >= n)
+    if bad.any():
+        k = int(np.argmax(bad))
+        raise ScheduleError(f"entry ({rows[k]}, {cols[k]}) names a rank outside 0..{n - 1} (n={n})")
+    keys, inverse = np.unique(rows * n + cols, return_inverse=True)
+    summed = np.bincount(inverse, weights=weights, minlength=keys.size)
+    keep = summed != 0.0
+    return keys[keep] // n, keys[keep] % n, summed[keep]
+
+
+def dense_to_triplets(matrix: np.ndarray) -> Triplets:
+    rows, cols = np.nonzero(matrix)
+    return rows, cols, matrix[rows, cols]
+
+
+class Schedule:
+    """A (possibly time-varying) mixing schedule over n ranks.
+
+    Built from ``step_function(phase) -> (rows, cols, weights)`` with W[rows[k], cols[k]] = weights[k]
+    (duplicates are summed). For a periodic schedule ``phase = t mod period``; for an aperiodic one
+    (``period=None``) ``phase = t``, and properties are checked over the first ``window`` steps.
+    Constructed schedules are validated (see :mod:`topologies.validation`); pass ``validate=False`` only
+    for schedules you validate yourself.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        name: str,
+        step_function: StepFunction,
+        period: int | None,
+        *,
+        window: int = DEFAULT_APERIODIC_WINDOW,
+        params: dict | None = None,
+        validate: bool = True,
+        symmetric: bool = False,
+        doubly_stochastic: bool = False,
+    ) -> None:
+        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1:
+            raise ScheduleError(f"n must be a positive integer number of ranks, got n={n!r}")
+        if period is not None and (not isinstance(period, numbers.Integral) or period < 1):
+            raise ScheduleError(f"period must be a positive integer or None, got {period!r} for '{name}'")
+        if window < 1:
+            raise ScheduleError(f"window must be >= 1, got {window}")
+        self.n = int(n)
+        self.name = name
+        self.period = None if period is None else int(period)
+        self.window = int(window)
+        self.params = dict(params or {})
+        self._step_function = step_function
+        cache_size = self.period if self.period is not None and self.period <= 1024 else 64
+        self._table = functools.lru_cache(maxsize=cache_size)(self._build_table)
+        if validate:
+            self.validate(symmetric=symmetric, doubly_stochastic=doubly_stochastic)
+
+    # ------------------------------------------------------------------ steps and phases
+    @property
+    def check_steps(self) -> range:
+        """The steps over which properties are checked: one period, or the first ``window`` steps."""
+        return range(self.period if self.period is not None else self.window)
+
+    def phase(self, t: int) -> int:
+        """Index of step t inside the period (t itself for an aperiodic schedule)."""
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise ScheduleError(f"step must be an integer, got {t!r} for schedule '{self.name}'")
+        if t < 0:
+            raise ScheduleError(f"step t={t} is negative for schedule '{self.name}'; steps count from 0")
+        return int(t) % self.period if self.period is not None else int(t)
+
+    def _check_rank(self, rank: int) -> int:
+        if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or not 0 <= rank < self.n:
+            raise ScheduleError(
+                f"rank {rank!r} is out of range for schedule '{self.name}' with n={self.n} (valid: 0..{self.n - 1})"
+            )
+        return int(rank)
+
+    def require_size(self, world_size: int) -> None:
+        """Raise ScheduleError unless the schedule was built for ``world_size`` ranks."""
+        if world_size != self.n:
+            raise ScheduleError(
+                f"schedule '{self.name}' is built for n={self.n} ranks but the world has {world_size}; "
+                f"build it with n={world_size}"
+            )
+
+    def _build_table(self, phase: int) -> _PhaseTable:
+        rows, cols, weights = canonical_triplets(self.n, *self._step_function(phase))
+        self_weights = [0.0] * self.n
+        in_peers: list[list[tuple[int, float]]] = [[] for _ in range(self.n)]
+        out_peers: list[list[tuple[int, float]]] = [[] for _ in range(self.n)]
+        for i, j, w in zip(rows.tolist(), cols.tolist(), weights.tolist(), strict=True):
+            if i == j:
+                self_weights[i] = w
+            elif w > 0:
+                in_peers[i].append((j, w))
+                out_peers[j].append((i, w))
+        for lst in out_peers:
+            lst.sort()
+        return _PhaseTable(
+            rows,
+            cols,
+            weights,
+            tuple(self_weights),
+            tuple(map(tuple, in_peers)),
+            tuple(map(tuple, out_peers)),
+        )
+
+    def triplets(self, t: int) -> Triplets:
+        """W(t) in canonical sparse form (rows, cols, weights), sorted by (row, col)."""
+        table = self._table(self.phase(t))
+        return table.rows, table.cols, table.weights
+
+    # ------------------------------------------------------------------ the contract
+    def mixing_matrix(self, t: int) -> np.ndarray:
+        """Dense W(t), float64 (n, n); W[i, j] is the weight rank i gives to x_j."""
+        rows, cols, weights = self.triplets(t)
+        matrix = np.zeros((self.n, self.n))
+        matrix[rows, cols] = weights
+        return matrix
+
+    def peers(self, rank: int, t: int) -> PeerView:
+        """Rank's self weight, in-peers and out-peers at step t (cached per phase)."""
+        rank = self._check_rank(rank)
+        table = self._table(self.phase(t))
+        return PeerView(rank, int(t), table.self_weights[rank], table.in_peers[rank], table.out_peers[rank])
+
+    def graph(self, t: int) -> nx.DiGraph:
+        """Step t as a DiGraph: edge j -> i, weight W[i, j] (i receives from j); self loops carry W[i, i]."""
+        rows, cols, weights = self.triplets(t)
+        g = nx.DiGraph(name=f"{self.name}@{t}")
+        g.add_nodes_from(range(self.n))
+        g.add_weighted_edges_from(zip(cols.tolist(), rows.tolist(), weights.tolist(), strict=True))
+        return g
+
+    def groups(self, t: int) -> list[tuple[int, ...]] | None:
+        """The partition of ranks into exact-averaging groups at step t, or None.
+
+        A step is a group partition when every rank i gives weight 1/|g| to each member of its group
+        g = {i} U in_peers(i) and all members of g have the same group.
+        """
+        table = self._table(self.phase(t))
+        group_of: list[tuple[int, ...]] = []
+        for i in range(self.n):
+            members = tuple(sorted([i, *(j for j, _ in table.in_peers[i])]))
+            weight = 1.0 / len(members)
+            if not np.isclose(table.self_weights[i], weight, rtol=0, atol=1e-12) or not all(
+                np.isclose(w, weight, rtol=0, atol=1e-12) for _, w in table.in_peers[i]
+            ):
+                return None
+            group_of.append(members)
+        if any(group_of[j] != g for g in group_of for j in g):
+            return None
+        return sorted(set(group_of))
+
+    @cached_property
+    def is_symmetric(self) -> bool:
+        """Every W(t) over ``check_steps`` equals its transpose (pairwise exchange)."""
+        from topologies.validation import find_violation
+
+        return find_violation(self, "symmetric") is None
+
+    @cached_property
+    def is_doubly_stochastic(self) -> bool:
+        """Every W(t) over ``check_steps`` has rows and columns summing to 1."""
+        from topologies.validation import find_violation
+
+        return find_violation(self, "column-stochastic") is None
+
+    def validate(self, *, symmetric: bool = False, doubly_stochastic: bool = False) -> None:
+        """Raise ScheduleError naming step, rank(s) and property unless the schedule is valid.
+
+        Always checked: non-negative, row-stochastic, in/out-peer consistency, union graph over
+        ``check_steps`` strongly connected. Optionally: symmetric, doubly stochastic.
+        """
+        from topologies.validation import validate_schedule
+
+        validate_schedule(self, symmetric=symmetric, doubly_stochastic=doubly_stochastic)
+
+    def fingerprint(self) -> str:
+        """SHA-256 over name, n, period and the canonical matrices of ``check_steps``; equal on every rank."""
+        digest = hashlib.sha256()
+        digest.update(f"{self.name}|n={self.n}|period={self.period}|window={self.window}".encode())
+        for t in self.check_steps:
+            rows, cols, weights = self.triplets(t)
+            digest.update(np.int64(t).tobytes())
+            for array in (rows.astype("<i8"), cols.astype("<i8"), weights.astype("<f8")):
+                digest.update(array.tobytes())
+        return digest.hexdigest()
+
+    def __repr__(self) -> str:
+        params = {"n": self.n, **self.params}
+        args = ", ".join(f"{k}={v!r}" for k, v in params.items())
+        return f"<Schedule {self.name}({args}) period={self.period}>"

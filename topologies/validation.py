@@ -1,0 +1,148 @@
+"""Checks that a schedule is a valid gossip schedule (algorithms.md F, A.8; issue 3 item 4).
+
+Per step t over one period (or the first ``window`` steps of an aperiodic schedule):
+
+- non-negative:       W_ij(t) >= 0
+- row-stochastic:     sum_j W_ij(t) = 1           (mixing keeps consensus vectors fixed)
+- column-stochastic:  sum_i W_ij(t) = 1           (with row-stochastic: doubly stochastic, keeps the average)
+- symmetric:          W(t) = W(t)^T               (pairwise exchange, needed by PowerGossip, A.3)
+- peer-consistency:   j in out_peers(i) with weight w  <=>  i in in_peers(j) with weight w
+
+and once for the union graph over those steps:
+
+- strongly-connected: every rank's value reaches every other rank over one period.
+
+Every failure raises :class:`ScheduleError` naming the schedule, step, rank(s) and property.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import networkx as nx
+import numpy as np
+
+from topologies.schedule import ScheduleError
+
+if TYPE_CHECKING:
+    from topologies.schedule import Schedule
+
+#: Absolute tolerance on row/column sums and on symmetry.
+TOLERANCE = 1e-9
+
+PER_STEP_PROPERTIES = ("non-negative", "row-stochastic", "column-stochastic", "symmetric", "peer-consistency")
+
+_ADVICE = {
+    "non-negative": "weights must be >= 0",
+    "row-stochastic": "normalise each row of W(t) to sum to 1 (e.g. weights='metropolis' or 'uniform')",
+    "column-stochastic": "use a doubly stochastic weighting, e.g. 'metropolis' on an undirected graph",
+    "symmetric": "use an undirected graph or pairwise schedule (e.g. one_peer_hypercube)",
+    "peer-consistency": "peers() must agree with mixing_matrix(); do not override one without the other",
+    "strongly-connected": "add edges or steps so the union graph over one period is strongly connected",
+}
+
+
+def _fail(schedule: Schedule, prop: str, where: str, detail: str) -> str:
+    return f"schedule '{schedule.name}' (n={schedule.n}) fails property '{prop}' {where}: {detail}; {_ADVICE[prop]}"
+
+
+def _ranks(mask: np.ndarray, limit: int = 8) -> str:
+    ranks = np.flatnonzero(mask).tolist()
+    more = f" and {len(ranks) - limit} more" if len(ranks) > limit else ""
+    return f"{ranks[:limit]}{more}"
+
+
+def _step_violation(schedule: Schedule, prop: str, t: int) -> str | None:
+    n = schedule.n
+    rows, cols, weights = schedule.triplets(t)
+    where = f"at step {t}"
+    if prop == "non-negative":
+        negative = weights < 0
+        if negative.any():
+            k = int(np.argmax(negative))
+            return _fail(schedule, prop, where, f"rank {rows[k]} gives weight {weights[k]:.6g} to rank {cols[k]}")
+    elif prop in ("row-stochastic", "column-stochastic"):
+        index = rows if prop == "row-stochastic" else cols
+        sums = np.bincount(index, weights=weights, minlength=n)
+        bad = np.abs(sums - 1.0) > TOLERANCE
+        if bad.any():
+            axis = "row" if prop == "row-stochastic" else "column"
+            shown = ", ".join(f"{s:.6g}" for s in sums[bad][:8])
+            return _fail(schedule, prop, f"{where}, rank(s) {_ranks(bad)}", f"{axis} sums {shown} (expected 1)")
+    elif prop == "symmetric":
+        order = np.lexsort((rows, cols))
+        same_pattern = np.array_equal(rows, cols[order]) and np.array_equal(cols, rows[order])
+        if not same_pattern:
+            pattern = set(zip(rows.tolist(), cols.tolist(), strict=True))
+            i, j = next((i, j) for i, j in sorted(pattern) if (j, i) not in pattern)
+            return _fail(schedule, prop, f"{where}, ranks ({i}, {j})", f"W[{i},{j}] > 0 but W[{j},{i}] = 0")
+        diff = np.abs(weights - weights[order]) > TOLERANCE
+        if diff.any():
+            k = int(np.argmax(diff))
+            i, j = int(rows[k]), int(cols[k])
+            detail = f"W[{i},{j}] = {weights[k]:.6g} but W[{j},{i}] = {weights[order][k]:.6g}"
+            return _fail(schedule, prop, f"{where}, ranks ({i}, {j})", detail)
+    elif prop == "peer-consistency":
+        views = [schedule.peers(rank, t) for rank in range(n)]
+        for view in views:
+            for j, w in view.out_peers:
+                if (view.rank, w) not in views[j].in_peers:
+                    detail = f"rank {view.rank} lists {j} as out-peer (w={w:.6g}) but {j} has no such in-peer"
+                    return _fail(schedule, prop, f"{where}, ranks ({view.rank}, {j})", detail)
+            for j, w in view.in_peers:
+                if (view.rank, w) not in views[j].out_peers:
+                    detail = f"rank {view.rank} lists {j} as in-peer (w={w:.6g}) but {j} has no such out-peer"
+                    return _fail(schedule, prop, f"{where}, ranks ({view.rank}, {j})", detail)
+    else:
+        raise ValueError(f"unknown property {prop!r}; expected one of {PER_STEP_PROPERTIES}")
+    return None
+
+
+def find_violation(schedule: Schedule, prop: str) -> str | None:
+    """The message for the first step in ``schedule.check_steps`` violating ``prop``, or None."""
+    if prop == "strongly-connected":
+        return _connectivity_violation(schedule)
+    for t in schedule.check_steps:
+        message = _step_violation(schedule, prop, t)
+        if message is not None:
+            return message
+    return None
+
+
+def union_graph(schedule: Schedule) -> nx.DiGraph:
+    """Union over ``check_steps`` of the step graphs (edge j -> i when rank i receives from j)."""
+    union = nx.DiGraph()
+    union.add_nodes_from(range(schedule.n))
+    for t in schedule.check_steps:
+        rows, cols, weights = schedule.triplets(t)
+        positive = (weights > 0) & (rows != cols)
+        union.add_edges_from(zip(cols[positive].tolist(), rows[positive].tolist(), strict=True))
+    return union
+
+
+def _connectivity_violation(schedule: Schedule) -> str | None:
+    union = union_graph(schedule)
+    if nx.is_strongly_connected(union):
+        return None
+    components = sorted((sorted(c) for c in nx.strongly_connected_components(union)), key=lambda c: c[0])
+    shown = "; ".join(str(c if len(c) <= 8 else [*c[:8], "..."]) for c in components[:4])
+    steps = schedule.check_steps
+    where = f"over steps {steps.start}..{steps.stop - 1}"
+    return _fail(schedule, "strongly-connected", where, f"{len(components)} components: {shown}")
+
+
+def validate_schedule(schedule: Schedule, *, symmetric: bool = False, doubly_stochastic: bool = False) -> None:
+    """Raise ScheduleError on the first violated property (see module docstring)."""
+    props = ["non-negative", "row-stochastic", "peer-consistency"]
+    if doubly_stochastic:
+        props.append("column-stochastic")
+    if symmetric:
+        props.append("symmetric")
+    for t in schedule.check_steps:
+        for prop in props:
+            message = _step_violation(schedule, prop, t)
+            if message is not None:
+                raise ScheduleError(message)
+    message = _connectivity_violation(schedule)
+    if message is not None:
+        raise ScheduleError(message)
