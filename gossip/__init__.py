@@ -4,6 +4,7 @@
 ``fn(comm)`` on ``n`` in-process virtual ranks, the oracle every real backend is tested against.
 """
 
+from gossip.algorithms import ALGORITHMS, Algorithm, AllReduce, ExactGossip, PowerGossip, Traffic, exclude_names
 from gossip.backends.base import Communicator, Handle
 from gossip.backends.simulator import SimulatorCommunicator, simulate
 from gossip.bootstrap import BACKENDS, init
@@ -18,6 +19,13 @@ from gossip.errors import (
 from gossip.launch_env import LaunchInfo, detect_launch
 
 __all__ = [
+    "ALGORITHMS",
+    "Algorithm",
+    "AllReduce",
+    "ExactGossip",
+    "PowerGossip",
+    "Traffic",
+    "exclude_names",
     "BACKENDS",
     "BackendUnavailableError",
     "CommTimeoutError",

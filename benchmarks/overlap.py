@@ -1,0 +1,232 @@
+"""Overlap benchmark: how much of the communication time a training step actually waits for.
+
+Runs, side by side in one job on every rank (same model, same batch size, same data, SGD):
+
+* ``local``  -- no communication at all: the compute-only step time.
+* ``exact`` / ``powergossip`` / ``allreduce`` -- DecentralizedDataParallel with that algorithm (one-peer hypercube
+  schedule). Exposed communication = the time the step blocks inside ``finish`` waiting on the exchange
+  (the handles' ``wait_seconds``, logged per step by the wrapper). Communication time = the same exchange run
+  blocking with no computation in between (``algorithm.step``, i.e. ``start`` then ``finish``), timed separately.
+* ``ddp`` -- torch ``DistributedDataParallel`` on the Gloo process group (bucketed gradient all-reduce overlapped
+  with backward). Its waiting is not observable from outside, so: exposed = DDP step time - local step time;
+  communication time = a blocking ``all_reduce`` of a flat tensor of the gradients' size, timed separately.
+
+Reported per method (means over measured steps, then over ranks): step time, communication time, exposed
+communication, and exposed / communication (0 = fully hidden behind forward and backward, 1 = not at all), plus
+the step time minus the local one (everything the method costs: exposed communication, mixing arithmetic, and
+CPU contention from the communication threads when ranks share cores). For DDP the last two coincide by
+construction, so its fraction can exceed 1 when its overhead is more than a blocking all-reduce.
+
+Usage::
+
+    python benchmarks/overlap.py --nprocs 4                   # spawns 4 Gloo processes on loopback
+    python -m experiments.netem run --hosts 4 --rate 100mbit -- python benchmarks/overlap.py
+    torchrun --nproc-per-node 4 benchmarks/overlap.py
+
+Under a launcher the script reads the torchrun-style environment through ``gossip.init``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import gossip  # noqa: E402
+import topologies  # noqa: E402
+from gossip.algorithms.allreduce import AllReduce  # noqa: E402
+from gossip.algorithms.exact import ExactGossip  # noqa: E402
+from gossip.parallel import DecentralizedDataParallel  # noqa: E402
+
+
+def algorithms() -> dict[str, Callable[[], object]]:
+    found: dict[str, Callable[[], object]] = {"exact": ExactGossip, "allreduce": AllReduce}
+    try:
+        from gossip.algorithms.powergossip import PowerGossip
+
+        found["powergossip"] = lambda: PowerGossip(rank=1)
+    except ImportError:
+        pass
+    return found
+
+
+def make_model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10))
+    from gossip.gpt import GPT
+
+    return GPT()
+
+
+def make_batches(name: str, model: nn.Module, batch: int, rank: int, count: int) -> list[tuple]:
+    generator = torch.Generator().manual_seed(rank)
+    if name == "mlp":
+        return [(torch.randn(batch, 784, generator=generator), torch.randint(10, (batch,))) for _ in range(count)]
+    config = model.config
+    tokens = [
+        torch.randint(config.vocab_size, (batch, config.block_size + 1), generator=generator) for _ in range(count)
+    ]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def loss_fn(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    logits = out[0] if isinstance(out, tuple) else out
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def train_steps(model: nn.Module, name: str, batches: list[tuple], lr: float = 0.01) -> list[float]:
+    """Ordinary SGD loop; returns each step's wall time (the first ``warmup`` are dropped by the caller)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    times = []
+    for x, y in batches:
+        begin = time.perf_counter()
+        loss_fn(name, model, x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - begin)
+    return times
+
+
+def measure_gossip(comm, args, make_algorithm: Callable[[], object], batches: list[tuple]) -> dict[str, float]:
+    model = DecentralizedDataParallel(
+        make_model(args.model), comm, topologies.one_peer_hypercube(comm.size), make_algorithm(), consensus_every=0
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    rows = []
+    comm.barrier()
+    for x, y in batches:
+        loss_fn(args.model, model, x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        rows.append(dict(model.metrics.last))
+    model.close()
+    blocking = []
+    for k in range(args.comm_repeats):
+        comm.barrier()
+        begin = time.perf_counter()
+        model.algorithm.step(model.step_count + 1 + k)
+        blocking.append(time.perf_counter() - begin)
+    rows = rows[args.warmup :]
+    return {
+        "step": statistics.mean(r["step_seconds"] for r in rows),
+        "comm": statistics.median(blocking),
+        "exposed": statistics.mean(r["wait_seconds"] for r in rows),
+        "bytes_sent_per_step": statistics.mean(r["bytes_sent"] for r in rows),
+    }
+
+
+def measure_ddp(comm, args, batches: list[tuple], local_step: float) -> dict[str, float]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    module = make_model(args.model)
+    model = DistributedDataParallel(module)
+    comm.barrier()
+    step = statistics.mean(train_steps(model, args.model, batches)[args.warmup :])
+    flat = torch.zeros(sum(p.numel() for p in module.parameters()))
+    blocking = []
+    for _ in range(args.comm_repeats):
+        dist.barrier()
+        begin = time.perf_counter()
+        dist.all_reduce(flat)
+        blocking.append(time.perf_counter() - begin)
+    return {
+        "step": step,
+        "comm": statistics.median(blocking),
+        "exposed": max(0.0, step - local_step),
+        "bytes_sent_per_step": 2 * (comm.size - 1) / comm.size * flat.numel() * 4,
+    }
+
+
+def run(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    comm = gossip.init(args.backend, timeout=600.0)
+    probe = make_model(args.model)
+    batches = make_batches(args.model, probe, args.batch, comm.rank, args.warmup + args.steps)
+    comm.barrier()
+    local_step = statistics.mean(train_steps(probe, args.model, batches)[args.warmup :])
+    results = {"local": {"step": local_step, "comm": 0.0, "exposed": 0.0, "bytes_sent_per_step": 0.0}}
+    wanted = algorithms()
+    for name in args.methods.split(","):
+        if name == "ddp":
+            if comm.backend == "gloo":
+                results["ddp"] = measure_ddp(comm, args, batches, local_step)
+        elif name in wanted:
+            results[name] = measure_gossip(comm, args, wanted[name], batches)
+    gathered = comm.all_gather_object(results)
+    if comm.rank == 0:
+        report(args, comm.size, sum(p.numel() for p in probe.parameters()), gathered)
+    comm.close()
+
+
+def report(args: argparse.Namespace, size: int, numel: int, gathered: list[dict]) -> None:
+    table = {}
+    for method in gathered[0]:
+        table[method] = {key: statistics.mean(r[method][key] for r in gathered) for key in gathered[0][method]}
+    print(f"\n{args.model}: {numel / 1e6:.2f} M parameters, batch {args.batch}, {size} ranks, {args.steps} steps")
+    local = table["local"]["step"]
+    print(
+        f"{'method':<12}{'step ms':>10}{'vs local ms':>13}{'comm ms':>10}{'exposed ms':>12}{'exposed/comm':>14}"
+        f"{'MB sent/step':>14}"
+    )
+    for method, row in table.items():
+        fraction = row["exposed"] / row["comm"] if row["comm"] > 0 else float("nan")
+        row["fraction"] = fraction
+        print(
+            f"{method:<12}{row['step'] * 1e3:>10.1f}{(row['step'] - local) * 1e3:>13.1f}{row['comm'] * 1e3:>10.1f}"
+            f"{row['exposed'] * 1e3:>12.1f}"
+            f"{fraction:>14.2f}{row['bytes_sent_per_step'] / 1e6:>14.2f}"
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": table}, indent=2) + "\n")
+
+
+def spawn(args: argparse.Namespace, argv: list[str]) -> int:
+    """Start ``args.nprocs`` copies of this script on loopback with torchrun's environment."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    child_argv = [*argv, "--nprocs=0"]  # the last occurrence wins
+    procs = []
+    for rank in range(args.nprocs):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.nprocs), LOCAL_RANK=str(rank))
+        env.update(LOCAL_WORLD_SIZE=str(args.nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, __file__, *child_argv], env=env))
+    return max(proc.wait() for proc in procs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=30, help="measured steps per method")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--comm-repeats", type=int, default=10)
+    parser.add_argument("--methods", default="exact,powergossip,allreduce,ddp")
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--nprocs", type=int, default=0, help="spawn this many local processes (loopback)")
+    parser.add_argument("--out", default="", help="write the table as JSON here (rank 0)")
+    args = parser.parse_args()
+    if args.nprocs:
+        sys.exit(spawn(args, sys.argv[1:]))
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+"""Per-iteration runtime model: All-Reduce (DDP) vs decentralized gossip training (algorithms.md B.5, E.2).
+
+A reconstruction after Wang et al. (arXiv 2410.11998); the paper's own equations were not available, see B.5.
+alpha = one-way latency (s), beta = 1 / bandwidth (s/B), M = bytes, n ranks, L = ``local_size`` ranks per node.
+
+Assumptions, stated once:
+- Ranks are node-major (rank = node * L + local). Links inside a node use (intra_latency, intra_bandwidth) per
+  rank; every node has ONE uplink of ``bandwidth_Bps`` to the other nodes, shared equally by the node's ranks
+  that cross nodes at the same time (several NICs per node: pass their sum). Links are full duplex.
+- Compute time C_i(t) of a forward+backward is lognormal with mean ``compute_s`` and coefficient of variation
+  ``compute_cv``, i.i.d. over ranks and steps (as sims/runtime_model.py).
+- All-Reduce (DDP): bucketed all-reduce overlapped with the backward pass (``backward_fraction`` = 2/3 of
+  compute), of which a fraction ``overlap`` = 0.5 hides communication (the last buckets start only when the
+  backward ends; 0.5 reproduces B.5's table). T_AR uses the faster of ring and halving-doubling
+  (``allreduce_algorithm="best"``) or the ring alone ("ring", as Gloo). Every step is a global barrier:
+      T_AR_iter = E[max_n C] + max(0, T_AR(M, n) - overlap * backward_fraction * E[max_n C]) + U
+- Decentralized: x^t is communicated during the whole forward+backward of step t (``overlap`` = 1.0):
+      T_dec_iter = E[max_{|R|+1} C] + max(0, T_gossip - overlap * E[max_{|R|+1} C]) + U
+  A rank waits only for its |R| in-peers, not for all n (B.5 factor iii).
+- Straggler term: ``straggler="quadrature"`` (default): E[max of k i.i.d. lognormals] by quadrature, k = n for
+  All-Reduce, |R|+1 for gossip. It ignores slack (a peer lagging by less than C - T_gossip costs nothing: too
+  high) and delays spreading over several steps (too low on static graphs); the two agree with the Monte Carlo
+  within ~5% at cv <= 0.3. ``straggler="montecarlo"``: the seeded max-plus recursion of B.5, f_i(t) =
+  max(f_i(t-1) + C_i, max_{j in R_i(t)} f_j(t-1) + T_i(t) + (1 - overlap) C_i) + U; mean slope of max_i f_i.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+import topologies
+from topologies import Schedule
+
+ALGORITHMS = ("allreduce", "exact", "powergossip")
+NODE_SCHEDULES = ("alternating_exp_ring", "hierarchical")  # need local_size >= 2 (ranks grouped by node)
+
+
+class RuntimeModelError(ValueError):
+    """Bad input to the runtime model; the message names the argument (and row) at fault."""
+
+
+def _positive(name: str, value: float) -> float:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise RuntimeModelError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _fraction(name: str, value: float) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise RuntimeModelError(f"{name} must lie in [0, 1], got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    """One link class (local_size=1) or two: inside a node and between nodes (the per-node uplink)."""
+
+    latency_s: float
+    bandwidth_Bps: float
+    intra_latency_s: float | None = None
+    intra_bandwidth_Bps: float | None = None
+    local_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or not math.isfinite(self.latency_s):
+            raise RuntimeModelError(f"Network latency_s must be >= 0, got {self.latency_s!r}")
+        _positive("Network bandwidth_Bps", self.bandwidth_Bps)
+        if self.intra_latency_s is not None and self.intra_latency_s < 0:
+            raise RuntimeModelError(f"Network intra_latency_s must be >= 0, got {self.intra_latency_s!r}")
+        if self.intra_bandwidth_Bps is not None:
+            _positive("Network intra_bandwidth_Bps", self.intra_bandwidth_Bps)
+        if not isinstance(self.local_size, int) or self.local_size < 1:
+            raise RuntimeModelError(f"Network local_size must be an integer >= 1, got {self.local_size!r}")
+
+    @property
+    def intra_alpha(self) -> float:
+        return self.latency_s if self.intra_latency_s is None else self.intra_latency_s
+
+    @property
+    def intra_bandwidth(self) -> float:
+        return self.bandwidth_Bps if self.intra_bandwidth_Bps is None else self.intra_bandwidth_Bps
+
+    def check_ranks(self, n: int) -> None:
+        if not isinstance(n, int) or n < 2 or n % self.local_size:
+            raise RuntimeModelError(f"n={n!r} ranks must be an integer >= 2 divisible by local_size={self.local_size}")
+
+
+# ---------------------------------------------------------------- cost primitives (B.5, E.2)
+def ring_allreduce_time(message_bytes: float, ranks: int, latency_s: float, bandwidth_Bps: float) -> float:
+    """T_AR(M, p) = 2(p-1) alpha + 2(p-1)/p * M * beta (B.5); 0 for p = 1."""
+    p = ranks
+    return 2 * (p - 1) * latency_s + 2 * (p - 1) / p * message_bytes / bandwidth_Bps
+
+
+def allreduce_cost(message_bytes: float, ranks: int, latency_s: float, bandwidth_Bps: float, algorithm: str) -> float:
+    """``"ring"``: T_AR of B.5 (Gloo's ring). ``"best"``: for p = 2^K also recursive halving-doubling (Rabenseifner;
+    Thakur et al. 2005, MPI/NCCL-like), 2 log2(p) alpha + 2(p-1)/p M beta -- same bytes, O(log p) latency."""
+    if algorithm not in ("ring", "best"):
+        raise RuntimeModelError(f"allreduce algorithm={algorithm!r} must be 'ring' or 'best'")
+    ring = ring_allreduce_time(message_bytes, ranks, latency_s, bandwidth_Bps)
+    if algorithm == "ring" or ranks & (ranks - 1):
+        return ring
+    return ring - 2 * (ranks - 1 - math.log2(ranks)) * latency_s
+
+
+def pair_exchange_time(message_bytes: float, latency_s: float, bandwidth_Bps: float) -> float:
+    """T_pair(M) = alpha + M * beta: send M and receive M at once over a full-duplex link (B.5)."""
+    return latency_s + message_bytes / bandwidth_Bps
+
+
+def shared_uplink_time(message_bytes: float, degree: int, latency_s: float, bandwidth_Bps: float) -> float:
+    """alpha + d * M * beta: d messages of M leave through one shared uplink (sent concurrently, one alpha)."""
+    return latency_s + degree * message_bytes / bandwidth_Bps if degree > 0 else 0.0
+
+
+def hierarchical_allreduce_time(
+    message_bytes: float, per_node: int, nodes: int, network: Network, algorithm: str = "ring"
+) -> float:
+    """Intra reduce-scatter + inter all-reduce of M/l + intra all-gather, l = ``per_node`` (B.5, E.2):
+    2(l-1) alpha_intra + 2(l-1)/l M beta_intra + 2(k-1) alpha + 2(k-1)/k M beta, k = ``nodes`` (the l ranks of a
+    node share its uplink, so M/l each at bandwidth B/l). Equals T_AR(M, k) when l = 1."""
+    intra = allreduce_cost(message_bytes, per_node, network.intra_alpha, network.intra_bandwidth, algorithm)
+    return intra + allreduce_cost(message_bytes, nodes, *_inter(network), algorithm)
+
+
+def group_allreduce_time(
+    message_bytes: float, ranks: Iterable[int], network: Network, algorithm: str = "best"
+) -> float:
+    """Best of flat ring and hierarchical all-reduce of M over the group ``ranks`` (B.5, E.2).
+
+    With g ranks on k nodes, l = g / k per node (node-major ring):
+      flat ring:     2(g-1) * max(alpha + M/g * beta, alpha_intra + M/g * beta_intra)   (k > 1; one edge per node
+                     leaves the node, so the uplink is not shared)
+      hierarchical:  hierarchical_allreduce_time(M, l, k)
+    With "best", a pair (g = 2) is a pairwise exchange, alpha + M beta. Both forms equal T_AR(M, g) when l = 1.
+    ``algorithm="best"`` lets each ring stage use halving-doubling when it is faster (allreduce_cost).
+    """
+    members = sorted(set(int(r) for r in ranks))
+    g = len(members)
+    if g <= 1:
+        return 0.0
+    nodes = {r // network.local_size for r in members}
+    k = len(nodes)
+    alpha, bandwidth = _inter(network) if k > 1 else (network.intra_alpha, network.intra_bandwidth)
+    if g == 2 and algorithm == "best":
+        return pair_exchange_time(message_bytes, alpha, bandwidth)
+    per_node = g // k
+    hierarchical = hierarchical_allreduce_time(message_bytes, per_node, k, network, algorithm)
+    if k == 1:
+        return hierarchical
+    chunk = message_bytes / g
+    flat_step = max(alpha + chunk / bandwidth, network.intra_alpha + chunk / network.intra_bandwidth)
+    flat = 2 * (g - 1) * flat_step if per_node > 1 else allreduce_cost(message_bytes, g, alpha, bandwidth, algorithm)
+    return min(flat, hierarchical)
+
+
+def allreduce_time(model_bytes: float, n: int, network: Network, algorithm: str = "best") -> float:
+    """All-Reduce of the model over all n ranks: group_allreduce_time over range(n)."""
+    network.check_ranks(n)
+    return group_allreduce_time(model_bytes, range(n), network, algorithm)
+
+
+def gossip_step_times(
+    schedule: Schedule, t: int, network: Network, message_bytes: float, algorithm: str = "best"
+) -> np.ndarray:
+    """Per-rank communication time (s) of step t of ``schedule``, shape (n,).
+
+    A step that partitions ranks into exact-averaging groups larger than 2 (AER, hierarchical, complete) is a
+    group all-reduce per group (Decent-DP). Otherwise every rank sends ``message_bytes`` to each out-peer:
+    intra-node peers over its own link (alpha_intra + d_intra M beta_intra), inter-node peers through the
+    node's shared uplink (alpha + B_node beta, B_node = the node's inter-node bytes, max of sent and received);
+    the two link classes run concurrently.
+    """
+    n, size = schedule.n, network.local_size
+    groups = schedule.groups(t)
+    times = np.zeros(n)
+    if groups is not None and max(len(g) for g in groups) > 2:
+        for group in groups:
+            times[list(group)] = group_allreduce_time(message_bytes, group, network, algorithm)
+        return times
+    node = np.arange(n) // size
+    counts = np.zeros((4, n))  # intra out, intra in, inter out, inter in
+    for r in range(n):
+        view = schedule.peers(r, t)
+        for row, peers in ((0, view.out_peers), (1, view.in_peers)):
+            for j, _ in peers:
+                counts[row + (2 if node[j] != node[r] else 0), r] += 1
+    node_bytes = message_bytes * np.maximum(np.bincount(node, counts[2]), np.bincount(node, counts[3]))[node]
+    inter = np.where(node_bytes > 0, network.latency_s + node_bytes / network.bandwidth_Bps, 0.0)
+    intra_degree = counts[:2].max(axis=0)
+    intra = np.where(intra_degree > 0, network.intra_alpha + intra_degree * message_bytes / network.intra_bandwidth, 0)
+    return np.maximum(inter, intra)
+
+
+# ---------------------------------------------------------------- compute-time statistics
+@functools.lru_cache(maxsize=256)
+def expected_max_compute(mean_s: float, cv: float, k: int) -> float:
+    """E[max of k i.i.d. lognormal compute times] with mean ``mean_s`` and coefficient of variation ``cv``.
+
+    C = mean * exp(s Z - s^2/2), s^2 = ln(1 + cv^2); max is monotone in Z, so
+    E[max] = mean * integral exp(s z - s^2/2) k phi(z) Phi(z)^(k-1) dz (trapezoid rule on z in [-10, 10]).
+    """
+    if cv == 0.0 or k <= 1:
+        return mean_s
+    s = math.sqrt(math.log1p(cv * cv))
+    z = np.linspace(-10.0, 10.0, 8001)
+    cdf = 0.5 * (1.0 + np.vectorize(math.erf)(z / math.sqrt(2.0)))
+    density = k * np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi) * cdf ** (k - 1)
+    return mean_s * float(np.trapezoid(np.exp(s * z - 0.5 * s * s) * density, z))
+
+
+def _lognormal(rng: np.random.Generator, mean_s: float, cv: float, size: tuple[int, int]) -> np.ndarray:
+    s2 = math.log1p(cv * cv)
+    return mean_s * rng.lognormal(-0.5 * s2, math.sqrt(s2), size=size)
+
+
+# ---------------------------------------------------------------- per-iteration predictions
+@dataclasses.dataclass(frozen=True)
+class IterationPrediction:
+    """Predicted mean time of one training iteration (seconds) and its parts; total = sum of the parts."""
+
+    algorithm: str
+    n: int
+    compute_s: float  # mean forward+backward
+    straggler_s: float  # waiting for the slowest of the ranks one waits for
+    exposed_comm_s: float  # communication not hidden behind compute
+    optimizer_s: float
+    comm_s: float  # communication time, hidden or not (mean over one schedule period)
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.straggler_s + self.exposed_comm_s + self.optimizer_s
+
+
+def allreduce_iteration(
+    compute_s: float,
+    allreduce_s: float,
+    n: int,
+    *,
+    compute_cv: float = 0.0,
+    overlap: float = 0.5,
+    backward_fraction: float = 2 / 3,
+    optimizer_s: float = 0.0,
+) -> IterationPrediction:
+    """T = E[max_n C] + max(0, T_AR - overlap * backward_fraction * E[max_n C]) + U (B.5), from T_AR directly."""
+    slowest = expected_max_compute(compute_s, compute_cv, n)
+    exposed = max(0.0, allreduce_s - _fraction("overlap", overlap) * backward_fraction * slowest)
+    return IterationPrediction("allreduce", n, compute_s, slowest - compute_s, exposed, optimizer_s, allreduce_s)
+
+
+def gossip_iteration(
+    compute_s: float,
+    gossip_s: float | Sequence[float],
+    peers: int | Sequence[int],
+    n: int,
+    *,
+    compute_cv: float = 0.0,
+    overlap: float = 1.0,
+    optimizer_s: float = 0.0,
+    algorithm: str = "exact",
+) -> IterationPrediction:
+    """T = mean_t [E[max_{|R_t|+1} C] + max(0, T_gossip(t) - overlap * E[max_{|R_t|+1} C])] + U (B.5).
+
+    ``gossip_s`` and ``peers`` (|R_t|, the in-peers a rank waits for) are scalars or one value per step.
+    """
+    comm, waited = np.broadcast_arrays(np.asarray(gossip_s, float), np.asarray(peers, int))
+    slowest = np.array([expected_max_compute(compute_s, compute_cv, int(k) + 1) for k in waited.ravel()])
+    exposed = np.maximum(0.0, comm.ravel() - _fraction("overlap", overlap) * slowest)
+    straggler, exposed_mean = float(slowest.mean()) - compute_s, float(exposed.mean())
+    return IterationPrediction(algorithm, n, compute_s, straggler, exposed_mean, optimizer_s, float(comm.mean()))
+
+
+def _schedule_for(schedule_or_degree: Schedule | str, n: int, network: Network) -> Schedule:
+    if isinstance(schedule_or_degree, Schedule):
+        schedule_or_degree.require_size(n)
+        return schedule_or_degree
+    options = {"per_node": network.local_size} if schedule_or_degree in NODE_SCHEDULES else {}
+    return topologies.by_name(schedule_or_degree, n, **options)
+
+
+def _simulate(compute_s, cv, comm, in_peers, overlap, optimizer_s, steps, seed, barrier_backward=None) -> float:
+    """Seeded max-plus recursion (B.5); ``barrier_backward`` set = All-Reduce with a global barrier."""
+    rng = np.random.default_rng(seed)
+    draws = _lognormal(rng, compute_s, cv, (steps, comm.shape[1]))
+    if barrier_backward is not None:
+        slowest = draws.max(axis=1)
+        exposed = np.maximum(0.0, comm[0, 0] - overlap * barrier_backward * slowest)
+        return float(np.mean(slowest + exposed)) + optimizer_s
+    finish = np.zeros(comm.shape[1])
+    for t in range(steps):
+        phase = t % comm.shape[0]
+        start = finish[in_peers[phase]].max(axis=1)  # in_peers includes the rank itself
+        finish = np.maximum(finish + draws[t], start + comm[phase] + (1 - overlap) * draws[t]) + optimizer_s
+    return float(finish.max() / steps)
+
+
+def predict_iteration(
+    compute_s: float,
+    network: Network,
+    model_bytes: float,
+    n: int,
+    schedule_or_degree: Schedule | str | int | None,
+    algorithm: str,
+    *,
+    message_bytes: float | None = None,
+    overlap: float | None = None,
+    compute_cv: float = 0.0,
+    optimizer_s: float = 0.0,
+    backward_fraction: float = 2 / 3,
+    straggler: str = "quadrature",
+    allreduce_algorithm: str = "best",
+    steps: int = 400,
+    seed: int = 0,
+) -> IterationPrediction:
+    """Predicted per-iteration time of ``algorithm`` in "allreduce" | "exact" | "powergossip" (module docstring).
+
+    ``schedule_or_degree``: a Schedule, a topologies name, or an int d (every rank sends to d peers on other
+    nodes each step: alpha + L d M beta through the shared uplink); ignored for "allreduce".
+    ``message_bytes``: bytes per peer per step; exact gossip defaults to ``model_bytes``, PowerGossip needs it
+    (e.g. topologies.bytes_per_step(schedule, shapes, "powergossip", rank=r) / out-degree).
+    ``overlap``: defaults 0.5 of the backward (allreduce) and 1.0 of forward+backward (gossip).
+    ``allreduce_algorithm``: "best" (ring or halving-doubling, for All-Reduce and group steps) or "ring" (Gloo).
+    """
+    if algorithm not in ALGORITHMS:
+        raise RuntimeModelError(f"algorithm={algorithm!r} is not one of {ALGORITHMS}")
+    _positive("compute_s", compute_s)
+    _positive("model_bytes", model_bytes)
+    if compute_cv < 0 or optimizer_s < 0:
+        raise RuntimeModelError(f"compute_cv and optimizer_s must be >= 0, got {compute_cv=}, {optimizer_s=}")
+    if straggler not in ("quadrature", "montecarlo"):
+        raise RuntimeModelError(f"straggler={straggler!r} must be 'quadrature' or 'montecarlo'")
+    network.check_ranks(n)
+    common = {"compute_cv": compute_cv, "optimizer_s": optimizer_s}
+    if algorithm == "allreduce":
+        overlap = 0.5 if overlap is None else overlap
+        t_ar = allreduce_time(model_bytes, n, network, allreduce_algorithm)
+        result = allreduce_iteration(compute_s, t_ar, n, overlap=overlap, backward_fraction=backward_fraction, **common)
+        if straggler == "montecarlo":
+            comm = np.full((1, n), t_ar)
+            total = _simulate(compute_s, compute_cv, comm, None, overlap, optimizer_s, steps, seed, backward_fraction)
+            result = _with_total(result, total)
+        return result
+    if message_bytes is None:
+        if algorithm == "powergossip":
+            raise RuntimeModelError("algorithm='powergossip' needs message_bytes (bytes per peer per step)")
+        message_bytes = model_bytes
+    _positive("message_bytes", message_bytes)
+    overlap = 1.0 if overlap is None else overlap
+    comm, in_peers = _gossip_plan(schedule_or_degree, n, network, message_bytes, algorithm, allreduce_algorithm)
+    waited = [p.shape[1] - 1 for p in in_peers]
+    result = gossip_iteration(compute_s, comm.max(axis=1), waited, n, overlap=overlap, algorithm=algorithm, **common)
+    if straggler == "montecarlo":
+        result = _with_total(
+            result, _simulate(compute_s, compute_cv, comm, in_peers, overlap, optimizer_s, steps, seed)
+        )
+    return result
+
+
+def _gossip_plan(schedule_or_degree, n, network, message_bytes, algorithm, allreduce_algorithm):
+    """Per-step per-rank comm times (steps, n) and padded in-peer arrays for one period."""
+    if isinstance(schedule_or_degree, int) and not isinstance(schedule_or_degree, bool):
+        if schedule_or_degree < 1:
+            raise RuntimeModelError(f"degree must be >= 1, got {schedule_or_degree}")
+        degree = schedule_or_degree
+        comm = np.full((1, n), shared_uplink_time(message_bytes, network.local_size * degree, *_inter(network)))
+        return comm, [np.column_stack([np.arange(n)] + [(np.arange(n) + k + 1) % n for k in range(degree)])]
+    if schedule_or_degree is None:
+        raise RuntimeModelError(f"algorithm={algorithm!r} needs a schedule name, Schedule or degree")
+    schedule = _schedule_for(schedule_or_degree, n, network)
+    if algorithm == "powergossip" and not schedule.is_symmetric:
+        raise RuntimeModelError(f"PowerGossip needs pairwise exchange; schedule '{schedule.name}' is not symmetric")
+    steps = list(schedule.check_steps)
+    if algorithm == "powergossip" and any(max(map(len, schedule.groups(t) or [()])) > 2 for t in steps):
+        raise RuntimeModelError(f"PowerGossip is pairwise; schedule '{schedule.name}' averages groups of > 2 ranks")
+    comm = np.stack([gossip_step_times(schedule, t, network, message_bytes, allreduce_algorithm) for t in steps])
+    return comm, [_padded_in_peers(schedule, t) for t in steps]
+
+
+def _inter(network: Network) -> tuple[float, float]:
+    return network.latency_s, network.bandwidth_Bps
+
+
+def _padded_in_peers(schedule: Schedule, t: int) -> np.ndarray:
+    """(n, 1 + max in-degree) array: each rank followed by its in-peers, padded with the rank itself."""
+    rows = [[r, *(j for j, _ in schedule.peers(r, t).in_peers)] for r in range(schedule.n)]
+    width = max(len(row) for row in rows)
+    return np.array([row + [row[0]] * (width - len(row)) for row in rows])
+
+
+def _with_total(result: IterationPrediction, total_s: float) -> IterationPrediction:
+    """Replace the straggler part by the Monte-Carlo remainder so that total_s equals the simulated mean."""
+    remainder = total_s - result.compute_s - result.exposed_comm_s - result.optimizer_s
+    return dataclasses.replace(result, straggler_s=remainder)
+
+
+if __name__ == "__main__":  # tables, validation_table and the CLI live in experiments.runtime_model_cli
+    from experiments.runtime_model_cli import main
+
+    main()

@@ -1,0 +1,94 @@
+"""The algorithm interface: what is exchanged each step, and how it is mixed in.
+
+An algorithm is configured by the user (``ExactGossip(gamma=1.0)``, ``PowerGossip(rank=1)``, ``AllReduce()``)
+and bound once with :meth:`Algorithm.setup` to a communicator, a schedule and the flat parameter buckets it
+mixes. Each step is split in two so that computation runs in between (algorithms.md G, B.1)::
+
+    pending = algorithm.start(step)   # reads x_t, posts the non-blocking exchange of step t's edges
+    ...                               # forward and backward at x_t run meanwhile
+    algorithm.finish(pending)         # waits, then applies the mixing to the parameters in place
+
+The buckets must not be modified between ``start`` and ``finish``: their memory is sent without a copy.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+from gossip.backends.base import Communicator
+from gossip.buckets import Bucket
+from topologies import Schedule
+
+
+@dataclass
+class Traffic:
+    """Payload bytes this rank sent to and received from each peer: cumulative and for the last step."""
+
+    sent: dict[int, int] = field(default_factory=dict)
+    received: dict[int, int] = field(default_factory=dict)
+    last_sent: dict[int, int] = field(default_factory=dict)
+    last_received: dict[int, int] = field(default_factory=dict)
+
+    def new_step(self) -> None:
+        self.last_sent, self.last_received = {}, {}
+
+    def record(self, peer: int, sent: int, received: int) -> None:
+        for total, last, nbytes in ((self.sent, self.last_sent, sent), (self.received, self.last_received, received)):
+            total[peer] = total.get(peer, 0) + nbytes
+            last[peer] = last.get(peer, 0) + nbytes
+
+    @property
+    def total_sent(self) -> int:
+        return sum(self.sent.values())
+
+    @property
+    def total_received(self) -> int:
+        return sum(self.received.values())
+
+
+class Algorithm(abc.ABC):
+    """Base class: holds the binding (communicator, schedule, buckets) and the byte accounting."""
+
+    name: str = "algorithm"
+    needs_symmetric_schedule: bool = False
+
+    comm: Communicator
+    schedule: Schedule | None
+    buckets: list[Bucket]
+
+    def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
+        """Bind to ``comm``, ``schedule`` and ``buckets``; refuse a schedule this algorithm cannot run."""
+        bound = getattr(self, "comm", None)
+        if bound is not None and bound is not comm:
+            raise ValueError(
+                f"this {type(self).__name__} is already bound to rank {bound.rank}; create one algorithm object per "
+                f"rank (rank {comm.rank} tried to reuse it)"
+            )
+        if schedule is not None:
+            schedule.require_size(comm.size)
+            if self.needs_symmetric_schedule:
+                schedule.validate(symmetric=True)
+        self.comm, self.schedule, self.buckets = comm, schedule, buckets
+        self.traffic = Traffic()
+
+    @abc.abstractmethod
+    def start(self, step: int) -> Any:
+        """Post step ``step``'s exchange of the current parameters; return what ``finish`` needs."""
+
+    @abc.abstractmethod
+    def finish(self, pending: Any) -> None:
+        """Complete the exchange started by ``start`` and apply the mixing to the buckets in place."""
+
+    def step(self, step: int) -> None:
+        """``start`` and ``finish`` back to back (no overlap): for consensus experiments and tests."""
+        self.finish(self.start(step))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-rank state to checkpoint (empty for stateless algorithms)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{self.name} keeps no state, but a non-empty state was given: {sorted(state)}")

@@ -1,0 +1,62 @@
+"""Exact (uncompressed) gossip: x_i <- x_i + gamma * sum_j W_ij(t) (x_j - x_i)  (algorithms.md A.1, F).
+
+With gamma = 1 this is plain mixing x_i <- sum_j W_ij x_j; gamma > 1 is over-relaxation (gamma* = 1.3084 on the
+uniform 8-ring, F.3). Every bucket is sent whole to every out-peer and received from every in-peer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gossip.algorithms.base import Algorithm
+from gossip.backends.base import Handle
+from topologies import PeerView
+
+
+@dataclass
+class _Pending:
+    step: int
+    view: PeerView
+    handle: Handle
+    received: list[list[torch.Tensor]]  # per in-peer, per bucket
+
+
+class ExactGossip(Algorithm):
+    """Uncompressed gossip of the full parameters over the schedule's edges."""
+
+    name = "exact"
+
+    def __init__(self, gamma: float = 1.0):
+        if not gamma > 0:
+            raise ValueError(f"ExactGossip: gamma must be positive, got {gamma}")
+        self.gamma = float(gamma)
+        self._receive_buffers: list[list[torch.Tensor]] = []
+
+    def _buffers(self, count: int) -> list[list[torch.Tensor]]:
+        while len(self._receive_buffers) < count:
+            self._receive_buffers.append([torch.empty_like(bucket.buffer) for bucket in self.buckets])
+        return self._receive_buffers[:count]
+
+    def start(self, step: int) -> _Pending:
+        view = self.schedule.peers(self.comm.rank, step)
+        received = self._buffers(len(view.in_peers))
+        sends = [(peer, bucket.buffer) for peer, _ in view.out_peers for bucket in self.buckets]
+        recvs = [(peer, buffer) for (peer, _), buffers in zip(view.in_peers, received) for buffer in buffers]
+        self.traffic.new_step()
+        nbytes = sum(bucket.nbytes for bucket in self.buckets)
+        for peer, _ in view.out_peers:
+            self.traffic.record(peer, nbytes, 0)
+        for peer, _ in view.in_peers:
+            self.traffic.record(peer, 0, nbytes)
+        return _Pending(step, view, self.comm.exchange(sends, recvs, seq=step), received)
+
+    def finish(self, pending: _Pending) -> None:
+        pending.handle.wait()
+        gamma, in_peers = self.gamma, pending.view.in_peers
+        keep = 1.0 - gamma * sum(weight for _, weight in in_peers)
+        for index, bucket in enumerate(self.buckets):
+            bucket.buffer.mul_(keep)
+            for (_, weight), buffers in zip(in_peers, pending.received):
+                bucket.buffer.add_(buffers[index], alpha=gamma * weight)

@@ -1,0 +1,91 @@
+"""Flat parameter buckets: each step sends a few large contiguous messages instead of one per tensor.
+
+A :class:`Bucket` is one contiguous buffer of one dtype and device, holding several tensors back to back; each
+tensor is a view ``buffer[offset:offset + numel].view(shape)``. :func:`bucket_parameters` moves a module's
+parameters into buckets so that the parameters *become* those views (``param.data`` is rebound; autograd and
+optimizers are unaffected), which lets the algorithms mix the whole model with a few flat operations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one named tensor lives inside its bucket."""
+
+    name: str
+    offset: int
+    shape: torch.Size
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass
+class Bucket:
+    buffer: torch.Tensor
+    entries: list[Entry]
+
+    def view(self, entry: Entry, source: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor of ``entry`` inside ``source`` (a buffer laid out like this bucket's), default the bucket."""
+        source = self.buffer if source is None else source
+        return source[entry.offset : entry.offset + entry.numel].view(entry.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+def _groups(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive tensors of the same dtype and device, cut when a bucket would exceed ``bucket_bytes``."""
+    groups: list[list[tuple[str, torch.Tensor]]] = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        last = groups[-1][-1][1] if groups else None
+        if (
+            last is None
+            or (last.dtype, last.device) != (tensor.dtype, tensor.device)
+            or (size + nbytes > bucket_bytes and size > 0)
+        ):
+            groups.append([])
+            size = 0
+        groups[-1].append((name, tensor))
+        size += nbytes
+    return groups
+
+
+def pack(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+    """Copy ``named`` tensors into new buckets (the tensors themselves are left alone)."""
+    buckets = []
+    for group in _groups(list(named), bucket_bytes):
+        entries, offset = [], 0
+        for name, tensor in group:
+            entries.append(Entry(name, offset, tensor.shape))
+            offset += tensor.numel()
+        first = group[0][1]
+        buffer = torch.empty(offset, dtype=first.dtype, device=first.device)
+        bucket = Bucket(buffer, entries)
+        for entry, (_, tensor) in zip(entries, group, strict=True):
+            bucket.view(entry).copy_(tensor.detach())
+        buckets.append(bucket)
+    return buckets
+
+
+def bucket_parameters(module: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+    """Move ``module``'s trainable parameters into buckets; afterwards every parameter is a view of a bucket."""
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    buckets = pack(named, bucket_bytes)
+    params = dict(named)
+    for bucket in buckets:
+        for entry in bucket.entries:
+            params[entry.name].data = bucket.view(entry)
+    return buckets

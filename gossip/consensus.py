@@ -1,0 +1,123 @@
+r"""Consensus distance, exact and sampled, and the global average used for evaluation (algorithms.md F.4).
+
+The squared consensus distance of n replicas x_i (Kong et al. 2021) is
+
+.. math::  \Xi^2 = \frac{1}{n} \sum_i \lVert x_i - \bar x \rVert^2,  \qquad \bar x = \frac{1}{n} \sum_i x_i .
+
+* :func:`exact_consensus_sq` (F.4 method 1) all-reduces x_i in float64 to get :math:`\bar x`, then averages
+  :math:`\lVert x_i - \bar x \rVert^2` over ranks -- not :math:`\mathrm{mean}\lVert x_i\rVert^2 - \lVert\bar x\rVert^2`,
+  which cancels catastrophically when the replicas are close.
+* :class:`ConsensusSampler` (F.4 method 2, stratified by layer) estimates it every step for the price of one small
+  all-reduce: every rank draws the same coordinates from a generator seeded by (seed, step), s_k of them in tensor
+  k, with s_k proportional to the tensor's size (with a floor, see :func:`allocate_samples`). Per sampled
+  coordinate c the all-reduced sums
+  :math:`\sum_i v_{ic}` and :math:`\sum_i v_{ic}^2` (float64) give the spread
+  :math:`\frac1n\sum_i v_{ic}^2 - \bar v_c^2`; tensor k contributes the mean spread over its s_k coordinates times
+  its size. The estimate is unbiased (sampling with replacement) and exact when s_k >= numel_k (all coordinates
+  are then taken once). F.4 [sim]: median relative error about 2% at s = 16384, 0.9% stratified; measured
+  in tests/test_parallel_consensus.py (4 ranks, 300 k parameters, per-layer spreads 1e-3..1): 1.8% at s = 16384.
+* :func:`averaged_replicas` replaces the parameters by their global average for evaluation and restores the local
+  replicas bit for bit afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from gossip.backends.base import Communicator
+
+DEFAULT_SAMPLES = 16384
+_SEED_STRIDE = 1_000_003
+
+
+def exact_consensus_sq(tensors: Sequence[torch.Tensor], comm: Communicator) -> float:
+    """:math:`\\Xi^2` over ``tensors`` (e.g. the flat buckets); a collective: every rank must call it."""
+    local_sq = torch.zeros(1, dtype=torch.float64)
+    for tensor in tensors:
+        local = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+        mean = local.clone()
+        _all_reduce_on(comm, mean, "avg")
+        local_sq += (local - mean).square().sum()
+    _all_reduce_on(comm, local_sq, "avg")
+    return float(local_sq.item())
+
+
+def _all_reduce_on(comm: Communicator, cpu_tensor: torch.Tensor, op: str = "avg") -> None:
+    """All-reduce a CPU float64 tensor on the communicator's device and copy the result back."""
+    if comm.device.type == "cpu":
+        comm.all_reduce(cpu_tensor, op)
+        return
+    on_device = cpu_tensor.to(comm.device)
+    comm.all_reduce(on_device, op)
+    cpu_tensor.copy_(on_device.cpu())
+
+
+def allocate_samples(sizes: Sequence[int], samples: int) -> list[int]:
+    """Coordinates drawn per tensor: proportional to its size, at most all of it, and at least
+    ``samples // (4 * len(sizes))`` (at least 1) -- so small tensors (biases, norms), whose spread can dominate,
+    are not estimated from one or two coordinates. The total exceeds ``samples`` by at most a quarter."""
+    if samples < 1:
+        raise ValueError(f"consensus sampling needs at least 1 coordinate, got samples={samples}")
+    total = sum(sizes)
+    if samples >= total:
+        return list(sizes)
+    floor = max(1, samples // (4 * len(sizes)))
+    return [min(size, max(floor, round(samples * size / total))) for size in sizes]
+
+
+class ConsensusSampler:
+    """Shared-coordinate estimate of :math:`\\Xi^2`, stratified by tensor (see the module docstring)."""
+
+    def __init__(self, sizes: Sequence[int], samples: int = DEFAULT_SAMPLES, seed: int = 0):
+        self.sizes = [int(s) for s in sizes]
+        self.counts = allocate_samples(self.sizes, samples)
+        self.seed = int(seed)
+
+    def _indices(self, step: int) -> list[torch.Tensor | None]:
+        generator = torch.Generator().manual_seed(self.seed * _SEED_STRIDE + int(step))
+        return [
+            None if count >= size else torch.randint(size, (count,), generator=generator)
+            for size, count in zip(self.sizes, self.counts, strict=True)
+        ]
+
+    def estimate_sq(self, tensors: Sequence[torch.Tensor], comm: Communicator, step: int) -> float:
+        """Estimate :math:`\\Xi^2` at ``step``; a collective (one all-reduce of 2 s float64 values)."""
+        if [t.numel() for t in tensors] != self.sizes:
+            raise ValueError(f"ConsensusSampler was built for tensor sizes {self.sizes}, got a different model")
+        values = []
+        for tensor, indices in zip(tensors, self._indices(step), strict=True):
+            flat = tensor.detach().reshape(-1)
+            picked = flat if indices is None else flat[indices.to(flat.device)]
+            values.append(picked.to(device="cpu", dtype=torch.float64))
+        sampled = torch.cat(values)
+        sums = torch.cat([sampled, sampled.square()])
+        _all_reduce_on(comm, sums, "sum")
+        m, n = sampled.numel(), comm.size
+        mean = sums[:m] / n
+        spread = (sums[m:] / n - mean.square()).clamp_min_(0.0)
+        total, offset = 0.0, 0
+        for size, count in zip(self.sizes, self.counts, strict=True):
+            total += float(spread[offset : offset + count].sum()) * size / count
+            offset += count
+        return total
+
+
+@contextlib.contextmanager
+def averaged_replicas(buffers: Sequence[torch.Tensor], comm: Communicator) -> Iterator[None]:
+    """Within the block ``buffers`` hold their average over ranks; afterwards the local values, bit for bit.
+
+    A collective on entry: every rank must enter. Nothing may modify ``buffers`` in place inside the block
+    except through the average (the restore overwrites it).
+    """
+    saved = [buffer.detach().clone() for buffer in buffers]
+    try:
+        for buffer in buffers:
+            comm.all_reduce(buffer, "avg")
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, local in zip(buffers, saved, strict=True):
+                buffer.copy_(local)

@@ -1,0 +1,144 @@
+"""Per-step metrics of one rank, written as JSON lines, and their summary over ranks.
+
+One line per optimizer step in ``<run_dir>/metrics_rank<r>.jsonl`` with:
+
+* ``step``, ``lr`` (the optimizer's first param group), and whatever the user passed to ``model.log(...)``
+  for the step (e.g. ``loss``), before its ``optimizer.step()`` or after it but before the next forward;
+* ``consensus`` -- the sampled estimate of the consensus distance Xi (algorithms.md F.4 method 2), on the steps
+  where it is due (``consensus_every``), else absent;
+* ``bytes_sent`` / ``bytes_received`` -- payload bytes of this step's exchange (``algorithm.traffic.last_*``);
+* ``wait_seconds`` -- exposed communication: time blocked inside the handles' ``wait`` in ``finish``;
+* ``finish_seconds`` -- wall time of ``algorithm.finish`` (the wait plus the mixing arithmetic);
+* ``compute_seconds`` -- wall time between the start of the exchange and the optimizer step (forward + backward,
+  plus anything else the loop does there, e.g. loading the batch);
+* ``step_seconds`` -- wall time from the end of the previous optimizer step to the end of this one.
+
+Recording costs no communication; only the summary at ``close`` gathers one small dict per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gossip.backends.base import Communicator, Handle
+
+
+def handle_wait_seconds(pending: Any) -> float:
+    """Seconds the handles inside an algorithm's pending object spent blocked (NaN when it holds none)."""
+    if pending is None:
+        return math.nan
+    fields = vars(pending).values() if hasattr(pending, "__dict__") else ()
+    if dataclasses.is_dataclass(pending):
+        fields = [getattr(pending, f.name) for f in dataclasses.fields(pending)]
+    handles = []
+    for value in fields:
+        if isinstance(value, Handle):
+            handles.append(value)
+        elif isinstance(value, (list, tuple)):
+            handles += [item for item in value if isinstance(item, Handle)]
+    return sum(h.wait_seconds for h in handles) if handles else math.nan
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().float().item() if value.numel() == 1 else value.detach().tolist()
+    return value
+
+
+@dataclasses.dataclass
+class _Totals:
+    steps: int = 0
+    step_seconds: float = 0.0
+    compute_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    finish_seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class StepMetrics:
+    """Collects one row per step; writes it when ``run_dir`` is set; keeps running totals either way."""
+
+    def __init__(self, run_dir: str | Path | None, rank: int):
+        self.rank = rank
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.last: dict[str, Any] = {}
+        self._extra: dict[str, Any] = {}
+        self._held: dict[str, Any] | None = None
+        self._totals = _Totals()
+        self._file = None
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.run_dir / f"metrics_rank{rank}.jsonl", "a")  # noqa: SIM115 -- closed in close()
+
+    def note(self, **values: Any) -> None:
+        """Values for a step's row (e.g. ``loss=loss``). Logged before ``optimizer.step()`` they belong to that
+        step; logged after it, before the next forward, to the step just finished (its row is held until then)."""
+        if self._held is not None:
+            self._held.update({key: _plain(value) for key, value in values.items()})
+        else:
+            self._extra.update(values)
+
+    def record(self, row: dict[str, Any]) -> None:
+        """Hold the row of the step just finished (written by :meth:`flush` at the next forward or step)."""
+        self.flush()
+        self._held = {**row, **{key: _plain(value) for key, value in self._extra.items()}}
+        self._extra = {}
+        self.last = self._held
+        totals = self._totals
+        totals.steps += 1
+        for name in ("step_seconds", "compute_seconds", "finish_seconds", "bytes_sent", "bytes_received"):
+            setattr(totals, name, getattr(totals, name) + row[name])
+        if not math.isnan(row["wait_seconds"]):
+            totals.wait_seconds += row["wait_seconds"]
+
+    def flush(self) -> None:
+        if self._held is not None and self._file is not None:
+            self._file.write(json.dumps(self._held) + "\n")
+            self._file.flush()
+        self._held = None
+
+    def totals(self) -> dict[str, float]:
+        return dataclasses.asdict(self._totals)
+
+    def summarize(self, comm: Communicator) -> dict[str, float] | None:
+        """A collective: rank 0 gets (and writes to ``summary.json``) the summary over ranks; others get None.
+
+        ``exposed_fraction`` is the share of the step's wall time spent blocked on communication, averaged over
+        ranks; ``total_bytes_sent`` sums all ranks; times are per-step means averaged over ranks.
+        """
+        gathered = comm.all_gather_object(self.totals())
+        if comm.rank != 0:
+            return None
+        ranks = [t for t in gathered if t["steps"] > 0]
+        if not ranks:
+            return {"steps": 0}
+
+        def mean(values: list[float]) -> float:
+            return sum(values) / len(values)
+
+        summary = {
+            "ranks": len(gathered),
+            "steps": ranks[0]["steps"],
+            "mean_step_seconds": mean([t["step_seconds"] / t["steps"] for t in ranks]),
+            "mean_compute_seconds": mean([t["compute_seconds"] / t["steps"] for t in ranks]),
+            "mean_exposed_seconds": mean([t["wait_seconds"] / t["steps"] for t in ranks]),
+            "exposed_fraction": mean([t["wait_seconds"] / max(t["step_seconds"], 1e-12) for t in ranks]),
+            "total_bytes_sent": sum(t["bytes_sent"] for t in gathered),
+            "total_bytes_received": sum(t["bytes_received"] for t in gathered),
+        }
+        if self.run_dir is not None:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    def close(self) -> None:
+        self.flush()
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,119 @@
+"""Checks that every rank trains the same model the same way, and the broadcast that makes the replicas equal.
+
+Before the first step :func:`check_replicas` gathers a compact description of every rank's run -- parameter and
+buffer names, shapes, dtypes and device types, the schedule's fingerprint, the algorithm's name and config --
+with one ``all_gather_object`` and compares every rank's with rank 0's. A mismatch raises
+:class:`ReplicaMismatchError` on *every* rank (all ranks see the same gathered list), naming the first difference
+and the rank that has it, so no rank is left waiting in a later collective. :func:`broadcast_from_rank0` then
+copies rank 0's parameters and buffers to every rank (algorithms.md B.1: "broadcast all params from rank 0").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gossip.algorithms.base import Algorithm
+from gossip.backends.base import Communicator
+from gossip.buckets import Bucket
+from topologies import Schedule
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+class ReplicaMismatchError(ValueError):
+    """Ranks disagree on the model, the schedule or the algorithm; the message names the rank and the item."""
+
+
+def algorithm_config(algorithm: Algorithm) -> dict[str, Any]:
+    """The algorithm's name and hyper-parameters: ``algorithm.config()`` when it has one, else its public scalars."""
+    config = getattr(algorithm, "config", None)
+    if callable(config):
+        settings = dict(config())
+    else:
+        settings = {k: v for k, v in vars(algorithm).items() if not k.startswith("_") and isinstance(v, _SCALARS)}
+        settings = {k: v for k, v in settings.items() if k not in ("comm", "schedule", "buckets", "traffic")}
+    return {"name": algorithm.name, **settings}
+
+
+def tensor_signature(module: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...], str, str]]:
+    """``(kind, name, shape, dtype, device type)`` for every trainable parameter and every buffer, in order."""
+    rows = [
+        ("parameter", name, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.device.type)
+        for name, p in module.named_parameters()
+        if p.requires_grad
+    ]
+    rows += [
+        ("buffer", name, tuple(b.shape), str(b.dtype).removeprefix("torch."), b.device.type)
+        for name, b in module.named_buffers()
+    ]
+    return rows
+
+
+def run_signature(module: torch.nn.Module, comm: Communicator, schedule: Schedule, algorithm: Algorithm) -> dict:
+    """What must be equal on every rank (and in a checkpoint that this run resumes)."""
+    return {
+        "world_size": comm.size,
+        "schedule": {"name": schedule.name, "n": schedule.n, "fingerprint": schedule.fingerprint()},
+        "algorithm": algorithm_config(algorithm),
+        "tensors": tensor_signature(module),
+    }
+
+
+def first_difference(mine: dict, reference: dict, who: str, reference_who: str) -> str | None:
+    """A sentence naming the first item in which ``mine`` differs from ``reference``, or None when equal."""
+    if mine["world_size"] != reference["world_size"]:
+        return f"{who} has world size {mine['world_size']} but {reference_who} has {reference['world_size']}"
+    if mine["schedule"] != reference["schedule"]:
+        a, b = mine["schedule"], reference["schedule"]
+        return (
+            f"{who} uses schedule {a['name']}(n={a['n']}, fingerprint {a['fingerprint'][:12]}) but {reference_who} "
+            f"uses {b['name']}(n={b['n']}, fingerprint {b['fingerprint'][:12]})"
+        )
+    if mine["algorithm"] != reference["algorithm"]:
+        return f"{who} uses algorithm {mine['algorithm']} but {reference_who} uses {reference['algorithm']}"
+    ours, theirs = mine["tensors"], reference["tensors"]
+    for row, other in zip(ours, theirs, strict=False):
+        if row == other:
+            continue
+        kind, name, shape, dtype, device = row
+        if (kind, name) != other[:2]:
+            return f"{who} has {kind} '{name}' where {reference_who} has {other[0]} '{other[1]}'"
+        return (
+            f"{who}: {kind} '{name}' is {dtype}{list(shape)} on {device} but on {reference_who} it is "
+            f"{other[3]}{list(other[2])} on {other[4]}"
+        )
+    if len(ours) != len(theirs):
+        longer, extra = (who, ours[len(theirs)]) if len(ours) > len(theirs) else (reference_who, theirs[len(ours)])
+        return f"{longer} has an extra {extra[0]} '{extra[1]}' ({len(ours)} vs {len(theirs)} tensors)"
+    return None
+
+
+def check_replicas(module: torch.nn.Module, comm: Communicator, schedule: Schedule, algorithm: Algorithm) -> dict:
+    """Raise :class:`ReplicaMismatchError` on every rank unless all ranks agree; return this rank's signature."""
+    if schedule.n != comm.size:
+        problem = f"schedule '{schedule.name}' is built for n={schedule.n} ranks but the world has {comm.size}"
+    else:
+        problem = None
+    mine = run_signature(module, comm, schedule, algorithm)
+    gathered = comm.all_gather_object((mine, problem))
+    for rank, (signature, rank_problem) in enumerate(gathered):
+        if rank_problem is not None:
+            raise ReplicaMismatchError(f"rank {rank}: {rank_problem}")
+        difference = first_difference(signature, gathered[0][0], f"rank {rank}", "rank 0")
+        if difference is not None:
+            raise ReplicaMismatchError(difference)
+    return mine
+
+
+def broadcast_from_rank0(module: torch.nn.Module, buckets: list[Bucket], comm: Communicator) -> None:
+    """Copy rank 0's parameters (the flat buckets) and buffers into every rank's replica."""
+    for bucket in buckets:
+        comm.broadcast(bucket.buffer, 0)
+    with torch.no_grad():
+        for _, buffer in module.named_buffers():
+            contiguous = buffer if buffer.is_contiguous() else buffer.contiguous()
+            comm.broadcast(contiguous, 0)
+            if contiguous is not buffer:
+                buffer.copy_(contiguous)

@@ -1,0 +1,25 @@
+"""Worker: run every DecentralizedDataParallel scenario on a real backend and save this rank's results.
+
+Usage (by tests/launch.py): python tests/parallel_worker.py OUT_DIR BACKEND
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+from parallel_scenarios import run_all
+
+import gossip
+
+
+def main() -> None:
+    out_dir, backend = Path(sys.argv[1]), sys.argv[2]
+    torch.set_num_threads(1)
+    comm = gossip.init(backend, timeout=30.0)
+    results = run_all(comm, out_dir)
+    torch.save(results, out_dir / f"rank{comm.rank}.pt")
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Checkpoint and resume (gossip.checkpoint) on the simulator: bit-identical continuation and refusal of a
+checkpoint from another run. The same resume scenario runs on Gloo and MPI in test_parallel_multiprocess.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parallel_scenarios import batch, checkpoint_resume, loss_of, make_mlp, wrap
+from torch import nn
+
+import gossip
+import topologies
+from gossip.algorithms.exact import ExactGossip
+from gossip.algorithms.powergossip import PowerGossip
+from gossip.checkpoint import CheckpointMismatchError, checkpoint_path, load_checkpoint, save_checkpoint
+from gossip.parallel import DecentralizedDataParallel
+
+N = 4
+
+
+@pytest.mark.parametrize("algorithm", [ExactGossip, PowerGossip], ids=["exact", "powergossip"])
+def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(tmp_path, algorithm):
+    for rank, result in enumerate(gossip.simulate(N, checkpoint_resume, tmp_path, algorithm)):
+        assert result["resumed_at"] == 3
+        assert torch.equal(result["resumed"], result["uninterrupted"]), f"rank {rank}"
+
+
+def save_after_two_steps(comm, directory) -> None:
+    model = wrap(comm, make_mlp(comm.rank))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        loss_of(model, *batch(comm.rank, step)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    save_checkpoint(directory, model, optimizer)
+    model.close()
+
+
+def load_into(comm, directory, module=None, schedule=None, algorithm=None) -> str:
+    model = DecentralizedDataParallel(
+        module or make_mlp(comm.rank),
+        comm,
+        schedule or topologies.one_peer_hypercube(comm.size),
+        algorithm or ExactGossip(),
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    try:
+        return f"resumed at {load_checkpoint(directory, model, optimizer)}"
+    except CheckpointMismatchError as error:
+        return str(error)
+    finally:
+        model.close()
+
+
+def test_checkpoint_holds_step_optimizer_state_and_one_file_per_rank(tmp_path):
+    gossip.simulate(N, save_after_two_steps, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{r}.pt" for r in range(N)]  # no temporary left
+    state = torch.load(checkpoint_path(tmp_path, 1), weights_only=False)
+    assert state["training"]["step"] == 2 and state["rank"] == 1
+    assert len(state["optimizer"]["state"]) == 4  # momentum buffers of the 4 parameters
+    assert set(state["rng"]) == {"torch", "numpy", "python"}
+    assert gossip.simulate(N, load_into, tmp_path) == ["resumed at 2"] * N
+
+
+def test_checkpoint_of_another_algorithm_config_is_refused_saying_what_differs(tmp_path):
+    gossip.simulate(N, save_after_two_steps, tmp_path)
+    messages = gossip.simulate(N, lambda comm: load_into(comm, tmp_path, algorithm=ExactGossip(gamma=0.5)))
+    assert all(
+        m.startswith("rank 0: ") and "this run uses algorithm {'name': 'exact', 'gamma': 0.5}" in m for m in messages
+    )
+    assert all("the checkpoint uses {'name': 'exact', 'gamma': 1.0}" in m for m in messages)
+
+
+def test_checkpoint_of_another_schedule_is_refused(tmp_path):
+    gossip.simulate(N, save_after_two_steps, tmp_path)
+    messages = gossip.simulate(N, lambda comm: load_into(comm, tmp_path, schedule=topologies.ring(comm.size)))
+    assert all(
+        "this run uses schedule ring(n=4" in m and "the checkpoint uses one_peer_hypercube" in m for m in messages
+    )
+
+
+def test_checkpoint_of_another_model_is_refused_naming_the_parameter(tmp_path):
+    gossip.simulate(N, save_after_two_steps, tmp_path)
+    other = lambda comm: load_into(comm, tmp_path, module=nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)))  # noqa: E731
+    messages = gossip.simulate(N, other)
+    assert all("parameter '0.weight' is float32[32, 8]" in m and "float32[16, 8]" in m for m in messages)
+
+
+def test_checkpoint_of_another_world_size_is_refused(tmp_path):
+    gossip.simulate(N, save_after_two_steps, tmp_path)
+    messages = gossip.simulate(2, load_into, tmp_path)
+    assert all("this run has world size 2 but the checkpoint has 4" in m for m in messages)
+
+
+def test_missing_rank_file_is_reported_on_every_rank(tmp_path):
+    gossip.simulate(N, save_after_two_steps, tmp_path)
+    checkpoint_path(tmp_path, 3).unlink()
+    messages = gossip.simulate(N, load_into, tmp_path)
+    assert messages == [f"rank 3: no checkpoint file {checkpoint_path(tmp_path, 3)}"] * N

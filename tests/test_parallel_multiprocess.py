@@ -1,0 +1,81 @@
+"""DecentralizedDataParallel on 4 real processes (Gloo, and MPI via mpiexec -n 4), one job per backend.
+
+Every scenario of parallel_scenarios.py runs in the job; the results must equal the simulator's run of the same
+scenarios (same seeds, one thread): exact gossip with weights 1/2 and SGD involve no reduction whose order
+depends on the backend, so the parameters agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from launch import launch
+from parallel_scenarios import run_all
+
+import gossip
+
+N = 4
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory) -> list[dict]:
+    torch.set_num_threads(1)
+    return gossip.simulate(N, run_all, tmp_path_factory.mktemp("simulator"), timeout=60.0)
+
+
+@pytest.fixture(scope="module", params=["gloo", "mpi"])
+def results(request, tmp_path_factory) -> tuple[str, list[dict]]:
+    out_dir = tmp_path_factory.mktemp(request.param)
+    return request.param, launch("parallel_worker.py", out_dir, [request.param], backend=request.param, n=N)[0]
+
+
+def test_loss_falls(results):
+    backend, per_rank = results
+    first = sum(r["train"]["losses"][0] for r in per_rank) / N
+    last = sum(r["train"]["losses"][-1] for r in per_rank) / N
+    assert last < 0.8 * first, f"{backend}: mean loss {first:.4f} -> {last:.4f}"
+
+
+def test_trained_parameters_equal_the_simulators(results, oracle):
+    backend, per_rank = results
+    for rank in range(N):
+        got, expected = per_rank[rank]["train"]["params"], oracle[rank]["train"]["params"]
+        assert torch.equal(got, expected), f"{backend} rank {rank}: max diff {(got - expected).abs().max():.3g}"
+
+
+def test_losses_equal_the_simulators(results, oracle):
+    backend, per_rank = results
+    for rank in range(N):
+        assert per_rank[rank]["train"]["losses"] == oracle[rank]["train"]["losses"], f"{backend} rank {rank}"
+
+
+def test_bytes_per_step_equal_the_simulators(results, oracle):
+    _, per_rank = results
+    for rank in range(N):
+        got, expected = per_rank[rank]["train"]["metrics"], oracle[rank]["train"]["metrics"]
+        assert (got["bytes_sent"], got["bytes_received"]) == (expected["bytes_sent"], expected["bytes_received"])
+        assert got["bytes_sent"] == 4 * sum(p.numel() for p in [per_rank[rank]["train"]["params"]])
+
+
+def test_resume_from_checkpoint_is_bit_identical(results):
+    backend, per_rank = results
+    for rank, result in enumerate(per_rank):
+        checkpoint = result["checkpoint"]
+        assert checkpoint["resumed_at"] == 3
+        assert torch.equal(checkpoint["resumed"], checkpoint["uninterrupted"]), f"{backend} rank {rank}"
+
+
+def test_averaged_restores_the_replicas_bit_identically(results):
+    backend, per_rank = results
+    for rank, result in enumerate(per_rank):
+        averaged = result["averaged"]
+        assert torch.equal(averaged["after"], averaged["before"]), f"{backend} rank {rank}"
+
+
+def test_averaged_holds_the_global_mean_and_consensus_matches_the_simulator(results, oracle):
+    backend, per_rank = results
+    mean = torch.stack([r["averaged"]["before"] for r in per_rank]).double().mean(0)
+    for rank, result in enumerate(per_rank):
+        torch.testing.assert_close(result["averaged"]["inside"].double(), mean, rtol=1e-6, atol=1e-6)
+        expected = oracle[rank]["averaged"]["consensus"]
+        assert result["averaged"]["consensus"] == pytest.approx(expected, rel=1e-9), f"{backend} rank {rank}"
