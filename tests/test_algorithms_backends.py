@@ -34,11 +34,11 @@ def test_real_backend_mixes_exactly_like_the_simulator(real, oracle, case):
             continue
         for g, w in zip(got["buffers"], want["buffers"], strict=True):
             assert torch.equal(g, w), f"{backend} rank {rank} {case}: parameters differ from the simulator's"
-        for step, (g, w) in enumerate(zip(got["factors"], want["factors"], strict=True)):
+        for g, w in zip(got["factors"], want["factors"], strict=True):
             assert g.keys() == w.keys()
             for key in g:
                 assert g[key][0] == w[key][0]
-                assert all(torch.equal(a, b) for a, b in zip(g[key][1] + g[key][2], w[key][1] + w[key][2]))
+                assert all(torch.equal(a, b) for a, b in zip(g[key][1] + g[key][2], w[key][1] + w[key][2], strict=True))
 
 
 @pytest.mark.parametrize("case", [f"{a}/{s}" for a, s in CASES if not a.startswith("allreduce")])

@@ -45,7 +45,9 @@ def test_idle_edges_keep_their_factors_and_parity():
     after_first_use = results[0]["factors"][0][(0, 1)]
     idle = results[0]["factors"][2][(0, 1)]  # steps 1 and 2 use the other two edges of rank 0
     assert after_first_use[0] == idle[0] == 1
-    assert all(torch.equal(a, b) for a, b in zip(after_first_use[1] + after_first_use[2], idle[1] + idle[2]))
+    assert all(
+        torch.equal(a, b) for a, b in zip(after_first_use[1] + after_first_use[2], idle[1] + idle[2], strict=True)
+    )
     assert results[0]["factors"][6][(0, 1)][0] == 3
 
 

@@ -44,7 +44,7 @@ class AllReduce(Algorithm):
         return _Pending(copies, handles)
 
     def finish(self, pending: _Pending) -> None:
-        for bucket, copy, handle in zip(self.buckets, pending.copies, pending.handles):
+        for bucket, copy, handle in zip(self.buckets, pending.copies, pending.handles, strict=True):
             handle.wait()
             if self.gamma == 1.0:
                 bucket.buffer.copy_(copy)

@@ -43,7 +43,9 @@ class ExactGossip(Algorithm):
         view = self.schedule.peers(self.comm.rank, step)
         received = self._buffers(len(view.in_peers))
         sends = [(peer, bucket.buffer) for peer, _ in view.out_peers for bucket in self.buckets]
-        recvs = [(peer, buffer) for (peer, _), buffers in zip(view.in_peers, received) for buffer in buffers]
+        recvs = [
+            (peer, buffer) for (peer, _), buffers in zip(view.in_peers, received, strict=True) for buffer in buffers
+        ]
         self.traffic.new_step()
         nbytes = sum(bucket.nbytes for bucket in self.buckets)
         for peer, _ in view.out_peers:
@@ -58,5 +60,5 @@ class ExactGossip(Algorithm):
         keep = 1.0 - gamma * sum(weight for _, weight in in_peers)
         for index, bucket in enumerate(self.buckets):
             bucket.buffer.mul_(keep)
-            for (_, weight), buffers in zip(in_peers, pending.received):
+            for (_, weight), buffers in zip(in_peers, pending.received, strict=True):
                 bucket.buffer.add_(buffers[index], alpha=gamma * weight)
