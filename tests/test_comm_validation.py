@@ -1,0 +1,85 @@
+"""Bad arguments to the communicator fail before anything is sent, naming the rank and what is wrong."""
+
+import pytest
+import torch
+
+import gossip
+
+
+def _raises(fn, error, match):
+    def run(comm):
+        if comm.rank == 0:
+            with pytest.raises(error, match=match):
+                fn(comm)
+
+    gossip.simulate(2, run, timeout=5.0)
+
+
+def test_peer_outside_the_world():
+    _raises(
+        lambda c: c.exchange([(2, torch.zeros(1))], []), ValueError, r"rank 0: send to peer 2 is not a rank in \[0, 2\)"
+    )
+
+
+def test_exchange_with_itself():
+    _raises(lambda c: c.exchange([], [(0, torch.zeros(1))]), ValueError, "cannot receive from itself")
+
+
+def test_non_contiguous_buffer():
+    _raises(lambda c: c.exchange([(1, torch.zeros(4, 4).T)], []), ValueError, "not contiguous")
+
+
+def test_unsupported_dtype():
+    _raises(lambda c: c.exchange([(1, torch.zeros(2, dtype=torch.complex64))], []), TypeError, "complex64")
+
+
+def test_not_a_tensor():
+    _raises(lambda c: c.exchange([(1, [1.0])], []), TypeError, "must be a torch.Tensor, got list")
+
+
+def test_average_of_integers():
+    _raises(lambda c: c.all_reduce(torch.zeros(2, dtype=torch.int64), "avg"), TypeError, "needs a floating-point")
+
+
+def test_unknown_reduction():
+    _raises(lambda c: c.all_reduce(torch.zeros(2), "max"), ValueError, "op 'max' is not one of")
+
+
+def test_broadcast_from_outside_the_world():
+    _raises(lambda c: c.broadcast(torch.zeros(2), src=5), ValueError, r"broadcast source 5 is not a rank")
+
+
+def test_simulate_reraises_the_root_cause_not_the_peers_reaction():
+    def run(comm):
+        if comm.rank == 1:
+            raise KeyError("boom on rank 1")
+        comm.barrier()
+
+    with pytest.raises(KeyError, match="boom on rank 1"):
+        gossip.simulate(3, run, timeout=5.0)
+
+
+def test_collectives_that_differ_across_ranks_are_refused():
+    def run(comm):
+        if comm.rank == 0:
+            comm.barrier()
+        else:
+            comm.all_reduce(torch.zeros(1))
+
+    with pytest.raises(gossip.ExchangeMismatchError, match="differs across ranks"):
+        gossip.simulate(2, run, timeout=5.0)
+
+
+def test_receive_posted_before_the_send_still_completes():
+    def run(comm):
+        peer = 1 - comm.rank
+        got = torch.empty(3)
+        handle = comm.exchange([], [(peer, got)], seq=1) if comm.rank == 0 else None
+        comm.barrier()
+        if comm.rank == 1:
+            comm.exchange([(peer, torch.full((3,), 7.0))], [], seq=1).wait()
+        else:
+            handle.wait()
+        return got
+
+    assert torch.equal(gossip.simulate(2, run, timeout=5.0)[0], torch.full((3,), 7.0))
