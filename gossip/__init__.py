@@ -8,6 +8,7 @@ from gossip.algorithms import ALGORITHMS, Algorithm, AllReduce, ExactGossip, Pow
 from gossip.backends.base import Communicator, Handle
 from gossip.backends.simulator import SimulatorCommunicator, simulate
 from gossip.bootstrap import BACKENDS, init
+from gossip.checkpoint import CheckpointMismatchError, load_checkpoint, save_checkpoint
 from gossip.errors import (
     BackendUnavailableError,
     CommTimeoutError,
@@ -17,6 +18,8 @@ from gossip.errors import (
     PeerFailedError,
 )
 from gossip.launch_env import LaunchInfo, detect_launch
+from gossip.parallel import DecentralizedDataParallel
+from gossip.replicas import ReplicaMismatchError
 
 __all__ = [
     "ALGORITHMS",
@@ -24,8 +27,10 @@ __all__ = [
     "Algorithm",
     "AllReduce",
     "BackendUnavailableError",
+    "CheckpointMismatchError",
     "CommTimeoutError",
     "Communicator",
+    "DecentralizedDataParallel",
     "ExactGossip",
     "ExchangeMismatchError",
     "GossipError",
@@ -34,10 +39,13 @@ __all__ = [
     "LaunchInfo",
     "PeerFailedError",
     "PowerGossip",
+    "ReplicaMismatchError",
     "SimulatorCommunicator",
     "Traffic",
     "detect_launch",
     "exclude_names",
     "init",
+    "load_checkpoint",
+    "save_checkpoint",
     "simulate",
 ]

@@ -7,7 +7,7 @@ One line per optimizer step in ``<run_dir>/metrics_rank<r>.jsonl`` with:
 * ``consensus`` -- the sampled estimate of the consensus distance Xi (algorithms.md F.4 method 2), on the steps
   where it is due (``consensus_every``), else absent;
 * ``bytes_sent`` / ``bytes_received`` -- payload bytes of this step's exchange (``algorithm.traffic.last_*``);
-* ``wait_seconds`` -- exposed communication: time blocked inside the handles' ``wait`` in ``finish``;
+* ``wait_seconds`` -- exposed communication: the algorithm's ``wait_seconds``, time blocked in ``finish``;
 * ``finish_seconds`` -- wall time of ``algorithm.finish`` (the wait plus the mixing arithmetic);
 * ``compute_seconds`` -- wall time between the start of the exchange and the optimizer step (forward + backward,
   plus anything else the loop does there, e.g. loading the batch);
@@ -26,23 +26,7 @@ from typing import Any
 
 import torch
 
-from gossip.backends.base import Communicator, Handle
-
-
-def handle_wait_seconds(pending: Any) -> float:
-    """Seconds the handles inside an algorithm's pending object spent blocked (NaN when it holds none)."""
-    if pending is None:
-        return math.nan
-    fields = vars(pending).values() if hasattr(pending, "__dict__") else ()
-    if dataclasses.is_dataclass(pending):
-        fields = [getattr(pending, f.name) for f in dataclasses.fields(pending)]
-    handles = []
-    for value in fields:
-        if isinstance(value, Handle):
-            handles.append(value)
-        elif isinstance(value, (list, tuple)):
-            handles += [item for item in value if isinstance(item, Handle)]
-    return sum(h.wait_seconds for h in handles) if handles else math.nan
+from gossip.backends.base import Communicator
 
 
 def _plain(value: Any) -> Any:

@@ -35,7 +35,7 @@ from gossip.algorithms.base import Algorithm
 from gossip.backends.base import Communicator
 from gossip.buckets import DEFAULT_BUCKET_BYTES, bucket_parameters, pack
 from gossip.consensus import DEFAULT_SAMPLES, ConsensusSampler, averaged_replicas, exact_consensus_sq
-from gossip.metrics import StepMetrics, handle_wait_seconds
+from gossip.metrics import StepMetrics
 from gossip.replicas import broadcast_from_rank0, check_replicas
 from topologies import Schedule
 
@@ -54,15 +54,20 @@ def _live_wrappers() -> list[DecentralizedDataParallel]:
 
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    # An optimizer subclass whose step() calls super().step() fires the hooks once per level: act on the outermost.
     for wrapper in _live_wrappers():
         if wrapper._owns(optimizer):
-            wrapper.finish_mixing()
+            wrapper._step_depth += 1
+            if wrapper._step_depth == 1:
+                wrapper.finish_mixing()
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for wrapper in _live_wrappers():
         if wrapper._owns(optimizer):
-            wrapper.next_step(lr=optimizer.param_groups[0].get("lr"))
+            if wrapper._step_depth == 1:
+                wrapper.next_step(lr=optimizer.param_groups[0].get("lr"))
+            wrapper._step_depth = max(0, wrapper._step_depth - 1)
 
 
 def _subscribe(wrapper: DecentralizedDataParallel) -> None:
@@ -126,7 +131,9 @@ class DecentralizedDataParallel(nn.Module):
     summary on rank 0.
 
     One optimizer must cover all of the wrapper's trainable parameters (a partial one is refused at its first
-    ``step``); parameters added to it later with ``add_param_group`` are not seen.
+    ``step``); parameters added to it later with ``add_param_group`` are not seen. An optimizer subclass whose
+    ``step`` calls ``super().step()`` is one step (the outermost call counts). If ``optimizer.step()`` raises, torch
+    skips the post-hooks and this wrapper's step is left open: do not continue training with this wrapper.
     """
 
     def __init__(
@@ -166,6 +173,7 @@ class DecentralizedDataParallel(nn.Module):
         self._pending: Any = None
         self._mixed: list[torch.Tensor] | None = None  # step t's mixing, completed early (see _complete_pending)
         self._mixing_done = False
+        self._step_depth = 0  # nesting of optimizer.step() calls (subclasses calling super().step())
         self._state_before_start = copy.deepcopy(algorithm.state_dict())
 
         self.metrics = StepMetrics(run_dir, comm.rank)
@@ -207,7 +215,7 @@ class DecentralizedDataParallel(nn.Module):
             self._timing["wait_seconds"] = 0.0
         else:
             self.algorithm.finish(self._pending)
-            self._timing["wait_seconds"] = handle_wait_seconds(self._pending)
+            self._timing["wait_seconds"] = self.algorithm.wait_seconds
         self._timing["finish_seconds"] = time.perf_counter() - begin
         self._pending, self._mixed, self._mixing_done = None, None, True
         if self.buffers_policy == "average":

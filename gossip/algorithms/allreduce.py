@@ -37,7 +37,7 @@ class AllReduce(Algorithm):
     def start(self, step: int) -> _Pending:
         copies = [bucket.buffer.clone() for bucket in self.buckets]
         handles = [self.comm.all_reduce(copy, "avg", async_op=True) for copy in copies]
-        self.traffic.new_step()
+        self._begin_step()
         n = self.comm.size
         nbytes = round(2 * (n - 1) / n * sum(bucket.nbytes for bucket in self.buckets))
         self.traffic.record(COLLECTIVE, nbytes, nbytes)
@@ -45,7 +45,7 @@ class AllReduce(Algorithm):
 
     def finish(self, pending: _Pending) -> None:
         for bucket, copy, handle in zip(self.buckets, pending.copies, pending.handles, strict=True):
-            handle.wait()
+            self._wait(handle)
             if self.gamma == 1.0:
                 bucket.buffer.copy_(copy)
             else:

@@ -17,7 +17,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any
 
-from gossip.backends.base import Communicator
+from gossip.backends.base import Communicator, Handle
 from gossip.buckets import Bucket
 from topologies import Schedule
 
@@ -49,7 +49,8 @@ class Traffic:
 
 
 class Algorithm(abc.ABC):
-    """Base class: holds the binding (communicator, schedule, buckets) and the byte accounting."""
+    """Base class: holds the binding (communicator, schedule, buckets) and the accounting of one step: bytes per
+    peer (``traffic``) and seconds blocked waiting for the exchange (``wait_seconds``, exposed communication)."""
 
     name: str = "algorithm"
     needs_symmetric_schedule: bool = False
@@ -72,6 +73,17 @@ class Algorithm(abc.ABC):
                 schedule.validate(symmetric=True)
         self.comm, self.schedule, self.buckets = comm, schedule, buckets
         self.traffic = Traffic()
+        self.wait_seconds = 0.0
+
+    def _begin_step(self) -> None:
+        """Reset the per-step accounting; every ``start`` calls it."""
+        self.traffic.new_step()
+        self.wait_seconds = 0.0
+
+    def _wait(self, handle: Handle) -> None:
+        """Wait for ``handle``, adding the time blocked to ``wait_seconds`` (the step's exposed communication)."""
+        handle.wait()
+        self.wait_seconds += handle.wait_seconds
 
     @abc.abstractmethod
     def start(self, step: int) -> Any:

@@ -46,7 +46,7 @@ class ExactGossip(Algorithm):
         recvs = [
             (peer, buffer) for (peer, _), buffers in zip(view.in_peers, received, strict=True) for buffer in buffers
         ]
-        self.traffic.new_step()
+        self._begin_step()
         nbytes = sum(bucket.nbytes for bucket in self.buckets)
         for peer, _ in view.out_peers:
             self.traffic.record(peer, nbytes, 0)
@@ -55,7 +55,7 @@ class ExactGossip(Algorithm):
         return _Pending(step, view, self.comm.exchange(sends, recvs, seq=step), received)
 
     def finish(self, pending: _Pending) -> None:
-        pending.handle.wait()
+        self._wait(pending.handle)
         gamma, in_peers = self.gamma, pending.view.in_peers
         keep = 1.0 - gamma * sum(weight for _, weight in in_peers)
         for index, bucket in enumerate(self.buckets):

@@ -211,7 +211,7 @@ class PowerGossip(Algorithm):
         return _Round(step, seq, peers, sent, received, received_exact, handle)
 
     def _apply(self, round_: _Round) -> None:
-        round_.handle.wait()
+        self._wait(round_.handle)
         me, gamma = self.comm.rank, self.gamma
         # Uncompressed tensors: exact gossip, from the values at the start of the iteration.
         keep = 1.0 - gamma * sum(weight for _, weight, _, _ in round_.peers)
@@ -248,7 +248,7 @@ class PowerGossip(Algorithm):
         return self.buckets[0].buffer.device
 
     def start(self, step: int) -> _Round:
-        self.traffic.new_step()
+        self._begin_step()
         return self._post(step, 0)
 
     def finish(self, pending: _Round) -> None:
