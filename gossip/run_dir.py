@@ -1,0 +1,208 @@
+"""The run directory of ``gossip-train``: its creation, and what rank 0 leaves in it at the end.
+
+Contents of ``<out>/``:
+
+* ``config.json`` -- the resolved configuration (world size, schedule, accum_iter, ... filled in);
+* ``metrics_rank<r>.jsonl`` -- every rank's per-step metrics, written by the wrapper (see :mod:`gossip.metrics`);
+* ``summary.json`` -- the wrapper's traffic and timing summary over ranks;
+* ``metrics.csv`` -- one row per step: rank 0's metrics plus ``mean_loss`` (the training loss averaged over
+  ranks) and ``cumulative_bytes_sent`` (rank 0's payload bytes so far);
+* ``result.json`` -- the numbers of the final summary table;
+* ``loss_vs_step.png``, ``loss_vs_time.png``, ``loss_vs_bytes.png``, ``consensus_vs_step.png`` (matplotlib, Agg).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from gossip.backends.base import Communicator
+
+CSV_COLUMNS = (
+    "step",
+    "loss",
+    "mean_loss",
+    "val_loss",
+    "lr",
+    "consensus",
+    "bytes_sent",
+    "cumulative_bytes_sent",
+    "elapsed_seconds",
+    "step_seconds",
+    "compute_seconds",
+    "wait_seconds",
+)
+PLOTS = ("loss_vs_step.png", "loss_vs_time.png", "loss_vs_bytes.png", "consensus_vs_step.png")
+FINAL_WINDOW = 10  # the final training loss is the mean over the last FINAL_WINDOW steps and all ranks
+
+
+@dataclasses.dataclass
+class RunSummary:
+    """What rank 0 knows at the end of a run."""
+
+    config: Any  # gossip.train.TrainConfig
+    losses_by_rank: list[list[float]]
+    initial_val_loss: float
+    final_val_loss: float
+    consensus_distance: float
+    train_seconds: float
+    traffic: dict[str, float]
+    sample: str | None
+
+    @property
+    def mean_losses(self) -> list[float]:
+        return [sum(values) / len(values) for values in zip(*self.losses_by_rank, strict=True)]
+
+    @property
+    def initial_loss(self) -> float:
+        return self.mean_losses[0] if self.mean_losses else math.nan
+
+    @property
+    def final_loss(self) -> float:
+        tail = self.mean_losses[-FINAL_WINDOW:]
+        return sum(tail) / len(tail) if tail else math.nan
+
+    def numbers(self) -> dict[str, float]:
+        steps = max(1, len(self.mean_losses))
+        ranks = max(1, len(self.losses_by_rank))
+        config = self.config
+        tokens = ranks * config.batch_size * config.model["block_size"] * len(self.mean_losses)
+        return {
+            "initial_train_loss": self.initial_loss,
+            "final_train_loss": self.final_loss,
+            "initial_val_loss": self.initial_val_loss,
+            "final_val_loss": self.final_val_loss,
+            "consensus_distance": self.consensus_distance,
+            "bytes_sent_per_worker_per_step": self.traffic.get("total_bytes_sent", math.nan) / ranks / steps,
+            "mean_step_seconds": self.traffic.get("mean_step_seconds", math.nan),
+            "mean_exposed_seconds": self.traffic.get("mean_exposed_seconds", math.nan),
+            "exposed_fraction": self.traffic.get("exposed_fraction", math.nan),
+            "train_seconds": self.train_seconds,
+            "tokens_per_second": tokens / self.train_seconds if self.train_seconds > 0 else math.nan,
+        }
+
+
+def prepare_run_dir(config: Any, comm: Communicator) -> Path:
+    """Agree on the run directory (``config.out``, default ``runs/<timestamp>``), create it and write
+    ``config.json`` (rank 0). A collective; raises ``ValueError`` on every rank if it already holds a run."""
+    path, problem = None, None
+    if comm.rank == 0:
+        path = Path(config.out) if config.out else Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        if (path / "config.json").exists() or any(path.glob("metrics_rank*.jsonl")):
+            problem = f"--out: {str(path)!r} already holds a run; choose another directory"
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            config.out = str(path)
+            (path / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
+    path, problem = comm.all_gather_object((path, problem))[0]
+    if problem is not None:
+        raise ValueError(problem)
+    config.out = str(path)
+    return path
+
+
+def _rows(run_dir: Path, summary: RunSummary) -> list[dict[str, Any]]:
+    lines = (run_dir / "metrics_rank0.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines if line.strip()]
+    mean_losses = summary.mean_losses
+    cumulative = 0
+    for row, mean_loss in zip(rows, mean_losses, strict=True):
+        cumulative += row.get("bytes_sent", 0)
+        row["mean_loss"] = mean_loss
+        row["cumulative_bytes_sent"] = cumulative
+    return rows
+
+
+def write_metrics_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    extra = sorted({key for row in rows for key in row} - set(CSV_COLUMNS))
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=[*CSV_COLUMNS, *extra], restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _smoothed(values: list[float], window: int = FINAL_WINDOW) -> list[float]:
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def write_plots(run_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """The four plots of :data:`PLOTS`: mean training loss (smoothed over FINAL_WINDOW steps) and validation loss
+    against step, wall clock and bytes sent; the sampled consensus distance against step (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loss = _smoothed([row["mean_loss"] for row in rows])
+    evaluated = [row for row in rows if "val_loss" in row]
+    axes_of = {
+        "loss_vs_step.png": ("step", "step", 1.0),
+        "loss_vs_time.png": ("elapsed_seconds", "wall clock (s)", 1.0),
+        "loss_vs_bytes.png": ("cumulative_bytes_sent", "MB sent per worker (rank 0)", 1e-6),
+    }
+    for name, (key, label, scale) in axes_of.items():
+        figure, axis = plt.subplots(figsize=(6, 4))
+        axis.plot([row[key] * scale for row in rows], loss, label="train loss (mean over ranks, smoothed)")
+        axis.plot(
+            [row[key] * scale for row in evaluated],
+            [row["val_loss"] for row in evaluated],
+            "o-",
+            label="validation loss (averaged model)",
+        )
+        axis.set_xlabel(label)
+        axis.set_ylabel("cross-entropy (nats / byte)")
+        axis.grid(alpha=0.3)
+        axis.legend()
+        figure.tight_layout()
+        figure.savefig(run_dir / name, dpi=100)
+        plt.close(figure)
+    measured = [row for row in rows if row.get("consensus") is not None]
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.plot([row["step"] for row in measured], [row["consensus"] for row in measured], ".-")
+    if any(row["consensus"] > 0 for row in measured):
+        axis.set_yscale("log")
+    axis.set_xlabel("step")
+    axis.set_ylabel("consensus distance Ξ (sampled estimate)")
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(run_dir / "consensus_vs_step.png", dpi=100)
+    plt.close(figure)
+
+
+def write_outputs(run_dir: Path, summary: RunSummary) -> None:
+    """metrics.csv, result.json and the plots (rank 0, after the wrapper has closed its metrics file)."""
+    rows = _rows(run_dir, summary)
+    write_metrics_csv(run_dir / "metrics.csv", rows)
+    result = {**summary.numbers(), "sample": summary.sample}
+    (run_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    if rows:
+        write_plots(run_dir, rows)
+
+
+def summary_table(summary: RunSummary) -> str:
+    """The end-of-run table printed by rank 0."""
+    numbers = summary.numbers()
+    lines = [
+        ("train loss (mean over ranks)", f"{numbers['initial_train_loss']:.3f} -> {numbers['final_train_loss']:.3f}"),
+        ("val loss (averaged model)", f"{numbers['initial_val_loss']:.3f} -> {numbers['final_val_loss']:.3f}"),
+        ("consensus distance (exact)", f"{numbers['consensus_distance']:.4g}"),
+        ("bytes sent / worker / step", f"{numbers['bytes_sent_per_worker_per_step']:,.0f}"),
+        ("mean step time", f"{numbers['mean_step_seconds'] * 1e3:.1f} ms"),
+        (
+            "exposed communication",
+            f"{numbers['mean_exposed_seconds'] * 1e3:.2f} ms/step ({numbers['exposed_fraction']:.1%} of the step)",
+        ),
+        ("training time", f"{numbers['train_seconds']:.1f} s ({numbers['tokens_per_second']:,.0f} tokens/s)"),
+        ("run directory", summary.config.out),
+    ]
+    width = max(len(name) for name, _ in lines)
+    return "\n".join(f"  {name:<{width}}  {value}" for name, value in lines)

@@ -1,0 +1,279 @@
+r"""The training job behind ``gossip-train``: one worker's loop, from the resolved config to the run directory.
+
+Every process is one worker of a decentralized run (algorithms.md B.1; Decent-DP's schema, arXiv 2410.11998):
+
+.. math::  x_i^{t+1} = \sum_j W_{ij}(t)\, x_j^{t} \;-\; \eta_t\, d_i^{t}\big(g_i(x_i^{t})\big)
+
+with :math:`W(t)` from the schedule, the mixing done by the algorithm (exact gossip, PowerGossip or All-Reduce)
+inside :class:`gossip.parallel.DecentralizedDataParallel`, and :math:`d` the local optimizer's direction. The
+learning rate :math:`\eta_t` warms up linearly for ``warmup_steps`` then follows a cosine to ``lr / 10``.
+
+Rank 0 shows a progress bar and, at the end, a summary table and a text sample from the averaged model; it writes
+``config.json``, ``metrics.csv`` and the plots into the run directory (see :mod:`gossip.run_dir`). Every rank
+writes its own ``metrics_rank<r>.jsonl`` there (the wrapper's per-step metrics).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import gossip
+import optim
+import topologies
+from gossip.backends.base import Communicator
+from gossip.corpus import ShardedBatches, decode, encode, load_corpus, validation_batches
+from gossip.gpt import GPT, GPTConfig
+from gossip.parallel import DecentralizedDataParallel
+from gossip.run_dir import RunSummary, prepare_run_dir, write_outputs
+
+OPTIMIZERS = ("accum-adamw", "adamw", "sgd")
+DEFAULT_SCHEDULE = "one_peer_hypercube"
+FALLBACK_SCHEDULE = "ring"
+SAMPLE_PROMPT = "def "
+SAMPLE_BYTES = 80
+
+
+class ConfigError(ValueError):
+    """A command-line option has a value this run cannot use; ``option`` names it (e.g. ``--schedule``)."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(f"{option}: {message}")
+        self.option = option
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything one run depends on; ``None`` fields are resolved per world size by :func:`resolve`."""
+
+    steps: int = 500
+    batch_size: int = 16
+    lr: float = 3e-3
+    warmup_steps: int | None = None
+    weight_decay: float = 0.1
+    optimizer: str = "accum-adamw"
+    accum_iter: int | None = None
+    algorithm: str = "exact"
+    rank: int = 1
+    schedule: str | None = None
+    split: str = "iid"
+    seed: int = 0
+    data: str | None = None
+    backend: str = "auto"
+    timeout: float = 60.0
+    out: str | None = None
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    world_size: int | None = None
+    model: dict[str, Any] = dataclasses.field(default_factory=lambda: dataclasses.asdict(GPTConfig()))
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def default_schedule(world_size: int) -> str:
+    """one_peer_hypercube when ``world_size`` is a power of two >= 2 (one peer per step, exact average after
+    log2 n steps), else ring (any n)."""
+    if world_size >= 2 and world_size & (world_size - 1) == 0:
+        return DEFAULT_SCHEDULE
+    return FALLBACK_SCHEDULE
+
+
+def build_schedule(config: TrainConfig) -> topologies.Schedule:
+    """The schedule of ``config`` for its world size; :class:`ConfigError` naming ``--schedule`` if unusable."""
+    try:
+        schedule = topologies.by_name(config.schedule, config.world_size)
+        if gossip.ALGORITHMS[config.algorithm].needs_symmetric_schedule:
+            schedule.validate(symmetric=True)
+    except topologies.ScheduleError as err:
+        where = f"world size {config.world_size}, --algorithm {config.algorithm}"
+        raise ConfigError("--schedule", f"{err} ({where})") from None
+    return schedule
+
+
+def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str]]:
+    """Fill the per-world-size defaults; return the resolved copy and notes on the choices made.
+
+    ``accum_iter`` defaults to max(1, n // 4) (algorithms.md B.3: A ~ n/4 ... n/2); ``warmup_steps`` to
+    ``steps // 10`` capped at 100. Raises :class:`ConfigError` naming the option at fault.
+    """
+    resolved = dataclasses.replace(config, world_size=world_size, model=dict(config.model))
+    notes = []
+    if config.schedule is None:
+        resolved.schedule = default_schedule(world_size)
+        if resolved.schedule != DEFAULT_SCHEDULE:
+            notes.append(f"schedule: {resolved.schedule} ({DEFAULT_SCHEDULE} needs a power of two >= 2 workers)")
+    if config.accum_iter is None:
+        resolved.accum_iter = max(1, world_size // 4)
+    if config.warmup_steps is None:
+        resolved.warmup_steps = min(100, config.steps // 10)
+    if config.algorithm not in gossip.ALGORITHMS:
+        raise ConfigError("--algorithm", f"unknown {config.algorithm!r}; choose one of {sorted(gossip.ALGORITHMS)}")
+    if config.optimizer not in OPTIMIZERS:
+        raise ConfigError("--optimizer", f"unknown {config.optimizer!r}; choose one of {list(OPTIMIZERS)}")
+    if config.data is not None and not Path(config.data).is_file():
+        raise ConfigError("--data", f"{config.data!r} does not exist or is not a file")
+    build_schedule(resolved)
+    return resolved, notes
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """Linear warmup over ``warmup_steps``, then a cosine from ``lr`` down to ``lr / 10`` at the last step."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def make_algorithm(config: TrainConfig) -> gossip.Algorithm:
+    if config.algorithm == "powergossip":
+        return gossip.PowerGossip(rank=config.rank)
+    return gossip.ALGORITHMS[config.algorithm]()
+
+
+def make_optimizer(config: TrainConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
+    """AccumAdamW / AdamW with betas (0.9, 0.95) and weight decay on matrices only, or SGD with Nesterov momentum."""
+    groups = optim.param_groups(module, config.weight_decay)
+    if config.optimizer == "sgd":
+        return optim.SGD(groups, lr=config.lr, momentum=0.9, nesterov=True)
+    accum_iter = config.accum_iter if config.optimizer == "accum-adamw" else 1
+    return optim.AccumAdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, accum_iter=accum_iter)
+
+
+def worker_threads(local_size: int) -> int:
+    """Intra-op threads: ``OMP_NUM_THREADS`` when set, else max(1, cores // processes on this node)."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, (os.cpu_count() or 1) // local_size)
+
+
+@torch.no_grad()
+def validation_loss(model: DecentralizedDataParallel, batches: list, comm: Communicator) -> float:
+    """Mean loss of the averaged model on the fixed validation batches; each rank evaluates a share. A collective."""
+    totals = torch.zeros(2, dtype=torch.float64)
+    with model.averaged() as module:
+        module.eval()
+        for x, y in batches[comm.rank :: comm.size]:
+            totals[0] += module(x, y)[1].item()
+            totals[1] += 1
+        module.train()
+    comm.all_reduce(totals, "sum")
+    return float(totals[0] / totals[1])
+
+
+def _progress(config: TrainConfig, rank: int) -> Any:
+    if rank != 0:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=config.steps, desc="train", unit="step", mininterval=0.5, dynamic_ncols=True)
+
+
+def train(config: TrainConfig) -> RunSummary | None:
+    """Run one worker of the job described by ``config``; return the run's summary on rank 0, None elsewhere."""
+    comm = gossip.init(config.backend, timeout=config.timeout)
+    try:
+        return _train(config, comm)
+    finally:
+        comm.close()
+
+
+def _train(config: TrainConfig, comm: Communicator) -> RunSummary | None:
+    torch.set_num_threads(worker_threads(comm.local_size))
+    config, notes = resolve(config, comm.size)
+    run_dir = prepare_run_dir(config, comm)
+    if comm.rank == 0:
+        for note in notes:
+            print(note, flush=True)
+    corpus = load_corpus(config.data, block_size=config.model["block_size"])
+    torch.manual_seed(config.seed)
+    model = DecentralizedDataParallel(
+        GPT(GPTConfig(**config.model)),
+        comm,
+        build_schedule(config),
+        make_algorithm(config),
+        run_dir=run_dir,
+        consensus_every=config.log_every,
+        seed=config.seed,
+    )
+    optimizer = make_optimizer(config, model.module)
+    batches = ShardedBatches(
+        corpus.train, comm.rank, comm.size, config.batch_size, config.model["block_size"], config.seed, config.split
+    )
+    held_out = validation_batches(corpus.validation, config.batch_size, config.model["block_size"], config.eval_batches)
+    if comm.rank == 0:
+        print(
+            f"gossip-train: {comm.size} worker(s), {config.algorithm} on {config.schedule}, {config.optimizer}, "
+            f"GPT {model.module.num_parameters():,} params, corpus {corpus.source} ({len(corpus.train):,} bytes), "
+            f"run dir {run_dir}",
+            flush=True,
+        )
+    initial_validation = validation_loss(model, held_out, comm)
+    progress = _progress(config, comm.rank)
+    tokens_per_step = comm.size * config.batch_size * config.model["block_size"]
+    started = time.perf_counter()
+    losses = []
+    for step in range(config.steps):
+        lr = learning_rate(config, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = batches.batch(step)
+        _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"rank {comm.rank}: training loss is {losses[-1]} at step {step}; lower --lr")
+        row = {"loss": losses[-1], "elapsed_seconds": time.perf_counter() - started}
+        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+            row["val_loss"] = validation_loss(model, held_out, comm)
+        model.log(**row)
+        if progress is not None:
+            progress.update(1)
+            if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
+                rate = tokens_per_step * (step + 1) / row["elapsed_seconds"]
+                progress.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}", refresh=False)
+    if progress is not None:
+        progress.close()
+    train_seconds = time.perf_counter() - started
+    final_validation = row["val_loss"] if config.steps else initial_validation
+    consensus = model.consensus_distance()
+    sample = _sample(model, config.seed, comm.rank)
+    all_losses = comm.all_gather_object(losses)
+    traffic = model.close()
+    if comm.rank != 0:
+        return None
+    summary = RunSummary(
+        config=config,
+        losses_by_rank=all_losses,
+        initial_val_loss=initial_validation,
+        final_val_loss=final_validation,
+        consensus_distance=consensus,
+        train_seconds=train_seconds,
+        traffic=traffic or {},
+        sample=sample,
+    )
+    write_outputs(run_dir, summary)
+    return summary
+
+
+def _sample(model: DecentralizedDataParallel, seed: int, rank: int) -> str | None:
+    """SAMPLE_BYTES bytes generated by the averaged model after SAMPLE_PROMPT, on rank 0. A collective."""
+    with model.averaged() as module:
+        if rank != 0:
+            return None
+        module.eval()
+        generator_state = torch.get_rng_state()
+        torch.manual_seed(seed)
+        tokens = module.generate(encode(SAMPLE_PROMPT)[None], SAMPLE_BYTES, temperature=0.8, top_k=40)
+        torch.set_rng_state(generator_state)
+        module.train()
+        return decode(tokens[0])
