@@ -4,7 +4,18 @@
 ``fn(comm)`` on ``n`` in-process virtual ranks, the oracle every real backend is tested against.
 """
 
-from gossip.algorithms import ALGORITHMS, Algorithm, AllReduce, ExactGossip, PowerGossip, Traffic, exclude_names
+from gossip.algorithms import (
+    ALGORITHMS,
+    AdaptivePowerGossip,
+    Algorithm,
+    AllReduce,
+    ExactGossip,
+    HierarchicalGossip,
+    PowerGossip,
+    Traffic,
+    exclude_names,
+    tagc_policy,
+)
 from gossip.backends.base import Communicator, Handle
 from gossip.backends.simulator import SimulatorCommunicator, simulate
 from gossip.bootstrap import BACKENDS, init
@@ -15,6 +26,8 @@ from gossip.errors import (
     ExchangeMismatchError,
     GossipError,
     LaunchError,
+    NonFiniteError,
+    NonFiniteWarning,
     PeerFailedError,
 )
 from gossip.launch_env import LaunchInfo, detect_launch
@@ -24,6 +37,7 @@ from gossip.replicas import ReplicaMismatchError
 __all__ = [
     "ALGORITHMS",
     "BACKENDS",
+    "AdaptivePowerGossip",
     "Algorithm",
     "AllReduce",
     "BackendUnavailableError",
@@ -35,8 +49,11 @@ __all__ = [
     "ExchangeMismatchError",
     "GossipError",
     "Handle",
+    "HierarchicalGossip",
     "LaunchError",
     "LaunchInfo",
+    "NonFiniteError",
+    "NonFiniteWarning",
     "PeerFailedError",
     "PowerGossip",
     "ReplicaMismatchError",
@@ -48,4 +65,5 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
     "simulate",
+    "tagc_policy",
 ]

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import gossip
 import topologies
-from gossip.train import OPTIMIZERS, ConfigError, TrainConfig, resolve, train
+from gossip.train import ALGORITHM_CHOICES, OPTIMIZERS, ConfigError, TrainConfig, resolve, train
 
 ERROR_FILE_VARIABLE = "GOSSIP_TRAIN_ERROR_FILE"
 LAUNCHER_OPTIONS = ("--nproc", "--out", "--backend")
@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--timeout", type=_positive(float), default=defaults.timeout, help="seconds per wait")
     gossip_options = parser.add_argument_group("gossip")
     gossip_options.add_argument(
-        "--algorithm", choices=sorted(gossip.ALGORITHMS), default=defaults.algorithm, help="how replicas are mixed"
+        "--algorithm",
+        choices=ALGORITHM_CHOICES,
+        default=defaults.algorithm,
+        help="how replicas are mixed; ddp: torch DistributedDataParallel (gradient all-reduce, no --schedule)",
     )
     gossip_options.add_argument(
         "--schedule",
@@ -226,7 +229,11 @@ def launch_local(nproc: int, argv: Sequence[str], out: str) -> int:
 
 def run_worker(args: argparse.Namespace) -> int:
     """Train as one worker of the job as launched; print the summary on rank 0; 0 on success, 1 on error."""
-    rank = os.environ.get("RANK", "0")
+    try:
+        rank = gossip.detect_launch().rank
+    except gossip.LaunchError as err:
+        print(f"gossip-train: {err}", file=sys.stderr, flush=True)
+        return 1
     try:
         summary = train(config_from(args))
     except Exception as err:

@@ -29,3 +29,11 @@ class ExchangeMismatchError(GossipError):
 
 class PeerFailedError(GossipError):
     """A peer closed its connection or failed; the message names the peer."""
+
+
+class NonFiniteError(GossipError):
+    """A peer sent NaN or Inf (``nonfinite="raise"``); the message names this rank, the peer and the step."""
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """A peer's non-finite contribution was dropped (``nonfinite="drop"``); the message names the peer and step."""

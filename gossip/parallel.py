@@ -35,6 +35,7 @@ from gossip.algorithms.base import Algorithm
 from gossip.backends.base import Communicator
 from gossip.buckets import DEFAULT_BUCKET_BYTES, bucket_parameters, pack
 from gossip.consensus import DEFAULT_SAMPLES, ConsensusSampler, averaged_replicas, exact_consensus_sq
+from gossip.errors import GossipError
 from gossip.metrics import StepMetrics
 from gossip.replicas import broadcast_from_rank0, check_replicas
 from topologies import Schedule
@@ -162,8 +163,8 @@ class DecentralizedDataParallel(nn.Module):
         self.buffers_policy = buffers
         self.signature = check_replicas(module, comm, schedule, algorithm)
         self.buckets = bucket_parameters(module, bucket_bytes)
+        algorithm.setup(comm, schedule, self.buckets)  # refuses a bad schedule or configuration on every rank
         broadcast_from_rank0(module, self.buckets, comm)
-        algorithm.setup(comm, schedule, self.buckets)
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self._parameters_in_order = [p for _, p in named]
@@ -203,6 +204,10 @@ class DecentralizedDataParallel(nn.Module):
         """
         if self._mixing_done:
             return
+        with self._naming_step():
+            self._finish_mixing()
+
+    def _finish_mixing(self) -> None:
         self.metrics.flush()
         if self._pending is None and self._mixed is None:
             self._start()
@@ -239,13 +244,30 @@ class DecentralizedDataParallel(nn.Module):
             "bytes_received": sum(traffic.last_received.values()),
         }
         if self.consensus_every and (self.step_count + 1) % self.consensus_every == 0:
-            estimate = self._sampler.estimate_sq(self._parameters_in_order, self.comm, self.step_count + 1)
+            with self._naming_step():
+                estimate = self._sampler.estimate_sq(self._parameters_in_order, self.comm, self.step_count + 1)
             row["consensus"] = math.sqrt(estimate)
         self.metrics.record(row)
         self.step_count += 1
         self._mixing_done = False
         self._last_step_end = time.perf_counter()
-        self._start()
+        with self._naming_step():
+            self._start()
+
+    @contextlib.contextmanager
+    def _naming_step(self) -> Iterator[None]:
+        """Prefix a communication error with the training step (``step 7: rank 1: exchange 7 ...``).
+
+        The error keeps its type and traceback; the communicator's own message says which exchange (sequence
+        number) failed, which for PowerGossip with several iterations is not the step.
+        """
+        try:
+            yield
+        except GossipError as error:
+            where = f"step {self.step_count}"
+            if error.args and isinstance(error.args[0], str) and not error.args[0].startswith(f"{where}:"):
+                error.args = (f"{where}: {error.args[0]}", *error.args[1:])
+            raise
 
     def _start(self) -> None:
         # The algorithm state before start(t) is what a checkpoint taken during step t must hold (see checkpoint).
@@ -274,7 +296,8 @@ class DecentralizedDataParallel(nn.Module):
         if self._pending is None:
             return
         local = [bucket.buffer.clone() for bucket in self.buckets]
-        self.algorithm.finish(self._pending)
+        with self._naming_step():
+            self.algorithm.finish(self._pending)
         self._mixed = [bucket.buffer.clone() for bucket in self.buckets]
         with torch.no_grad():
             for bucket, saved in zip(self.buckets, local, strict=True):

@@ -4,7 +4,9 @@ Before the first step :func:`check_replicas` gathers a compact description of ev
 buffer names, shapes, dtypes and device types, the schedule's fingerprint, the algorithm's name and config --
 with one ``all_gather_object`` and compares every rank's with rank 0's. A mismatch raises
 :class:`ReplicaMismatchError` on *every* rank (all ranks see the same gathered list), naming the first difference
-and the rank that has it, so no rank is left waiting in a later collective. :func:`broadcast_from_rank0` then
+and the rank that has it, so no rank is left waiting in a later collective. A schedule for another world size
+and a model with nothing to gossip (no trainable parameter, or only empty ones) are refused the same way.
+Parameters with 0 elements among others are accepted: they travel as nothing. :func:`broadcast_from_rank0` then
 copies rank 0's parameters and buffers to every rank (algorithms.md B.1: "broadcast all params from rank 0").
 """
 
@@ -92,10 +94,14 @@ def first_difference(mine: dict, reference: dict, who: str, reference_who: str) 
 
 def check_replicas(module: torch.nn.Module, comm: Communicator, schedule: Schedule, algorithm: Algorithm) -> dict:
     """Raise :class:`ReplicaMismatchError` on every rank unless all ranks agree; return this rank's signature."""
+    problem = None
+    trainable = [p for p in module.parameters() if p.requires_grad]
     if schedule.n != comm.size:
         problem = f"schedule '{schedule.name}' is built for n={schedule.n} ranks but the world has {comm.size}"
-    else:
-        problem = None
+    elif not trainable:
+        problem = f"the {type(module).__name__} has no trainable parameters (requires_grad=True): nothing to gossip"
+    elif sum(p.numel() for p in trainable) == 0:
+        problem = f"every trainable parameter of the {type(module).__name__} has 0 elements: nothing to gossip"
     mine = run_signature(module, comm, schedule, algorithm)
     gathered = comm.all_gather_object((mine, problem))
     for rank, (signature, rank_problem) in enumerate(gathered):

@@ -8,6 +8,9 @@ with :math:`W(t)` from the schedule, the mixing done by the algorithm (exact gos
 inside :class:`gossip.parallel.DecentralizedDataParallel`, and :math:`d` the local optimizer's direction. The
 learning rate :math:`\eta_t` warms up linearly for ``warmup_steps`` then follows a cosine to ``lr / 10``.
 
+``algorithm="ddp"`` is the All-Reduce baseline as users run it: torch DistributedDataParallel (gradient all-reduce
+overlapped with backward, :mod:`gossip.ddp_baseline`), no schedule; the loop is the same.
+
 Rank 0 shows a progress bar and, at the end, a summary table and a text sample from the averaged model; it writes
 ``config.json``, ``metrics.csv`` and the plots into the run directory (see :mod:`gossip.run_dir`). Every rank
 writes its own ``metrics_rank<r>.jsonl`` there (the wrapper's per-step metrics).
@@ -29,11 +32,14 @@ import optim
 import topologies
 from gossip.backends.base import Communicator
 from gossip.corpus import ShardedBatches, decode, encode, load_corpus, validation_batches
+from gossip.ddp_baseline import DDPBaseline
 from gossip.gpt import GPT, GPTConfig
 from gossip.parallel import DecentralizedDataParallel
 from gossip.run_dir import RunSummary, prepare_run_dir, write_outputs
 
 OPTIMIZERS = ("accum-adamw", "adamw", "sgd")
+DDP = "ddp"  # torch DistributedDataParallel: the All-Reduce baseline (gradient all-reduce, no schedule)
+ALGORITHM_CHOICES = tuple(sorted([*gossip.ALGORITHMS, DDP]))
 DEFAULT_SCHEDULE = "one_peer_hypercube"
 FALLBACK_SCHEDULE = "ring"
 SAMPLE_PROMPT = "def "
@@ -78,6 +84,9 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+Replicated = DecentralizedDataParallel | DDPBaseline
+
+
 def default_schedule(world_size: int) -> str:
     """one_peer_hypercube when ``world_size`` is a power of two >= 2 (one peer per step, exact average after
     log2 n steps), else ring (any n)."""
@@ -106,7 +115,9 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     """
     resolved = dataclasses.replace(config, world_size=world_size, model=dict(config.model))
     notes = []
-    if config.schedule is None:
+    if config.algorithm == DDP:
+        _check_ddp(config)
+    elif config.schedule is None:
         resolved.schedule = default_schedule(world_size)
         if resolved.schedule != DEFAULT_SCHEDULE:
             notes.append(f"schedule: {resolved.schedule} ({DEFAULT_SCHEDULE} needs a power of two >= 2 workers)")
@@ -114,14 +125,26 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
         resolved.accum_iter = max(1, world_size // 4)
     if config.warmup_steps is None:
         resolved.warmup_steps = min(100, config.steps // 10)
-    if config.algorithm not in gossip.ALGORITHMS:
-        raise ConfigError("--algorithm", f"unknown {config.algorithm!r}; choose one of {sorted(gossip.ALGORITHMS)}")
+    if config.algorithm not in ALGORITHM_CHOICES:
+        raise ConfigError("--algorithm", f"unknown {config.algorithm!r}; choose one of {list(ALGORITHM_CHOICES)}")
     if config.optimizer not in OPTIMIZERS:
         raise ConfigError("--optimizer", f"unknown {config.optimizer!r}; choose one of {list(OPTIMIZERS)}")
     if config.data is not None and not Path(config.data).is_file():
         raise ConfigError("--data", f"{config.data!r} does not exist or is not a file")
-    build_schedule(resolved)
+    if resolved.algorithm != DDP:
+        build_schedule(resolved)
     return resolved, notes
+
+
+def _check_ddp(config: TrainConfig) -> None:
+    if config.schedule is not None:
+        raise ConfigError(
+            "--schedule", f"--algorithm ddp all-reduces over all workers; drop --schedule {config.schedule}"
+        )
+    if config.backend == "mpi":
+        raise ConfigError(
+            "--backend", "--algorithm ddp runs torch DistributedDataParallel, which needs Gloo or NCCL, not mpi"
+        )
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
@@ -136,6 +159,22 @@ def make_algorithm(config: TrainConfig) -> gossip.Algorithm:
     if config.algorithm == "powergossip":
         return gossip.PowerGossip(rank=config.rank)
     return gossip.ALGORITHMS[config.algorithm]()
+
+
+def make_model(config: TrainConfig, comm: Communicator, run_dir: Path) -> Replicated:
+    """The GPT wrapped for ``config.algorithm``: DecentralizedDataParallel, or DDPBaseline for ``ddp``."""
+    module = GPT(GPTConfig(**config.model))
+    if config.algorithm == DDP:
+        return DDPBaseline(module, comm, run_dir=run_dir, consensus_every=config.log_every)
+    return DecentralizedDataParallel(
+        module,
+        comm,
+        build_schedule(config),
+        make_algorithm(config),
+        run_dir=run_dir,
+        consensus_every=config.log_every,
+        seed=config.seed,
+    )
 
 
 def make_optimizer(config: TrainConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
@@ -155,7 +194,7 @@ def worker_threads(local_size: int) -> int:
 
 
 @torch.no_grad()
-def validation_loss(model: DecentralizedDataParallel, batches: list, comm: Communicator) -> float:
+def validation_loss(model: Replicated, batches: list, comm: Communicator) -> float:
     """Mean loss of the averaged model on the fixed validation batches; each rank evaluates a share. A collective."""
     totals = torch.zeros(2, dtype=torch.float64)
     with model.averaged() as module:
@@ -194,23 +233,18 @@ def _train(config: TrainConfig, comm: Communicator) -> RunSummary | None:
             print(note, flush=True)
     corpus = load_corpus(config.data, block_size=config.model["block_size"])
     torch.manual_seed(config.seed)
-    model = DecentralizedDataParallel(
-        GPT(GPTConfig(**config.model)),
-        comm,
-        build_schedule(config),
-        make_algorithm(config),
-        run_dir=run_dir,
-        consensus_every=config.log_every,
-        seed=config.seed,
-    )
+    model = make_model(config, comm, run_dir)
     optimizer = make_optimizer(config, model.module)
     batches = ShardedBatches(
         corpus.train, comm.rank, comm.size, config.batch_size, config.model["block_size"], config.seed, config.split
     )
     held_out = validation_batches(corpus.validation, config.batch_size, config.model["block_size"], config.eval_batches)
     if comm.rank == 0:
+        mixing = (
+            "torch DDP (gradient all-reduce)" if config.algorithm == DDP else f"{config.algorithm} on {config.schedule}"
+        )
         print(
-            f"gossip-train: {comm.size} worker(s), {config.algorithm} on {config.schedule}, {config.optimizer}, "
+            f"gossip-train: {comm.size} worker(s), {mixing}, {config.optimizer}, "
             f"GPT {model.module.num_parameters():,} params, corpus {corpus.source} ({len(corpus.train):,} bytes), "
             f"run dir {run_dir}",
             flush=True,
@@ -265,7 +299,7 @@ def _train(config: TrainConfig, comm: Communicator) -> RunSummary | None:
     return summary
 
 
-def _sample(model: DecentralizedDataParallel, seed: int, rank: int) -> str | None:
+def _sample(model: Replicated, seed: int, rank: int) -> str | None:
     """SAMPLE_BYTES bytes generated by the averaged model after SAMPLE_PROMPT, on rank 0. A collective."""
     with model.averaged() as module:
         if rank != 0:

@@ -39,9 +39,20 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def launch(
-    script: str, out_dir: Path, args: list[str], *, backend: str, n: int = 4, timeout: float = 240.0
+    script: str,
+    out_dir: Path,
+    args: list[str],
+    *,
+    backend: str,
+    n: int = 4,
+    timeout: float = 240.0,
+    local_size: int | None = None,
 ) -> tuple[list[Any], str]:
-    """Run ``tests/<script>`` on ``n`` processes with ``backend`` ("gloo" or "mpi"); return results and output."""
+    """Run ``tests/<script>`` on ``n`` processes with ``backend`` ("gloo" or "mpi"); return results and output.
+
+    ``local_size`` (Gloo only) emulates nodes of that many ranks: LOCAL_RANK = r % local_size (default: one node).
+    """
+    local_size = n if local_size is None else local_size
     argv = [sys.executable, str(REPO / "tests" / script), str(out_dir), *args]
     if backend == "mpi":
         procs = [
@@ -61,8 +72,8 @@ def launch(
                     {
                         "RANK": str(r),
                         "WORLD_SIZE": str(n),
-                        "LOCAL_RANK": str(r),
-                        "LOCAL_WORLD_SIZE": str(n),
+                        "LOCAL_RANK": str(r % local_size),
+                        "LOCAL_WORLD_SIZE": str(local_size),
                         "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": port,
                     }

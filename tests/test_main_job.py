@@ -106,3 +106,17 @@ def test_failed_worker_fails_the_job_with_its_error(tmp_path):
     result = _run(["--nproc", "2", "--data", str(tiny), "--out", str(tmp_path / "run")], tmp_path)
     assert result.returncode == 1
     assert "worker rank" in result.stderr and "block_size + 1" in result.stderr
+
+
+def test_ddp_with_the_mpi_backend_is_an_argparse_error_naming_backend(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--nproc", "2", "--algorithm", "ddp", "--backend", "mpi"])
+    assert exit_info.value.code == 2
+    assert "--backend" in capsys.readouterr().err
+
+
+def test_ddp_with_a_schedule_is_an_argparse_error_naming_schedule(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--nproc", "2", "--algorithm", "ddp", "--schedule", "ring"])
+    assert exit_info.value.code == 2
+    assert "--schedule" in capsys.readouterr().err

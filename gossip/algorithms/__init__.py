@@ -1,10 +1,26 @@
-"""Gossip algorithms behind one start/finish interface: ExactGossip, PowerGossip, AllReduce."""
+"""Gossip algorithms behind one start/finish interface: ExactGossip, PowerGossip, AllReduce, HierarchicalGossip,
+AdaptivePowerGossip; compression policies (``tagc_policy``)."""
 
+from gossip.algorithms.adaptive_rank import AdaptivePowerGossip, LadderSearch
 from gossip.algorithms.allreduce import AllReduce
 from gossip.algorithms.base import Algorithm, Traffic
 from gossip.algorithms.exact import ExactGossip
+from gossip.algorithms.hierarchical import HierarchicalGossip
 from gossip.algorithms.powergossip import PowerGossip, exclude_names
+from gossip.algorithms.presets import tagc_policy
 
 ALGORITHMS = {"exact": ExactGossip, "powergossip": PowerGossip, "allreduce": AllReduce}
 
-__all__ = ["ALGORITHMS", "Algorithm", "AllReduce", "ExactGossip", "PowerGossip", "Traffic", "exclude_names"]
+__all__ = [
+    "ALGORITHMS",
+    "AdaptivePowerGossip",
+    "Algorithm",
+    "AllReduce",
+    "ExactGossip",
+    "HierarchicalGossip",
+    "LadderSearch",
+    "PowerGossip",
+    "Traffic",
+    "exclude_names",
+    "tagc_policy",
+]

@@ -9,16 +9,26 @@ mixes. Each step is split in two so that computation runs in between (algorithms
     algorithm.finish(pending)         # waits, then applies the mixing to the parameters in place
 
 The buckets must not be modified between ``start`` and ``finish``: their memory is sent without a copy.
+
+Non-finite input. What a peer sent is checked in ``finish`` (one ``torch.isfinite(...).all()`` per received
+tensor, one synchronisation): with ``nonfinite="raise"`` (default) a NaN or Inf raises
+:class:`gossip.errors.NonFiniteError` naming this rank, the peer and the step; with ``"drop"`` that peer's
+contribution is left out of this step (each algorithm says how) and a :class:`gossip.errors.NonFiniteWarning`
+names the peer and the step.
 """
 
 from __future__ import annotations
 
 import abc
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from gossip.backends.base import Communicator, Handle
 from gossip.buckets import Bucket
+from gossip.errors import NonFiniteError, NonFiniteWarning
 from topologies import Schedule
 
 
@@ -48,6 +58,16 @@ class Traffic:
         return sum(self.received.values())
 
 
+NONFINITE_POLICIES = ("raise", "drop")
+
+
+def check_nonfinite_policy(owner: str, policy: str) -> str:
+    """Return ``policy`` if it is one of :data:`NONFINITE_POLICIES`, else raise a ValueError naming ``owner``."""
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(f"{owner}: nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
+    return policy
+
+
 class Algorithm(abc.ABC):
     """Base class: holds the binding (communicator, schedule, buckets) and the accounting of one step: bytes per
     peer (``traffic``) and seconds blocked waiting for the exchange (``wait_seconds``, exposed communication)."""
@@ -69,8 +89,9 @@ class Algorithm(abc.ABC):
             )
         if schedule is not None:
             schedule.require_size(comm.size)
-            if self.needs_symmetric_schedule:
-                schedule.validate(symmetric=True)
+            # Also for a schedule built with validate=False: negative weights, rows not summing to one or a
+            # disconnected graph are refused here, naming the step, the ranks and the property.
+            schedule.validate(symmetric=self.needs_symmetric_schedule)
         self.comm, self.schedule, self.buckets = comm, schedule, buckets
         self.traffic = Traffic()
         self.wait_seconds = 0.0
@@ -84,6 +105,31 @@ class Algorithm(abc.ABC):
         """Wait for ``handle``, adding the time blocked to ``wait_seconds`` (the step's exposed communication)."""
         handle.wait()
         self.wait_seconds += handle.wait_seconds
+
+    def _nonfinite_peers(self, step: int, policy: str, received: list[tuple[int, list[torch.Tensor]]]) -> set[int]:
+        """The peers among ``(peer, tensors it sent)`` whose tensors hold NaN or Inf, under ``policy``.
+
+        ``"raise"``: raise :class:`NonFiniteError` for the first such peer. ``"drop"``: warn once per peer and
+        return them, for the caller to leave out.
+        """
+        checks = [torch.isfinite(t).all() for _, tensors in received for t in tensors if t.numel()]
+        if not checks or bool(torch.stack(checks).all()):
+            return set()
+        bad = [peer for peer, tensors in received if not all(bool(torch.isfinite(t).all()) for t in tensors)]
+        me = self.comm.rank
+        if policy == "raise":
+            raise NonFiniteError(
+                f"rank {me}: step {step}: peer {bad[0]} sent non-finite values (NaN or Inf) to mix in; its replica "
+                f"has diverged. {type(self).__name__}(nonfinite='drop') leaves such a contribution out instead"
+            )
+        for peer in bad:
+            warnings.warn(
+                f"rank {me}: step {step}: dropped the contribution of peer {peer}, which sent non-finite values "
+                "(NaN or Inf); its weight stays with this rank's own parameters",
+                NonFiniteWarning,
+                stacklevel=3,
+            )
+        return set(bad)
 
     @abc.abstractmethod
     def start(self, step: int) -> Any:

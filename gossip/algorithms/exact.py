@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gossip.algorithms.base import Algorithm
+from gossip.algorithms.base import Algorithm, check_nonfinite_policy
 from gossip.backends.base import Handle
 from topologies import PeerView
 
@@ -28,11 +28,17 @@ class ExactGossip(Algorithm):
 
     name = "exact"
 
-    def __init__(self, gamma: float = 1.0):
+    def __init__(self, gamma: float = 1.0, *, nonfinite: str = "raise"):
         if not gamma > 0:
             raise ValueError(f"ExactGossip: gamma must be positive, got {gamma}")
         self.gamma = float(gamma)
+        self._nonfinite = check_nonfinite_policy("ExactGossip", nonfinite)
         self._receive_buffers: list[list[torch.Tensor]] = []
+
+    @property
+    def nonfinite(self) -> str:
+        """What a NaN or Inf received from a peer does: "raise" or "drop" (see the module docstring)."""
+        return self._nonfinite
 
     def _buffers(self, count: int) -> list[list[torch.Tensor]]:
         while len(self._receive_buffers) < count:
@@ -56,9 +62,16 @@ class ExactGossip(Algorithm):
 
     def finish(self, pending: _Pending) -> None:
         self._wait(pending.handle)
-        gamma, in_peers = self.gamma, pending.view.in_peers
-        keep = 1.0 - gamma * sum(weight for _, weight in in_peers)
+        received = [(peer, buffers) for (peer, _), buffers in zip(pending.view.in_peers, pending.received, strict=True)]
+        dropped = self._nonfinite_peers(pending.step, self._nonfinite, received)
+        gamma = self.gamma
+        kept = [
+            (weight, buffers)
+            for (peer, weight), buffers in zip(pending.view.in_peers, pending.received, strict=True)
+            if peer not in dropped
+        ]
+        keep = 1.0 - gamma * sum(weight for weight, _ in kept)
         for index, bucket in enumerate(self.buckets):
             bucket.buffer.mul_(keep)
-            for (_, weight), buffers in zip(in_peers, pending.received, strict=True):
+            for weight, buffers in kept:
                 bucket.buffer.add_(buffers[index], alpha=gamma * weight)

@@ -19,7 +19,15 @@ compute R from the same two operands, and orthonormalize identical inputs with i
 which also absorbs kernel differences between devices, A.4). Factors of an idle edge are kept, so warm starts
 survive time-varying schedules that revisit pairs (A.8). Tensors with fewer than two dimensions and matrices
 whose compression ratio m k / (r (m + k)) is below ``min_compression`` travel uncompressed, mixed as exact
-gossip (A.5, D.3); ``policy`` overrides the choice per parameter name.
+gossip (A.5, D.3); ``policy`` overrides the choice per parameter name. Parameters with 0 elements travel as
+nothing.
+
+``nonfinite="drop"``: when a peer's products or uncompressed tensors hold NaN or Inf, this end skips that
+edge's correction for the step (its uncompressed tensors' weight goes back to the self weight, so that row stays
+stochastic) and keeps its factors p and q as they were. The edge's parity counter still advances, so both ends
+keep multiplying on the same side (else the next messages would differ in shape). Once both ends send finite
+products again, two iterations make their factors identical again (both compute R from the same two operands).
+The peer still applies its own side of the edge, so the sum over ranks is not preserved that step.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gossip.algorithms.base import Algorithm
+from gossip.algorithms.base import Algorithm, check_nonfinite_policy
 from gossip.backends.base import Communicator, Handle
 from gossip.buckets import Bucket, Entry
 from topologies import Schedule
@@ -111,6 +119,7 @@ class PowerGossip(Algorithm):
         min_compression: float = 2.0,
         policy: Policy | None = None,
         seed: int = 0,
+        nonfinite: str = "raise",
     ):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"PowerGossip: rank must be an integer >= 1, got {rank!r}")
@@ -122,11 +131,14 @@ class PowerGossip(Algorithm):
             raise ValueError(f"PowerGossip: min_compression must be >= 1 (a ratio), got {min_compression}")
         self.rank, self.num_iterations, self.gamma = rank, num_iterations, float(gamma)
         self.warm_start, self.min_compression, self.policy, self.seed = warm_start, min_compression, policy, seed
+        self.nonfinite = check_nonfinite_policy("PowerGossip", nonfinite)
         self.edges: dict[tuple[int, int], EdgeState] = {}
 
     # -- binding --------------------------------------------------------------------------------------------
     def _compress(self, entry: Entry) -> bool:
         shape = entry.shape
+        if shape.numel() == 0:
+            return False  # nothing to send either way
         choice = self.policy(entry.name, shape) if self.policy is not None else None
         if choice is None:
             if len(shape) < 2:
@@ -213,15 +225,30 @@ class PowerGossip(Algorithm):
     def _apply(self, round_: _Round) -> None:
         self._wait(round_.handle)
         me, gamma = self.comm.rank, self.gamma
+        received = [
+            (peer, [message, *exact])
+            for (peer, _, _, _), message, exact in zip(
+                round_.peers, round_.received, round_.received_exact, strict=True
+            )
+        ]
+        dropped = self._nonfinite_peers(round_.step, self.nonfinite, received)
         # Uncompressed tensors: exact gossip, from the values at the start of the iteration.
-        keep = 1.0 - gamma * sum(weight for _, weight, _, _ in round_.peers)
+        kept = [
+            (w, incoming)
+            for (p, w, _, _), incoming in zip(round_.peers, round_.received_exact, strict=True)
+            if p not in dropped
+        ]
+        keep = 1.0 - gamma * sum(weight for weight, _ in kept)
         for slot, (index, entry) in enumerate(self.exact):
             x = self._exact(index, entry)
             x.mul_(keep)
-            for (_, weight, _, _), incoming in zip(round_.peers, round_.received_exact, strict=True):
+            for weight, incoming in kept:
                 x.add_(incoming[slot], alpha=gamma * weight)
         # Matrices: equal and opposite low-rank corrections on the two ends of every edge.
         for (peer, weight, edge, right), own, theirs in zip(round_.peers, round_.sent, round_.received, strict=True):
+            if peer in dropped:
+                edge.iteration += 1  # keep the parity in step with the peer's; p and q stay as they were
+                continue
             lo = me < peer
             offset = 0
             for i, matrix in enumerate(self.matrices):

@@ -6,11 +6,22 @@ training thread computes, and a rank waiting for a slow peer does not spin a who
 ``Wait`` busy-polls in MPICH). Tensors travel as bytes (``MPI.BYTE``), so every torch dtype -- bfloat16 too --
 moves bit for bit; contiguous CPU tensors are passed without a copy, CUDA tensors go straight to a CUDA-aware MPI.
 Reductions of float16/bfloat16 run in float32 (MPI has no portable 16-bit float sum).
+
+A dead peer. MPI offers no failure detection: a receive from a killed process simply never completes, and a
+waiting rank raises :class:`CommTimeoutError` naming that peer after ``timeout``. Under MPICH's Hydra started
+with ``mpiexec -disable-auto-cleanup`` (without it Hydra kills the whole job when one process dies), Hydra
+sends SIGUSR1 to every surviving process when one dies (pmodels/mpich#1598), whose default action would kill
+them silently. This communicator handles SIGUSR1 (when it is installed from the main thread and no one else
+handles it): a wait in progress or started later then raises :class:`PeerFailedError` at once, naming the peers
+it still waits for. An uncaught error after a failure ends the process with status 1 without ``MPI_Finalize``,
+which would wait for the dead process forever (:mod:`gossip.backends.exit_guard`).
 """
 
 from __future__ import annotations
 
 import pickle
+import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,12 +40,28 @@ from gossip.backends.base import (
     Transfer,
     check_header,
 )
-from gossip.errors import CommTimeoutError, GossipError
+from gossip.backends.exit_guard import watch
+from gossip.errors import CommTimeoutError, GossipError, PeerFailedError
 from gossip.launch_env import LaunchInfo
 
 _BARRIER_TAG = 9
 _POLL_SLEEP_MAX = 1e-3  # seconds between Test() calls once a wait has lasted a while
 _Pending = tuple[Any, str, "Callable[[], None] | None"]  # (request, part it completes, continuation)
+
+
+_launcher_reported_failure = threading.Event()
+
+
+def _on_process_failure(signum: int, frame: Any) -> None:
+    """SIGUSR1 from Hydra: some process of this job died (mpiexec -disable-auto-cleanup)."""
+    _launcher_reported_failure.set()
+
+
+def _handle_launcher_failure_signal() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:  # None would be a handler installed outside Python
+        signal.signal(signal.SIGUSR1, _on_process_failure)
 
 
 def _bytes(tensor: torch.Tensor) -> Any:
@@ -65,6 +92,13 @@ class MPICommunicator(Communicator):
         self.timeout = timeout
         self._thread = CommThread(f"gossip-mpi-rank{self.rank}", self.rank, timeout)
         self._closed = False
+        _handle_launcher_failure_signal()
+        watch(self)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The first error of this communicator (None while healthy); after it every operation is refused."""
+        return self._thread.failure
 
     def _poll(self, progress: Progress, pending: list[_Pending]) -> None:
         """Drive ``pending`` requests to completion; a continuation may append more requests to ``pending``."""
@@ -86,6 +120,13 @@ class MPICommunicator(Communicator):
                 for request, _, _ in pending:
                     request.Cancel()
                 raise self._thread.failure
+            if _launcher_reported_failure.is_set():
+                for request, _, _ in pending:
+                    request.Cancel()
+                raise PeerFailedError(
+                    f"rank {self.rank}: {progress.operation}: the MPI launcher reported that a process of this job "
+                    f"died (SIGUSR1); gave up waiting to {progress.describe()}"
+                )
             if time.monotonic() > deadline:
                 for request, _, _ in pending:
                     request.Cancel()

@@ -4,7 +4,9 @@ Transfers run on a :class:`CommThread`. Gloo moves bytes on its own I/O threads,
 the operations and waits on them; receives are always posted together with sends (a blocking Gloo send is a
 rendezvous: two peers that both send first deadlock). NCCL ignores tags but keeps per-pair order, which is all
 the header/payload protocol needs. A peer that dies surfaces as Gloo's "connection closed" and is re-raised as
-:class:`PeerFailedError` naming the peer; a peer that never answers as :class:`CommTimeoutError` naming it.
+:class:`PeerFailedError` naming the peer; a peer that never answers as :class:`CommTimeoutError` naming it. An
+uncaught error after such a failure ends the process with status 1 without running Gloo's teardown
+(:mod:`gossip.backends.exit_guard`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from gossip.backends.base import (
     Transfer,
     check_header,
 )
+from gossip.backends.exit_guard import watch
 from gossip.errors import CommTimeoutError, GossipError, PeerFailedError
 from gossip.launch_env import LaunchInfo
 
@@ -54,6 +57,12 @@ class TorchDistCommunicator(Communicator):
         )
         self._thread = CommThread(f"gossip-{backend}-rank{self.rank}", self.rank, timeout)
         self._closed = False
+        watch(self)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The first error of this communicator (None while healthy); after it every operation is refused."""
+        return self._thread.failure
 
     # -- helpers --------------------------------------------------------------------------------------------
     def _wait(self, work: dist.Work, part: str, progress: Progress, peer: int | None) -> None:

@@ -1,0 +1,94 @@
+"""Shared runner of the issue-8 experiments: 4 workers train gossip.gpt's GPT on the stdlib corpus.
+
+The workers are virtual ranks of ``gossip.simulate`` in this one process (the simulator is the oracle the real
+backends match bit for bit), so losses and bytes are those of a real run; wall-clock times are of 4 threads
+sharing this machine's cores, with no network cost -- they are reported, not used for claims about networks.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import gossip
+import optim
+import topologies
+from gossip.corpus import ShardedBatches, load_corpus, validation_batches
+from gossip.gpt import GPT, GPTConfig
+from gossip.train import validation_loss
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WORKERS = 4
+BATCH = 8
+MODEL = GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=64)  # small enough for 4 workers on 2 shared cores
+
+
+def train_run(
+    make_algorithm: Callable[[], gossip.Algorithm],
+    *,
+    steps: int,
+    split: str = "iid",
+    lr: float = 3e-3,
+    eval_every: int = 25,
+    seed: int = 0,
+    schedule: Callable[[int], topologies.Schedule] = topologies.one_peer_hypercube,
+    local_size: int | None = None,
+) -> list[dict]:
+    """Train ``steps`` steps; return one row per evaluation: step, val loss, mean train loss, bytes, seconds."""
+    corpus = load_corpus(None, block_size=MODEL.block_size)
+    held_out = validation_batches(corpus.validation, BATCH, MODEL.block_size, 8)
+    torch.set_num_threads(1)
+
+    def worker(comm: gossip.Communicator) -> list[dict]:
+        torch.manual_seed(seed)
+        algorithm = make_algorithm()
+        model = gossip.DecentralizedDataParallel(GPT(MODEL), comm, schedule(comm.size), algorithm, seed=seed)
+        groups = optim.param_groups(model.module, 0.1)
+        optimizer = optim.AccumAdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, accum_iter=1)
+        batches = ShardedBatches(corpus.train, comm.rank, comm.size, BATCH, MODEL.block_size, seed, split)
+        rows, losses, started = [], [], time.perf_counter()
+        for step in range(steps):
+            for group in optimizer.param_groups:  # linear warm-up over 20 steps, then cosine to lr / 10
+                progress = max(0.0, (step - 20) / max(1, steps - 20))
+                group["lr"] = lr * min(1.0, (step + 1) / 20) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+            x, y = batches.batch(step)
+            _, loss = model(x, y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            if (step + 1) % eval_every == 0 or step + 1 == steps:
+                elapsed = time.perf_counter() - started
+                val = validation_loss(model, held_out, comm)
+                sent = torch.tensor([float(algorithm.traffic.total_sent)], dtype=torch.float64)
+                comm.all_reduce(sent, "avg")
+                train = torch.tensor([sum(losses[-eval_every:]) / len(losses[-eval_every:])], dtype=torch.float64)
+                comm.all_reduce(train, "avg")
+                rank_now = getattr(algorithm, "rank", None)
+                rows.append(
+                    {"step": step + 1, "val_loss": val, "train_loss": float(train), "bytes_per_worker": float(sent),
+                     "seconds": elapsed, "rank": rank_now}
+                )  # fmt: skip
+        model.close()
+        return rows
+
+    kwargs = {} if local_size is None else {"local_size": local_size}
+    return gossip.simulate(WORKERS, worker, timeout=600.0, **kwargs)[0]
+
+
+def first_reaching(rows: list[dict], target: float) -> dict | None:
+    """The first evaluation row whose validation loss is at or below ``target``."""
+    return next((row for row in rows if row["val_loss"] <= target), None)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

@@ -1,0 +1,79 @@
+"""Launch tests/failure_dead_peer_worker.py on 4 processes and collect, per rank, its exit status and output.
+
+Gloo: one process per rank with torchrun's environment; each rank's stderr goes to ``rank<r>.err``. MPI:
+``mpiexec -disable-auto-cleanup -print-all-exitcodes -l -n 4`` (MPICH's Hydra; without the flag Hydra kills every
+rank as soon as one dies; a healthy job runs without it); the per-rank status comes from Hydra's "Exit codes"
+line and the output lines are attributed by their ``[r]`` prefix.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from launch import REPO, _env, _free_port, mpiexec
+
+N = 4
+WORKER = REPO / "tests" / "failure_dead_peer_worker.py"
+
+
+@dataclass
+class Job:
+    statuses: list[int]  # per rank: exit code, or -signal when killed (MPI: Hydra's waitpid status decoded)
+    outputs: list[str]  # per rank
+    ended_at: float  # time.time() when the last process had ended
+
+
+def _hydra_status(raw: int) -> int:
+    return -(raw & 0x7F) if raw & 0x7F else raw >> 8
+
+
+def run(backend: str, out_dir: Path, kill_rank: int, steps: int = 30, timeout: float = 90.0) -> Job:
+    argv = [sys.executable, str(WORKER), str(out_dir), backend, str(kill_rank), str(steps)]
+    if backend == "mpi":
+        # -disable-auto-cleanup only with a kill: Hydra then also signals (SIGUSR1) the ranks still finalizing
+        # when the first healthy rank exits, so a healthy job runs as users run it, without the flag.
+        keep_survivors = ["-disable-auto-cleanup"] if kill_rank >= 0 else []
+        command = [mpiexec(), *keep_survivors, "-print-all-exitcodes", "-l", "-n", str(N), *argv]
+        proc = subprocess.run(command, env=_env({}), capture_output=True, text=True, timeout=timeout)
+        ended_at = time.time()
+        text = proc.stdout + proc.stderr
+        codes = re.search(r"Exit codes: \[[^\]]*\] ([\d,]+)", text)
+        statuses = [_hydra_status(int(c)) for c in codes.group(1).split(",")] if codes else [proc.returncode] * N
+        outputs = ["\n".join(line for line in text.splitlines() if line.startswith(f"[{r}] ")) for r in range(N)]
+        return Job(statuses, outputs, ended_at)
+    port = str(_free_port())
+    procs, files = [], []
+    for r in range(N):
+        env = {"RANK": str(r), "WORLD_SIZE": str(N), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(N)}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        files.append(open(out_dir / f"rank{r}.err", "w+"))  # noqa: SIM115 -- closed below
+        procs.append(subprocess.Popen(argv, env=_env(env), stdout=files[-1], stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    finally:
+        ended_at = time.time()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    outputs = []
+    for handle in files:
+        handle.seek(0)
+        outputs.append(handle.read())
+        handle.close()
+    return Job([proc.returncode for proc in procs], outputs, ended_at)
+
+
+def pids(out_dir: Path) -> list[int]:
+    return [int(path.read_text()) for path in sorted(out_dir.glob("rank*.pid"))]
+
+
+def alive(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text()
