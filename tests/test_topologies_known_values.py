@@ -197,3 +197,24 @@ def test_bytes_per_step_for_one_rank_counts_its_own_out_peers():
 
 def test_step_rhos_cover_one_period():
     assert len(analysis.step_rhos(topologies.alternating_exp_ring(8, 2))) == 6
+
+
+def test_torus_of_four_is_the_four_ring_and_of_eight_has_degree_three():
+    import numpy as np
+
+    from topologies import by_name, ring
+
+    four = by_name("torus", 4)  # the 4-cycle 0-1-3-2 (row-major numbering): a relabelled ring(4)
+    assert all(len(four.peers(rank, 0).in_peers) == 2 for rank in range(4))
+    spectrum = np.linalg.eigvalsh
+    assert np.allclose(spectrum(four.mixing_matrix(0)), spectrum(ring(4).mixing_matrix(0)))
+    eight = by_name("torus", 8)
+    assert eight.params["rows"] == 2 and eight.is_doubly_stochastic and eight.is_symmetric
+    assert all(len(eight.peers(rank, 0).in_peers) == 3 for rank in range(8))
+
+
+def test_torus_of_a_prime_number_of_ranks_is_refused():
+    from topologies import ScheduleError, by_name
+
+    with pytest.raises(ScheduleError, match="n=7 has no such split"):
+        by_name("torus", 7)

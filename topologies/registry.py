@@ -1,7 +1,8 @@
 """Built-in schedules by name, for the CLIs: ``by_name("one_peer_hypercube", 16)``, ``names()``.
 
 Every entry builds a schedule for n ranks from keyword options with sensible defaults:
-torus picks the most square rows x cols with both >= 3; random_regular uses degree 4 (n - 1 when n <= 4);
+torus picks the most square rows x cols with both >= 2 (a side of 2 has one neighbour in that dimension,
+so 2 x 2 is the 4-ring and 2 x 4 has degree 3); random_regular uses degree 4 (n - 1 when n <= 4);
 erdos_renyi uses p = min(1, 2 ln(n) / n) (twice the connectivity threshold); hierarchical and
 alternating_exp_ring use per_node = 4 when n / 4 is a power of two >= 2, else 2.
 """
@@ -25,9 +26,9 @@ class _Entry:
 
 def _torus(n: int, rows: int | None = None, weights: str = "uniform") -> Schedule:
     if rows is None:
-        candidates = [r for r in range(3, math.isqrt(n) + 1) if n % r == 0 and n // r >= 3]
+        candidates = [r for r in range(2, math.isqrt(n) + 1) if n % r == 0]
         if not candidates:
-            raise ScheduleError(f"torus needs n = rows * cols with rows, cols >= 3; n={n} has no such split")
+            raise ScheduleError(f"torus needs n = rows * cols with rows, cols >= 2; n={n} has no such split")
         rows = candidates[-1]
     if n % rows:
         raise ScheduleError(f"torus rows={rows} does not divide n={n}")

@@ -79,7 +79,8 @@ def ring(n: int, weights: str = "uniform") -> Schedule:
 
 
 def torus(rows: int, cols: int, weights: str = "uniform") -> Schedule:
-    """2-D periodic grid, rank = row * cols + col; degree 4 when rows, cols >= 3."""
+    """2-D periodic grid, rank = row * cols + col; degree 4 when rows, cols >= 3 (a side of 2 contributes one
+    neighbour, the two directions being the same rank; a side of 1 none)."""
     _positive("rows", rows)
     _positive("cols", cols)
     grid = nx.grid_2d_graph(rows, cols, periodic=True)
