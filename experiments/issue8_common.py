@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import math
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,16 +39,23 @@ def train_run(
     seed: int = 0,
     schedule: Callable[[int], topologies.Schedule] = topologies.one_peer_hypercube,
     local_size: int | None = None,
+    on_finish: Callable[[gossip.Algorithm], None] | None = None,
 ) -> list[dict]:
-    """Train ``steps`` steps; return one row per evaluation: step, val loss, mean train loss, bytes, seconds."""
+    """Train ``steps`` steps; return one row per evaluation: step, val loss, mean train loss, bytes, seconds.
+
+    ``on_finish(algorithm)`` is called with rank 0's algorithm after the last step (e.g. to read its history).
+    """
     corpus = load_corpus(None, block_size=MODEL.block_size)
     held_out = validation_batches(corpus.validation, BATCH, MODEL.block_size, 8)
     torch.set_num_threads(1)
+    init_lock = threading.Lock()  # the virtual ranks are threads sharing torch's global generator
 
     def worker(comm: gossip.Communicator) -> list[dict]:
-        torch.manual_seed(seed)
+        with init_lock:  # seed + init atomically, else the ranks' draws interleave and rank 0's init is random
+            torch.manual_seed(seed)
+            module = GPT(MODEL)
         algorithm = make_algorithm()
-        model = gossip.DecentralizedDataParallel(GPT(MODEL), comm, schedule(comm.size), algorithm, seed=seed)
+        model = gossip.DecentralizedDataParallel(module, comm, schedule(comm.size), algorithm, seed=seed)
         groups = optim.param_groups(model.module, 0.1)
         optimizer = optim.AccumAdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, accum_iter=1)
         batches = ShardedBatches(corpus.train, comm.rank, comm.size, BATCH, MODEL.block_size, seed, split)
@@ -74,6 +82,8 @@ def train_run(
                     {"step": step + 1, "val_loss": val, "train_loss": float(train), "bytes_per_worker": float(sent),
                      "seconds": elapsed, "rank": rank_now}
                 )  # fmt: skip
+        if on_finish is not None and comm.rank == 0:
+            on_finish(algorithm)
         model.close()
         return rows
 
@@ -92,3 +102,41 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def read_csv(path: Path) -> list[dict]:
+    """Rows of a CSV written by ``write_csv``; numeric fields as float, empty ones as None."""
+
+    def value(text: str):
+        if text == "":
+            return None
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+    with path.open(newline="") as handle:
+        return [{key: value(text) for key, text in row.items()} for row in csv.DictReader(handle)]
+
+
+def save_figure(fig, path: Path, max_bytes: int = 200_000) -> Path:
+    """Save a matplotlib figure as PNG (dpi 100) and check it stays under ``max_bytes``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise ValueError(f"{path}: {size} bytes is over the {max_bytes}-byte budget for a plot")
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (imported only when a plot is drawn)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

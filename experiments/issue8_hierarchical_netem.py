@@ -6,7 +6,10 @@ rate-limited veth link (``--rate``, the slow level; htb on each namespace's upli
 times ``--steps`` mixing steps (no compute, so the communication is fully exposed) of All-Reduce, flat exact
 gossip and flat PowerGossip on the one-peer hypercube over the 4 ranks, and hierarchical gossip (exact and
 PowerGossip r=4 across nodes). Needs root. Writes experiments/results/issue8_hierarchical.{csv,md}.
+Also draws issue8_hierarchical.png (seconds per step per method).
 Run: PYTHONPATH=. python experiments/issue8_hierarchical_netem.py [--rate 100mbit --size 512 --layers 8]
+     PYTHONPATH=. python experiments/issue8_hierarchical_netem.py --plot-only   (redraw the PNG from the CSV)
+     PYTHONPATH=. python experiments/issue8_hierarchical_netem.py --validate    (runtime model vs the CSV)
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from experiments.issue8_common import RESULTS, write_csv
+from experiments.issue8_common import RESULTS, pyplot, read_csv, save_figure, write_csv
 from experiments.netem import EmulatedNetwork
 from experiments.netem.launch import supervise
 from experiments.netem.network import python_path_env
+from experiments.runtime_model_cli import parse_rate, validation_table
 
 NODES, PER_NODE = 2, 2
 NOTES = """
@@ -41,7 +45,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--size", type=int, default=512, help="each layer is a size x size float32 matrix")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--plot-only", action="store_true", help="only redraw issue8_hierarchical.png from the CSV")
+    parser.add_argument("--validate", action="store_true", help="only compare the runtime model with the CSV")
     args = parser.parse_args()
+    if args.plot_only:
+        print(plot(read_csv(RESULTS / "issue8_hierarchical.csv")))
+        return
+    if args.validate:
+        validate(read_csv(RESULTS / "issue8_hierarchical.csv"))
+        return
     worker = Path(__file__).resolve().parent / "issue8_hierarchical_worker.py"
     with tempfile.TemporaryDirectory() as out, EmulatedNetwork(hosts=NODES, rate=args.rate) as net:
         base = python_path_env()
@@ -81,6 +93,73 @@ def main() -> None:
     ]
     (RESULTS / "issue8_hierarchical.md").write_text("\n".join(lines) + "\n" + NOTES)
     print("\n".join(lines))
+    print(plot(rows))
+
+
+def plot(rows: list[dict]):
+    """Horizontal bars: seconds per mixing step of each method (slowest rank), log scale."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    names = [row["method"] for row in rows]
+    seconds = [row["seconds_per_step"] for row in rows]
+    bars = ax.barh(names, seconds, color=[f"C{k}" for k in range(len(rows))])
+    ax.bar_label(bars, labels=[f"{s:.3f} s" for s in seconds], fontsize=8, padding=2)
+    ax.invert_yaxis()
+    ax.set(xscale="log", xlabel="seconds per mixing step (no compute; slowest rank)", xlim=(0.01, 10))
+    ax.set_title(f"2 emulated nodes x 2 ranks: inter-node {rows[0]['rate']}, intra-node loopback", fontsize=9)
+    ax.grid(alpha=0.3, axis="x")
+    return save_figure(fig, RESULTS / "issue8_hierarchical.png")
+
+
+# Link parameters of the emulation (kernel path, no added delay) from shared/research/environment.md: Gloo over
+# loopback 60-125 us small-message latency and 2-4.5 GB/s; the htb rate as set. No compute in the timed loop.
+LOOPBACK_LATENCY_MS, LOOPBACK_BPS = 0.1, 3e9
+MODEL_ROWS = {  # method -> (runtime-model algorithm, schedule)
+    "allreduce": ("allreduce", None),
+    "flat exact (one-peer hypercube)": ("exact", "one_peer_hypercube"),
+    "flat powergossip r=4": ("powergossip", "one_peer_hypercube"),
+    "hierarchical exact": ("hierarchical_gossip", None),
+    "hierarchical powergossip r=4": ("hierarchical_gossip", None),
+}
+
+
+def validate(rows: list[dict]) -> list[dict]:
+    """Predicted (experiments.runtime_model) vs measured seconds per step; writes issue8_hierarchical_model.md.
+
+    Message bytes come from the measured byte counts (exact, not timed): flat PowerGossip sends its per-step
+    bytes to its one peer; hierarchical PowerGossip's node sends PER_NODE x (its bytes minus the two intra-node
+    phases, 2 (L-1)/L M) across nodes.
+    """
+    cases = []
+    for row in rows:
+        algorithm, schedule = MODEL_ROWS[row["method"]]
+        model, sent = row["model_bytes"], row["bytes_sent_per_rank_per_step"]
+        message = None
+        if algorithm == "powergossip":
+            message = sent
+        elif "powergossip" in row["method"]:
+            message = PER_NODE * (sent - 2 * (PER_NODE - 1) / PER_NODE * model)
+        cases.append({
+            "label": row["method"], "algorithm": algorithm, "schedule": schedule, "message_bytes": message,
+            "measured_ms": 1e3 * row["seconds_per_step"], "n": NODES * PER_NODE, "compute_ms": 1e-3,
+            "model_bytes": model, "latency_ms": LOOPBACK_LATENCY_MS, "bandwidth_Bps": parse_rate(row["rate"]),
+            "local_size": PER_NODE, "intra_latency_ms": LOOPBACK_LATENCY_MS, "intra_bandwidth_Bps": LOOPBACK_BPS,
+            "allreduce_algorithm": "ring",
+        })  # fmt: skip
+    out = validation_table(cases)
+    lines = [
+        f"# Runtime model vs issue8_hierarchical.csv (2 nodes x 2 ranks, inter-node {rows[0]['rate']})",
+        "",
+        f"Model inputs: inter-node alpha {LOOPBACK_LATENCY_MS} ms, {rows[0]['rate']} per node uplink; intra-node "
+        f"alpha {LOOPBACK_LATENCY_MS} ms, {LOOPBACK_BPS / 1e9:.0f} GB/s; compute 0; Gloo ring All-Reduce.",
+        "",
+        "| method | model algorithm | measured s/step | predicted s/step | relative error |",
+        "|---|---|---|---|---|",
+        *[f"| {r['label']} | {r['algorithm']} {r['schedule'] or ''} | {r['measured_ms'] / 1e3:.3f} | "
+          f"{r['predicted_ms'] / 1e3:.3f} | {r['relative_error']:+.0%} |" for r in out],
+    ]  # fmt: skip
+    (RESULTS / "issue8_hierarchical_model.md").write_text("\n".join(lines) + "\n")
+    return out
 
 
 if __name__ == "__main__":

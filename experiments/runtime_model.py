@@ -22,6 +22,9 @@ Assumptions, stated once:
   high) and delays spreading over several steps (too low on static graphs); the two agree with the Monte Carlo
   within ~5% at cv <= 0.3. ``straggler="montecarlo"``: the seeded max-plus recursion of B.5, f_i(t) =
   max(f_i(t-1) + C_i, max_{j in R_i(t)} f_j(t-1) + T_i(t) + (1 - overlap) C_i) + U; mean slope of max_i f_i.
+- Hierarchical gossip (``algorithm="hierarchical_gossip"``, gossip.algorithms.hierarchical, E.2): a blocking
+  intra-node reduce-scatter before compute and all-gather after it, and only the inter-node exchange overlapped:
+      T_hier_iter = E[max_{2L} C] + T_rs + max(0, T_inter - overlap * E[max_{2L} C]) + T_ag + U
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import numpy as np
 import topologies
 from topologies import Schedule
 
-ALGORITHMS = ("allreduce", "exact", "powergossip")
+ALGORITHMS = ("allreduce", "exact", "powergossip", "hierarchical_gossip")
 NODE_SCHEDULES = ("alternating_exp_ring", "hierarchical")  # need local_size >= 2 (ranks grouped by node)
 
 
@@ -197,6 +200,26 @@ def gossip_step_times(
     return np.maximum(inter, intra)
 
 
+def hierarchical_gossip_time(
+    model_bytes: float, nodes: int, network: Network, inter_bytes: float | None = None
+) -> tuple[float, float]:
+    """(blocking intra-node s, overlappable inter-node s) of one HierarchicalGossip step (E.2), L = local_size.
+
+    As gossip.algorithms.hierarchical implements it: the reduce-scatter (in ``start``) and the all-gather (in
+    ``finish``) are each ONE exchange in which a rank sends (L-1)/L of M to its L-1 node mates at once:
+        T_rs = T_ag = alpha_intra + (L-1)/L * M * beta_intra          (0 when L = 1)
+    (a ring would pay (L-1) alpha_intra per phase for the same bytes). Between nodes, local rank l swaps its M/L
+    shard with local rank l of the partner node; the L ranks share the node's uplink, so it carries
+    ``inter_bytes`` (default M, exact; the PowerGossip factors of the whole model when compressed):
+        T_inter = alpha + inter_bytes * beta                          (0 when nodes = 1)
+    """
+    per_node = network.local_size
+    one_phase = network.intra_alpha + (per_node - 1) / per_node * model_bytes / network.intra_bandwidth
+    inter_bytes = model_bytes if inter_bytes is None else inter_bytes
+    inter = shared_uplink_time(inter_bytes / per_node, per_node, *_inter(network)) if nodes > 1 else 0.0
+    return (2 * one_phase if per_node > 1 else 0.0), inter
+
+
 # ---------------------------------------------------------------- compute-time statistics
 @functools.lru_cache(maxsize=256)
 def expected_max_compute(mean_s: float, cv: float, k: int) -> float:
@@ -317,12 +340,15 @@ def predict_iteration(
     steps: int = 400,
     seed: int = 0,
 ) -> IterationPrediction:
-    """Predicted per-iteration time of ``algorithm`` in "allreduce" | "exact" | "powergossip" (module docstring).
+    """Predicted per-iteration time of ``algorithm`` in ALGORITHMS (module docstring).
 
     ``schedule_or_degree``: a Schedule, a topologies name, or an int d (every rank sends to d peers on other
-    nodes each step: alpha + L d M beta through the shared uplink); ignored for "allreduce".
+    nodes each step: alpha + L d M beta through the shared uplink); ignored for "allreduce" and
+    "hierarchical_gossip" (always topologies.hierarchical(n / local_size, local_size)).
     ``message_bytes``: bytes per peer per step; exact gossip defaults to ``model_bytes``, PowerGossip needs it
-    (e.g. topologies.bytes_per_step(schedule, shapes, "powergossip", rank=r) / out-degree).
+    (e.g. topologies.bytes_per_step(schedule, shapes, "powergossip", rank=r) / out-degree). For
+    "hierarchical_gossip": bytes a node sends to its partner node per step (default ``model_bytes``, exact;
+    the PowerGossip message of the whole model for HierarchicalGossip(compress_rank=r)).
     ``overlap``: defaults 0.5 of the backward (allreduce) and 1.0 of forward+backward (gossip).
     ``allreduce_algorithm``: "best" (ring or halving-doubling, for All-Reduce and group steps) or "ring" (Gloo).
     """
@@ -336,6 +362,9 @@ def predict_iteration(
         raise RuntimeModelError(f"straggler={straggler!r} must be 'quadrature' or 'montecarlo'")
     network.check_ranks(n)
     common = {"compute_cv": compute_cv, "optimizer_s": optimizer_s}
+    if algorithm == "hierarchical_gossip":
+        options = {"straggler": straggler, "steps": steps, "seed": seed, **common}
+        return _hierarchical_iteration(compute_s, network, model_bytes, n, message_bytes, overlap, **options)
     if algorithm == "allreduce":
         overlap = 0.5 if overlap is None else overlap
         t_ar = allreduce_time(model_bytes, n, network, allreduce_algorithm)
@@ -359,6 +388,53 @@ def predict_iteration(
             result, _simulate(compute_s, compute_cv, comm, in_peers, overlap, optimizer_s, steps, seed)
         )
     return result
+
+
+def _hierarchical_iteration(
+    compute_s, network, model_bytes, n, inter_bytes, overlap, *, straggler, steps, seed, compute_cv, optimizer_s
+) -> IterationPrediction:
+    """HierarchicalGossip. Quadrature: a rank waits for the 2L ranks of its node and the partner node (L for one
+    node), without slack (an upper bound); "montecarlo": _simulate_hierarchical (slack across nodes only)."""
+    nodes = n // network.local_size
+    try:
+        topologies.hierarchical(nodes, network.local_size)  # nodes must be a power of two
+    except ValueError as err:
+        raise RuntimeModelError(f"hierarchical_gossip with n={n}, local_size={network.local_size}: {err}") from err
+    if inter_bytes is not None:
+        _positive("message_bytes", inter_bytes)
+    blocking, inter = hierarchical_gossip_time(model_bytes, nodes, network, inter_bytes)
+    waited = (2 if nodes > 1 else 1) * network.local_size - 1
+    overlap = 1.0 if overlap is None else overlap
+    options = {"compute_cv": compute_cv, "optimizer_s": optimizer_s, "overlap": overlap}
+    result = gossip_iteration(compute_s, inter, waited, n, algorithm="hierarchical_gossip", **options)
+    result = dataclasses.replace(
+        result, exposed_comm_s=result.exposed_comm_s + blocking, comm_s=result.comm_s + blocking
+    )
+    if straggler == "montecarlo":
+        args = (compute_s, compute_cv, nodes, network.local_size, blocking / 2, inter, overlap, optimizer_s)
+        result = _with_total(result, _simulate_hierarchical(*args, steps, seed))
+    return result
+
+
+def _simulate_hierarchical(compute_s, cv, nodes, per_node, phase_s, inter_s, overlap, optimizer_s, steps, seed):
+    """Seeded max-plus recursion of HierarchicalGossip's time line; mean seconds per step.
+
+    Node u starts step t when its slowest rank ended step t-1, plus the reduce-scatter: s_u = max_u f + T_rs.
+    The inter-node exchange with partner v ends at max(s_u, s_v) + T_inter; rank i is ready at
+    max(s_u + C_i, that + (1 - overlap) C_i); the all-gather ends the step for the whole node:
+    f_u = max over the node of ready + T_ag + U. Within a node there is no slack (two blocking phases).
+    """
+    rng = np.random.default_rng(seed)
+    draws = _lognormal(rng, compute_s, cv, (steps, nodes * per_node)).reshape(steps, nodes, per_node)
+    dims, node = max(nodes.bit_length() - 1, 1), np.arange(nodes)
+    finish = np.zeros(nodes)
+    for t in range(steps):
+        start = finish + phase_s
+        partner = node ^ (1 << (t % dims)) if nodes > 1 else node
+        exchanged = np.maximum(start, start[partner]) + inter_s
+        ready = np.maximum(start[:, None] + draws[t], exchanged[:, None] + (1 - overlap) * draws[t])
+        finish = ready.max(axis=1) + phase_s + optimizer_s
+    return float(finish.max() / steps)
 
 
 def _gossip_plan(schedule_or_degree, n, network, message_bytes, algorithm, allreduce_algorithm):

@@ -15,6 +15,7 @@ from experiments.runtime_model import (
     gossip_iteration,
     group_allreduce_time,
     hierarchical_allreduce_time,
+    hierarchical_gossip_time,
     predict_iteration,
     ring_allreduce_time,
 )
@@ -207,3 +208,92 @@ def test_parse_rate_uses_tc_units():
     assert parse_rate("10gbps") == pytest.approx(1e10)
     with pytest.raises(RuntimeModelError, match="unit"):
         parse_rate("1000")
+
+
+# ---------------------------------------------------------------- hierarchical gossip (E.2, issue 8)
+TWO_LEVELS = {"intra_latency_s": 1e-5, "intra_bandwidth_Bps": 10 * GBIT}
+
+
+def test_hierarchical_gossip_with_one_rank_per_node_is_a_pairwise_exchange_of_the_model():
+    network = Network(1e-3, GBIT, local_size=1)
+    assert hierarchical_gossip_time(8 * MB, 8, network) == pytest.approx((0.0, 1e-3 + 8 * MB / GBIT))
+    options = {"compute_cv": 0.2, "optimizer_s": 1e-3}
+    hierarchical = predict_iteration(0.05, network, 8 * MB, 8, None, "hierarchical_gossip", **options)
+    hypercube = predict_iteration(0.05, network, 8 * MB, 8, "one_peer_hypercube", "exact", **options)
+    assert hierarchical.total_s == pytest.approx(hypercube.total_s)
+
+
+def test_hierarchical_gossip_on_one_node_costs_only_the_intra_node_phases():
+    m = 8 * MB
+    expected = 2 * (1e-5 + 3 / 4 * m / (10 * GBIT))  # reduce-scatter + all-gather, 3/4 of M each
+    for inter_bandwidth in (1e6, GBIT):
+        network = Network(1e-3, inter_bandwidth, local_size=4, **TWO_LEVELS)
+        prediction = predict_iteration(0.05, network, m, 4, None, "hierarchical_gossip")
+        assert prediction.comm_s == pytest.approx(expected)
+
+
+def test_hierarchical_gossip_known_value_two_nodes_of_four():
+    network = Network(1e-3, GBIT, local_size=4, **TWO_LEVELS)
+    m = 8 * MB
+    blocking, inter = hierarchical_gossip_time(m, 2, network)
+    assert blocking == pytest.approx(2 * (1e-5 + 0.75 * m / (10 * GBIT)))
+    assert inter == pytest.approx(1e-3 + m / GBIT)  # 4 shards of M/4 share the node's uplink
+
+
+def test_hierarchical_gossip_hides_only_the_inter_node_exchange():
+    network = Network(1e-3, GBIT, local_size=4, **TWO_LEVELS)
+    blocking, inter = hierarchical_gossip_time(8 * MB, 4, network)
+    long_compute = predict_iteration(1.0, network, 8 * MB, 16, None, "hierarchical_gossip")
+    short_compute = predict_iteration(1e-6, network, 8 * MB, 16, None, "hierarchical_gossip")
+    assert long_compute.exposed_comm_s == pytest.approx(blocking)
+    assert short_compute.exposed_comm_s == pytest.approx(blocking + inter - 1e-6)
+
+
+def test_hierarchical_gossip_compressed_sends_the_message_bytes_across_nodes():
+    network = Network(1e-3, GBIT, local_size=2, **TWO_LEVELS)
+    exact = predict_iteration(1e-3, network, 8 * MB, 8, None, "hierarchical_gossip")
+    compressed = predict_iteration(1e-3, network, 8 * MB, 8, None, "hierarchical_gossip", message_bytes=65536)
+    assert exact.comm_s - compressed.comm_s == pytest.approx((8 * MB - 65536) / GBIT)
+
+
+def test_hierarchical_gossip_waits_for_its_node_and_the_partner_node():
+    network = Network(1e-3, 100 * GBIT, local_size=4, **TWO_LEVELS)
+    prediction = predict_iteration(0.05, network, MB, 16, None, "hierarchical_gossip", compute_cv=0.3)
+    assert prediction.straggler_s == pytest.approx(expected_max_compute(0.05, 0.3, 8) - 0.05)
+
+
+@pytest.mark.parametrize("compute_s", [0.06, 0.01])  # inter-node exchange hidden / exposed
+def test_hierarchical_gossip_monte_carlo_equals_quadrature_without_variance(compute_s):
+    network = Network(1e-3, GBIT, local_size=4, **TWO_LEVELS)
+    options = {"optimizer_s": 1e-3}
+    quadrature = predict_iteration(compute_s, network, 4 * MB, 32, None, "hierarchical_gossip", **options)
+    simulated = predict_iteration(
+        compute_s, network, 4 * MB, 32, None, "hierarchical_gossip", straggler="montecarlo", **options
+    )
+    assert simulated.total_s == pytest.approx(quadrature.total_s)
+
+
+def test_hierarchical_gossip_monte_carlo_lies_between_node_max_and_two_node_max():
+    # within a node no slack (blocking phases): at least E[max_L C]; across nodes slack: at most E[max_2L C]
+    network = Network(1e-3, GBIT, local_size=4, **TWO_LEVELS)
+    blocking, _ = hierarchical_gossip_time(4 * MB, 8, network)
+    simulated = predict_iteration(
+        0.06, network, 4 * MB, 32, None, "hierarchical_gossip", straggler="montecarlo", compute_cv=0.3, steps=2000
+    )
+    lower = expected_max_compute(0.06, 0.3, 4) + blocking
+    upper = expected_max_compute(0.06, 0.3, 8) + blocking
+    assert lower * 0.98 <= simulated.total_s <= upper * 1.02
+
+
+def test_hierarchical_gossip_needs_a_power_of_two_number_of_nodes():
+    with pytest.raises(RuntimeModelError, match="hierarchical_gossip with n=12, local_size=4"):
+        predict_iteration(0.05, Network(1e-3, GBIT, local_size=4), MB, 12, None, "hierarchical_gossip")
+
+
+def test_predict_table_lists_hierarchical_gossip_only_with_several_ranks_per_node():
+    nodes = Network(1e-3, GBIT, local_size=8, **TWO_LEVELS)
+    rows = predict_table(4.4 * MB, 0.1, nodes, ns=(64,), powergossip_bytes=7e3, file=None)
+    usable = {(r.method, r.schedule) for r in rows if r.prediction is not None}
+    assert {("exact", "hierarchical_gossip"), ("powergossip", "hierarchical_gossip")} <= usable
+    flat = predict_table(4.4 * MB, 0.1, Network(1e-3, GBIT), ns=(64,), powergossip_bytes=7e3, file=None)
+    assert all(r.prediction is None for r in flat if r.schedule == "hierarchical_gossip")
