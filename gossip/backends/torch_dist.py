@@ -85,20 +85,20 @@ class TorchDistCommunicator(Communicator):
     # -- point to point -------------------------------------------------------------------------------------
     def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle:
         def run(progress: Progress) -> None:
+            # 1. every header out and every header receive posted: no payload yet.
             posted: list[tuple[dist.Work, str, int]] = []
             for transfer in sends:
                 part = transfer.describe("send to")
                 progress.add(part)
                 header = torch.tensor(transfer.header(seq), dtype=torch.int64, device=self.device)
                 posted.append((dist.isend(header, transfer.peer, tag=HEADER_TAG), part, transfer.peer))
-                if transfer.tensor.numel():
-                    posted.append((dist.isend(transfer.tensor, transfer.peer, tag=PAYLOAD_TAG), part, transfer.peer))
             headers = []
             for transfer in recvs:
                 part = transfer.describe("receive from")
                 progress.add(part)
                 buffer = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
                 headers.append((transfer, buffer, dist.irecv(buffer, transfer.peer, tag=HEADER_TAG), part))
+            # 2. each payload receive is posted once its header matched the buffer.
             for transfer, buffer, work, part in headers:
                 self._wait(work, f"receive the header of {part}", progress, transfer.peer)
                 check_header(buffer.tolist(), transfer, seq, self.rank)
@@ -106,6 +106,18 @@ class TorchDistCommunicator(Communicator):
                     posted.append((dist.irecv(transfer.tensor, transfer.peer, tag=PAYLOAD_TAG), part, transfer.peer))
                 else:
                     progress.finish(part)
+            # 3. payload sends only now: this rank's "ready to receive" notices are already on the wire, so they
+            #    cannot queue behind its own bulk data on the same connection (which serialised the two directions
+            #    of a pair: 2 M/B instead of M/B on a rate-limited link).
+            for transfer in sends:
+                if transfer.tensor.numel():
+                    posted.append(
+                        (
+                            dist.isend(transfer.tensor, transfer.peer, tag=PAYLOAD_TAG),
+                            transfer.describe("send to"),
+                            transfer.peer,
+                        )
+                    )
             for work, part, peer in posted:
                 self._wait(work, part, progress, peer)
                 progress.finish(part)
