@@ -8,7 +8,6 @@ sharing this machine's cores, with no network cost -- they are reported, not use
 from __future__ import annotations
 
 import csv
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ import optim
 import topologies
 from gossip.corpus import ShardedBatches, load_corpus, validation_batches
 from gossip.gpt import GPT, GPTConfig
-from gossip.train import validation_loss
+from gossip.train import TrainConfig, learning_rate, validation_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKERS = 4
@@ -60,10 +59,10 @@ def train_run(
         optimizer = optim.AccumAdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, accum_iter=1)
         batches = ShardedBatches(corpus.train, comm.rank, comm.size, BATCH, MODEL.block_size, seed, split)
         rows, losses, started = [], [], time.perf_counter()
+        schedule_config = TrainConfig(lr=lr, steps=steps, warmup_steps=20)
         for step in range(steps):
-            for group in optimizer.param_groups:  # linear warm-up over 20 steps, then cosine to lr / 10
-                progress = max(0.0, (step - 20) / max(1, steps - 20))
-                group["lr"] = lr * min(1.0, (step + 1) / 20) * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+            for group in optimizer.param_groups:  # the main job's: linear warm-up over 20 steps, cosine to lr / 10
+                group["lr"] = learning_rate(schedule_config, step)
             x, y = batches.batch(step)
             _, loss = model(x, y)
             loss.backward()
