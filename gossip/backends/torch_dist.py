@@ -12,6 +12,7 @@ uncaught error after such a failure ends the process with status 1 without runni
 from __future__ import annotations
 
 import datetime
+import gc
 from typing import Any
 
 import torch
@@ -127,12 +128,13 @@ class TorchDistCommunicator(Communicator):
 
     # -- collectives ----------------------------------------------------------------------------------------
     def _collective(self, operation: str, post: Any) -> Handle:
-        def run(progress: Progress) -> Any:
+        def run(progress: Progress) -> None:
+            # The Work object dies here, not in a handle the caller may keep: a Gloo work that outlives its process
+            # group holds tensors whose release at interpreter exit needs the GIL and aborts the process.
             progress.add("every rank")
             work = post()
             if isinstance(work, dist.Work):
                 self._wait(work, "hear from every rank", progress, None)
-            return work
 
         return self._thread.submit(operation, run)
 
@@ -185,3 +187,6 @@ class TorchDistCommunicator(Communicator):
             self._thread.stop(timeout=1.0 if healthy else 0.0)
             if dist.is_initialized():
                 dist.destroy_process_group()
+            # Free what still refers to Gloo objects (cycles, finished handles) while the interpreter is fully alive,
+            # instead of during finalization, when a Gloo thread releasing a tensor cannot take the GIL.
+            gc.collect()
