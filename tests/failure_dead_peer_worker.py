@@ -2,7 +2,8 @@
 
 Usage (by tests/test_failures_dead_peer.py): python tests/failure_dead_peer_worker.py OUT_DIR BACKEND KILL_RANK
 [STEPS]. KILL_RANK -1 is a healthy run. The rank ``KILL_RANK`` writes ``OUT_DIR/killed_at`` (time.time()) and
-SIGKILLs itself at the top of step ``KILL_STEP``; every rank writes its pid to ``OUT_DIR/rank<r>.pid`` first. A
+SIGKILLs itself at the top of step ``KILL_STEP``; every rank writes its pid to ``OUT_DIR/rank<r>.pid`` first and, after
+closing, the names of its remaining threads to ``OUT_DIR/rank<r>.threads``. A
 survivor's error is not caught: it reaches the interpreter's top level, so the exit code is non-zero.
 """
 
@@ -45,6 +46,11 @@ def main() -> None:
         optimizer.zero_grad()
     model.close()
     comm.close()
+    # What still runs after close: the clean-exit test requires that no Gloo thread lives into interpreter teardown.
+    tasks = Path("/proc/self/task")
+    (out_dir / f"rank{comm.rank}.threads").write_text(
+        "\n".join((task / "comm").read_text().strip() for task in tasks.iterdir())
+    )
 
 
 if __name__ == "__main__":

@@ -13,10 +13,18 @@ from __future__ import annotations
 
 import datetime
 import gc
+import sys
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# Functions declared with ``group=dist.group.WORLD`` defaults capture the default process group itself when their
+# module is first imported after init_process_group (torch.optim imports this one lazily, through torch._dynamo).
+# That reference outlives destroy_process_group, and with it Gloo's worker and I/O threads, into interpreter
+# teardown. Imported here, before any process group exists, the defaults are None.
+import torch.distributed.nn.functional
 
 from gossip.backends.base import (
     HEADER_LEN,
@@ -186,7 +194,21 @@ class TorchDistCommunicator(Communicator):
         finally:
             self._thread.stop(timeout=1.0 if healthy else 0.0)
             if dist.is_initialized():
-                dist.destroy_process_group()
-            # Free what still refers to Gloo objects (cycles, finished handles) while the interpreter is fully alive,
-            # instead of during finalization, when a Gloo thread releasing a tensor cannot take the GIL.
-            gc.collect()
+                self._destroy_process_group()
+
+    def _destroy_process_group(self) -> None:
+        """Destroy the default group and check that it is gone: its threads must not live into interpreter exit."""
+        group = dist.group.WORLD
+        dist.destroy_process_group()
+        # Free what still refers to Gloo objects (cycles, finished handles) while the interpreter is fully alive,
+        # instead of during finalization, when a Gloo thread releasing a tensor cannot take the GIL.
+        gc.collect()
+        holders = sys.getrefcount(group) - 2  # minus `group` and getrefcount's argument
+        if holders > 0:
+            warnings.warn(
+                f"rank {self.rank}: the {self.backend} process group is still referenced {holders} time(s) after "
+                "destroy_process_group (e.g. by a function default `group=dist.group.WORLD` of a module imported "
+                "after gossip.init), so its threads run until interpreter exit, where they can abort the process",
+                RuntimeWarning,
+                stacklevel=3,
+            )
