@@ -1,4 +1,4 @@
-"""Runtime model (experiments.runtime_model, algorithms.md B.5/E.2): cost formulas, regimes, B.5 table, tables."""
+"""Runtime model (experiments.comm_costs, .runtime_model; algorithms.md B.5/E.2): costs, regimes, B.5 table, tables."""
 
 import io
 import math
@@ -6,19 +6,16 @@ import math
 import numpy as np
 import pytest
 
-from experiments.runtime_model import (
+from experiments.comm_costs import (
     Network,
     RuntimeModelError,
-    allreduce_iteration,
     allreduce_time,
-    expected_max_compute,
-    gossip_iteration,
     group_allreduce_time,
     hierarchical_allreduce_time,
     hierarchical_gossip_time,
-    predict_iteration,
     ring_allreduce_time,
 )
+from experiments.runtime_model import allreduce_iteration, expected_max_compute, gossip_iteration, predict_iteration
 from experiments.runtime_model_cli import parse_rate, predict_table, validation_table
 
 MB = 1e6
