@@ -39,6 +39,7 @@ import torch
 
 import gossip
 import topologies
+from experiments.compare import SCHEDULES
 from gossip.buckets import pack
 from topologies.analysis import steps_to_consensus
 
@@ -49,15 +50,7 @@ POWER_RANKS = (1, 2, 4)
 STEP_CAP = {16: 400, 32: 200, 64: 100}  # PowerGossip consensus: steps simulated at most
 CHECK_EVERY = 10
 MATRIX_SIDE = 32
-TOY_SCHEDULES = (
-    "ring",
-    "torus",
-    "static_exponential",
-    "one_peer_hypercube",
-    "one_peer_exponential",
-    "alternating_exp_ring",
-    "hierarchical",
-)
+TOY_SCHEDULES = SCHEDULES  # the main-job comparison's set, so the two studies line up row for row
 TOY_DIM, TOY_ROWS, TOY_BATCH, TOY_STEPS, TOY_LR = 32, 64, 8, 200, 0.05
 
 
