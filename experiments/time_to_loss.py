@@ -17,14 +17,18 @@ machine's conditions. From each run's ``metrics.csv``:
   it and its ratio to DDP's: the comparison that still exists when a method never reaches DDP's final loss;
 * best gossip loss = the smallest final training loss among the non-DDP methods; time to it and ratio to DDP's.
 
+``--gossip-steps N`` gives every method but DDP a budget of N steps (each with its own lr schedule over its N
+steps), so a method slower per step than DDP in loss can still reach DDP's final loss and the ratio is defined; the
+final-loss gap is then at unequal steps (column ``steps``).
+
 ``--from-runs DIR`` re-analyses finished run directories (named ``<stamp>-<rate>-r<repeat>-<method>``) without
 training.
 
     python -m experiments.time_to_loss --hosts 8 --rates 100mbit 1gbit --steps 300 --batch-size 8
 
-Writes ``<results>/time_to_loss.csv`` (one row per rate, repeat and method) and ``time_to_loss_<rate>.png``
-(smoothed loss against wall clock). Needs root (netem) and, for ``decentdp``, decent-dp 0.2.3
-(see ``experiments.decentdp_runner``).
+Writes ``<results>/time_to_loss.csv`` (one row per rate, repeat and method; ``--csv`` renames it) and, per rate
+and repeat, ``<csv stem>_<rate>_<stamp>_r<repeat>.png`` (smoothed loss against wall clock). Needs root (netem)
+and, for ``decentdp``, decent-dp 0.2.3 (see ``experiments.decentdp_runner``).
 """
 
 from __future__ import annotations
@@ -134,10 +138,13 @@ def smoothed(losses: Sequence[float], window: int = FINAL_WINDOW) -> np.ndarray:
 
 
 def final_loss(losses: Sequence[float], window: int = FINAL_WINDOW) -> float:
-    """Mean of the last ``window`` losses (gossip.run_dir's final training loss)."""
+    """Mean of the last ``window`` losses (gossip.run_dir's final training loss).
+
+    Computed as the last entry of :func:`smoothed`, bit for bit, so a curve always reaches its own final loss.
+    """
     if len(losses) == 0:
         raise BenchmarkError("final_loss of an empty loss curve")
-    return float(np.mean(np.asarray(losses, dtype=float)[-window:]))
+    return float(smoothed(losses, window)[-1])
 
 
 def time_to_target(losses: Sequence[float], seconds: Sequence[float], target: float, window: int = FINAL_WINDOW):
@@ -226,6 +233,11 @@ def compare(curves: Sequence[Curve], baseline: str = BASELINE) -> list[dict]:
     return rows
 
 
+def step_budget(method: str, steps: int, gossip_steps: int | None) -> int:
+    """Steps ``method`` trains for: ``steps`` for the baseline, ``gossip_steps`` (if given) for the others."""
+    return steps if method == BASELINE or gossip_steps is None else gossip_steps
+
+
 def run_method(net, method: Method, steps: int, batch_size: int, out: Path, port: int, log: Path) -> float:
     """Run ``method`` on every host of ``net`` (Gloo, OMP_NUM_THREADS=1); output to ``log``; wall seconds."""
     from experiments.netem.launch import run_gloo
@@ -277,6 +289,11 @@ def analyze(curves: Sequence[Curve], setting: dict, title: str, plot_path: Path)
     return rows
 
 
+def plot_name(csv_name: str, rate: str, stamp: str, repeat: int) -> str:
+    """``<csv stem>_<rate>_<stamp>_r<repeat>.png``: one file per run, never overwritten by another run."""
+    return f"{Path(csv_name).stem}_{rate}_{stamp}_r{repeat}.png"
+
+
 def finished_runs(root: Path) -> dict[tuple[str, str, str], list[tuple[str, Path]]]:
     """Run directories under ``root`` grouped by (stamp, rate, repeat): [(method, path), ...] in name order."""
     groups: dict[tuple[str, str, str], list[tuple[str, Path]]] = {}
@@ -299,12 +316,14 @@ def train_all(args: argparse.Namespace, results: Path) -> list[dict]:
                     out = Path(args.runs) / f"{stamp}-{rate}-r{repeat}-{name}"
                     out.parent.mkdir(parents=True, exist_ok=True)
                     port += 1
-                    wall = run_method(net, METHODS[name], args.steps, args.batch_size, out, port, Path(f"{out}.log"))
+                    steps = step_budget(name, args.steps, args.gossip_steps)
+                    wall = run_method(net, METHODS[name], steps, args.batch_size, out, port, Path(f"{out}.log"))
                     curves.append(read_curve(name, out))
                     print(f"{rate} repeat {repeat} {name}: {wall:.0f} s wall, run dir {out}", flush=True)
                 setting = {"rate": rate, "delay_ms": args.delay_ms, "hosts": args.hosts, "repeat": repeat}
-                title = f"{args.hosts} hosts, {rate}, delay {args.delay_ms:g} ms, {args.steps} steps, repeat {repeat}"
-                table += analyze(curves, setting, title, results / f"time_to_loss_{rate}_r{repeat}.png")
+                budget = f"{args.steps} steps" + (f" ({args.gossip_steps} for gossip)" if args.gossip_steps else "")
+                title = f"{args.hosts} hosts, {rate}, delay {args.delay_ms:g} ms, {budget}, repeat {repeat}"
+                table += analyze(curves, setting, title, results / plot_name(args.csv, rate, stamp, repeat))
     return table
 
 
@@ -314,8 +333,9 @@ def reanalyze(args: argparse.Namespace, results: Path) -> list[dict]:
         chosen = sorted((m, path) for m, path in members if m in args.methods)
         curves = [read_curve(m, path) for m, path in sorted(chosen, key=lambda item: list(METHODS).index(item[0]))]
         setting = {"rate": rate, "delay_ms": args.delay_ms, "hosts": args.hosts, "repeat": int(repeat)}
-        title = f"{args.hosts} hosts, {rate}, {len(curves[0].losses)} steps, run {stamp} r{repeat}"
-        table += analyze(curves, setting, title, results / f"{Path(args.csv).stem}_{rate}_{stamp}_r{repeat}.png")
+        budgets = "/".join(str(steps) for steps in sorted({len(curve.losses) for curve in curves}))
+        title = f"{args.hosts} hosts, {rate}, {budgets} steps, run {stamp} r{repeat}"
+        table += analyze(curves, setting, title, results / plot_name(args.csv, rate, stamp, int(repeat)))
     return table
 
 
@@ -325,6 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rates", nargs="+", default=["100mbit"], help="per-host rate(s), tc units")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay (> 0 uses the TUN forwarder)")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--gossip-steps", type=int, default=None, help="step budget of every method but DDP (default: --steps)"
+    )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--methods", nargs="+", default=["ddp", "exact", "pg1", "pg4", "decentdp"])
     parser.add_argument("--repeats", type=int, default=1, help="passes over all methods, interleaved")

@@ -1,0 +1,131 @@
+"""The time-to-loss benchmark's analysis: smoothing, first crossing, ratios to DDP, run reading, step budgets."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from experiments.time_to_loss import (
+    BASELINE,
+    CLOCK_START_STEP,
+    BenchmarkError,
+    Curve,
+    compare,
+    final_loss,
+    main,
+    plot_name,
+    read_curve,
+    smoothed,
+    step_budget,
+    time_to_target,
+)
+
+losses_strategy = st.lists(st.floats(0.0, 10.0), min_size=1, max_size=40)
+
+
+def curve(method: str, losses, seconds_per_step: float) -> Curve:
+    losses = np.asarray(losses, dtype=float)
+    return Curve(method, losses, seconds_per_step * np.arange(len(losses)), seconds_per_step, math.nan, 0.0)
+
+
+@given(losses_strategy, st.integers(1, 12))
+def test_smoothed_is_the_trailing_mean(losses, window):
+    got = smoothed(losses, window)
+    want = [np.mean(losses[max(0, t - window + 1) : t + 1]) for t in range(len(losses))]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@given(losses_strategy, st.floats(0.0, 10.0))
+def test_time_to_target_is_the_first_step_whose_smoothed_loss_reaches_it(losses, target):
+    seconds = np.arange(len(losses)) * 0.5
+    step, at = time_to_target(losses, seconds, target, window=3)
+    below = [t for t, value in enumerate(smoothed(losses, 3)) if value <= target]
+    if below:
+        assert (step, at) == (below[0], seconds[below[0]])
+    else:
+        assert step is None and math.isnan(at)
+
+
+def test_final_loss_is_the_mean_of_the_last_window():
+    assert final_loss(list(range(20)), window=10) == pytest.approx(14.5)
+    with pytest.raises(BenchmarkError, match="empty"):
+        final_loss([])
+
+
+@given(losses_strategy)
+def test_every_curve_reaches_its_own_final_loss(losses):
+    step, _ = time_to_target(losses, np.arange(len(losses)), final_loss(losses))
+    assert step is not None
+
+
+def test_time_to_target_refuses_mismatched_lengths():
+    with pytest.raises(BenchmarkError, match="3 losses but 2 times"):
+        time_to_target([1.0, 2.0, 3.0], [0.0, 1.0], 1.0)
+
+
+def test_same_losses_at_twice_the_step_time_take_twice_as_long():
+    losses = np.linspace(5.0, 1.0, 50)
+    rows = {row["method"]: row for row in compare([curve(BASELINE, losses, 0.2), curve("exact", losses, 0.4)])}
+    assert rows[BASELINE]["ratio_to_ddp"] == 1.0 and rows[BASELINE]["loss_gap"] == 0.0
+    assert rows["exact"]["ratio_to_ddp"] == pytest.approx(2.0)
+    assert rows["exact"]["common_ratio_to_ddp"] == pytest.approx(2.0)
+
+
+def test_a_method_that_never_reaches_ddps_loss_gets_no_ratio_but_a_common_loss():
+    ddp = curve(BASELINE, np.linspace(5.0, 1.0, 50), 0.2)
+    gossip = curve("exact", np.linspace(5.0, 2.0, 50), 0.1)
+    rows = {row["method"]: row for row in compare([ddp, gossip])}
+    assert math.isnan(rows["exact"]["ratio_to_ddp"]) and rows["exact"]["step_to_target"] is None
+    assert rows["exact"]["loss_gap"] == pytest.approx(final_loss(gossip.losses) - final_loss(ddp.losses))
+    assert rows["exact"]["common_loss"] == pytest.approx(final_loss(gossip.losses))  # the worse final loss
+    assert rows["exact"]["common_ratio_to_ddp"] < 1.0  # faster per step to the loss both reach
+
+
+def test_compare_needs_the_baseline():
+    with pytest.raises(BenchmarkError, match="no 'ddp' run"):
+        compare([curve("exact", [1.0, 0.5], 0.1)])
+
+
+def test_read_curve_starts_the_clock_after_the_set_up_steps(tmp_path):
+    fields = ["step", "mean_loss", "elapsed_seconds", "step_seconds", "bytes_sent", "val_loss"]
+    rows = [[t, 5.0 - t, 10.0 + 0.5 * t + (3.0 if t == 0 else 0.0), 0.5, 100, ""] for t in range(6)]
+    rows[-1][-1] = "1.25"
+    with open(tmp_path / "metrics.csv", "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(fields)
+        writer.writerows(rows)
+    got = read_curve("exact", tmp_path)
+    assert got.seconds[CLOCK_START_STEP] == 0.0
+    np.testing.assert_allclose(np.diff(got.seconds[CLOCK_START_STEP:]), 0.5)
+    assert (got.final_val_loss, got.bytes_per_step, got.mean_step_seconds) == (1.25, 100.0, 0.5)
+
+
+def test_read_curve_names_a_run_without_metrics(tmp_path):
+    with pytest.raises(BenchmarkError, match=r"pg4: no metrics\.csv"):
+        read_curve("pg4", tmp_path)
+
+
+def test_gossip_steps_apply_to_every_method_but_ddp():
+    assert step_budget(BASELINE, 300, 900) == 300
+    assert step_budget("exact-adamw", 300, 900) == 900
+    assert step_budget("exact-adamw", 300, None) == 300
+
+
+def test_the_command_line_requires_ddp_and_known_methods(capsys):
+    with pytest.raises(SystemExit):
+        main(["--methods", "exact", "--from-runs", "."])
+    assert "'ddp' is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--methods", "ddp", "nonsense", "--from-runs", "."])
+    assert "unknown ['nonsense']" in capsys.readouterr().err
+
+
+def test_plots_of_different_runs_get_different_names():
+    names = {plot_name(csv_name, rate, stamp, 0) for csv_name in ("a.csv", "b.csv") for rate in ("1gbit", "100mbit")
+             for stamp in ("20261121-100000", "20261121-110000")}  # fmt: skip
+    assert len(names) == 8
