@@ -20,7 +20,7 @@ import optim
 import topologies
 from gossip.corpus import ShardedBatches, load_corpus, validation_batches
 from gossip.gpt import GPT, GPTConfig
-from gossip.train import TrainConfig, learning_rate, validation_loss
+from gossip.train import TrainConfig, learning_rate, train_step, validation_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKERS = 4
@@ -61,14 +61,8 @@ def train_run(
         rows, losses, started = [], [], time.perf_counter()
         schedule_config = TrainConfig(lr=lr, steps=steps, warmup_steps=20)
         for step in range(steps):
-            for group in optimizer.param_groups:  # the main job's: linear warm-up over 20 steps, cosine to lr / 10
-                group["lr"] = learning_rate(schedule_config, step)
-            x, y = batches.batch(step)
-            _, loss = model(x, y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+            # the main job's schedule: linear warm-up over 20 steps, cosine to lr / 10
+            losses.append(train_step(model, optimizer, batches.batch(step), learning_rate(schedule_config, step)))
             if (step + 1) % eval_every == 0 or step + 1 == steps:
                 elapsed = time.perf_counter() - started
                 val = validation_loss(model, held_out, comm)

@@ -207,6 +207,20 @@ def validation_loss(model: Replicated, batches: list, comm: Communicator) -> flo
     return float(totals[0] / totals[1])
 
 
+def train_step(
+    model: Replicated, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor], lr: float
+) -> float:
+    """One step at learning rate ``lr``: forward, backward, optimizer step (the wrapper mixes inside it); the loss."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    x, y = batch
+    _, loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
 def _progress(config: TrainConfig, rank: int) -> Any:
     if rank != 0:
         return None
@@ -255,15 +269,7 @@ def _train(config: TrainConfig, comm: Communicator) -> RunSummary | None:
     started = time.perf_counter()
     losses = []
     for step in range(config.steps):
-        lr = learning_rate(config, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = batches.batch(step)
-        _, loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(train_step(model, optimizer, batches.batch(step), learning_rate(config, step)))
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"rank {comm.rank}: training loss is {losses[-1]} at step {step}; lower --lr")
         row = {"loss": losses[-1], "elapsed_seconds": time.perf_counter() - started}
