@@ -1,11 +1,13 @@
 """Start a worker script on N real processes (Gloo with torchrun's environment, or ``mpiexec -n N``).
 
 The workers write ``rank{r}.pt`` into ``out_dir``; :func:`launch` returns those results in rank order and fails
-with every rank's output when a process exits non-zero or the job outlives its timeout.
+with every rank's output when a process exits non-zero or the job outlives its timeout. :func:`run_main_job` runs
+``python -m gossip`` (which spawns its own workers) and :func:`metrics_rows` reads its run directory's metrics.csv.
 """
 
 from __future__ import annotations
 
+import csv
 import os
 import shutil
 import socket
@@ -95,3 +97,16 @@ def launch(
     if failed or "terminate called" in "".join(outputs):
         raise AssertionError(f"{backend} job {script} failed or crashed at exit:\n" + "\n".join(outputs))
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(n)], "\n".join(outputs)
+
+
+def run_main_job(args: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``python -m gossip ARGS`` in ``cwd`` with the repository importable; output captured, not checked."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "gossip", *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics_rows(run_dir: Path) -> list[dict[str, str]]:
+    """The rows of a main-job run directory's metrics.csv, as strings."""
+    with open(run_dir / "metrics.csv", newline="") as file:
+        return list(csv.DictReader(file))

@@ -3,23 +3,20 @@ run, its metrics and traffic count, and the refusal of what it cannot run on."""
 
 from __future__ import annotations
 
-import csv
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from launch import metrics_rows, run_main_job
 
 import gossip
 from gossip.ddp_baseline import DDPBackendError, DDPBaseline, ring_all_reduce_bytes
 from gossip.gpt import GPT, GPTConfig
 from gossip.train import ConfigError, TrainConfig, resolve
 
-REPO = Path(__file__).resolve().parent.parent
 STEPS = 20
 LOG_EVERY = 5
 
@@ -29,16 +26,7 @@ def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comple
     out = tmp_path_factory.mktemp("ddp") / "run"
     args = ["--nproc", "2", "--algorithm", "ddp", "--steps", str(STEPS), "--batch-size", "4"]
     args += ["--eval-every", "10", "--log-every", str(LOG_EVERY), "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-m", "gossip", *args], cwd=out.parent, env=env, capture_output=True, text=True, timeout=180
-    )
-    return result, out
-
-
-def _rows(out: Path) -> list[dict[str, str]]:
-    with open(out / "metrics.csv", newline="") as file:
-        return list(csv.DictReader(file))
+    return run_main_job(args, out.parent), out
 
 
 def test_ring_all_reduce_sends_two_n_minus_one_over_n_of_the_payload():
@@ -77,7 +65,7 @@ def test_ddp_run_exits_zero(ddp_run):
 
 @pytest.mark.multiprocess
 def test_ddp_training_loss_falls(ddp_run):
-    losses = [float(row["mean_loss"]) for row in _rows(ddp_run[1])]
+    losses = [float(row["mean_loss"]) for row in metrics_rows(ddp_run[1])]
     assert all(math.isfinite(loss) for loss in losses)
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5
 
@@ -89,13 +77,13 @@ def test_ddp_replicas_are_identical_at_the_end(ddp_run):
 
 @pytest.mark.multiprocess
 def test_ddp_consensus_is_zero_on_every_logged_step(ddp_run):
-    logged = {int(row["step"]): float(row["consensus"]) for row in _rows(ddp_run[1]) if row["consensus"]}
+    logged = {int(row["step"]): float(row["consensus"]) for row in metrics_rows(ddp_run[1]) if row["consensus"]}
     assert logged == {step: 0.0 for step in range(LOG_EVERY - 1, STEPS, LOG_EVERY)}
 
 
 @pytest.mark.multiprocess
 def test_ddp_metrics_csv_has_every_step_with_timing_and_traffic(ddp_run):
-    rows = _rows(ddp_run[1])
+    rows = metrics_rows(ddp_run[1])
     assert [int(row["step"]) for row in rows] == list(range(STEPS))
     for column in ("loss", "lr", "step_seconds", "compute_seconds", "wait_seconds", "bytes_sent"):
         assert all(row[column] != "" for row in rows), column
@@ -104,7 +92,7 @@ def test_ddp_metrics_csv_has_every_step_with_timing_and_traffic(ddp_run):
 @pytest.mark.multiprocess
 def test_ddp_bytes_per_step_are_a_ring_all_reduce_of_the_gradients(ddp_run):
     gradient_bytes = 4 * GPT(GPTConfig()).num_parameters()  # float32; the tied embedding counted once
-    sent = {int(row["bytes_sent"]) for row in _rows(ddp_run[1])}
+    sent = {int(row["bytes_sent"]) for row in metrics_rows(ddp_run[1])}
     assert sent == {ring_all_reduce_bytes(gradient_bytes, 2)}
 
 

@@ -3,40 +3,25 @@ directory, and its handling of bad options and failed workers."""
 
 from __future__ import annotations
 
-import csv
 import json
 import math
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launch import metrics_rows, run_main_job
 
 from gossip.__main__ import main
 from gossip.run_dir import PLOTS
 
-REPO = Path(__file__).resolve().parent.parent
 STEPS = 30
-
-
-def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "gossip", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=180
-    )
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("job") / "run"
     args = ["--nproc", "2", "--steps", str(STEPS), "--batch-size", "4", "--eval-every", "10", "--out", str(out)]
-    return _run(args, out.parent), out
-
-
-def _rows(out: Path) -> list[dict[str, str]]:
-    with open(out / "metrics.csv", newline="") as file:
-        return list(csv.DictReader(file))
+    return run_main_job(args, out.parent), out
 
 
 @pytest.mark.multiprocess
@@ -49,20 +34,20 @@ def test_tiny_run_exits_zero_and_prints_summary_and_sample(tiny_run):
 
 @pytest.mark.multiprocess
 def test_metrics_csv_has_one_row_per_step_in_order(tiny_run):
-    rows = _rows(tiny_run[1])
+    rows = metrics_rows(tiny_run[1])
     assert [int(row["step"]) for row in rows] == list(range(STEPS))
 
 
 @pytest.mark.multiprocess
 def test_training_loss_is_finite_and_falls(tiny_run):
-    losses = [float(row["mean_loss"]) for row in _rows(tiny_run[1])]
+    losses = [float(row["mean_loss"]) for row in metrics_rows(tiny_run[1])]
     assert all(math.isfinite(loss) for loss in losses)
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5
 
 
 @pytest.mark.multiprocess
 def test_validation_loss_is_recorded_every_eval_every_steps(tiny_run):
-    evaluated = [int(row["step"]) for row in _rows(tiny_run[1]) if row["val_loss"]]
+    evaluated = [int(row["step"]) for row in metrics_rows(tiny_run[1]) if row["val_loss"]]
     assert evaluated == [9, 19, 29]
 
 
@@ -103,7 +88,7 @@ def test_schedule_the_algorithm_cannot_run_is_an_argparse_error(capsys):
 def test_failed_worker_fails_the_job_with_its_error(tmp_path):
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("x" * 50)  # shorter than one window of block_size + 1 bytes
-    result = _run(["--nproc", "2", "--data", str(tiny), "--out", str(tmp_path / "run")], tmp_path)
+    result = run_main_job(["--nproc", "2", "--data", str(tiny), "--out", str(tmp_path / "run")], tmp_path)
     assert result.returncode == 1
     assert "worker rank" in result.stderr and "block_size + 1" in result.stderr
 
