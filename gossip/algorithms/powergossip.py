@@ -76,7 +76,7 @@ def keep_direction(product: torch.Tensor, previous: torch.Tensor) -> torch.Tenso
     previous factor still spans a useful direction. Both ends hold the same R and the same previous factor, so
     they choose alike; the choice is made on the device (no host sync).
     """
-    nonzero = product.abs().amax(dim=0, keepdim=True) > 0
+    nonzero = product.abs().amax(dim=-2, keepdim=True) > 0  # per column (of each matrix in a stack)
     return torch.where(nonzero, product, previous)
 
 
