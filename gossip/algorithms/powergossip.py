@@ -1,7 +1,7 @@
 """PowerGossip: gossip of model differences through a rank-r projection both ends of an edge share.
 
 Vogels, Karimireddy, Jaggi, "PowerGossip: Practical Low-Rank Communication Compression in Decentralized Deep
-Learning", NeurIPS 2020 (arXiv 2008.01425); algorithms.md section A. For an edge lo < hi with weight w and a
+Learning", NeurIPS 2020 (arXiv 2008.01425); docs/design.md section A. For an edge lo < hi with weight w and a
 weight matrix X (reshaped to m x k), one power iteration on both ends is:
 
 1. Parity of the edge's own iteration counter t (kept per edge, not per worker: a per-worker counter on a
