@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -97,11 +98,26 @@ def unresolved(paths: list[str], dotted: list[str]) -> list[str]:
 
 
 def repository_files() -> list[Path]:
-    """The repository's files, without version control, caches, run outputs and virtual environments."""
+    """The repository's files: what git tracks or would track (ignored paths left out); without git, a walk."""
+    try:
+        listed = (
+            subprocess.run(
+                ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+                cwd=REPO,
+                capture_output=True,
+                check=True,
+                timeout=60,
+            )
+            .stdout.decode()
+            .split("\0")
+        )
+        return sorted(REPO / name for name in listed if name and (REPO / name).is_file())
+    except (OSError, subprocess.SubprocessError):
+        pass
     found = []
     for path in sorted(REPO.rglob("*")):
         relative = path.relative_to(REPO).parts
-        if any(part in SKIPPED_DIRS or part.endswith(".egg-info") for part in relative[:-1]):
+        if any(part in SKIPPED_DIRS or part.endswith(".egg-info") or part.startswith(".") for part in relative[:-1]):
             continue
         if any((REPO.joinpath(*relative[:i]) / "pyvenv.cfg").exists() for i in range(1, len(relative))):
             continue
