@@ -42,7 +42,3 @@ class NonFiniteWarning(RuntimeWarning):
 class ModelChangedError(RuntimeError):
     """The wrapped model's parameters changed after wrapping (rebound, replaced, added, frozen or unfrozen), so
     the wrapper would no longer mix what the optimizer trains; the message names the rank, step and parameter."""
-
-
-class StepDriftError(RuntimeError):
-    """The ranks no longer take their optimizer steps in lockstep; the message names the ranks and their steps."""

@@ -36,7 +36,7 @@ from gossip.algorithms.base import Algorithm
 from gossip.backends.base import Communicator
 from gossip.buckets import DEFAULT_BUCKET_BYTES, Bucket, bucket_parameters, pack
 from gossip.consensus import DEFAULT_SAMPLES, ConsensusSampler, averaged_replicas, exact_consensus_sq
-from gossip.errors import GossipError, ModelChangedError, NonFiniteError, NonFiniteWarning
+from gossip.errors import CommTimeoutError, GossipError, ModelChangedError, NonFiniteError, NonFiniteWarning
 from gossip.metrics import StepMetrics
 from gossip.replicas import broadcast_from_rank0, check_replicas
 from topologies import Schedule
@@ -165,17 +165,39 @@ class DecentralizedDataParallel(nn.Module):
             optimizer.step()
             optimizer.zero_grad()
 
+    DDP-style accumulation code that wraps all but the last micro-batch in ``with model.no_sync():`` runs
+    unchanged: gossip never communicates gradients, so the context changes nothing (see :meth:`no_sync`).
+
+    A step whose update is skipped on some ranks only -- ``torch.amp.GradScaler`` finding an overflow, or any
+    backward followed by ``optimizer.zero_grad()`` without ``optimizer.step()`` -- still mixes: the next forward
+    (or ``close()``) notices gradients accumulated and then cleared, completes step t's mixing and advances, so
+    the ranks stay in lockstep (the metrics row says ``update_skipped``). Clearing with
+    ``zero_grad(set_to_none=False)`` leaves zero gradients that look like a real step's: that case is not detected.
+
     Without a torch optimizer, drive the step by hand: ``model.finish_mixing()`` before the update and
     ``model.next_step()`` after it (this is what the hooks call).
 
     ``buffers``: ``"local"`` (default) never mixes buffers (BatchNorm statistics stay per rank, as in Decent-DP);
     ``"average"`` all-reduces the floating-point buffers to their average at every step, blocking, right after
-    the mixing (integer buffers such as ``num_batches_tracked`` stay local).
+    the mixing (integer buffers such as ``num_batches_tracked`` stay local); the algorithm's ``nonfinite`` policy
+    applies to them as to the parameters.
 
-    Metrics: with ``run_dir`` every rank appends one JSON line per step (see :mod:`gossip.metrics`), including the
+    Metrics: with ``run_dir`` a rank appends one JSON line per step (see :mod:`gossip.metrics`), including the
     sampled consensus distance every ``consensus_every`` steps (one small all-reduce of ``2 * consensus_samples``
-    float64 values; 0 turns it off). ``close()`` removes the hooks, completes an in-flight exchange and returns the
-    summary on rank 0.
+    float64 values; 0 turns it off). The sampling runs on every rank whether or not it has a ``run_dir``, so
+    passing one on rank 0 only is fine; ``consensus_every``, ``consensus_samples``, ``seed``, ``bucket_bytes`` and
+    ``buffers`` must be equal on every rank (checked at construction). ``close()`` completes an in-flight exchange
+    and returns the summary on rank 0.
+
+    Invariants, checked where they are cheap: the parameters stay the ones wrapped -- at every step one pass
+    over ``named_parameters()`` (identities and storage addresses, no copy) raises
+    :class:`gossip.errors.ModelChangedError` naming the parameter if one was rebound (``model.double()``,
+    ``.to(...)``, ``load_state_dict(..., assign=True)``), replaced, added or removed, or changed
+    ``requires_grad`` (convert, move, freeze and materialise lazy modules *before* wrapping). Frozen parameters
+    are broadcast from rank 0 at construction, as DDP does, and never gossiped. A schedule whose matrices are not
+    doubly stochastic draws an :class:`AverageDriftWarning`. A closed communicator, a module that already
+    contains a wrapper, and every use after ``close()`` are refused; inside ``averaged()`` the wrapper's own
+    forward and optimizer steps are refused (evaluate with the module it yields).
 
     One optimizer must cover all of the wrapper's trainable parameters (a partial one is refused at its first
     ``step``); parameters added to it later with ``add_param_group`` are not seen. An optimizer subclass whose
@@ -595,7 +617,16 @@ class DecentralizedDataParallel(nn.Module):
         self._require_usable("close()")
         if self._backward_since_step and not self._mixing_done:
             self._skipped_step()
-        self._complete_pending()
+        try:
+            self._complete_pending()
+        except CommTimeoutError as error:
+            error.args = (
+                f"{error.args[0]} -- in close() after {self.step_count} optimizer steps on this rank: a peer that "
+                "took fewer steps never starts this exchange (did this rank call optimizer.step() without a "
+                "forward, or a peer clear its gradients with zero_grad(set_to_none=False) and skip its step?)",
+                *error.args[1:],
+            )
+            raise
         self._mixed = None
         self._closed = True
         summary = self.metrics.summarize(self.comm)

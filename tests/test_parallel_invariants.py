@@ -432,3 +432,34 @@ def test_a_nan_buffer_with_buffers_average_names_the_rank_and_buffer():
 def test_a_nan_buffer_is_dropped_from_the_average_with_nonfinite_drop():
     means = gossip.simulate(N, nan_buffer_on_rank_2, "drop")
     assert all(torch.isfinite(m).all() and torch.equal(m, means[0]) for m in means)
+
+
+def test_an_extra_optimizer_step_on_one_rank_ends_in_errors_naming_that_rank():
+    """An optimizer.step() without a forward is a mixing-only step: the exchanges stay matched by sequence number,
+    so nothing can tell it from a deliberate one until close(), where every rank gets a named error in time."""
+
+    def run(comm) -> str:
+        model = wrap(comm, make_mlp(comm.rank))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        try:
+            for step in range(4):
+                loss_of(model, *batch(comm.rank, step)).backward()
+                optimizer.step()
+                if comm.rank == 1 and step == 1:
+                    optimizer.step()
+                optimizer.zero_grad()
+            model.close()
+        except GossipError as error:
+            return str(error)
+        return "no error"
+
+    began = time.monotonic()
+    messages = gossip.simulate(N, run, timeout=2.0)
+    assert time.monotonic() - began < 10.0
+    assert messages[1].startswith("step 5: rank 1: exchange 5 with peer(s) [3] timed out after 2.0 s")
+    assert "in close() after 5 optimizer steps on this rank: a peer that took fewer steps" in messages[1]
+    for rank in (0, 2, 3):
+        assert (
+            messages[rank].startswith(f"rank {rank}: all_gather_object #")
+            and "waiting for rank(s) [1]" in messages[rank]
+        )
