@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import math
 import threading
 import time
@@ -28,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -35,14 +37,22 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from gossip.algorithms.base import Algorithm
 from gossip.backends.base import Communicator
 from gossip.buckets import DEFAULT_BUCKET_BYTES, Bucket, bucket_parameters, pack
-from gossip.consensus import DEFAULT_SAMPLES, ConsensusSampler, averaged_replicas, exact_consensus_sq
+from gossip.consensus import (
+    DEFAULT_SAMPLES,
+    ConsensusSampler,
+    _all_reduce_on,
+    averaged_replicas,
+    exact_consensus_sq,
+)
 from gossip.errors import CommTimeoutError, GossipError, ModelChangedError, NonFiniteError, NonFiniteWarning
 from gossip.metrics import StepMetrics
-from gossip.replicas import broadcast_from_rank0, check_replicas
+from gossip.replicas import ReplicaMismatchError, broadcast_from_rank0, check_replicas
 from topologies import Schedule
 from topologies.validation import find_violation
 
 BUFFER_POLICIES = ("local", "average")
+#: A schedule without period is compared across ranks every this many steps (beyond its construction window).
+SCHEDULE_CHECK_EVERY = 10
 
 # One pair of torch.optim global step hooks per process dispatches to the live wrappers. Registering per wrapper
 # would mutate torch's global hook dict while another thread (a simulator rank) iterates it in optimizer.step().
@@ -256,6 +266,7 @@ class DecentralizedDataParallel(nn.Module):
         self._closed = False
         self._averaging = False  # inside averaged()
         self._backward_since_step = False  # a backward accumulated gradients since the last optimizer step
+        self._schedule_checked_to = schedule.window  # a schedule without period: steps agreed on so far
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self._parameters_in_order = [p for _, p in named]
@@ -378,6 +389,9 @@ class DecentralizedDataParallel(nn.Module):
             with self._naming_step():
                 estimate = self._sampler.estimate_sq(self._parameters_in_order, self.comm, self.step_count + 1)
             row["consensus"] = math.sqrt(estimate)
+        if self.schedule.period is None and (self.step_count + 1) % SCHEDULE_CHECK_EVERY == 0:
+            with self._naming_step():
+                self._check_schedule_agreement()
         self.metrics.record(row)
         self.step_count += 1
         self._mixing_done = False
@@ -399,6 +413,39 @@ class DecentralizedDataParallel(nn.Module):
             if error.args and isinstance(error.args[0], str) and not error.args[0].startswith(f"{where}:"):
                 error.args = (f"{where}: {error.args[0]}", *error.args[1:])
             raise
+
+    def _check_schedule_agreement(self) -> None:
+        """For a schedule without period (checked at construction over its first ``window`` steps only): agree
+        on a fingerprint of the steps since the last check, with one all-reduce of two float64 values.
+
+        Each rank contributes v = 20 bits of the SHA-256 of its W(t) for those steps, and v squared; the sums are
+        exact in float64, and every rank finds sum(v) = n v and sum(v^2) = n v^2 exactly iff all v are equal
+        (zero variance). Only then are the ranks asked which one differs. Different edges usually stop the
+        exchange first (a timeout or an exchange mismatch naming the step); this catches different *weights*,
+        which would otherwise mix silently wrong.
+        """
+        first, last = self._schedule_checked_to, self.step_count
+        if last < first:  # still inside the window compared at construction (the same on every rank)
+            return
+        digest = hashlib.sha256()
+        for t in range(first, last + 1):
+            for array in self.schedule.triplets(t):
+                digest.update(np.ascontiguousarray(array).tobytes())
+        self._schedule_checked_to = last + 1
+        value = float(int.from_bytes(digest.digest()[:3], "little") >> 4)
+        sums = torch.tensor([value, value * value], dtype=torch.float64)
+        _all_reduce_on(self.comm, sums, "sum")
+        n = self.comm.size
+        if float(sums[0]) == n * value and float(sums[1]) == n * value * value:
+            return
+        fingerprints = self.comm.all_gather_object(digest.hexdigest())
+        other = next(rank for rank, f in enumerate(fingerprints) if f != fingerprints[0])
+        raise ReplicaMismatchError(
+            f"step {last}: rank {other}'s schedule '{self.schedule.name}' differs from rank 0's between steps {first} "
+            f"and {last} "
+            f"(a schedule without period is compared over its first {self.schedule.window} steps at construction, "
+            f"then every {SCHEDULE_CHECK_EVERY} steps): build it the same way on every rank (same seed)"
+        )
 
     def _require_usable(self, operation: str) -> None:
         if self._closed:
@@ -601,6 +648,7 @@ class DecentralizedDataParallel(nn.Module):
                 bucket.buffer.copy_(saved)
         self.algorithm.load_state_dict(copy.deepcopy(state["algorithm"]))
         self.step_count = int(state["step"])
+        self._schedule_checked_to = max(self.schedule.window, self.step_count)
         self._last_step_end = math.nan
 
     # -- teardown -------------------------------------------------------------------------------------------

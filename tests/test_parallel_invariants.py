@@ -227,6 +227,33 @@ def test_an_aperiodic_schedule_is_compared_over_its_window(window, caught):
     assert (pairings(0, None, window).fingerprint() != pairings(1, None, window).fingerprint()) is caught
 
 
+def test_an_aperiodic_schedule_with_other_weights_after_its_window_is_named_within_ten_steps():
+    def run(comm) -> str:
+        def step(t: int):
+            keep = 0.75 if comm.rank == 1 and t >= 40 else 0.5  # same edges, other weights: the exchange completes
+            pairs = [(0, 1), (2, 3)] if t % 2 == 0 else [(0, 2), (1, 3)]
+            rows = [i for a, b in pairs for i in (a, a, b, b)]
+            cols = [j for a, b in pairs for j in (a, b, a, b)]
+            weights = [w for _ in pairs for w in (keep, 1 - keep, 1 - keep, keep)]
+            return np.array(rows), np.array(cols), np.array(weights)
+
+        schedule = Schedule(4, "pairs", step, None, window=32, validate=False)
+        model = DecentralizedDataParallel(make_mlp(comm.rank), comm, schedule, ExactGossip(), consensus_every=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        try:
+            sgd_steps(model, optimizer, range(60), comm.rank)
+        except ReplicaMismatchError as error:
+            return str(error)
+        return "no error"
+
+    expected = (
+        "step 49: rank 1's schedule 'pairs' differs from rank 0's between steps 40 and 49 (a schedule without "
+        "period is compared over its first 32 steps at construction, then every 10 steps): build it the same way on "
+        "every rank (same seed)"
+    )
+    assert gossip.simulate(N, run) == [expected] * N
+
+
 # -- 7, 8, 18: wrappers and communicators that must not be used -------------------------------------------------
 def test_wrapping_a_wrapper_is_refused():
     def build(comm) -> None:
