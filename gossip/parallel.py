@@ -567,7 +567,7 @@ class DecentralizedDataParallel(nn.Module):
         culprits = {rank: names for rank, names in enumerate(self.comm.all_gather_object(mine)) if names}
         ranks = sorted(culprits)
         first = culprits[ranks[0]][0]
-        where = f"rank {self.comm.rank}: step {self.step_count}"
+        where = f"rank {self.comm.rank}"  # the error is prefixed with the step by _naming_step
         if getattr(self.algorithm, "nonfinite", "raise") != "drop":
             raise NonFiniteError(
                 f"{where}: buffer '{first}' of rank(s) {ranks} holds non-finite values (NaN or Inf); "
@@ -575,7 +575,8 @@ class DecentralizedDataParallel(nn.Module):
                 "nonfinite='drop' on the algorithm to average over the finite ranks only"
             )
         warnings.warn(
-            f"{where}: dropped the buffers of rank(s) {ranks} from the average (buffer '{first}' holds NaN or Inf)",
+            f"{where}: step {self.step_count}: dropped the buffers of rank(s) {ranks} from the average "
+            f"(buffer '{first}' holds NaN or Inf)",
             NonFiniteWarning,
             stacklevel=4,
         )

@@ -443,9 +443,7 @@ def nan_buffer_on_rank_2(comm, nonfinite: str) -> torch.Tensor:
     sgd_steps(model, optimizer, range(1), comm.rank)
     if comm.rank == 2:
         model.module[1].running_mean[3] = float("nan")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", NonFiniteWarning)
-        sgd_steps(model, optimizer, range(1, 2), comm.rank)
+    sgd_steps(model, optimizer, range(1, 2), comm.rank)
     model.close()
     return model.module[1].running_mean.clone()
 
@@ -453,12 +451,22 @@ def nan_buffer_on_rank_2(comm, nonfinite: str) -> torch.Tensor:
 def test_a_nan_buffer_with_buffers_average_names_the_rank_and_buffer():
     with pytest.raises(NonFiniteError) as caught:
         gossip.simulate(N, nan_buffer_on_rank_2, "raise")
-    assert "step 1: buffer '1.running_mean' of rank(s) [2] holds non-finite values (NaN or Inf)" in str(caught.value)
+    assert str(caught.value).startswith(
+        "step 1: rank 0: buffer '1.running_mean' of rank(s) [2] holds non-finite values (NaN or Inf); "
+        'buffers="average" would spread them to every rank'
+    )
 
 
 def test_a_nan_buffer_is_dropped_from_the_average_with_nonfinite_drop():
-    means = gossip.simulate(N, nan_buffer_on_rank_2, "drop")
+    with warnings.catch_warnings(record=True) as caught:  # around the simulation: the ranks are threads
+        warnings.simplefilter("always")
+        means = gossip.simulate(N, nan_buffer_on_rank_2, "drop")
     assert all(torch.isfinite(m).all() and torch.equal(m, means[0]) for m in means)
+    dropped = sorted(str(w.message) for w in caught if issubclass(w.category, NonFiniteWarning))
+    assert len(dropped) == N
+    assert dropped[0] == (
+        "rank 0: step 1: dropped the buffers of rank(s) [2] from the average (buffer '1.running_mean' holds NaN or Inf)"
+    )
 
 
 def test_an_extra_optimizer_step_on_one_rank_ends_in_errors_naming_that_rank():
