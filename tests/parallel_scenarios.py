@@ -144,10 +144,37 @@ def averaged_and_consensus(comm) -> dict[str, Any]:
     return {"before": before, "inside": inside, "after": after, "consensus": consensus}
 
 
+SKIP_RANK, SKIP_STEP = 1, 2
+
+
+def skip_one_update(comm, scaler: bool) -> tuple[torch.Tensor, int]:
+    """5 SGD steps; rank 1's update of step 2 is skipped: by a GradScaler that finds an overflow (``scaler``), or
+    as the reference, by a zero gradient, so that its optimizer step only mixes."""
+    model = wrap(comm, make_mlp(comm.rank))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(5):
+        loss = loss_of(model, *batch(comm.rank, step))
+        overflow = comm.rank == SKIP_RANK and step == SKIP_STEP
+        if scaler:
+            grad_scaler.scale(loss * (float("inf") if overflow else 1.0)).backward()
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
+        else:
+            loss.backward()
+            if overflow:
+                optimizer.zero_grad(set_to_none=False)
+            optimizer.step()
+        optimizer.zero_grad()
+    model.close()
+    return flat_parameters(model), model.step_count
+
+
 def run_all(comm, directory: Path) -> dict[str, Any]:
     """Every scenario the multiprocess test compares with the simulator."""
     return {
         "train": train(comm, 8),
         "checkpoint": checkpoint_resume(comm, directory / "checkpoint"),
         "averaged": averaged_and_consensus(comm),
+        "grad_scaler_skip": skip_one_update(comm, True),
     }

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from parallel_scenarios import batch, flat_parameters, loss_of, make_mlp, wrap
+from parallel_scenarios import batch, flat_parameters, loss_of, make_mlp, skip_one_update, wrap
 from torch import nn
 
 import gossip
@@ -382,32 +382,6 @@ def test_the_wrappers_forward_inside_averaged_is_refused():
 
 
 # -- 13: an update skipped on one rank -------------------------------------------------------------------------------
-SKIP_RANK, SKIP_STEP = 1, 2
-
-
-def skip_one_update(comm, scaler: bool) -> tuple[torch.Tensor, int]:
-    """5 SGD steps; rank 1's update of step 2 is skipped: by a GradScaler that finds an overflow (``scaler``), or
-    as the reference, by a zero gradient, so that its optimizer step only mixes."""
-    model = wrap(comm, make_mlp(comm.rank))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    for step in range(5):
-        loss = loss_of(model, *batch(comm.rank, step))
-        overflow = comm.rank == SKIP_RANK and step == SKIP_STEP
-        if scaler:
-            grad_scaler.scale(loss * (float("inf") if overflow else 1.0)).backward()
-            grad_scaler.step(optimizer)
-            grad_scaler.update()
-        else:
-            loss.backward()
-            if overflow:
-                optimizer.zero_grad(set_to_none=False)
-            optimizer.step()
-        optimizer.zero_grad()
-    model.close()
-    return flat_parameters(model), model.step_count
-
-
 def test_a_grad_scaler_skipping_on_one_rank_keeps_the_ranks_in_lockstep_and_still_mixes():
     skipped = gossip.simulate(N, skip_one_update, True, timeout=10.0)
     reference = gossip.simulate(N, skip_one_update, False)
