@@ -10,7 +10,7 @@ and the rank that has it, so no rank is left waiting in a later collective. A pa
 not materialised yet and a model with nothing to gossip (no trainable parameter, or only empty ones) are refused
 the same way. Parameters with 0 elements among others are accepted: they travel as nothing.
 :func:`broadcast_from_rank0` then copies rank 0's parameters (frozen ones too, as DDP does) and buffers to every
-rank (algorithms.md B.1: "broadcast all params from rank 0").
+rank, as Decent-DP does at setup (docs/design.md B.1).
 """
 
 from __future__ import annotations
