@@ -72,7 +72,11 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         if wrapper._owns(optimizer):
             wrapper._step_depth += 1
             if wrapper._step_depth == 1:
-                wrapper.finish_mixing()
+                try:
+                    wrapper.finish_mixing()
+                except BaseException:
+                    wrapper._step_depth = 0  # torch skips the post-hook when a pre-hook raises
+                    raise
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -381,6 +381,35 @@ def test_the_wrappers_forward_inside_averaged_is_refused():
     assert "Evaluate with the module that averaged() yields" in message
 
 
+def test_an_optimizer_step_inside_averaged_is_refused_and_training_continues_after_the_block():
+    def run(comm) -> tuple[str, torch.Tensor]:
+        model = wrap(comm, make_mlp(comm.rank))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        sgd_steps(model, optimizer, range(2), comm.rank)
+        loss_of(model, *batch(comm.rank, 2)).backward()
+        try:
+            with model.averaged():
+                optimizer.step()
+        except RuntimeError as error:
+            message = str(error)
+        optimizer.step()  # the step refused inside the block runs normally after it
+        optimizer.zero_grad()
+        sgd_steps(model, optimizer, range(3, 4), comm.rank)
+        model.close()
+        return message, flat_parameters(model)
+
+    def reference(comm) -> torch.Tensor:
+        model = wrap(comm, make_mlp(comm.rank))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        sgd_steps(model, optimizer, range(4), comm.rank)
+        model.close()
+        return flat_parameters(model)
+
+    for (message, params), expected in zip(gossip.simulate(N, run), gossip.simulate(N, reference), strict=True):
+        assert message.startswith("rank ") and "optimizer.step() (or finish_mixing) inside averaged()" in message
+        assert torch.equal(params, expected)
+
+
 # -- 13: an update skipped on one rank -------------------------------------------------------------------------------
 def test_a_grad_scaler_skipping_on_one_rank_keeps_the_ranks_in_lockstep_and_still_mixes():
     skipped = gossip.simulate(N, skip_one_update, True, timeout=10.0)
