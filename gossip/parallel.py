@@ -72,6 +72,9 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         if wrapper._owns(optimizer):
             wrapper._step_depth += 1
             if wrapper._step_depth == 1:
+                # args[0] is the optimizer itself; a closure computes the gradients inside step()
+                if not (args[1:] or kwargs.get("closure")):
+                    wrapper._warn_if_mixing_only()
                 try:
                     wrapper.finish_mixing()
                 except BaseException:
@@ -129,6 +132,11 @@ def _warn_if_average_drifts(schedule: Schedule, algorithm: Algorithm, rank: int)
 
 class AverageDriftWarning(UserWarning):
     """The schedule is not doubly stochastic, so gossip does not preserve the average of the replicas."""
+
+
+class MixingOnlyStepWarning(UserWarning):
+    """An optimizer step with no forward or backward since the previous one: it only mixes, and on one rank only
+    it puts that rank a step ahead of its peers."""
 
 
 def _subscribe(wrapper: DecentralizedDataParallel) -> None:
@@ -270,6 +278,7 @@ class DecentralizedDataParallel(nn.Module):
         self._closed = False
         self._averaging = False  # inside averaged()
         self._backward_since_step = False  # a backward accumulated gradients since the last optimizer step
+        self._forward_since_step = False  # the wrapper's forward ran since the last optimizer step
         self._schedule_checked_to = schedule.window  # a schedule without period: steps agreed on so far
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -307,6 +316,7 @@ class DecentralizedDataParallel(nn.Module):
             )
         if self._backward_since_step and all(p.grad is None for p in self._parameters_in_order):
             self._skipped_step()
+        self._forward_since_step = True
         self.metrics.flush()
         if self._pending is None and self._mixed is None and not self._mixing_done:
             self._start()
@@ -378,7 +388,7 @@ class DecentralizedDataParallel(nn.Module):
                 f"rank {self.comm.rank}: next_step() at step {self.step_count} before finish_mixing(); "
                 "call finish_mixing() before the update"
             )
-        self._backward_since_step = False
+        self._backward_since_step = self._forward_since_step = False
         now = time.perf_counter()
         traffic = self.algorithm.traffic
         row = {
@@ -449,6 +459,20 @@ class DecentralizedDataParallel(nn.Module):
             f"and {last} "
             f"(a schedule without period is compared over its first {self.schedule.window} steps at construction, "
             f"then every {SCHEDULE_CHECK_EVERY} steps): build it the same way on every rank (same seed)"
+        )
+
+    def _warn_if_mixing_only(self) -> None:
+        """An optimizer step with neither a forward nor a backward since the previous one only mixes. Deliberate
+        on every rank it is harmless; on one rank only (``optimizer.step()`` called twice) it puts that rank one
+        step ahead, which nothing can tell from a deliberate one until ``close()`` times out: say so now."""
+        if self._closed or self._averaging or self._forward_since_step or self._backward_since_step:
+            return
+        warnings.warn(
+            f"rank {self.comm.rank}: step {self.step_count}: optimizer.step() with no forward or backward since the "
+            "previous step only mixes; unless every rank does the same, this rank is now one step ahead of its peers "
+            "and close() will time out",
+            MixingOnlyStepWarning,
+            stacklevel=4,
         )
 
     def _require_usable(self, operation: str) -> None:

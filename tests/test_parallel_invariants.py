@@ -19,7 +19,7 @@ import topologies
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.powergossip import PowerGossip
 from gossip.errors import GossipError, NonFiniteError, NonFiniteWarning
-from gossip.parallel import AverageDriftWarning, DecentralizedDataParallel
+from gossip.parallel import AverageDriftWarning, DecentralizedDataParallel, MixingOnlyStepWarning
 from gossip.replicas import ReplicaMismatchError
 from topologies.schedule import Schedule
 
@@ -474,7 +474,8 @@ def test_a_nan_buffer_is_dropped_from_the_average_with_nonfinite_drop():
 
 def test_an_extra_optimizer_step_on_one_rank_ends_in_errors_naming_that_rank():
     """An optimizer.step() without a forward is a mixing-only step: the exchanges stay matched by sequence number,
-    so nothing can tell it from a deliberate one until close(), where every rank gets a named error in time."""
+    so nothing can tell it from a deliberate one across ranks; the rank warns at once, and close() ends in a named
+    error on every rank within the timeout."""
 
     def run(comm) -> str:
         model = wrap(comm, make_mlp(comm.rank))
@@ -492,8 +493,14 @@ def test_an_extra_optimizer_step_on_one_rank_ends_in_errors_naming_that_rank():
         return "no error"
 
     began = time.monotonic()
-    messages = gossip.simulate(N, run, timeout=2.0)
+    with warnings.catch_warnings(record=True) as caught:  # around the simulation: the ranks are threads
+        warnings.simplefilter("always")
+        messages = gossip.simulate(N, run, timeout=2.0)
     assert time.monotonic() - began < 10.0
+    assert [str(w.message) for w in caught if issubclass(w.category, MixingOnlyStepWarning)] == [
+        "rank 1: step 2: optimizer.step() with no forward or backward since the previous step only mixes; unless "
+        "every rank does the same, this rank is now one step ahead of its peers and close() will time out"
+    ]
     assert messages[1].startswith("step 5: rank 1: exchange 5 with peer(s) [3] timed out after 2.0 s")
     assert "in close() after 5 optimizer steps on this rank: a peer that took fewer steps" in messages[1]
     for rank in (0, 2, 3):
