@@ -207,9 +207,9 @@ class DecentralizedDataParallel(nn.Module):
     Metrics: with ``run_dir`` a rank appends one JSON line per step (see :mod:`gossip.metrics`), including the
     sampled consensus distance every ``consensus_every`` steps (one small all-reduce of ``2 * consensus_samples``
     float64 values; 0 turns it off). The sampling runs on every rank whether or not it has a ``run_dir``, so
-    passing one on rank 0 only is fine; ``consensus_every``, ``consensus_samples``, ``seed``, ``bucket_bytes`` and
-    ``buffers`` must be equal on every rank (checked at construction). ``close()`` completes an in-flight exchange
-    and returns the summary on rank 0.
+    passing one on rank 0 only is fine; ``consensus_every``, ``consensus_samples``, ``seed``, ``bucket_bytes``,
+    ``buffers`` and the algorithm's ``nonfinite`` policy must be equal on every rank (checked at construction).
+    ``close()`` completes an in-flight exchange and returns the summary on rank 0.
 
     Invariants, checked where they are cheap: the parameters stay the ones wrapped -- at every step one pass
     over ``named_parameters()`` (identities and storage addresses, no copy) raises
@@ -267,6 +267,8 @@ class DecentralizedDataParallel(nn.Module):
             "consensus_every": int(consensus_every),
             "consensus_samples": int(consensus_samples),
             "seed": int(seed),
+            # the algorithm's non-finite policy (one rank dropping what another raises on would split the run)
+            "nonfinite": getattr(algorithm, "nonfinite", None),
         }
         self.signature = check_replicas(module, comm, schedule, algorithm, settings)
         self.buckets = bucket_parameters(module, bucket_bytes)

@@ -301,12 +301,21 @@ def test_a_closed_communicator_is_refused_at_once():
 # -- 9, 14: settings that must agree across ranks ----------------------------------------------------------------
 @pytest.mark.parametrize(
     "setting,values",
-    [("seed", (0, 2)), ("bucket_bytes", (1 << 20, 1 << 10)), ("buffers", ("local", "average"))],
+    [
+        ("seed", (0, 2)),
+        ("bucket_bytes", (1 << 20, 1 << 10)),
+        ("buffers", ("local", "average")),
+        ("consensus_every", (10, 5)),
+        ("nonfinite", ("raise", "drop")),
+    ],
 )
 def test_a_setting_that_differs_on_one_rank_is_refused(setting, values):
     def build(comm) -> str:
         try:
-            wrap(comm, make_mlp(comm.rank), **{setting: values[comm.rank == 2]})
+            if setting == "nonfinite":
+                wrap(comm, make_mlp(comm.rank), ExactGossip(nonfinite=values[comm.rank == 2]))
+            else:
+                wrap(comm, make_mlp(comm.rank), **{setting: values[comm.rank == 2]})
         except ReplicaMismatchError as error:
             return str(error)
         return "no error"
