@@ -206,7 +206,7 @@ class DecentralizedDataParallel(nn.Module):
 
     Metrics: with ``run_dir`` a rank appends one JSON line per step (see :mod:`gossip.metrics`), including the
     sampled consensus distance every ``consensus_every`` steps (one small all-reduce of ``2 * consensus_samples``
-    float64 values; 0 turns it off). The sampling runs on every rank whether or not it has a ``run_dir``, so
+    float64 values; 0 turns it off). When any rank has a ``run_dir`` the sampling runs on every rank, so
     passing one on rank 0 only is fine; ``consensus_every``, ``consensus_samples``, ``seed``, ``bucket_bytes``,
     ``buffers`` and the algorithm's ``nonfinite`` policy must be equal on every rank (checked at construction).
     ``close()`` completes an in-flight exchange and returns the summary on rank 0.
@@ -295,9 +295,10 @@ class DecentralizedDataParallel(nn.Module):
         self._state_before_start = copy.deepcopy(algorithm.state_dict())
 
         self.metrics = StepMetrics(run_dir, comm.rank)
-        # Sampled on every rank, with or without a run_dir: logging on rank 0 only must not leave rank 0 alone
-        # in the consensus all-reduce.
-        self.consensus_every = consensus_every
+        # Sampled on every rank as soon as one rank has a run_dir: logging on rank 0 only must not leave rank 0
+        # alone in the consensus all-reduce (and without any run_dir nothing would read it).
+        anyone_logs = any(self.comm.all_gather_object(run_dir is not None))
+        self.consensus_every = consensus_every if anyone_logs else 0
         self._sampler = ConsensusSampler([p.numel() for p in self._parameters_in_order], consensus_samples, seed)
         self._started_at = self._last_step_end = math.nan
         self._timing = {"compute_seconds": 0.0, "wait_seconds": math.nan, "finish_seconds": 0.0}
