@@ -1,9 +1,10 @@
 """Checkpoint and resume of a decentralized run: one file per rank, written atomically, with a checksum.
 
 ``save_checkpoint(dir, model, optimizer, extra=...)`` writes ``dir/rank<r>.pt`` holding everything rank r's
-future depends on: its parameters x_t (the flat buckets), its buffers, the optimizer's ``state_dict``, the
-algorithm's state (PowerGossip's per-edge factors and parity counters), the step counter t (the schedule
-position), the RNG streams (torch, numpy, python ``random``) and the user's ``extra`` state (below). The file is
+future depends on: its parameters x_t (the flat buckets), its frozen parameters and buffers, the optimizer's
+``state_dict``, the algorithm's state (PowerGossip's per-edge factors and parity counters), the step counter t
+(the schedule position), the RNG streams (torch, numpy, python ``random``) and the user's ``extra`` state
+(below). The file is
 written to a temporary file in the same directory, fsynced, then ``os.replace``-d over the old one, so a crash
 leaves either the old or the new checkpoint. The state is stored with the SHA-256 of its serialised bytes, so a
 truncated or corrupted file is named at load time instead of failing later inside an exchange.
@@ -132,6 +133,7 @@ def save_checkpoint(
         "signature": model.signature,
         "training": model.training_state(),
         "buffers": {name: b.detach().clone() for name, b in model.module.named_buffers()},
+        "frozen": {name: p.detach().clone() for name, p in model.module.named_parameters() if not p.requires_grad},
         "optimizer": optimizer.state_dict(),
         "rng": _rng_state(),
         "extra": {key: _extra_entry(key, value, rank) for key, value in (extra or {}).items()},
@@ -238,10 +240,10 @@ def load_checkpoint(
             f"{steps[0]}: the files come from different saves; restore one save's files on every rank"
         )
     model.load_training_state(state["training"])
-    buffers = dict(model.module.named_buffers())
+    tensors = {**dict(model.module.named_buffers()), **dict(model.module.named_parameters())}
     with torch.no_grad():
-        for name, saved in state["buffers"].items():
-            buffers[name].copy_(saved)
+        for name, saved in [*state["buffers"].items(), *state["frozen"].items()]:
+            tensors[name].copy_(saved)
     optimizer.load_state_dict(state["optimizer"])
     _set_rng_state(state["rng"])
     _restore_extra(state["extra"], extra)

@@ -176,3 +176,25 @@ def test_a_plain_extra_value_that_is_not_a_dict_is_refused_at_save(tmp_path):
         TypeError, match=r"rank \d: save_checkpoint: extra\['epoch'\] \(type int\) cannot be restored in place"
     ):
         gossip.simulate(2, lambda comm: save_after_two_steps(comm, tmp_path, {"epoch": 3}))
+
+
+def test_frozen_parameters_are_saved_and_restored(tmp_path):
+    def save(comm) -> torch.Tensor:
+        module = make_mlp(comm.rank)
+        module[0].weight.requires_grad_(False)
+        model = wrap(comm, module)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        save_checkpoint(tmp_path, model, optimizer)
+        model.close()
+        return module[0].weight.detach().clone()
+
+    def load(comm) -> torch.Tensor:
+        module = make_mlp(100 + comm.rank)  # another initialisation: the frozen weights must come from the file
+        module[0].weight.requires_grad_(False)
+        model = wrap(comm, module)
+        load_checkpoint(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1))
+        model.close()
+        return module[0].weight.detach().clone()
+
+    for saved, loaded in zip(gossip.simulate(N, save), gossip.simulate(N, load), strict=True):
+        assert torch.equal(saved, loaded)
