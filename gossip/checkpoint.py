@@ -4,10 +4,10 @@
 future depends on: its parameters x_t (the flat buckets), its frozen parameters and buffers, the optimizer's
 ``state_dict``, the algorithm's state (PowerGossip's per-edge factors and parity counters), the step counter t
 (the schedule position), the RNG streams (torch, numpy, python ``random``) and the user's ``extra`` state
-(below). The file is
-written to a temporary file in the same directory, fsynced, then ``os.replace``-d over the old one, so a crash
-leaves either the old or the new checkpoint. The state is stored with the SHA-256 of its serialised bytes, so a
-truncated or corrupted file is named at load time instead of failing later inside an exchange.
+(below). The file is written to a temporary file in the same directory, fsynced, then ``os.replace``-d over
+the old one, so a crash leaves either the old or the new checkpoint. The state is stored with the SHA-256 of its
+serialised bytes, so a truncated or corrupted file is named at load time instead of failing later inside an
+exchange.
 
 Extra state (``extra={"scheduler": scheduler, "scaler": scaler, "generator": g, "progress": {...}}``), in the
 same per-rank file:
