@@ -215,6 +215,7 @@ def load_checkpoint(
     ``extra``: the objects to restore in place, under the keys given to :func:`save_checkpoint` (a dict saved as
     a plain value is cleared and refilled: pass e.g. ``{"progress": {}}`` and read it after the call).
     """
+    model._require_usable("load_checkpoint()")  # a closed wrapper or communicator: refused before any collective
     extra = dict(extra or {})
     rank = model.comm.rank
     path = checkpoint_path(path_dir, rank)

@@ -18,6 +18,7 @@ import gossip
 import topologies
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.powergossip import PowerGossip
+from gossip.checkpoint import load_checkpoint
 from gossip.errors import GossipError, NonFiniteError, NonFiniteWarning
 from gossip.parallel import AverageDriftWarning, DecentralizedDataParallel, MixingOnlyStepWarning
 from gossip.replicas import ReplicaMismatchError
@@ -262,7 +263,7 @@ def test_wrapping_a_wrapper_is_refused():
     assert "TypeError: rank 0: the module already contains a DecentralizedDataParallel" in error_of(build)
 
 
-@pytest.mark.parametrize("operation", ["forward", "optimizer.step", "averaged", "comm closed too"])
+@pytest.mark.parametrize("operation", ["forward", "optimizer.step", "averaged", "load_checkpoint", "comm closed too"])
 def test_training_after_close_is_refused(operation):
     def build(comm) -> None:
         model = wrap(comm, make_mlp(comm.rank))
@@ -276,10 +277,16 @@ def test_training_after_close_is_refused(operation):
         elif operation == "averaged":
             with model.averaged():
                 pass
+        elif operation == "load_checkpoint":
+            load_checkpoint(".", model, optimizer)
         else:
             loss_of(model, *batch(comm.rank, 2))
 
-    what = {"forward": "forward", "optimizer.step": "optimizer step (mixing)", "averaged": "averaged()"}
+    what = {
+        "optimizer.step": "optimizer step (mixing)",
+        "averaged": "averaged()",
+        "load_checkpoint": "load_checkpoint()",
+    }
     message = error_of(build)
     assert f"RuntimeError: rank 0: {what.get(operation, 'forward')} after close() (step 2)" in message
 
