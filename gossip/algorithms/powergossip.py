@@ -175,6 +175,13 @@ class PowerGossip(Algorithm):
         if schedule is None:
             raise ValueError("PowerGossip needs a schedule (e.g. topologies.one_peer_hypercube(n))")
         super().setup(comm, schedule, buckets)
+        dtypes = {str(bucket.buffer.dtype).removeprefix("torch.") for bucket in buckets}
+        if len(dtypes) > 1:
+            raise TypeError(
+                f"rank {comm.rank}: PowerGossip sends each step's factors in one message of one dtype, but the "
+                f"parameters have dtypes {sorted(dtypes)}: convert the model to one dtype before wrapping "
+                "(e.g. model.float()), or use ExactGossip, which mixes every dtype"
+            )
         self.matrices: list[_Matrix] = []
         self.exact: list[tuple[int, Entry]] = []
         for index, bucket in enumerate(buckets):
