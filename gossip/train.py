@@ -67,6 +67,8 @@ class TrainConfig:
     accum_iter: int | None = None
     algorithm: str = "exact"
     rank: int = 1
+    power_iterations: int = 1
+    average_every: int = 0
     schedule: str | None = None
     split: str = "iid"
     seed: int = 0
@@ -129,11 +131,27 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
         raise ConfigError("--algorithm", f"unknown {config.algorithm!r}; choose one of {list(ALGORITHM_CHOICES)}")
     if config.optimizer not in OPTIMIZERS:
         raise ConfigError("--optimizer", f"unknown {config.optimizer!r}; choose one of {list(OPTIMIZERS)}")
+    _check_mixing_options(config)
     if config.data is not None and not Path(config.data).is_file():
         raise ConfigError("--data", f"{config.data!r} does not exist or is not a file")
     if resolved.algorithm != DDP:
         build_schedule(resolved)
     return resolved, notes
+
+
+def _check_mixing_options(config: TrainConfig) -> None:
+    """``--average-every`` and ``--power-iterations`` only where they change something."""
+    if isinstance(config.average_every, bool) or not isinstance(config.average_every, int) or config.average_every < 0:
+        raise ConfigError("--average-every", f"must be an integer >= 0 (0 = off), got {config.average_every!r}")
+    if config.average_every and config.algorithm in (DDP, "allreduce"):
+        raise ConfigError(
+            "--average-every", f"--algorithm {config.algorithm} averages every step already; drop --average-every"
+        )
+    if config.power_iterations != 1 and config.algorithm != "powergossip":
+        raise ConfigError(
+            "--power-iterations",
+            f"applies to --algorithm powergossip only, not {config.algorithm}; drop --power-iterations",
+        )
 
 
 def _check_ddp(config: TrainConfig) -> None:
@@ -156,9 +174,24 @@ def learning_rate(config: TrainConfig, step: int) -> float:
 
 
 def make_algorithm(config: TrainConfig) -> gossip.Algorithm:
+    """The gossip algorithm of ``config``, wrapped in :class:`gossip.PeriodicAverage` when ``average_every > 0``."""
     if config.algorithm == "powergossip":
-        return gossip.PowerGossip(rank=config.rank)
-    return gossip.ALGORITHMS[config.algorithm]()
+        algorithm = gossip.PowerGossip(rank=config.rank, num_iterations=config.power_iterations)
+    else:
+        algorithm = gossip.ALGORITHMS[config.algorithm]()
+    if config.average_every:
+        return gossip.PeriodicAverage(algorithm, every=config.average_every)
+    return algorithm
+
+
+def describe_mixing(config: TrainConfig) -> str:
+    """One line for the start of the run, e.g. "powergossip on one_peer_hypercube, exact average every 16 steps"."""
+    if config.algorithm == DDP:
+        return "torch DDP (gradient all-reduce)"
+    mixing = f"{config.algorithm} on {config.schedule}"
+    if config.average_every:
+        mixing += f", exact average every {config.average_every} steps"
+    return mixing
 
 
 def make_model(config: TrainConfig, comm: Communicator, run_dir: Path) -> Replicated:
@@ -254,11 +287,8 @@ def _train(config: TrainConfig, comm: Communicator) -> RunSummary | None:
     )
     held_out = validation_batches(corpus.validation, config.batch_size, config.model["block_size"], config.eval_batches)
     if comm.rank == 0:
-        mixing = (
-            "torch DDP (gradient all-reduce)" if config.algorithm == DDP else f"{config.algorithm} on {config.schedule}"
-        )
         print(
-            f"gossip-train: {comm.size} worker(s), {mixing}, {config.optimizer}, "
+            f"gossip-train: {comm.size} worker(s), {describe_mixing(config)}, {config.optimizer}, "
             f"GPT {model.module.num_parameters():,} params, corpus {corpus.source} ({len(corpus.train):,} bytes), "
             f"run dir {run_dir}",
             flush=True,

@@ -10,11 +10,12 @@ refused with errors naming what and where. Gloo and MPI run the same scenarios i
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 from algorithm_scenarios import local_model, make_algorithm, make_schedule, run_steps
-from parallel_scenarios import checkpoint_resume
+from parallel_scenarios import checkpoint_resume, flat_parameters, make_mlp, train
 from torch import nn
 
 import gossip
@@ -255,3 +256,43 @@ def test_an_error_of_the_inner_algorithm_names_its_step_and_the_training_step():
     message = gossip.simulate(4, run)[0]
     assert message.startswith("rank 0: step 1: peer 2 sent non-finite values")
     assert message.endswith("[exact step 1 is step 2 of PeriodicAverage]")
+
+
+def test_adaptive_powergossip_inside_decides_on_its_own_steps_with_identical_factors():
+    """AdaptivePowerGossip(every=2) decides after its own steps 1 and 3 (training steps 1 and 4 with averages at 2
+    and 5); the factors stay bit-identical on both ends across the averages and the rank change."""
+
+    def run(comm) -> dict:
+        buckets = local_model(comm.rank)
+        inner = gossip.AdaptivePowerGossip(ladder=(1, 2), every=2, min_compression=1)
+        algorithm = gossip.PeriodicAverage(inner, every=EVERY)
+        algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), buckets)
+        for step in range(STEPS):
+            update = torch.Generator().manual_seed(1000 * step + comm.rank)
+            for bucket in buckets:
+                bucket.buffer.add_(torch.randn(bucket.buffer.shape, generator=update), alpha=0.1)
+            algorithm.step(step)
+        return {"history": [h["step"] for h in inner.history], "rank": inner.rank, "edges": inner.edges}
+
+    results = gossip.simulate(4, run)
+    assert results[0]["history"] == [2, 4]  # after its own steps 1 and 3
+    assert len({r["rank"] for r in results}) == 1
+    for rank, result in enumerate(results):
+        for (lo, hi), edge in result["edges"].items():
+            other = results[hi if rank == lo else lo]["edges"][(lo, hi)]
+            assert all(torch.equal(a, b) for a, b in zip(edge.p + edge.q, other.p + other.q, strict=True)), (
+                f"edge {(lo, hi)}"
+            )
+
+
+def test_under_the_wrapper_each_steps_metrics_row_counts_the_all_reduce_or_the_gossip_bytes(tmp_path):
+    def run(comm) -> dict:
+        algorithm = gossip.PeriodicAverage(gossip.PowerGossip(rank=1), every=2)
+        return train(comm, 4, algorithm=algorithm, run_dir=tmp_path)
+
+    gossip.simulate(4, run)
+    rows = [json.loads(line) for line in (tmp_path / "metrics_rank0.jsonl").read_text().splitlines()]
+    model_bytes = flat_parameters(make_mlp(0)).numel() * 4
+    gossip_bytes = {rows[0]["bytes_sent"], rows[2]["bytes_sent"]}
+    assert [row["bytes_sent"] for row in rows[1::2]] == [round(2 * 3 / 4 * model_bytes)] * 2
+    assert len(gossip_bytes) == 1 and gossip_bytes.pop() < model_bytes / 2  # PowerGossip r=1's factors
