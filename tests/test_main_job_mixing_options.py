@@ -55,3 +55,20 @@ def test_an_option_that_changes_nothing_or_is_out_of_range_is_an_argparse_error(
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert f"argument {option}" in error and says in error, error
+
+
+@pytest.mark.parametrize("method", ["pg4-pga16-adamw", "pg4-pga16", "pg4-pga8-adamw", "pg1-pga16-adamw",
+                                    "pg4-it4-pga16-adamw", "exact-pga16-adamw"])  # fmt: skip
+def test_time_to_loss_periodic_average_methods_are_valid_main_job_commands(method):
+    from experiments.time_to_loss import METHODS
+
+    argv = METHODS[method].argv(100, 16, "out")
+    assert argv[1:3] == ["-m", "gossip"]
+    config, _ = resolve(config_from(build_parser().parse_args(argv[3:])), 8)
+    algorithm = make_algorithm(config)
+    assert isinstance(algorithm, gossip.PeriodicAverage)
+    assert f"pga{algorithm.every}" in method
+    assert (config.optimizer == "adamw") == method.endswith("-adamw")
+    if method.startswith("pg"):
+        assert method.startswith(f"pg{algorithm.inner.rank}-")
+        assert ("-it4-" in method) == (algorithm.inner.num_iterations == 4)
