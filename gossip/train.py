@@ -4,7 +4,8 @@ Every process is one worker of a decentralized run (algorithms.md B.1; Decent-DP
 
 .. math::  x_i^{t+1} = \sum_j W_{ij}(t)\, x_j^{t} \;-\; \eta_t\, d_i^{t}\big(g_i(x_i^{t})\big)
 
-with :math:`W(t)` from the schedule, the mixing done by the algorithm (exact gossip, PowerGossip or All-Reduce)
+with :math:`W(t)` from the schedule, the mixing done by the algorithm (exact gossip, PowerGossip or All-Reduce;
+with ``average_every = K > 0`` wrapped in :class:`gossip.PeriodicAverage`, an exact global average every K steps)
 inside :class:`gossip.parallel.DecentralizedDataParallel`, and :math:`d` the local optimizer's direction. The
 learning rate :math:`\eta_t` warms up linearly for ``warmup_steps`` then follows a cosine to ``lr / 10``.
 

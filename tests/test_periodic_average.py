@@ -21,6 +21,7 @@ from torch import nn
 import gossip
 import topologies
 from gossip.algorithms.allreduce import COLLECTIVE
+from gossip.buckets import pack
 from gossip.consensus import exact_consensus_sq
 from gossip.errors import NonFiniteWarning
 from gossip.parallel import DecentralizedDataParallel
@@ -222,6 +223,27 @@ def test_a_nan_replica_at_an_averaging_step_raises_naming_the_rank_and_step():
         assert result["error"].startswith(
             f"rank {rank}: step 1: PeriodicAverage's global average is non-finite: ranks [2] hold NaN or Inf"
         )
+
+
+def test_a_finite_sum_that_overflows_or_nan_everywhere_is_named_as_such():
+    def run(comm, value: float) -> str:
+        buckets = pack([("w", torch.full((4, 3), value))])
+        algorithm = gossip.PeriodicAverage(gossip.ExactGossip(nonfinite="drop"), every=1)
+        algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), buckets)
+        try:
+            algorithm.step(0)
+        except gossip.NonFiniteError as error:
+            return str(error)
+        return "no error"
+
+    overflow = gossip.simulate(4, run, 3e38)[3]
+    assert overflow == (
+        "rank 3: step 0: PeriodicAverage's global average is non-finite: every replica is finite but their sum "
+        "overflows; training has diverged (lower the learning rate)"
+    )
+    assert gossip.simulate(4, run, float("nan"))[1].endswith(
+        ": every rank's replica holds NaN or Inf (lower the learning rate)"
+    )
 
 
 def test_with_drop_a_nan_replica_is_left_out_of_the_average_with_a_warning():

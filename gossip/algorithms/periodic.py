@@ -158,13 +158,18 @@ class PeriodicAverage(Algorithm):
         finite = all(bool(torch.isfinite(bucket.buffer).all()) for bucket in self.buckets)
         healthy = self.comm.all_gather_object(finite)  # every rank sees the non-finite mean, so all gather
         bad = [rank for rank, ok in enumerate(healthy) if not ok]
-        me, step = self.comm.rank, pending.step
-        if self.nonfinite == "raise" or len(bad) == len(healthy) or not bad:
-            what = f"ranks {bad} hold" if bad else "the sum of the replicas overflowed to"
+        where = f"rank {self.comm.rank}: step {pending.step}: PeriodicAverage's global average is non-finite"
+        if not bad:
             raise NonFiniteError(
-                f"rank {me}: step {step}: PeriodicAverage's global average is non-finite: {what} NaN or Inf; "
-                f"their replicas have diverged (lower the learning rate, or use an inner algorithm with "
-                f"nonfinite='drop' to average the finite replicas only)"
+                f"{where}: every replica is finite but their sum overflows; training has diverged (lower the "
+                "learning rate)"
+            )
+        if len(bad) == len(healthy):
+            raise NonFiniteError(f"{where}: every rank's replica holds NaN or Inf (lower the learning rate)")
+        if self.nonfinite == "raise":
+            raise NonFiniteError(
+                f"{where}: ranks {bad} hold NaN or Inf; their replicas have diverged (lower the learning rate, or "
+                "give the inner algorithm nonfinite='drop' to average the finite replicas only)"
             )
         for copy, bucket in zip(pending.copies, self.buckets, strict=True):
             if finite:
@@ -174,8 +179,8 @@ class PeriodicAverage(Algorithm):
             self.comm.all_reduce(copy, "sum")
             copy.div_(len(healthy) - len(bad))
         warnings.warn(
-            f"rank {me}: step {step}: PeriodicAverage dropped the replicas of ranks {bad}, which hold non-finite "
-            f"values (NaN or Inf); every rank takes the mean of the other {len(healthy) - len(bad)}",
+            f"rank {self.comm.rank}: step {pending.step}: PeriodicAverage dropped the replicas of ranks {bad}, which "
+            f"hold non-finite values (NaN or Inf); every rank takes the mean of the other {len(healthy) - len(bad)}",
             NonFiniteWarning,
             stacklevel=3,
         )
