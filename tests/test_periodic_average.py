@@ -108,6 +108,22 @@ def test_powergossip_factors_stay_bit_identical_on_both_ends_of_every_edge(n):
     assert edges_seen == n * (n.bit_length() - 1)  # every hypercube edge used, seen from both ends
 
 
+def test_the_inner_algorithm_counts_only_its_own_steps_so_every_phase_of_the_schedule_is_used():
+    """every=2 on the 4-rank one-peer hypercube (period 2): numbered by the training step, the inner algorithm
+    would only ever run even steps, i.e. the edges to partner rank ^ 1; counted by its own steps it alternates."""
+
+    def run(comm) -> dict:
+        algorithm = gossip.PeriodicAverage(gossip.PowerGossip(rank=1, min_compression=1), every=2)
+        algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), local_model(comm.rank))
+        for step in range(4):
+            algorithm.step(step)
+        return {key: edge.iteration for key, edge in algorithm.inner.edges.items()}
+
+    every_third = gossip.PeriodicAverage(gossip.ExactGossip(), every=3)
+    assert [every_third.inner_step(t) for t in (0, 1, 3, 4, 6)] == [0, 1, 2, 3, 4]
+    assert gossip.simulate(4, run)[0] == {(0, 1): 1, (0, 2): 1}
+
+
 @pytest.mark.parametrize("inner", INNER)
 def test_traffic_equals_the_communicators_counters_plus_the_all_reduce_bytes(inner):
     n = 4
