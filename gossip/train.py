@@ -55,21 +55,36 @@ class ConfigError(ValueError):
         self.option = option
 
 
+@dataclasses.dataclass(frozen=True)
+class MixingDefaults:
+    """The main job's default mixing and local optimizer, in one place (``gossip-train``'s defaults follow it)."""
+
+    algorithm: str = "exact"
+    rank: int = 1
+    power_iterations: int = 1
+    average_every: int = 0
+    optimizer: str = "accum-adamw"
+    lr: float = 3e-3
+
+
+DEFAULTS = MixingDefaults()
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """Everything one run depends on; ``None`` fields are resolved per world size by :func:`resolve`."""
 
     steps: int = 500
     batch_size: int = 16
-    lr: float = 3e-3
+    lr: float = DEFAULTS.lr
     warmup_steps: int | None = None
     weight_decay: float = 0.1
-    optimizer: str = "accum-adamw"
+    optimizer: str = DEFAULTS.optimizer
     accum_iter: int | None = None
-    algorithm: str = "exact"
-    rank: int = 1
-    power_iterations: int = 1
-    average_every: int = 0
+    algorithm: str = DEFAULTS.algorithm
+    rank: int = DEFAULTS.rank
+    power_iterations: int = DEFAULTS.power_iterations
+    average_every: int = DEFAULTS.average_every
     schedule: str | None = None
     split: str = "iid"
     seed: int = 0

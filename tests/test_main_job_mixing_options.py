@@ -3,11 +3,13 @@ carried in TrainConfig (so config.json), turned into the algorithm, and refused 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import gossip
 from gossip.__main__ import build_parser, config_from, main
-from gossip.train import TrainConfig, describe_mixing, make_algorithm, resolve
+from gossip.train import DEFAULTS, TrainConfig, describe_mixing, make_algorithm, resolve
 
 
 def test_average_every_and_power_iterations_reach_the_config_and_its_json():
@@ -17,10 +19,12 @@ def test_average_every_and_power_iterations_reach_the_config_and_its_json():
     assert config.to_json()["average_every"] == 8 and config.to_json()["power_iterations"] == 3
 
 
-def test_defaults_are_off_and_one_iteration():
+def test_the_command_line_defaults_follow_the_one_place_that_sets_them():
     config = config_from(build_parser().parse_args([]))
-    assert (config.average_every, config.power_iterations) == (TrainConfig().average_every, 1)
-    assert not isinstance(make_algorithm(resolve(config, 4)[0]), gossip.PeriodicAverage)
+    for field in dataclasses.fields(DEFAULTS):
+        assert getattr(config, field.name) == getattr(DEFAULTS, field.name), field.name
+    wrapped = isinstance(make_algorithm(resolve(config, 4)[0]), gossip.PeriodicAverage)
+    assert wrapped == (DEFAULTS.average_every > 0)
 
 
 def test_average_every_wraps_the_algorithm_with_its_settings():
