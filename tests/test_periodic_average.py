@@ -137,6 +137,14 @@ def test_traffic_equals_the_communicators_counters_plus_the_all_reduce_bytes(inn
         assert sent == result["comm_sent"] and received == result["comm_received"], f"rank {rank}"
 
 
+def test_every_one_is_all_reduce_bit_for_bit_bytes_included():
+    wrapped = gossip.simulate(4, run_steps, "pga1-powergossip-r1", "hypercube", steps=3)
+    plain = gossip.simulate(4, run_steps, "allreduce", "hypercube", steps=3)
+    for rank, (w, p) in enumerate(zip(wrapped, plain, strict=True)):
+        assert all(torch.equal(a, b) for a, b in zip(w["buffers"], p["buffers"], strict=True)), f"rank {rank}"
+        assert (w["sent"], w["received"]) == (p["sent"], p["received"])
+
+
 @pytest.mark.parametrize("every", [0, -2, 1.5, True, "4"])
 def test_every_below_one_or_not_an_integer_is_refused(every):
     with pytest.raises(ValueError, match=rf"PeriodicAverage: every must be an integer >= 1 .* got {every!r}"):
