@@ -35,7 +35,7 @@ from pathlib import Path
 
 import gossip
 import topologies
-from gossip.train import ALGORITHM_CHOICES, OPTIMIZERS, ConfigError, TrainConfig, resolve, train
+from gossip.train import ALGORITHM_CHOICES, DEFAULTS, OPTIMIZERS, ConfigError, TrainConfig, resolve, train
 
 ERROR_FILE_VARIABLE = "GOSSIP_TRAIN_ERROR_FILE"
 LAUNCHER_OPTIONS = ("--nproc", "--out", "--backend")
@@ -95,14 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
     gossip_options.add_argument(
         "--power-iterations",
         type=_positive(int),
-        default=defaults.power_iterations,
-        help="PowerGossip power iterations (exchanges) per step",
+        default=None,
+        help=f"PowerGossip power iterations (exchanges) per step; default: {DEFAULTS.power_iterations}",
     )
     gossip_options.add_argument(
         "--average-every",
         type=_nonnegative_int,
-        default=defaults.average_every,
-        help="exact global average (all-reduce) every K steps instead of gossip, gossip.PeriodicAverage; 0 = off",
+        default=None,
+        help="exact global average (all-reduce) every K steps instead of gossip (gossip.PeriodicAverage); 0 = off; "
+        f"default: {DEFAULTS.average_every} (0 for ddp and allreduce)",
     )
     training = parser.add_argument_group("training")
     training.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer, help="local update rule")

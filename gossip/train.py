@@ -40,6 +40,7 @@ from gossip.run_dir import RunSummary, prepare_run_dir, write_outputs
 
 OPTIMIZERS = ("accum-adamw", "adamw", "sgd")
 DDP = "ddp"  # torch DistributedDataParallel: the All-Reduce baseline (gradient all-reduce, no schedule)
+AVERAGING_EVERY_STEP = (DDP, "allreduce")  # --average-every changes nothing for these
 ALGORITHM_CHOICES = tuple(sorted([*gossip.ALGORITHMS, DDP]))
 DEFAULT_SCHEDULE = "one_peer_hypercube"
 FALLBACK_SCHEDULE = "ring"
@@ -57,7 +58,11 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class MixingDefaults:
-    """The main job's default mixing and local optimizer, in one place (``gossip-train``'s defaults follow it)."""
+    """The main job's default mixing and local optimizer, in one place (``gossip-train``'s defaults follow it).
+
+    ``power_iterations`` applies when the algorithm is PowerGossip and ``average_every`` to the gossip algorithms
+    (not to ``ddp`` or ``allreduce``, which average every step); :func:`resolve` fills them in where unset.
+    """
 
     algorithm: str = "exact"
     rank: int = 1
@@ -83,8 +88,8 @@ class TrainConfig:
     accum_iter: int | None = None
     algorithm: str = DEFAULTS.algorithm
     rank: int = DEFAULTS.rank
-    power_iterations: int = DEFAULTS.power_iterations
-    average_every: int = DEFAULTS.average_every
+    power_iterations: int | None = None
+    average_every: int | None = None
     schedule: str | None = None
     split: str = "iid"
     seed: int = 0
@@ -129,7 +134,8 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     """Fill the per-world-size defaults; return the resolved copy and notes on the choices made.
 
     ``accum_iter`` defaults to max(1, n // 4) (algorithms.md B.3: A ~ n/4 ... n/2); ``warmup_steps`` to
-    ``steps // 10`` capped at 100. Raises :class:`ConfigError` naming the option at fault.
+    ``steps // 10`` capped at 100; ``power_iterations`` and ``average_every`` to :data:`DEFAULTS`' where they
+    apply (else 1 and 0). Raises :class:`ConfigError` naming the option at fault.
     """
     resolved = dataclasses.replace(config, world_size=world_size, model=dict(config.model))
     notes = []
@@ -148,6 +154,10 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     if config.optimizer not in OPTIMIZERS:
         raise ConfigError("--optimizer", f"unknown {config.optimizer!r}; choose one of {list(OPTIMIZERS)}")
     _check_mixing_options(config)
+    if config.power_iterations is None:
+        resolved.power_iterations = DEFAULTS.power_iterations if config.algorithm == "powergossip" else 1
+    if config.average_every is None:
+        resolved.average_every = 0 if config.algorithm in AVERAGING_EVERY_STEP else DEFAULTS.average_every
     if config.data is not None and not Path(config.data).is_file():
         raise ConfigError("--data", f"{config.data!r} does not exist or is not a file")
     if resolved.algorithm != DDP:
@@ -156,14 +166,15 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
 
 
 def _check_mixing_options(config: TrainConfig) -> None:
-    """``--average-every`` and ``--power-iterations`` only where they change something."""
-    if isinstance(config.average_every, bool) or not isinstance(config.average_every, int) or config.average_every < 0:
-        raise ConfigError("--average-every", f"must be an integer >= 0 (0 = off), got {config.average_every!r}")
-    if config.average_every and config.algorithm in (DDP, "allreduce"):
+    """``--average-every`` and ``--power-iterations``, where given, only where they change something."""
+    every, iterations = config.average_every, config.power_iterations
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+        raise ConfigError("--average-every", f"must be an integer >= 0 (0 = off), got {every!r}")
+    if every and config.algorithm in AVERAGING_EVERY_STEP:
         raise ConfigError(
             "--average-every", f"--algorithm {config.algorithm} averages every step already; drop --average-every"
         )
-    if config.power_iterations != 1 and config.algorithm != "powergossip":
+    if iterations is not None and iterations != 1 and config.algorithm != "powergossip":
         raise ConfigError(
             "--power-iterations",
             f"applies to --algorithm powergossip only, not {config.algorithm}; drop --power-iterations",

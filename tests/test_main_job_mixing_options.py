@@ -20,11 +20,18 @@ def test_average_every_and_power_iterations_reach_the_config_and_its_json():
 
 
 def test_the_command_line_defaults_follow_the_one_place_that_sets_them():
-    config = config_from(build_parser().parse_args([]))
+    config, _ = resolve(config_from(build_parser().parse_args([])), 4)
     for field in dataclasses.fields(DEFAULTS):
         assert getattr(config, field.name) == getattr(DEFAULTS, field.name), field.name
-    wrapped = isinstance(make_algorithm(resolve(config, 4)[0]), gossip.PeriodicAverage)
+    wrapped = isinstance(make_algorithm(config), gossip.PeriodicAverage)
     assert wrapped == (DEFAULTS.average_every > 0)
+
+
+@pytest.mark.parametrize("algorithm", ["ddp", "allreduce", "exact"])
+def test_unset_mixing_options_resolve_to_what_applies_so_a_changed_default_never_refuses_a_run(algorithm):
+    config, _ = resolve(TrainConfig(algorithm=algorithm), 4)
+    assert config.power_iterations == 1
+    assert config.average_every == (0 if algorithm != "exact" else DEFAULTS.average_every)
 
 
 def test_average_every_wraps_the_algorithm_with_its_settings():
