@@ -342,3 +342,13 @@ def test_under_the_wrapper_each_steps_metrics_row_counts_the_all_reduce_or_the_g
     gossip_bytes = {rows[0]["bytes_sent"], rows[2]["bytes_sent"]}
     assert [row["bytes_sent"] for row in rows[1::2]] == [round(2 * 3 / 4 * model_bytes)] * 2
     assert len(gossip_bytes) == 1 and gossip_bytes.pop() < model_bytes / 2  # PowerGossip r=1's factors
+
+
+@pytest.mark.parametrize("inner", INNER)
+def test_gossip_right_after_an_average_keeps_identical_replicas_identical(inner):
+    """Without local updates in between, the gossip steps after an average mix identical replicas: nothing moves."""
+    results = gossip.simulate(4, run_steps, f"pga{EVERY}-{inner}", "hypercube", steps=EVERY + 2)
+    for rank, result in enumerate(results[1:], start=1):
+        assert all(torch.equal(a, b) for a, b in zip(result["buffers"], results[0]["buffers"], strict=True)), (
+            f"rank {rank}'s replica left rank 0's after the average"
+        )
