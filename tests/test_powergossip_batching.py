@@ -15,14 +15,14 @@ from gossip.gpt import GPT, GPTConfig
 CONFIG = GPTConfig(block_size=8, n_layer=3, n_head=2, n_embd=16)
 
 
-def gpt_buckets(rank: int) -> list:
+def gpt_buckets(rank: int, bucket_bytes: int = 1 << 30) -> list:
     """A small GPT's parameters, different on every rank (drawn from a per-rank generator: the simulator's ranks
     are threads, which share torch's global generator)."""
     model, generator = GPT(CONFIG), torch.Generator().manual_seed(rank)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator))
-    return bucket_parameters(model)
+    return bucket_parameters(model, bucket_bytes)
 
 
 def bound(comm: gossip.Communicator, **options) -> PowerGossip:
@@ -31,35 +31,40 @@ def bound(comm: gossip.Communicator, **options) -> PowerGossip:
     return algorithm
 
 
-def groups_of_a_gpt(comm: gossip.Communicator) -> list:
-    algorithm = bound(comm)
+def groups_of_a_gpt(comm: gossip.Communicator, bucket_bytes: int) -> list:
+    algorithm = PowerGossip(rank=2, min_compression=1)
+    algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), gpt_buckets(comm.rank, bucket_bytes))
     members = [[algorithm.matrices[i].entry.name for i in g.members] for g in algorithm.groups]
-    stacks_are_views = [
-        torch.equal(stack, torch.stack([algorithm._matrix(algorithm.matrices[i]) for i in g.members]))
-        and stack.untyped_storage().data_ptr() == algorithm.buckets[g.bucket].buffer.untyped_storage().data_ptr()
-        for g, stack in zip(algorithm.groups, algorithm._stacks, strict=True)
+    runs = [len(views) for views in algorithm._views]
+    storages = {b.buffer.untyped_storage().data_ptr() for b in algorithm.buckets}
+    views_are_the_parameters = [
+        torch.equal(view, torch.stack([algorithm._matrix(algorithm.matrices[i]) for i in g.members[members_]]))
+        and view.untyped_storage().data_ptr() in storages
+        for g, views in zip(algorithm.groups, algorithm._views, strict=True)
+        for members_, view in views
     ]
-    return [members, stacks_are_views]
+    return [members, runs, views_are_the_parameters]
 
 
-def test_the_layers_of_a_gpt_form_one_zero_copy_group_per_role():
-    members, stacks_are_views = gossip.simulate(2, groups_of_a_gpt)[0]
-    blocks = [[f"blocks.{layer}.{role}.weight" for layer in range(3)] for role in ("attn.qkv", "attn.proj", "mlp.fc")]
-    assert [["tok_emb.weight"], ["pos_emb.weight"], *blocks, [f"blocks.{i}.mlp.proj.weight" for i in range(3)]] == (
-        members
-    )
-    assert all(stacks_are_views)
+@pytest.mark.parametrize(("bucket_bytes", "runs"), [(1 << 30, [1, 1, 1, 1, 1, 1]), (4096, [1, 1, 3, 3, 3, 3])])
+def test_the_layers_of_a_gpt_form_one_group_per_role_viewed_without_copies(bucket_bytes, runs):
+    members, got_runs, views_are_the_parameters = gossip.simulate(2, groups_of_a_gpt, bucket_bytes)[0]
+    roles = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+    blocks = [[f"blocks.{i}.{role}.weight" for i in range(3)] for role in roles]
+    assert members == [["tok_emb.weight"], ["pos_emb.weight"], *blocks]
+    assert got_runs == runs  # one bmm per group when the layers share a bucket, one per bucket otherwise
+    assert all(views_are_the_parameters)
 
 
-def test_a_group_ends_where_the_spacing_between_equal_matrices_breaks():
+def test_a_run_ends_where_the_bucket_or_the_spacing_between_equal_matrices_changes():
     shape = torch.Size((4, 3))
     matrices = [_Matrix(0, Entry(f"layer.{i}.w", offset, shape), 4, 3) for i, offset in enumerate((0, 20, 40, 70))]
-    matrices.append(_Matrix(1, Entry("layer.4.w", 90, shape), 4, 3))  # another bucket: never batched with bucket 0
+    matrices.append(_Matrix(1, Entry("layer.4.w", 90, shape), 4, 3))
+    matrices.append(_Matrix(1, Entry("other.w", 200, shape), 4, 3))  # another role: another group
     groups = group_matrices(matrices)
-    assert [(g.bucket, g.offset, g.stride, g.members) for g in groups] == [
-        (0, 0, 20, (0, 1, 2)),
-        (0, 70, 12, (3,)),
-        (1, 90, 12, (4,)),
+    assert [(g.members, [(r.bucket, r.offset, r.stride, r.count) for r in g.runs]) for g in groups] == [
+        ((0, 1, 2, 3, 4), [(0, 0, 20, 3), (0, 70, 12, 1), (1, 90, 12, 1)]),
+        ((5,), [(1, 200, 12, 1)]),
     ]
 
 
@@ -93,7 +98,8 @@ def test_batching_computes_what_the_matrix_by_matrix_path_computes(monkeypatch):
         powergossip,
         "group_matrices",
         lambda matrices: [
-            powergossip._Group(m.bucket, m.entry.offset, m.m * m.k, m.m, m.k, (i,)) for i, m in enumerate(matrices)
+            powergossip._Group(m.m, m.k, (i,), (powergossip._Run(m.bucket, m.entry.offset, m.m * m.k, 1),))
+            for i, m in enumerate(matrices)
         ],
     )
     one_by_one = gossip.simulate(4, steps_and_factors, 5, {})

@@ -18,10 +18,11 @@ Both ends hold bit-identical p and q: they start from the same pair-seeded draw 
 compute R from the same two operands, and orthonormalize identical inputs with identical code.
 
 Batching (as PyTorch's PowerSGD communication hook batches its matrices): matrices of one shape and one role
-(``blocks.#.mlp.fc.weight``) lying at equal distances in one bucket -- the layers of a transformer -- are one
-group, seen as a (count, m, k) strided view of the bucket without a copy. Per group and edge a step runs one
-batched Gram-Schmidt, one ``bmm`` for the products and one ``baddbmm_`` for the update; the uncompressed tensors
-of a bucket travel packed into one message. Precision: ``orthonormalize_dtype`` (default float64, which keeps
+(``blocks.#.mlp.fc.weight``) -- the layers of a transformer -- are one group with stacked factors. Per group and
+edge a step runs one batched Gram-Schmidt and one subtraction; the products and the update run as one ``bmm`` /
+``baddbmm_`` per run of the group's layers lying at equal distances in one bucket, a (count, m, k) strided view
+of the bucket without a copy (one run per bucket the layers span). The uncompressed tensors of a bucket travel
+packed into one message. Precision: ``orthonormalize_dtype`` (default float64, which keeps
 Gram-Schmidt accurate at large r; float32 is cheaper on GPUs with slow float64). Either way both ends run the same
 kernel on the same input, so they agree bit for bit; the choice is part of ``config()`` and so of checkpoints.
 
@@ -90,48 +91,60 @@ class _Matrix:
 
 
 @dataclass(frozen=True)
-class _Group:
-    """Equal-shape matrices at equally spaced offsets of one bucket, seen as one (count, m, k) strided view.
-
-    ``members`` are indices into the algorithm's matrix list, in offset order. One ``bmm`` computes the products
-    of all of them and one batched Gram-Schmidt orthonormalises their factors.
-    """
+class _Run:
+    """``count`` matrices of one shape at ``offset``, ``offset + stride``, ... of one bucket: one strided view."""
 
     bucket: int
     offset: int
     stride: int
+    count: int
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Matrices of one shape (m, k) and one role, batched: one batched Gram-Schmidt for their factors.
+
+    ``members`` are indices into the algorithm's matrix list, in (bucket, offset) order; ``runs`` cover them in
+    the same order, each a zero-copy (count, m, k) view of one bucket, so the products and the update take one
+    ``bmm`` / ``baddbmm_`` per run (one per group when the layers share a bucket).
+    """
+
     m: int
     k: int
     members: tuple[int, ...]
+    runs: tuple[_Run, ...]
 
 
 def group_matrices(matrices: list[_Matrix]) -> list[_Group]:
-    """Batch ``matrices`` into groups of one shape and one role, equally spaced in one bucket, without copying.
+    """Batch ``matrices`` into groups of one shape and one role, without copying them.
 
     The role is the parameter name with its digits replaced (``blocks.3.mlp.fc.weight`` -> ``blocks.#.mlp.fc.
     weight``): in a stack of identical layers the same role sits at the same distance from one layer to the next,
-    so all layers of a bucket form one group. Matrices breaking the spacing start a new group (a group of one is
-    fine). Groups are ordered by their first matrix, so every rank builds the same groups from the same model.
+    so the layers of a bucket form one run. A change of bucket or of spacing starts a new run of the same group.
+    Groups are ordered by their first matrix, so every rank builds the same groups from the same model.
     """
     roles: dict[tuple, list[int]] = {}
     for index, matrix in enumerate(matrices):
-        key = (matrix.bucket, matrix.m, matrix.k, re.sub(r"\d+", "#", matrix.entry.name))
-        roles.setdefault(key, []).append(index)
+        roles.setdefault((matrix.m, matrix.k, re.sub(r"\d+", "#", matrix.entry.name)), []).append(index)
     groups: list[_Group] = []
-    for members in roles.values():
-        members = sorted(members, key=lambda i: matrices[i].entry.offset)
-        run = [members[0]]
-        for index in [*members[1:], None]:
+    for (m, k, _), members in roles.items():
+        members = sorted(members, key=lambda i: (matrices[i].bucket, matrices[i].entry.offset))
+        runs: list[list[int]] = []
+        for index in members:
+            run = runs[-1] if runs else []
             offsets = [matrices[i].entry.offset for i in run]
-            if index is not None and (
-                len(run) == 1 or matrices[index].entry.offset - offsets[-1] == offsets[1] - offsets[0]
-            ):
+            fits = run and matrices[run[0]].bucket == matrices[index].bucket
+            fits = fits and (len(run) == 1 or matrices[index].entry.offset - offsets[-1] == offsets[1] - offsets[0])
+            if fits:
                 run.append(index)
-                continue
-            first = matrices[run[0]]
-            stride = offsets[1] - offsets[0] if len(run) > 1 else first.m * first.k
-            groups.append(_Group(first.bucket, offsets[0], stride, first.m, first.k, tuple(run)))
-            run = [index] if index is not None else []
+            else:
+                runs.append([index])
+        described = []
+        for run in runs:
+            offsets = [matrices[i].entry.offset for i in run]
+            stride = offsets[1] - offsets[0] if len(run) > 1 else m * k
+            described.append(_Run(matrices[run[0]].bucket, offsets[0], stride, len(run)))
+        groups.append(_Group(m, k, tuple(members), tuple(described)))
     return sorted(groups, key=lambda g: min(g.members))
 
 
@@ -287,12 +300,16 @@ class PowerGossip(Algorithm):
         for index, entry in self.exact:
             packs.setdefault(index, []).append(entry)
         self._packs = list(packs.items())
-        self._stacks = [
-            buckets[g.bucket].buffer.as_strided(
-                (len(g.members), g.m, g.k), (g.stride, g.k, 1), buckets[g.bucket].buffer.storage_offset() + g.offset
-            )
-            for g in self.groups
-        ]
+        self._views: list[list[tuple[slice, torch.Tensor]]] = []  # per group: (its members' slice, (count, m, k))
+        for group in self.groups:
+            views, start = [], 0
+            for run in group.runs:
+                buffer = buckets[run.bucket].buffer
+                shape, strides = (run.count, group.m, group.k), (run.stride, group.k, 1)
+                view = buffer.as_strided(shape, strides, buffer.storage_offset() + run.offset)
+                views.append((slice(start, start + run.count), view))
+                start += run.count
+            self._views.append(views)
 
     def describe(self) -> dict[str, list[str]]:
         """Which parameters are compressed and which travel exactly."""
@@ -336,14 +353,15 @@ class PowerGossip(Algorithm):
             message = torch.empty(sum(sizes), dtype=self._dtype, device=self._device)
             factors = edge.q_stacks if right else edge.p_stacks
             offset = 0
-            for g, (group, x, size) in enumerate(zip(self.groups, self._stacks, sizes, strict=True)):
+            for g, (group, views, size) in enumerate(zip(self.groups, self._views, sizes, strict=True)):
                 if not self.warm_start:
                     rows = group.k if right else group.m
                     draws = [edge.draw(rows, self.rank, self._device, self._dtype) for _ in group.members]
                     factors[g] = torch.stack(draws)
                 factors[g] = orthonormalize(factors[g], dtype=self.orthonormalize_dtype)
                 out = message[offset : offset + size].view(len(group.members), -1, self.rank)
-                torch.bmm(x, factors[g], out=out) if right else torch.bmm(x.mT, factors[g], out=out)
+                for members, x in views:
+                    torch.bmm(x if right else x.mT, factors[g][members], out=out[members])
                 offset += size
             exact_in = [torch.empty_like(t) for t in exact_out]
             sends += [(peer, message)] + [(peer, t) for t in exact_out]
@@ -390,7 +408,7 @@ class PowerGossip(Algorithm):
             lo = me < peer
             alpha = (1.0 if lo else -1.0) * gamma * weight
             offset = 0
-            for g, (group, x, size) in enumerate(zip(self.groups, self._stacks, self._sizes(right), strict=True)):
+            for g, (group, views, size) in enumerate(zip(self.groups, self._views, self._sizes(right), strict=True)):
                 shape = (len(group.members), -1, self.rank)
                 a_own, a_peer = own[offset : offset + size].view(shape), theirs[offset : offset + size].view(shape)
                 difference = a_peer - a_own if lo else a_own - a_peer  # a_hi - a_lo on both ends
@@ -398,7 +416,9 @@ class PowerGossip(Algorithm):
                     edge.p_stacks[g] = difference
                 else:
                     edge.q_stacks[g] = difference
-                x.baddbmm_(edge.p_stacks[g], edge.q_stacks[g].mT, alpha=alpha)
+                p, q = edge.p_stacks[g], edge.q_stacks[g]
+                for members, x in views:
+                    x.baddbmm_(p[members], q[members].mT, alpha=alpha)
                 offset += size
             edge.iteration += 1
 
