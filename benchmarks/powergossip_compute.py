@@ -88,16 +88,17 @@ class LoopbackCommunicator(Communicator):
         return None
 
 
-def load_baseline(revision: str) -> type:
-    """``PowerGossip`` as defined in ``gossip/algorithms/powergossip.py`` at git ``revision``."""
-    source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{revision}:gossip/algorithms/powergossip.py"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / "powergossip_baseline.py"
-    path.write_text(source)
+def load_baseline(revision: str, path: str | None = None) -> type:
+    """``PowerGossip`` as defined in ``gossip/algorithms/powergossip.py`` at git ``revision`` (or in file ``path``)."""
+    if path is None:
+        source = subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{revision}:gossip/algorithms/powergossip.py"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        path = str(Path(tempfile.mkdtemp()) / "powergossip_baseline.py")
+        Path(path).write_text(source)
     spec = importlib.util.spec_from_file_location("powergossip_baseline", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
