@@ -43,6 +43,8 @@ ALGORITHMS = {
     "powergossip-r2-fp32": lambda: gossip.PowerGossip(rank=2, min_compression=1, orthonormalize_dtype=torch.float32),
     "adaptive-powergossip": lambda: gossip.AdaptivePowerGossip(ladder=(1, 2), every=3, min_compression=1),
     "allreduce": lambda: gossip.AllReduce(),
+    "hierarchical": lambda: gossip.HierarchicalGossip(local_size=2),
+    "hierarchical-r1": lambda: gossip.HierarchicalGossip(compress_rank=1, local_size=2, min_compression=1),
 }
 # (rtol, atol) of the CUDA run against the CPU run; None: bit-identical.
 TOLERANCE = {"exact": (0, 1e-6), "exact-overrelaxed": (0, 1e-6), "allreduce": None}
@@ -52,7 +54,7 @@ def mix(comm: gossip.Communicator, algorithm: str, steps: int = 6) -> dict:
     buckets = [Bucket(b.buffer.to(comm.device), b.entries) for b in local_model(comm.rank)]
     algo = ALGORITHMS[algorithm]()
     schedule = "ring" if algorithm.startswith("exact-") else "hypercube"
-    algo.setup(comm, make_schedule(schedule, comm.size), buckets)
+    algo.setup(comm, None if algorithm.startswith("hierarchical") else make_schedule(schedule, comm.size), buckets)
     for step in range(steps):
         algo.step(step)
     total = torch.cat([b.buffer.double() for b in buckets])

@@ -3,10 +3,17 @@
 Transfers run on a :class:`CommThread`. Gloo moves bytes on its own I/O threads, so the comm thread only posts
 the operations and waits on them; receives are always posted together with sends (a blocking Gloo send is a
 rendezvous: two peers that both send first deadlock). NCCL ignores tags but keeps per-pair order, which is all
-the header/payload protocol needs. A peer that dies surfaces as Gloo's "connection closed" and is re-raised as
-:class:`PeerFailedError` naming the peer; a peer that never answers as :class:`CommTimeoutError` naming it. An
-uncaught error after such a failure ends the process with status 1 without running Gloo's teardown
-(:mod:`gossip.backends.exit_guard`).
+the header/payload protocol needs. Headers are checked once per peer (see :mod:`gossip.backends.base`): on a
+steady step every message goes out in one ``batch_isend_irecv``, and under NCCL the step never waits on the host:
+``Work.wait()`` only orders the CUDA stream after the transfers, and this thread completes the steady headers'
+check and the timeout in the background (a CUDA event per exchange), before its next operation; an error found
+there is raised by that operation. A send refused when it is posted (Gloo: the peer's connection is already
+closed) is re-raised as :class:`PeerFailedError` naming the peer. A peer that dies while this rank waits
+surfaces as Gloo's "connection closed" and is re-raised as :class:`PeerFailedError` naming the peer; a peer that
+never answers as :class:`CommTimeoutError` naming it. Limitation: a tensor changed on one end only is named on
+Gloo (the ends disagree about the header round, and each reads the other's header); under NCCL, where the payload
+receives are posted before the header is read, it ends in the timeout naming the peer. An uncaught error after
+such a failure ends the process with status 1 without running Gloo's teardown (:mod:`gossip.backends.exit_guard`).
 """
 
 from __future__ import annotations
