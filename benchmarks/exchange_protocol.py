@@ -6,9 +6,11 @@ After (this checkout): per-tensor headers only at the first exchange with a peer
 otherwise one steady header per peer, posted in one ``batch_isend_irecv`` with every payload.
 
 Both run on the same process group: the old ``_start_exchange`` is loaded from the baseline revision and bound to
-the communicator of this checkout, and the two alternate exchange by exchange (every rank in the same order), so
-they see the same machine load. Per message shape, the median exchange time (start to ``wait``, max over ranks)
-and the ratio old / new (> 1: the new protocol is faster) are printed.
+the communicator of this checkout, and the two alternate exchange by exchange (every rank in the same order; which
+one goes first alternates by round), so they see the same machine load. Per message shape, the median exchange
+time (start to ``wait``, max over ranks), the ratio of the medians old / new (> 1: the new protocol is faster) and
+the median of the ratios of adjacent old and new exchanges ("paired", less sensitive to load that drifts during the
+run) are printed.
 
 Usage::
 
@@ -74,7 +76,8 @@ def run(args: argparse.Namespace) -> None:
     shapes = {name: sizes for name, sizes in SHAPES.items() if args.only in name}
     for name, sizes in shapes.items():
         for round_ in range(args.warmup + args.rounds):
-            for label, start in protocols.items():
+            order = list(protocols.items())
+            for label, start in order if round_ % 2 == 0 else order[::-1]:  # who goes first alternates
                 (peer, _), *_ = schedule.peers(comm.rank, seq).in_peers
                 sends = [(peer, torch.full((n,), float(comm.rank))) for n in sizes]
                 recvs = [(peer, torch.empty(n)) for n in sizes]
@@ -93,14 +96,16 @@ def run(args: argparse.Namespace) -> None:
     if comm.rank == 0:
         print(f"Gloo, {comm.size} processes on loopback, one-peer hypercube; median over {args.rounds} exchanges "
               f"of the slowest rank; baseline revision {args.baseline}")  # fmt: skip
-        print(f"{'message':<44} {'old ms':>8} {'new ms':>8} {'old / new':>10}")
+        print(f"{'message':<44} {'old ms':>8} {'new ms':>8} {'old / new':>10} {'paired':>7}")
         for name in shapes:
-            median = {}
-            for label in protocols:
-                slowest = [max(values) for values in zip(*(g[(name, label)] for g in gathered), strict=True)]
-                median[label] = statistics.median(slowest)
+            slowest = {
+                label: [max(values) for values in zip(*(g[(name, label)] for g in gathered), strict=True)]
+                for label in protocols
+            }
+            median = {label: statistics.median(values) for label, values in slowest.items()}
+            paired = statistics.median(o / n for o, n in zip(slowest["old"], slowest["new"], strict=True))
             print(f"{name:<44} {median['old'] * 1e3:8.3f} {median['new'] * 1e3:8.3f} "
-                  f"{median['old'] / median['new']:10.2f}")  # fmt: skip
+                  f"{median['old'] / median['new']:10.2f} {paired:7.2f}")  # fmt: skip
     comm.close()
 
 

@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
             jobs[f"{label} r={rank}"] = bound_step(make(rank), buckets, device)
     times: dict[str, list[float]] = {name: [] for name in jobs}
     for round_ in range(args.warmup + args.rounds):
-        for name, job in jobs.items():  # interleaved: every job sees the same machine load
+        order = list(jobs.items())
+        for name, job in order if round_ % 2 == 0 else order[::-1]:  # interleaved, alternating who goes first
             elapsed = seconds(job, device)
             if round_ >= args.warmup:
                 times[name].append(elapsed)
