@@ -29,7 +29,7 @@ def pending_exchange(complete: bool, their_seq: int) -> TorchDistCommunicator:
     sends, recvs = [Transfer(1, torch.zeros(3), 0, 1)], [Transfer(1, torch.zeros(3), 0, 1)]
     theirs = torch.tensor(steady_header(their_seq, recvs, sends))  # what peer 1 sent at its exchange
     deadline = time.monotonic() + 0.2  # posted just now with a 0.2 s timeout
-    comm._pending = [(Event(complete), deadline, 5, [(1, theirs, sends, recvs)])]
+    comm._pending = [(Event(complete), deadline, 5, [1], [(1, theirs, sends, recvs)])]
     return comm
 
 

@@ -220,16 +220,16 @@ class TorchDistCommunicator(Communicator):
         done.record()
         deadline = time.monotonic() + self.timeout
         checks = [(peer, incoming, to[peer], frm[peer]) for peer, incoming in steady]
-        self._pending.append((done, deadline, seq, checks))
+        peers = sorted({peer for peer, _ in steady} | {t.peer for t, _, _ in posted})
+        self._pending.append((done, deadline, seq, peers, checks))
 
     def _check_pending(self) -> None:
         """Complete the checks of earlier NCCL exchanges: wait (on this thread) until each finished on the GPU, at
         most until its deadline, then check its steady headers; raise the named error of the first failure."""
         while self._pending:
-            done, deadline, seq, steady = self._pending[0]
+            done, deadline, seq, peers, steady = self._pending[0]
             while not done.query():
                 if time.monotonic() > deadline:
-                    peers = [peer for peer, *_ in steady] or "its peers"
                     raise CommTimeoutError(
                         f"rank {self.rank}: exchange {seq} timed out after {self.timeout:.1f} s: the transfers with "
                         f"peer(s) {peers} did not complete on the GPU (a peer failed, or is at another step)"
