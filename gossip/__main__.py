@@ -21,7 +21,6 @@ loss of the averaged model 2.24 vs 1.97 with exact gossip, measured on 4 workers
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import signal
 import socket
@@ -257,9 +256,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    missing = [name for name in ("tqdm", "matplotlib") if importlib.util.find_spec(name) is None]
-    if missing:
-        parser.exit(2, f"gossip-train needs {' and '.join(missing)}: pip install 'gossip-train[experiments]'\n")
     _validate(parser, args, args.nproc)
     if args.nproc is not None:
         if args.backend not in ("auto", "gloo"):

@@ -48,8 +48,9 @@ def choose_backend(requested: str, info: LaunchInfo) -> str:
         return "gloo"
     if requested == "mpi" and not _mpi4py_importable():
         raise BackendUnavailableError(
-            "backend 'mpi' needs mpi4py and an MPI library: pip install 'gossip-train[mpi]' "
-            "(mpi4py plus the mpich wheel), or pip install mpi4py against your cluster's MPI"
+            "backend 'mpi' needs mpi4py and an MPI library: pip install 'gossip-train[mpich]' "
+            "(mpi4py plus the MPICH wheel), or, on a cluster, pip install --no-binary mpi4py 'gossip-train[mpi]' "
+            "(mpi4py built against the MPI on PATH)"
         )
     if requested == "mpi" and info.size > 1 and not info.launched_by_mpi:
         raise BackendUnavailableError(
@@ -111,7 +112,7 @@ def _init_method(info: LaunchInfo) -> str | None:
     if info.launched_by_mpi:
         raise BackendUnavailableError(
             "Gloo under mpiexec needs MASTER_ADDR/MASTER_PORT or mpi4py to broadcast them: "
-            "pip install 'gossip-train[mpi]'"
+            "pip install 'gossip-train[mpich]' (or [mpi] for your cluster's MPI)"
         )
     return None
 

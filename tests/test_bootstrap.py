@@ -28,7 +28,7 @@ def test_auto_falls_back_to_gloo_under_mpiexec_without_mpi4py(monkeypatch):
 
 def test_mpi_without_mpi4py_names_the_install(monkeypatch):
     monkeypatch.setattr(bootstrap, "_mpi4py_importable", lambda: False)
-    with pytest.raises(gossip.BackendUnavailableError, match=r"pip install 'gossip-train\[mpi\]'"):
+    with pytest.raises(gossip.BackendUnavailableError, match=r"pip install 'gossip-train\[mpich\]'"):
         bootstrap.choose_backend("mpi", UNDER_MPIEXEC)
 
 
