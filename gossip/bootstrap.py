@@ -16,10 +16,12 @@ A single process without a launcher gets a world of size 1 (Gloo on an in-memory
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 import socket
 import subprocess
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -93,8 +95,24 @@ def _slurm_address(info: LaunchInfo) -> str:
         first = subprocess.run(
             ["scontrol", "show", "hostnames", nodes], check=True, capture_output=True, text=True
         ).stdout.split()[0]
-    port = info.master_port or 20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000
-    return f"tcp://{first}:{port}"
+    return f"tcp://{first}:{info.master_port or slurm_port(os.environ)}"
+
+
+SLURM_PORT_BASE = 20000
+SLURM_PORT_RANGE = 20000
+
+
+def slurm_port(env: Mapping[str, str]) -> int:
+    """The rendezvous port of a Slurm job step without ``MASTER_PORT``: derived from the job id *and* the step id,
+    so that concurrent steps of one job (``srun ... &`` twice) do not meet at the same port."""
+    try:
+        job, step = int(env.get("SLURM_JOB_ID", "0")), int(env.get("SLURM_STEP_ID", "0"))
+    except ValueError:
+        raise LaunchError(
+            f"slurm environment: SLURM_JOB_ID={env.get('SLURM_JOB_ID')!r} / SLURM_STEP_ID="
+            f"{env.get('SLURM_STEP_ID')!r} are not integers; set MASTER_PORT"
+        ) from None
+    return SLURM_PORT_BASE + (job * 1009 + step) % SLURM_PORT_RANGE
 
 
 def _init_method(info: LaunchInfo) -> str | None:
@@ -123,8 +141,8 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT) -> Communicato
     ``timeout`` (seconds) bounds every wait; on expiry the error names this rank, the peer(s) it waited for
     and the operation.
     """
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout}")
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
     info = detect_launch()
     chosen = choose_backend(backend, info)
     if chosen == "mpi":

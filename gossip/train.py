@@ -131,6 +131,8 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
         raise ConfigError("--optimizer", f"unknown {config.optimizer!r}; choose one of {list(OPTIMIZERS)}")
     if config.data is not None and not Path(config.data).is_file():
         raise ConfigError("--data", f"{config.data!r} does not exist or is not a file")
+    if config.data is not None and Path(config.data).stat().st_size == 0:
+        raise ConfigError("--data", f"{config.data!r} is empty; give a text file to train on")
     if resolved.algorithm != DDP:
         build_schedule(resolved)
     return resolved, notes

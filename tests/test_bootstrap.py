@@ -48,9 +48,27 @@ def test_unknown_backend_is_a_value_error():
         bootstrap.choose_backend("tcp", SINGLE)
 
 
-def test_init_rejects_a_non_positive_timeout():
-    with pytest.raises(ValueError, match="timeout must be positive"):
-        gossip.init(timeout=0)
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "10"])
+def test_init_rejects_a_timeout_that_is_not_a_positive_finite_number(timeout):
+    with pytest.raises(ValueError, match="timeout must be a positive, finite number of seconds, got"):
+        gossip.init(timeout=timeout)
+
+
+def test_slurm_port_differs_between_concurrent_steps_of_one_job():
+    ports = {bootstrap.slurm_port({"SLURM_JOB_ID": "123456", "SLURM_STEP_ID": str(step)}) for step in range(8)}
+    assert len(ports) == 8
+    assert all(bootstrap.SLURM_PORT_BASE <= port < bootstrap.SLURM_PORT_BASE + bootstrap.SLURM_PORT_RANGE
+               for port in ports)  # fmt: skip
+
+
+def test_slurm_port_is_the_same_on_every_task_of_a_step():
+    env = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "3", "SLURM_PROCID": "0"}
+    assert bootstrap.slurm_port(env) == bootstrap.slurm_port({**env, "SLURM_PROCID": "5"})
+
+
+def test_slurm_port_with_a_non_integer_step_id_asks_for_master_port():
+    with pytest.raises(gossip.LaunchError, match="set MASTER_PORT"):
+        bootstrap.slurm_port({"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "batch"})
 
 
 def test_single_process_init_gives_a_working_world_of_one(monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 from launch import metrics_rows, run_main_job
 
 from gossip.__main__ import main
+from gossip.corpus import load_corpus
 from gossip.run_dir import PLOTS
 
 STEPS = 30
@@ -105,3 +106,27 @@ def test_ddp_with_a_schedule_is_an_argparse_error_naming_schedule(capsys):
         main(["--nproc", "2", "--algorithm", "ddp", "--schedule", "ring"])
     assert exit_info.value.code == 2
     assert "--schedule" in capsys.readouterr().err
+
+
+def test_empty_data_file_is_an_argparse_error_naming_data(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--nproc", "2", "--data", str(empty)])
+    assert exit_info.value.code == 2
+    assert f"argument --data: '{empty}' is empty; give a text file to train on" in capsys.readouterr().err
+
+
+def test_empty_data_file_read_by_a_worker_is_a_clear_error(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"--data file '.*empty.txt' is empty; give a text file to train on"):
+        load_corpus(str(empty))
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_timeout_that_is_not_positive_and_finite_is_an_argparse_error(capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--timeout", value])
+    assert exit_info.value.code == 2
+    assert f"argument --timeout: must be positive and finite, got '{value}'" in capsys.readouterr().err
