@@ -238,8 +238,7 @@ def run_worker(args: argparse.Namespace) -> int:
         summary = train(config_from(args))
     except Exception as err:
         message = f"rank {rank}: {type(err).__name__}: {err}"
-        if not isinstance(err, (ValueError, OSError, gossip.GossipError)):
-            traceback.print_exc()  # a bug rather than bad input or a failed peer: show where
+        traceback.print_exc()
         print(f"gossip-train: {message}", file=sys.stderr, flush=True)
         if os.environ.get(ERROR_FILE_VARIABLE):
             Path(os.environ[ERROR_FILE_VARIABLE]).write_text(message + "\n")
@@ -266,8 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = run_worker(args)
     sys.stdout.flush()
     sys.stderr.flush()
-    if gossip.detect_launch().size > 1:
-        os._exit(code)  # skips torch's static destructors, which can crash a Gloo process at exit
+    if code != 0 and gossip.detect_launch().size > 1:
+        # A failed job: leave at once, without the teardown that would wait for peers that are not coming.
+        # A successful one exits normally, so that MPI_Finalize runs when mpi4py initialised MPI (under
+        # mpiexec, also for Gloo, whose address is broadcast over MPI): without it, Hydra reports a BAD
+        # TERMINATION and kills the ranks still writing their output.
+        os._exit(code)
     return code
 
 

@@ -135,14 +135,23 @@ def _init_method(info: LaunchInfo) -> str | None:
     return None
 
 
-def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT) -> Communicator:
+def init(
+    backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, group: dist.ProcessGroup | None = None
+) -> Communicator:
     """Return a communicator for this process, as launched (mpirun, srun, torchrun, or a single process).
 
     ``timeout`` (seconds) bounds every wait; on expiry the error names this rank, the peer(s) it waited for
     and the operation.
+
+    Code that already called ``torch.distributed.init_process_group()`` (a DDP script, HF Accelerate, Decent-DP)
+    gets a communicator on that default group, or on ``group`` (e.g. from ``dist.new_group``) when given; ranks
+    are then the group's. The communicator's ``close()`` leaves such a group alive: whoever created it destroys it.
+    ``backend="mpi"`` always uses MPI, whatever torch.distributed holds.
     """
     if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
         raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    if group is not None or (backend != "mpi" and dist.is_available() and dist.is_initialized()):
+        return _adopt(backend, group, timeout)
     info = detect_launch()
     chosen = choose_backend(backend, info)
     if chosen == "mpi":
@@ -154,3 +163,58 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT) -> Communicato
     if info.size == 1 and not (info.master_addr and info.master_port):
         return TorchDistCommunicator(chosen, info, None, timeout, store=dist.HashStore())
     return TorchDistCommunicator(chosen, info, _init_method(info), timeout)
+
+
+def _adopted_backend(requested: str, group: dist.ProcessGroup) -> str:
+    """What ``requested`` resolves to on ``group``, "gloo" or "nccl" (its backend may read "cpu:gloo,cuda:nccl")."""
+    described = str(dist.get_backend(group))
+    kinds = {part.split(":")[-1] for part in described.split(",")}
+    if requested == "mpi":
+        raise ValueError("group= is a torch.distributed process group; backend 'mpi' does not use one")
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown backend {requested!r}; choose one of {BACKENDS}")
+    if requested == "auto":
+        requested = "nccl" if "nccl" in kinds and torch.cuda.is_available() else "gloo"
+    if requested not in kinds:
+        raise BackendUnavailableError(
+            f"backend {requested!r} was asked for, but the existing process group runs {described!r}; "
+            f"pass backend='auto' or one of {sorted(kinds & {'gloo', 'nccl'})}"
+        )
+    return requested
+
+
+def _local_placement(group: dist.ProcessGroup, rank: int, size: int) -> tuple[int, int]:
+    """(local rank, local size) in ``group``: the launcher's when the group is the whole launched world, else
+    counted from the host names of the group's members (a small collective)."""
+    try:
+        info = detect_launch()
+    except LaunchError:
+        info = None
+    if group is dist.group.WORLD and info is not None and (info.rank, info.size) == (rank, size):
+        return info.local_rank, info.local_size
+    hosts: list[str | None] = [None] * size
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    me = hosts[rank]
+    return hosts[:rank].count(me), hosts.count(me)
+
+
+def _adopt(requested: str, group: dist.ProcessGroup | None, timeout: float) -> Communicator:
+    """A communicator on a process group created outside this library (see :func:`init`)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise LaunchError(
+            "init(group=...) needs torch.distributed.init_process_group() to have been called first; "
+            "or call gossip.init() without group= and it creates the process group itself"
+        )
+    group = dist.group.WORLD if group is None else group
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise LaunchError(
+            f"global rank {dist.get_rank()}: gossip.init(group=...) was given a process group this process is not "
+            "a member of; every member calls init with its own group"
+        )
+    chosen, size = _adopted_backend(requested, group), dist.get_world_size(group)
+    local_rank, local_size = _local_placement(group, rank, size)
+    info = LaunchInfo(rank, size, local_rank, local_size, "process group")
+    from gossip.backends.torch_dist import TorchDistCommunicator
+
+    return TorchDistCommunicator(chosen, info, None, timeout, adopt=group)

@@ -84,3 +84,35 @@ def test_single_process_init_gives_a_working_world_of_one(monkeypatch):
         assert comm.all_gather_object("only") == ["only"]
     finally:
         comm.close()
+
+
+@pytest.fixture
+def own_default_group(monkeypatch):
+    """A world of one whose default Gloo group the test created itself, as a DDP script would."""
+    for name in ("RANK", "WORLD_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
+
+
+def test_an_existing_default_group_is_adopted_and_outlives_close(own_default_group):
+    comm = gossip.init(timeout=10.0)
+    assert (comm.backend, comm.rank, comm.size) == ("gloo", 0, 1)
+    comm.close()
+    assert torch.distributed.is_initialized()
+    torch.distributed.all_reduce(torch.ones(1))  # still usable by its creator
+
+
+def test_a_backend_the_existing_group_does_not_run_is_named(own_default_group):
+    with pytest.raises(
+        gossip.BackendUnavailableError,
+        match=r"backend 'nccl' was asked for, but the existing process group runs 'gloo'; pass backend='auto'",
+    ):
+        gossip.init("nccl", timeout=10.0)
+
+
+def test_group_without_a_process_group_asks_for_init_process_group():
+    group = object()  # anything: there is no torch.distributed state to take it from
+    with pytest.raises(gossip.LaunchError, match=r"needs torch.distributed.init_process_group\(\) to have been"):
+        gossip.init(group=group, timeout=10.0)

@@ -43,27 +43,46 @@ from gossip.launch_env import LaunchInfo
 
 
 class TorchDistCommunicator(Communicator):
-    """A communicator on the default torch.distributed process group (``backend`` is "gloo" or "nccl")."""
+    """A communicator on a torch.distributed process group (``backend`` is "gloo" or "nccl").
 
-    def __init__(self, backend: str, info: LaunchInfo, init_method: str | None, timeout: float, **init: Any):
+    By default it creates the default group (``init_process_group``) and destroys it in :meth:`close`. With
+    ``adopt=group`` it runs on a group the caller already created -- the default group (``dist.group.WORLD``) or
+    a subgroup from ``new_group`` -- whose ranks ``info`` gives; it then leaves the group alive at :meth:`close`
+    and, on NCCL, uses the CUDA device the caller selected.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        info: LaunchInfo,
+        init_method: str | None,
+        timeout: float,
+        *,
+        adopt: dist.ProcessGroup | None = None,
+        **init: Any,
+    ):
         super().__init__()
         self.backend = backend
         self.rank, self.size = info.rank, info.size
         self.local_rank, self.local_size = info.local_rank, info.local_size
         self.timeout = timeout
+        self.owns_group = adopt is None
+        self.group = None if adopt is None or adopt is dist.group.WORLD else adopt  # None: the default group
         if backend == "nccl":
-            self.device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
+            index = info.local_rank % torch.cuda.device_count() if adopt is None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=info.rank,
-            world_size=info.size,
-            timeout=datetime.timedelta(seconds=timeout),
-            **init,
-        )
+        if adopt is None:
+            dist.init_process_group(
+                backend,
+                init_method=init_method,
+                rank=info.rank,
+                world_size=info.size,
+                timeout=datetime.timedelta(seconds=timeout),
+                **init,
+            )
         self._thread = CommThread(f"gossip-{backend}-rank{self.rank}", self.rank, timeout)
         self._closed = False
         watch(self)
@@ -74,6 +93,10 @@ class TorchDistCommunicator(Communicator):
         return self._thread.failure
 
     # -- helpers --------------------------------------------------------------------------------------------
+    def _global(self, peer: int) -> int:
+        """torch.distributed addresses peers by their rank in the default group."""
+        return peer if self.group is None else dist.get_global_rank(self.group, peer)
+
     def _wait(self, work: dist.Work, part: str, progress: Progress, peer: int | None) -> None:
         try:
             work.wait(datetime.timedelta(seconds=self.timeout))
@@ -100,19 +123,34 @@ class TorchDistCommunicator(Communicator):
                 part = transfer.describe("send to")
                 progress.add(part)
                 header = torch.tensor(transfer.header(seq), dtype=torch.int64, device=self.device)
-                posted.append((dist.isend(header, transfer.peer, tag=HEADER_TAG), part, transfer.peer))
+                posted.append(
+                    (dist.isend(header, self._global(transfer.peer), self.group, tag=HEADER_TAG), part, transfer.peer)
+                )
             headers = []
             for transfer in recvs:
                 part = transfer.describe("receive from")
                 progress.add(part)
                 buffer = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-                headers.append((transfer, buffer, dist.irecv(buffer, transfer.peer, tag=HEADER_TAG), part))
+                headers.append(
+                    (
+                        transfer,
+                        buffer,
+                        dist.irecv(buffer, self._global(transfer.peer), self.group, tag=HEADER_TAG),
+                        part,
+                    )
+                )
             # 2. each payload receive is posted once its header matched the buffer.
             for transfer, buffer, work, part in headers:
                 self._wait(work, f"receive the header of {part}", progress, transfer.peer)
                 check_header(buffer.tolist(), transfer, seq, self.rank)
                 if transfer.tensor.numel():
-                    posted.append((dist.irecv(transfer.tensor, transfer.peer, tag=PAYLOAD_TAG), part, transfer.peer))
+                    posted.append(
+                        (
+                            dist.irecv(transfer.tensor, self._global(transfer.peer), self.group, tag=PAYLOAD_TAG),
+                            part,
+                            transfer.peer,
+                        )
+                    )
                 else:
                     progress.finish(part)
             # 3. payload sends only now: this rank's "ready to receive" notices are already on the wire, so they
@@ -122,7 +160,7 @@ class TorchDistCommunicator(Communicator):
                 if transfer.tensor.numel():
                     posted.append(
                         (
-                            dist.isend(transfer.tensor, transfer.peer, tag=PAYLOAD_TAG),
+                            dist.isend(transfer.tensor, self._global(transfer.peer), self.group, tag=PAYLOAD_TAG),
                             transfer.describe("send to"),
                             transfer.peer,
                         )
@@ -150,7 +188,7 @@ class TorchDistCommunicator(Communicator):
         reduce_op = dist.ReduceOp.AVG if op == "avg" and self.backend == "nccl" else dist.ReduceOp.SUM
 
         def post() -> dist.Work:
-            work = dist.all_reduce(tensor, op=reduce_op, async_op=True)
+            work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)
             if op == "avg" and reduce_op == dist.ReduceOp.SUM:
                 work.wait(datetime.timedelta(seconds=self.timeout))
                 tensor.div_(self.size)
@@ -159,7 +197,9 @@ class TorchDistCommunicator(Communicator):
         return self._collective(f"all_reduce({op}) of {tensor.dtype}{list(tensor.shape)}", post)
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
-        return self._collective(f"broadcast from rank {src}", lambda: dist.broadcast(tensor, src, async_op=True))
+        return self._collective(
+            f"broadcast from rank {src}", lambda: dist.broadcast(tensor, self._global(src), self.group, async_op=True)
+        )
 
     def barrier(self, timeout: float | None = None) -> None:
         timeout = self.timeout if timeout is None else timeout
@@ -167,21 +207,22 @@ class TorchDistCommunicator(Communicator):
             # monitored_barrier names the ranks that did not arrive.
             def run(progress: Progress) -> None:
                 try:
-                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+                    dist.monitored_barrier(self.group, datetime.timedelta(seconds=timeout), wait_all_ranks=True)
                 except RuntimeError as error:
                     raise CommTimeoutError(f"rank {self.rank}: barrier failed: {error}") from error
 
             self._thread.call("barrier", run, timeout + 5.0)
         else:
-            self._collective("barrier", lambda: dist.barrier(async_op=True)).wait(timeout)
+            self._collective("barrier", lambda: dist.barrier(self.group, async_op=True)).wait(timeout)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.size
-        self._thread.call("all_gather_object", lambda progress: dist.all_gather_object(out, obj))
+        self._thread.call("all_gather_object", lambda progress: dist.all_gather_object(out, obj, self.group))
         return out
 
     def close(self) -> None:
-        """Barrier (when healthy), then destroy the process group; a clean exit needs both."""
+        """Barrier (when healthy), then destroy the process group if this communicator created it; a clean exit
+        needs both. An adopted group stays alive: its creator destroys it."""
         if self._closed:
             return
         self._closed = True
@@ -193,7 +234,7 @@ class TorchDistCommunicator(Communicator):
             healthy = False
         finally:
             self._thread.stop(timeout=1.0 if healthy else 0.0)
-            if dist.is_initialized():
+            if self.owns_group and dist.is_initialized():
                 self._destroy_process_group()
 
     def _destroy_process_group(self) -> None:
