@@ -10,6 +10,7 @@ Usage: python tests/lifecycle_worker.py OUT_DIR MODE
   handler registered *before* ``gossip.init`` runs *after* the library's (atexit runs handlers last in, first out)
   and writes the process's thread names to ``rank<r>.threads``: no Gloo thread may be left at that point, since one
   that lives into interpreter finalization aborts the process.
+* ``raise``: every rank raises the same uncaught exception at the same step (an exchange is in flight).
 """
 
 from __future__ import annotations
@@ -89,6 +90,19 @@ def no_close(out_dir: Path) -> None:
     torch.save({"rank": comm.rank}, out_dir / f"rank{comm.rank}.pt")
 
 
+def raise_everywhere(out_dir: Path) -> None:
+    comm = gossip.init(timeout=TIMEOUT)
+    model = gossip.DecentralizedDataParallel(nn.Linear(6, 2), comm, topologies.ring(comm.size), gossip.ExactGossip())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        x = torch.randn(4, 6)
+        nn.functional.mse_loss(model(x), x[:, :2]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            raise ValueError(f"rank {comm.rank}: the user's own error at step {step}")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    {"adopt": adopt, "no_close": no_close}[sys.argv[2]](Path(sys.argv[1]))
+    {"adopt": adopt, "no_close": no_close, "raise": raise_everywhere}[sys.argv[2]](Path(sys.argv[1]))

@@ -83,6 +83,18 @@ def test_a_script_that_never_closes_exits_zero_with_no_gloo_thread_left(tmp_path
         assert not set(threads) & set(GLOO_THREADS), f"rank {rank}: threads at exit: {threads}"
 
 
+@pytest.mark.multiprocess
+def test_the_same_uncaught_exception_on_every_rank_exits_1_with_tracebacks_and_no_abort(tmp_path):
+    job = torchrun(tmp_path, "raise")
+    output = job.stdout + job.stderr
+    assert job.returncode == 1, output
+    for rank in range(N):
+        assert f"ValueError: rank {rank}: the user's own error at step 1" in output, output
+    assert output.count("Traceback (most recent call last)") >= N, output
+    assert "terminate called" not in output and "SIGABRT" not in output and "Signals.SIG" not in output, output
+    assert output.count("exitcode  : 1 ") >= 1 and "exitcode  : -" not in output, output
+
+
 MPIEXEC_GLOO_RUNS = 3
 
 
