@@ -1,6 +1,6 @@
 r"""``DecentralizedDataParallel``: the wrapper that puts gossip into an ordinary PyTorch training loop.
 
-The order of one step (algorithms.md B.1 and G; Decent-DP's schema, arXiv 2410.11998):
+The order of one step (docs/design.md B.1 and G; Decent-DP's schema, arXiv 2410.11998):
 
 .. math::  x_i^{t+1} = \sum_j W_{ij}(t)\, x_j^{t} \;-\; \eta\, d_i^{t}\big(g_i(x_i^{t})\big)
 

@@ -7,7 +7,7 @@ with one ``all_gather_object`` and compares every rank's with rank 0's. A mismat
 and the rank that has it, so no rank is left waiting in a later collective. A schedule for another world size
 and a model with nothing to gossip (no trainable parameter, or only empty ones) are refused the same way.
 Parameters with 0 elements among others are accepted: they travel as nothing. :func:`broadcast_from_rank0` then
-copies rank 0's parameters and buffers to every rank (algorithms.md B.1: "broadcast all params from rank 0").
+copies rank 0's parameters and buffers to every rank, as Decent-DP does at setup (docs/design.md B.1).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 r"""The training job behind ``gossip-train``: one worker's loop, from the resolved config to the run directory.
 
-Every process is one worker of a decentralized run (algorithms.md B.1; Decent-DP's schema, arXiv 2410.11998):
+Every process is one worker of a decentralized run (docs/design.md B.1; Decent-DP's schema, arXiv 2410.11998):
 
 .. math::  x_i^{t+1} = \sum_j W_{ij}(t)\, x_j^{t} \;-\; \eta_t\, d_i^{t}\big(g_i(x_i^{t})\big)
 
@@ -112,7 +112,7 @@ def build_schedule(config: TrainConfig) -> topologies.Schedule:
 def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str]]:
     """Fill the per-world-size defaults; return the resolved copy and notes on the choices made.
 
-    ``accum_iter`` defaults to max(1, n // 4) (algorithms.md B.3: A ~ n/4 ... n/2); ``warmup_steps`` to
+    ``accum_iter`` defaults to max(1, n // 4) (docs/design.md B.3: A ~ n/4 ... n/2); ``warmup_steps`` to
     ``steps // 10`` capped at 100. Raises :class:`ConfigError` naming the option at fault.
     """
     resolved = dataclasses.replace(config, world_size=world_size, model=dict(config.model))

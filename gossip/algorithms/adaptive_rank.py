@@ -1,4 +1,4 @@
-"""Adaptive PowerGossip rank: GraVAC's compression-throughput search over a ladder of ranks (algorithms.md C.4).
+"""Adaptive PowerGossip rank: GraVAC's compression-throughput search over a ladder of ranks (docs/design.md C.4).
 
 GraVAC (Tyagi & Swany, IEEE CLOUD 2023; C.1-C.2) picks a compression factor maximising the compression
 throughput CT = throughput x gain subject to gain >= epsilon. Mapped onto PowerGossip (C.4):

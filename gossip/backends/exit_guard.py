@@ -6,7 +6,7 @@ Two rules, for every real communicator (registered by :func:`watch`):
   is still open -- barrier, then teardown of the process group the library created -- so a script that never calls
   ``comm.close()`` or ``model.close()`` exits like one that does. Without it, Gloo's threads live into interpreter
   finalization, where their destructors abort the process ("terminate called without an active exception",
-  SIGABRT, torchrun's ``ChildFailedError``).
+  SIGABRT, torchrun's ``ChildFailedError``; docs/design.md J).
 * **An uncaught exception** while a communicator is open or has failed: the hook prints the traceback as usual (the
   previous hook), flushes stdout and stderr, and ends the process with ``os._exit(1)`` -- the status Python itself
   gives an uncaught exception -- without the backend's teardown. That teardown would wait for peers that are not
