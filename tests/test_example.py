@@ -8,6 +8,7 @@ uninterrupted run's averaged model and validation losses.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from launch import REPO, _env, mpiexec
+
+import topologies
 
 EXAMPLE = REPO / "examples" / "train_lifecycle.py"
 N = 2
@@ -48,3 +51,18 @@ def test_example_stopped_and_resumed_ends_bit_identical_to_the_uninterrupted_run
     got = torch.load(tmp_path / "resumed" / "model.pt")
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[name], got[name]) for name in expected)
+
+
+def test_the_schedules_the_readme_says_accept_a_world_of_one_are_exactly_those():
+    text = " ".join((REPO / "README.md").read_text().split())
+    sentence = re.search(r"The schedules that accept n = 1 are (.*?)\.", text)
+    assert sentence is not None
+    listed = set(re.findall(r"`(\w+)`", sentence.group(1)))
+    accepting = set()
+    for name in topologies.names():
+        try:
+            topologies.by_name(name, 1)
+        except (ValueError, topologies.ScheduleError):
+            continue
+        accepting.add(name)
+    assert listed == accepting
