@@ -21,6 +21,7 @@ loss of the averaged model 2.24 vs 1.97 with exact gossip, measured on 4 workers
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import signal
@@ -227,8 +228,19 @@ def launch_local(nproc: int, argv: Sequence[str], out: str) -> int:
         return 1
 
 
+def _show_library_messages() -> None:
+    """The library logs its notes (``logging``, logger ``gossip``); the command shows them on stdout."""
+    library = logging.getLogger("gossip")
+    if not library.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        library.addHandler(handler)
+        library.setLevel(logging.INFO)
+
+
 def run_worker(args: argparse.Namespace) -> int:
     """Train as one worker of the job as launched; print the summary on rank 0; 0 on success, 1 on error."""
+    _show_library_messages()
     try:
         rank = gossip.detect_launch().rank
     except gossip.LaunchError as err:

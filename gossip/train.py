@@ -20,6 +20,7 @@ writes its own ``metrics_rank<r>.jsonl`` there (the wrapper's per-step metrics).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -39,6 +40,7 @@ from gossip.gpt import GPT, GPTConfig
 from gossip.parallel import DecentralizedDataParallel
 from gossip.run_dir import RunSummary, prepare_run_dir, write_outputs
 
+logger = logging.getLogger(__name__)
 OPTIMIZERS = ("accum-adamw", "adamw", "sgd")
 DDP = "ddp"  # torch DistributedDataParallel: the All-Reduce baseline (gradient all-reduce, no schedule)
 ALGORITHM_CHOICES = tuple(sorted([*gossip.ALGORITHMS, DDP]))
@@ -263,7 +265,7 @@ def _train(config: TrainConfig, comm: Communicator) -> RunSummary | None:
     run_dir = prepare_run_dir(config, comm)
     if comm.rank == 0:
         for note in notes:
-            print(note, flush=True)
+            logger.info(note)
     corpus = load_corpus(config.data, block_size=config.model["block_size"])
     torch.manual_seed(config.seed)
     model = make_model(config, comm, run_dir)
@@ -277,11 +279,15 @@ def _train(config: TrainConfig, comm: Communicator) -> RunSummary | None:
         mixing = (
             "torch DDP (gradient all-reduce)" if config.algorithm == DDP else f"{config.algorithm} on {config.schedule}"
         )
-        print(
-            f"gossip-train: {comm.size} worker(s), {mixing}, {config.optimizer}, "
-            f"GPT {model.module.num_parameters():,} params, corpus {corpus.source} ({len(corpus.train):,} bytes), "
-            f"run dir {run_dir}",
-            flush=True,
+        logger.info(
+            "gossip-train: %d worker(s), %s, %s, GPT %s params, corpus %s (%s bytes), run dir %s",
+            comm.size,
+            mixing,
+            config.optimizer,
+            f"{model.module.num_parameters():,}",
+            corpus.source,
+            f"{len(corpus.train):,}",
+            run_dir,
         )
     initial_validation = validation_loss(model, held_out, comm)
     progress = _progress(config, comm.rank)

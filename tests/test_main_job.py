@@ -68,6 +68,8 @@ def test_every_rank_writes_its_metrics_and_rank0_writes_the_plots(tiny_run):
     out = tiny_run[1]
     for name in (*PLOTS, "metrics_rank0.jsonl", "metrics_rank1.jsonl", "result.json"):
         assert (out / name).stat().st_size > 0, name
+    for rank in range(2):  # tensorboard is installed with the test extras
+        assert any((out / "tensorboard" / f"rank{rank}").glob("events.out.tfevents.*")), rank
 
 
 def test_unknown_algorithm_is_an_argparse_error_naming_it(capsys):
