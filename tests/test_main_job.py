@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from launch import metrics_rows, run_main_job
+from launch import REPO, metrics_rows, run_main_job
 
 from gossip.__main__ import main
 from gossip.corpus import load_corpus
@@ -132,3 +136,52 @@ def test_timeout_that_is_not_positive_and_finite_is_an_argparse_error(capsys, va
         main(["--timeout", value])
     assert exit_info.value.code == 2
     assert f"argument --timeout: must be positive and finite, got '{value}'" in capsys.readouterr().err
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_the_launcher_stops_and_reaps_every_worker(tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "gossip", "--nproc", "2", "--steps", "100000", "--batch-size", "2"]
+    launcher = subprocess.Popen(
+        [*command, "--out", str(out)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics_rank1.jsonl").exists() and (out / "metrics_rank1.jsonl").stat().st_size > 0):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
+            time.sleep(0.2)
+        workers = _children(launcher.pid)
+        assert len(workers) == 2, workers
+        launcher.send_signal(signal.SIGTERM)
+        stderr = launcher.communicate(timeout=60)[1]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr
+    assert "gossip-train: SIGTERM received; workers stopped" in stderr
+    assert not [pid for pid in workers if _alive(pid)]
