@@ -29,6 +29,7 @@ import torch.distributed as dist
 from gossip.backends.base import Communicator
 from gossip.errors import BackendUnavailableError, LaunchError
 from gossip.launch_env import LaunchInfo, detect_launch
+from gossip.rendezvous import agent_serves_the_store, rendezvous_store
 
 BACKENDS = ("auto", "mpi", "gloo", "nccl")
 DEFAULT_TIMEOUT = 120.0
@@ -162,7 +163,10 @@ def init(
 
     if info.size == 1 and not (info.master_addr and info.master_port):
         return TorchDistCommunicator(chosen, info, None, timeout, store=dist.HashStore())
-    return TorchDistCommunicator(chosen, info, _init_method(info), timeout)
+    address = _init_method(info)
+    if agent_serves_the_store():
+        return TorchDistCommunicator(chosen, info, address, timeout)
+    return TorchDistCommunicator(chosen, info, None, timeout, store=rendezvous_store(address, info, timeout))
 
 
 def _adopted_backend(requested: str, group: dist.ProcessGroup) -> str:

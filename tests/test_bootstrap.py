@@ -116,3 +116,22 @@ def test_group_without_a_process_group_asks_for_init_process_group():
     group = object()  # anything: there is no torch.distributed state to take it from
     with pytest.raises(gossip.LaunchError, match=r"needs torch.distributed.init_process_group\(\) to have been"):
         gossip.init(group=group, timeout=10.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="adopting an NCCL group needs a CUDA device")
+def test_an_existing_nccl_group_is_adopted_on_the_device_the_script_chose(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    torch.cuda.set_device(torch.cuda.device_count() - 1)
+    torch.distributed.init_process_group("nccl", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        comm = gossip.init(timeout=30.0)
+        assert (comm.backend, comm.device) == ("nccl", torch.device("cuda", torch.cuda.device_count() - 1))
+        x = torch.arange(4.0, device=comm.device)
+        comm.all_reduce(x, "avg")
+        assert torch.equal(x.cpu(), torch.arange(4.0))
+        comm.close()
+        assert torch.distributed.is_initialized()
+    finally:
+        torch.distributed.destroy_process_group()
