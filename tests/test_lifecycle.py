@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,31 @@ def test_main_job_under_mpiexec_on_gloo_exits_zero_with_its_summary(tmp_path, at
     assert job.returncode == 0, output
     assert "summary:" in job.stdout and "sample from the averaged model" in job.stdout, output
     assert "BAD TERMINATION" not in output, output
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_during_an_mpi_collective_leaves_the_others_with_the_named_error(tmp_path):
+    """Under ``mpiexec -disable-auto-cleanup`` Hydra signals the survivors (SIGUSR1); each that exits by itself
+    must end with PeerFailedError (a nonblocking collective cannot be cancelled: MPICH's refusal used to replace the
+    error with a raw ``mpi4py.MPI.Exception``). Hydra still SIGKILLs some survivors now and then (status 9)."""
+    command = [mpiexec(), "-disable-auto-cleanup", "-print-all-exitcodes", "-n", str(N), sys.executable]
+    command += [str(REPO / "tests" / "collective_dead_peer_worker.py"), str(tmp_path)]
+    job = subprocess.run(command, env=_env({}), capture_output=True, text=True, timeout=120)
+    output = job.stdout + job.stderr
+    codes = re.search(r"Exit codes: \[\S+\] ([\d,]+)", output)
+    assert codes is not None, output
+    statuses = [int(code) for code in codes.group(1).split(",")]
+    assert statuses[2] == 9, output  # the rank that killed itself
+    assert "mpi4py.MPI.Exception" not in output, output
+    for rank in (0, 1, 3):
+        if statuses[rank] == 9:
+            continue  # killed by Hydra
+        assert statuses[rank] == 256, output  # exit status 1 in the wait() encoding Hydra prints
+        assert (
+            (tmp_path / f"rank{rank}.err")
+            .read_text()
+            .startswith(
+                f"PeerFailedError: rank {rank}: all_reduce(sum) of torch.float32[3]: the MPI launcher reported that a "
+                "process of this job died (SIGUSR1)"
+            )
+        ), output
