@@ -83,13 +83,14 @@ def main() -> None:
     def warmup_cosine(step: int) -> float:
         return min(1.0, (step + 1) / 20) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, step / args.steps)))
 
-    # 4. resume: parameters, optimizer, gossip state, step counter and RNG come back from the checkpoint; the
-    #    scheduler is a function of the step, so it is rebuilt at the step reached (the optimizer's param groups,
-    #    restored with it, hold its base learning rate).
+    scheduler = LambdaLR(optimizer, warmup_cosine)
+
+    # 4. resume: parameters, optimizer, scheduler, gossip state, step counter and RNG streams come back from this
+    #    rank's checkpoint file; anything else with a state_dict() (a GradScaler, a torch.Generator, a dict of
+    #    your own) goes into `extra` the same way.
     start = 0
     if args.checkpoint_dir and (Path(args.checkpoint_dir) / f"rank{comm.rank}.pt").exists():
-        start = gossip.load_checkpoint(args.checkpoint_dir, model, optimizer)
-    scheduler = LambdaLR(optimizer, warmup_cosine, last_epoch=start - 1)
+        start = gossip.load_checkpoint(args.checkpoint_dir, model, optimizer, extra={"scheduler": scheduler})
     if comm.rank == 0:
         print(f"{comm.size} rank(s), starting at step {start} of {args.steps}", flush=True)
 
@@ -112,7 +113,7 @@ def main() -> None:
             if comm.rank == 0:
                 print(f"step {done}: train loss {loss.item():.4f}, validation loss (averaged model) {validation!r}")
         if args.checkpoint_dir and (done % args.checkpoint_every == 0 or done == args.stop_at):
-            gossip.save_checkpoint(args.checkpoint_dir, model, optimizer)  # each rank writes its own file
+            gossip.save_checkpoint(args.checkpoint_dir, model, optimizer, extra={"scheduler": scheduler})
         if done == args.stop_at:
             break
 

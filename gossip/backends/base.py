@@ -337,6 +337,11 @@ class Communicator(abc.ABC):
     def close(self) -> None:
         """Release the backend; safe to call twice."""
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called: the communicator can no longer be used."""
+        return bool(getattr(self, "_closed", False))
+
     def __enter__(self) -> Communicator:
         return self
 

@@ -128,8 +128,11 @@ class SimulatorCommunicator(Communicator):
         self.timeout = timeout
         self._rounds = 0
         self._failure: GossipError | None = None
+        self._closed = False
 
     def _check_usable(self, operation: str) -> None:
+        if self._closed:
+            raise GossipError(f"rank {self.rank}: {operation} refused: this communicator was closed")
         if self._failure is not None:
             raise GossipError(
                 f"rank {self.rank}: {operation} refused: this communicator is unusable after an earlier "
@@ -211,7 +214,7 @@ class SimulatorCommunicator(Communicator):
         return self._collective("all_gather_object", obj, list)
 
     def close(self) -> None:
-        return None
+        self._closed = True
 
 
 def simulate(
