@@ -20,7 +20,7 @@ import optim
 import topologies
 from gossip.corpus import ShardedBatches, load_corpus, validation_batches
 from gossip.gpt import GPT, GPTConfig
-from gossip.train import TrainConfig, learning_rate, train_step, validation_loss
+from gossip.train import TrainConfig, make_scheduler, train_step, validation_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKERS = 4
@@ -59,10 +59,10 @@ def train_run(
         optimizer = optim.AccumAdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, accum_iter=1)
         batches = ShardedBatches(corpus.train, comm.rank, comm.size, BATCH, MODEL.block_size, seed, split)
         rows, losses, started = [], [], time.perf_counter()
-        schedule_config = TrainConfig(lr=lr, steps=steps, warmup_steps=20)
+        # the main job's schedule: linear warm-up over 20 steps, cosine to lr / 10
+        scheduler = make_scheduler(TrainConfig(lr=lr, steps=steps, warmup_steps=20), optimizer)
         for step in range(steps):
-            # the main job's schedule: linear warm-up over 20 steps, cosine to lr / 10
-            losses.append(train_step(model, optimizer, batches.batch(step), learning_rate(schedule_config, step)))
+            losses.append(train_step(model, optimizer, batches.batch(step), scheduler))
             if (step + 1) % eval_every == 0 or step + 1 == steps:
                 elapsed = time.perf_counter() - started
                 val = validation_loss(model, held_out, comm)

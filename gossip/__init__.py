@@ -4,6 +4,8 @@
 ``fn(comm)`` on ``n`` in-process virtual ranks, the oracle every real backend is tested against.
 """
 
+__version__ = "0.1.0"
+
 from gossip.algorithms import (
     ALGORITHMS,
     AdaptivePowerGossip,
@@ -61,6 +63,7 @@ __all__ = [
     "ReplicaMismatchError",
     "SimulatorCommunicator",
     "Traffic",
+    "__version__",
     "detect_launch",
     "exclude_names",
     "init",

@@ -2,9 +2,9 @@
 
 Two ways to run it:
 
-* ``gossip-train --nproc 4`` starts 4 local worker processes on Gloo (torchrun's environment variables,
-  ``MASTER_ADDR=127.0.0.1`` and a free port; ``OMP_NUM_THREADS = max(1, cores // 4)``) and waits for them. If one
-  fails, the others are stopped and the job exits non-zero with that worker's error.
+* ``gossip-train --nproc 4`` starts 4 local worker processes on Gloo through torch's elastic launcher (as
+  ``torchrun --standalone``; ``OMP_NUM_THREADS = max(1, cores // 4)``) and waits for them. If one fails, the others
+  are stopped and the job exits 1 with that worker's error; SIGTERM/SIGINT to the launcher reach the workers.
 * Without ``--nproc`` the command is one worker, as launched: ``mpirun -n 8 gossip-train``,
   ``srun gossip-train``, ``torchrun --nproc-per-node 4 -m gossip`` or a single process (``gossip.init`` reads the
   launcher's environment).
@@ -21,11 +21,10 @@ loss of the averaged model 2.24 vs 1.97 with exact gossip, measured on 4 workers
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import logging
+import math
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,10 +36,8 @@ import gossip
 import topologies
 from gossip.train import ALGORITHM_CHOICES, DEFAULTS, OPTIMIZERS, ConfigError, TrainConfig, resolve, train
 
-ERROR_FILE_VARIABLE = "GOSSIP_TRAIN_ERROR_FILE"
+ERROR_DIR_VARIABLE = "GOSSIP_TRAIN_ERROR_DIR"  # workers of --nproc write rank<r>.txt there when they fail
 LAUNCHER_OPTIONS = ("--nproc", "--out", "--backend")
-FAILURE_GRACE_SECONDS = 2.0
-WORKER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _positive(kind: type) -> Callable[[str], int | float]:
@@ -49,8 +46,8 @@ def _positive(kind: type) -> Callable[[str], int | float]:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be positive and finite, got {text!r}")
         return value
 
     return parse
@@ -162,12 +159,6 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_s
             parser.error(f"argument {err}")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _worker_argv(argv: Sequence[str], out: str) -> list[str]:
     """``argv`` without ``--nproc``, ``--out`` and ``--backend`` (``--opt V`` or ``--opt=V``), then ``--out out
     --backend gloo``."""
@@ -203,57 +194,62 @@ def _root_cause(failed: dict[int, int], errors: Path) -> tuple[int, str]:
     return rank, messages[rank]
 
 
-def _stop(processes: list[subprocess.Popen], grace: float = 5.0) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.terminate()
-    deadline = time.monotonic() + grace
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def launch_local(nproc: int, argv: Sequence[str], out: str) -> int:
-    """Run ``nproc`` workers of this command on Gloo; return 0, or 1 with the first failed worker's error."""
-    port = str(_free_port())
-    threads = str(max(1, (os.cpu_count() or 1) // nproc))
+    """Run ``nproc`` workers of this command on Gloo through torch's elastic launcher (what torchrun runs, with
+    ``--standalone``); return 0, or 1 with the failed worker to blame and its error.
+
+    The launcher sets torchrun's environment for each worker, stops the others when one fails, and forwards
+    SIGTERM, SIGINT and SIGHUP to the workers and waits for them (a scheduler's ``kill`` leaves nothing running).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in [name for name in os.environ if name.startswith(("PMI_", "OMPI_", "SLURM_"))]:
+        del os.environ[name]  # the workers inherit this process's environment: no other launcher's variables
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"gossip-train-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # a free port, as torchrun --standalone
+        max_restarts=0,
+        monitor_interval=0.1,
+        local_addr="127.0.0.1",
+    )
     with tempfile.TemporaryDirectory(prefix="gossip-train-") as errors:
-        processes = []
-        for rank in range(nproc):
-            env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
-            values = (str(rank), str(nproc), str(rank), str(nproc), "127.0.0.1", port)
-            env.update(zip(WORKER_ENV, values, strict=True))
-            env.update(OMP_NUM_THREADS=threads, **{ERROR_FILE_VARIABLE: str(Path(errors) / f"rank{rank}.txt")})
-            command = [sys.executable, "-m", "gossip", *_worker_argv(argv, out)]
-            processes.append(subprocess.Popen(command, env=env))
+        os.environ[ERROR_DIR_VARIABLE] = errors
         try:
-            while True:
-                codes = [process.poll() for process in processes]
-                if any(code not in (None, 0) for code in codes):
-                    break
-                if all(code == 0 for code in codes):
-                    return 0
-                time.sleep(0.1)
-            time.sleep(FAILURE_GRACE_SECONDS)  # let the other ranks notice and report, to find the first cause
-        except KeyboardInterrupt:
-            _stop(processes)
-            print("gossip-train: interrupted; workers stopped", file=sys.stderr)
-            return 130
-        codes = [process.poll() for process in processes]
-        _stop(processes)
-        failed = {rank: code for rank, code in enumerate(codes) if code not in (None, 0)}
+            elastic_launch(config, sys.executable)("-m", "gossip", *_worker_argv(argv, out))
+            return 0
+        except ChildFailedError as failure:
+            failed = {rank: process.exitcode for rank, process in failure.failures.items()}
+        except SignalException as stopped:
+            print(f"gossip-train: {stopped.sigval.name} received; workers stopped", file=sys.stderr)
+            return 128 + int(stopped.sigval)
         rank, message = _root_cause(failed, Path(errors))
         others = f" ({len(failed) - 1} other worker(s) failed too)" if len(failed) > 1 else ""
-        what = _describe(failed[rank])
-        print(f"gossip-train: worker rank {rank} of {nproc} {what}: {message}{others}", file=sys.stderr)
+        print(
+            f"gossip-train: worker rank {rank} of {nproc} {_describe(failed[rank])}: {message}{others}", file=sys.stderr
+        )
         return 1
+
+
+def _show_library_messages() -> None:
+    """The library logs its notes (``logging``, logger ``gossip``); the command shows them on stdout."""
+    library = logging.getLogger("gossip")
+    if not library.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        library.addHandler(handler)
+        library.setLevel(logging.INFO)
 
 
 def run_worker(args: argparse.Namespace) -> int:
     """Train as one worker of the job as launched; print the summary on rank 0; 0 on success, 1 on error."""
+    _show_library_messages()
     try:
         rank = gossip.detect_launch().rank
     except gossip.LaunchError as err:
@@ -263,11 +259,10 @@ def run_worker(args: argparse.Namespace) -> int:
         summary = train(config_from(args))
     except Exception as err:
         message = f"rank {rank}: {type(err).__name__}: {err}"
-        if not isinstance(err, (ValueError, OSError, gossip.GossipError)):
-            traceback.print_exc()  # a bug rather than bad input or a failed peer: show where
+        traceback.print_exc()
         print(f"gossip-train: {message}", file=sys.stderr, flush=True)
-        if os.environ.get(ERROR_FILE_VARIABLE):
-            Path(os.environ[ERROR_FILE_VARIABLE]).write_text(message + "\n")
+        if os.environ.get(ERROR_DIR_VARIABLE):
+            (Path(os.environ[ERROR_DIR_VARIABLE]) / f"rank{rank}.txt").write_text(message + "\n")
         return 1
     if summary is not None:
         from gossip.run_dir import summary_table
@@ -282,9 +277,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    missing = [name for name in ("tqdm", "matplotlib") if importlib.util.find_spec(name) is None]
-    if missing:
-        parser.exit(2, f"gossip-train needs {' and '.join(missing)}: pip install 'gossip-train[experiments]'\n")
     _validate(parser, args, args.nproc)
     if args.nproc is not None:
         if args.backend not in ("auto", "gloo"):
@@ -294,8 +286,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = run_worker(args)
     sys.stdout.flush()
     sys.stderr.flush()
-    if gossip.detect_launch().size > 1:
-        os._exit(code)  # skips torch's static destructors, which can crash a Gloo process at exit
+    if code != 0 and gossip.detect_launch().size > 1:
+        # A failed job: leave at once, without the teardown that would wait for peers that are not coming.
+        # A successful one exits normally, so that MPI_Finalize runs when mpi4py initialised MPI (under
+        # mpiexec, also for Gloo, whose address is broadcast over MPI): without it, Hydra reports a BAD
+        # TERMINATION and kills the ranks still writing their output.
+        os._exit(code)
     return code
 
 

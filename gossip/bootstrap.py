@@ -16,10 +16,12 @@ A single process without a launcher gets a world of size 1 (Gloo on an in-memory
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 import socket
 import subprocess
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from gossip.backends.base import Communicator
 from gossip.errors import BackendUnavailableError, LaunchError
 from gossip.launch_env import LaunchInfo, detect_launch
+from gossip.rendezvous import agent_serves_the_store, rendezvous_store
 
 BACKENDS = ("auto", "mpi", "gloo", "nccl")
 DEFAULT_TIMEOUT = 120.0
@@ -48,8 +51,9 @@ def choose_backend(requested: str, info: LaunchInfo) -> str:
         return "gloo"
     if requested == "mpi" and not _mpi4py_importable():
         raise BackendUnavailableError(
-            "backend 'mpi' needs mpi4py and an MPI library: pip install 'gossip-train[mpi]' "
-            "(mpi4py plus the mpich wheel), or pip install mpi4py against your cluster's MPI"
+            "backend 'mpi' needs mpi4py and an MPI library: pip install 'gossip-train[mpich]' "
+            "(mpi4py plus the MPICH wheel), or, on a cluster, pip install --no-binary mpi4py 'gossip-train[mpi]' "
+            "(mpi4py built against the MPI on PATH)"
         )
     if requested == "mpi" and info.size > 1 and not info.launched_by_mpi:
         raise BackendUnavailableError(
@@ -92,8 +96,24 @@ def _slurm_address(info: LaunchInfo) -> str:
         first = subprocess.run(
             ["scontrol", "show", "hostnames", nodes], check=True, capture_output=True, text=True
         ).stdout.split()[0]
-    port = info.master_port or 20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000
-    return f"tcp://{first}:{port}"
+    return f"tcp://{first}:{info.master_port or slurm_port(os.environ)}"
+
+
+SLURM_PORT_BASE = 20000
+SLURM_PORT_RANGE = 20000
+
+
+def slurm_port(env: Mapping[str, str]) -> int:
+    """The rendezvous port of a Slurm job step without ``MASTER_PORT``: derived from the job id *and* the step id,
+    so that concurrent steps of one job (``srun ... &`` twice) do not meet at the same port."""
+    try:
+        job, step = int(env.get("SLURM_JOB_ID", "0")), int(env.get("SLURM_STEP_ID", "0"))
+    except ValueError:
+        raise LaunchError(
+            f"slurm environment: SLURM_JOB_ID={env.get('SLURM_JOB_ID')!r} / SLURM_STEP_ID="
+            f"{env.get('SLURM_STEP_ID')!r} are not integers; set MASTER_PORT"
+        ) from None
+    return SLURM_PORT_BASE + (job * 1009 + step) % SLURM_PORT_RANGE
 
 
 def _init_method(info: LaunchInfo) -> str | None:
@@ -111,20 +131,33 @@ def _init_method(info: LaunchInfo) -> str | None:
     if info.launched_by_mpi:
         raise BackendUnavailableError(
             "Gloo under mpiexec needs MASTER_ADDR/MASTER_PORT or mpi4py to broadcast them: "
-            "pip install 'gossip-train[mpi]'"
+            "pip install 'gossip-train[mpich]' (or [mpi] for your cluster's MPI)"
         )
     return None
 
 
-def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, mpi_device: str = "cpu") -> Communicator:
+def init(
+    backend: str = "auto",
+    timeout: float = DEFAULT_TIMEOUT,
+    *,
+    group: dist.ProcessGroup | None = None,
+    mpi_device: str = "cpu",
+) -> Communicator:
     """Return a communicator for this process, as launched (mpirun, srun, torchrun, or a single process).
 
     ``timeout`` (seconds) bounds every wait; on expiry the error names this rank, the peer(s) it waited for
     and the operation. ``mpi_device`` ("cpu" or "cuda": this rank's GPU by local rank) is where the tensors an MPI
     communicator moves live; Gloo moves CPU tensors and NCCL GPU tensors.
+
+    Code that already called ``torch.distributed.init_process_group()`` (a DDP script, HF Accelerate, Decent-DP)
+    gets a communicator on that default group, or on ``group`` (e.g. from ``dist.new_group``) when given; ranks
+    are then the group's. The communicator's ``close()`` leaves such a group alive: whoever created it destroys it.
+    ``backend="mpi"`` always uses MPI, whatever torch.distributed holds.
     """
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {timeout}")
+    if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+    if group is not None or (backend != "mpi" and dist.is_available() and dist.is_initialized()):
+        return _adopt(backend, group, timeout)
     info = detect_launch()
     chosen = choose_backend(backend, info)
     if chosen == "mpi":
@@ -135,4 +168,62 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, mpi_device:
 
     if info.size == 1 and not (info.master_addr and info.master_port):
         return TorchDistCommunicator(chosen, info, None, timeout, store=dist.HashStore())
-    return TorchDistCommunicator(chosen, info, _init_method(info), timeout)
+    address = _init_method(info)
+    if agent_serves_the_store():
+        return TorchDistCommunicator(chosen, info, address, timeout)
+    return TorchDistCommunicator(chosen, info, None, timeout, store=rendezvous_store(address, info, timeout))
+
+
+def _adopted_backend(requested: str, group: dist.ProcessGroup) -> str:
+    """What ``requested`` resolves to on ``group``, "gloo" or "nccl" (its backend may read "cpu:gloo,cuda:nccl")."""
+    described = str(dist.get_backend(group))
+    kinds = {part.split(":")[-1] for part in described.split(",")}
+    if requested == "mpi":
+        raise ValueError("group= is a torch.distributed process group; backend 'mpi' does not use one")
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown backend {requested!r}; choose one of {BACKENDS}")
+    if requested == "auto":
+        requested = "nccl" if "nccl" in kinds and torch.cuda.is_available() else "gloo"
+    if requested not in kinds:
+        raise BackendUnavailableError(
+            f"backend {requested!r} was asked for, but the existing process group runs {described!r}; "
+            f"pass backend='auto' or one of {sorted(kinds & {'gloo', 'nccl'})}"
+        )
+    return requested
+
+
+def _local_placement(group: dist.ProcessGroup, rank: int, size: int) -> tuple[int, int]:
+    """(local rank, local size) in ``group``: the launcher's when the group is the whole launched world, else
+    counted from the host names of the group's members (a small collective)."""
+    try:
+        info = detect_launch()
+    except LaunchError:
+        info = None
+    if group is dist.group.WORLD and info is not None and (info.rank, info.size) == (rank, size):
+        return info.local_rank, info.local_size
+    hosts: list[str | None] = [None] * size
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    me = hosts[rank]
+    return hosts[:rank].count(me), hosts.count(me)
+
+
+def _adopt(requested: str, group: dist.ProcessGroup | None, timeout: float) -> Communicator:
+    """A communicator on a process group created outside this library (see :func:`init`)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise LaunchError(
+            "init(group=...) needs torch.distributed.init_process_group() to have been called first; "
+            "or call gossip.init() without group= and it creates the process group itself"
+        )
+    group = dist.group.WORLD if group is None else group
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise LaunchError(
+            f"global rank {dist.get_rank()}: gossip.init(group=...) was given a process group this process is not "
+            "a member of; every member calls init with its own group"
+        )
+    chosen, size = _adopted_backend(requested, group), dist.get_world_size(group)
+    local_rank, local_size = _local_placement(group, rank, size)
+    info = LaunchInfo(rank, size, local_rank, local_size, "process group")
+    from gossip.backends.torch_dist import TorchDistCommunicator
+
+    return TorchDistCommunicator(chosen, info, None, timeout, adopt=group)

@@ -108,6 +108,8 @@ def load_corpus(path: str | None = None, block_size: int = 64, val_fraction: flo
         if not Path(path).is_file():
             raise FileNotFoundError(f"--data file {path!r} does not exist or is not a file")
         text, source = Path(path).read_bytes(), path
+        if not text:
+            raise ValueError(f"--data file {path!r} is empty; give a text file to train on")
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     num_validation = int(len(data) * val_fraction)
     split_at = len(data) - num_validation

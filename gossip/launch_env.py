@@ -72,7 +72,26 @@ def _slurm_local_size(env: Mapping[str, str]) -> int:
     return counts[node]
 
 
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _check_no_stale_torchrun_environment(env: Mapping[str, str], mpi: LaunchInfo) -> None:
+    """Under an MPI launcher, ``RANK``/``WORLD_SIZE`` that disagree with MPI's are left over from a torchrun
+    environment (e.g. exported in the shell); every rank would otherwise believe it is the same rank."""
+    torchrun_view = (env.get("RANK"), env.get("WORLD_SIZE"))
+    if torchrun_view == (str(mpi.rank), str(mpi.size)):
+        return  # set consistently by a wrapper script: harmless
+    present = [name for name in TORCHRUN_VARIABLES if name in env]
+    raise LaunchError(
+        f"{mpi.launcher} started this process as rank {mpi.rank} of {mpi.size}, but the environment also holds "
+        f"torchrun's RANK={torchrun_view[0]} WORLD_SIZE={torchrun_view[1]} (stale, e.g. exported in the shell); "
+        f"unset {' '.join(present)} before launching with mpiexec"
+    )
+
+
 def _read(env: Mapping[str, str]) -> LaunchInfo:
+    if ("RANK" in env or "WORLD_SIZE" in env) and ("OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env):
+        _check_no_stale_torchrun_environment(env, _read({k: v for k, v in env.items() if k not in TORCHRUN_VARIABLES}))
     if "RANK" in env or "WORLD_SIZE" in env:
         if "RANK" not in env or "WORLD_SIZE" not in env:
             missing = "WORLD_SIZE" if "RANK" in env else "RANK"

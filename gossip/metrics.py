@@ -14,12 +14,18 @@ One line per optimizer step in ``<run_dir>/metrics_rank<r>.jsonl`` with:
 * ``step_seconds`` -- wall time from the end of the previous optimizer step to the end of this one.
 
 Recording costs no communication; only the summary at ``close`` gathers one small dict per rank.
+
+When the ``tensorboard`` package is installed (``pip install 'gossip-train[tensorboard]'``), every numeric value of
+a row is also written as a TensorBoard scalar (``torch.utils.tensorboard``) under ``<run_dir>/tensorboard/rank<r>``,
+one run per rank: ``tensorboard --logdir <run_dir>/tensorboard`` overlays the ranks. Without it, nothing changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -27,6 +33,24 @@ from typing import Any
 import torch
 
 from gossip.backends.base import Communicator
+
+logger = logging.getLogger(__name__)
+TENSORBOARD_DIR = "tensorboard"
+
+
+def tensorboard_available() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+def _tensorboard_writer(run_dir: Path, rank: int) -> Any:
+    """A SummaryWriter for this rank's scalars, or None when the tensorboard package is not installed."""
+    if not tensorboard_available():
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    log_dir = run_dir / TENSORBOARD_DIR / f"rank{rank}"
+    logger.debug("rank %d: TensorBoard scalars in %s", rank, log_dir)
+    return SummaryWriter(log_dir=str(log_dir))
 
 
 def _plain(value: Any) -> Any:
@@ -57,9 +81,11 @@ class StepMetrics:
         self._held: dict[str, Any] | None = None
         self._totals = _Totals()
         self._file = None
+        self._tensorboard = None
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._file = open(self.run_dir / f"metrics_rank{rank}.jsonl", "a")  # noqa: SIM115 -- closed in close()
+            self._tensorboard = _tensorboard_writer(self.run_dir, rank)
 
     def note(self, **values: Any) -> None:
         """Values for a step's row (e.g. ``loss=loss``). Logged before ``optimizer.step()`` they belong to that
@@ -86,6 +112,11 @@ class StepMetrics:
         if self._held is not None and self._file is not None:
             self._file.write(json.dumps(self._held) + "\n")
             self._file.flush()
+        if self._held is not None and self._tensorboard is not None:
+            step = self._held["step"]
+            for name, value in self._held.items():
+                if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tensorboard.add_scalar(name, value, step)
         self._held = None
 
     def totals(self) -> dict[str, float]:
@@ -126,3 +157,6 @@ class StepMetrics:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None

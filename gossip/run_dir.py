@@ -4,11 +4,13 @@ Contents of ``<out>/``:
 
 * ``config.json`` -- the resolved configuration (world size, schedule, accum_iter, ... filled in);
 * ``metrics_rank<r>.jsonl`` -- every rank's per-step metrics, written by the wrapper (see :mod:`gossip.metrics`);
+* ``tensorboard/rank<r>/`` -- the same metrics as TensorBoard scalars, when the tensorboard package is installed;
 * ``summary.json`` -- the wrapper's traffic and timing summary over ranks;
 * ``metrics.csv`` -- one row per step: rank 0's metrics plus ``mean_loss`` (the training loss averaged over
   ranks) and ``cumulative_bytes_sent`` (rank 0's payload bytes so far);
 * ``result.json`` -- the numbers of the final summary table;
-* ``loss_vs_step.png``, ``loss_vs_time.png``, ``loss_vs_bytes.png``, ``consensus_vs_step.png`` (matplotlib, Agg).
+* ``loss_vs_step.png``, ``loss_vs_time.png``, ``loss_vs_bytes.png``, ``consensus_vs_step.png`` (matplotlib, Agg),
+  titled with the run's configuration (:func:`plot_title`).
 """
 
 from __future__ import annotations
@@ -134,30 +136,49 @@ def _smoothed(values: list[float], window: int = FINAL_WINDOW) -> list[float]:
     return out
 
 
-def write_plots(run_dir: Path, rows: list[dict[str, Any]]) -> None:
-    """The four plots of :data:`PLOTS`: mean training loss (smoothed over FINAL_WINDOW steps) and validation loss
-    against step, wall clock and bytes sent; the sampled consensus distance against step (log scale)."""
+def plot_title(config: Any) -> str:
+    """The run's configuration in one line, the title of every plot (two runs' plots side by side stay apart)."""
+    mixing = "torch DDP" if config.algorithm == "ddp" else f"{config.algorithm} on {config.schedule}"
+    if config.algorithm == "powergossip":
+        mixing += f" (rank {config.rank})"
+    return (
+        f"{mixing}, {config.world_size} workers, {config.optimizer} lr {config.lr:g}, "
+        f"{config.steps} steps x {config.batch_size}, {config.split}, seed {config.seed}"
+    )
+
+
+def validation_curve(rows: list[dict[str, Any]], key: str, initial_val_loss: float) -> tuple[list[float], list[float]]:
+    """(x, validation loss) from the first point on: the averaged model before training at x = 0, then each
+    evaluation. On the step axis an evaluation after step s's update sits at s + 1 (updates applied so far)."""
+    xs, ys = [0.0], [initial_val_loss]
+    for row in rows:
+        if "val_loss" in row:
+            xs.append(row[key] + 1 if key == "step" else row[key])
+            ys.append(row["val_loss"])
+    return xs, ys
+
+
+def write_plots(run_dir: Path, rows: list[dict[str, Any]], title: str = "", initial_val_loss: float = math.nan) -> None:
+    """The four plots of :data:`PLOTS`, titled ``title``: mean training loss (smoothed over FINAL_WINDOW steps) and
+    validation loss (from ``initial_val_loss`` before training on) against step, wall clock and bytes sent; the
+    sampled consensus distance against step (log scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     loss = _smoothed([row["mean_loss"] for row in rows])
-    evaluated = [row for row in rows if "val_loss" in row]
     axes_of = {
         "loss_vs_step.png": ("step", "step", 1.0),
         "loss_vs_time.png": ("elapsed_seconds", "wall clock (s)", 1.0),
         "loss_vs_bytes.png": ("cumulative_bytes_sent", "MB sent per worker (rank 0)", 1e-6),
     }
     for name, (key, label, scale) in axes_of.items():
-        figure, axis = plt.subplots(figsize=(6, 4))
+        figure, axis = plt.subplots(figsize=(7, 4.5))
         axis.plot([row[key] * scale for row in rows], loss, label="train loss (mean over ranks, smoothed)")
-        axis.plot(
-            [row[key] * scale for row in evaluated],
-            [row["val_loss"] for row in evaluated],
-            "o-",
-            label="validation loss (averaged model)",
-        )
+        xs, ys = validation_curve(rows, key, initial_val_loss)
+        axis.plot([x * scale for x in xs], ys, "o-", label="validation loss (averaged model)")
+        axis.set_title(title, fontsize=8)
         axis.set_xlabel(label)
         axis.set_ylabel("cross-entropy (nats / byte)")
         axis.grid(alpha=0.3)
@@ -166,8 +187,9 @@ def write_plots(run_dir: Path, rows: list[dict[str, Any]]) -> None:
         figure.savefig(run_dir / name, dpi=100)
         plt.close(figure)
     measured = [row for row in rows if row.get("consensus") is not None]
-    figure, axis = plt.subplots(figsize=(6, 4))
+    figure, axis = plt.subplots(figsize=(7, 4.5))
     axis.plot([row["step"] for row in measured], [row["consensus"] for row in measured], ".-")
+    axis.set_title(title, fontsize=8)
     if any(row["consensus"] > 0 for row in measured):
         axis.set_yscale("log")
     axis.set_xlabel("step")
@@ -185,7 +207,7 @@ def write_outputs(run_dir: Path, summary: RunSummary) -> None:
     result = {**summary.numbers(), "sample": summary.sample}
     (run_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     if rows:
-        write_plots(run_dir, rows)
+        write_plots(run_dir, rows, plot_title(summary.config), summary.initial_val_loss)
 
 
 def summary_table(summary: RunSummary) -> str:

@@ -7,7 +7,8 @@ Every process is one worker of a decentralized run (docs/design.md B.1; Decent-D
 with :math:`W(t)` from the schedule, the mixing done by the algorithm (exact gossip, PowerGossip or All-Reduce;
 with ``average_every = K > 0`` wrapped in :class:`gossip.PeriodicAverage`, an exact global average every K steps)
 inside :class:`gossip.parallel.DecentralizedDataParallel`, and :math:`d` the local optimizer's direction. The
-learning rate :math:`\eta_t` warms up linearly for ``warmup_steps`` then follows a cosine to ``lr / 10``.
+learning rate :math:`\eta_t` warms up linearly for ``warmup_steps`` then follows a cosine to ``lr / 10``
+(a ``torch.optim.lr_scheduler.LambdaLR``, :func:`make_scheduler`).
 
 ``algorithm="ddp"`` is the All-Reduce baseline as users run it: torch DistributedDataParallel (gradient all-reduce
 overlapped with backward, :mod:`gossip.ddp_baseline`), no schedule; the loop is the same.
@@ -20,6 +21,7 @@ writes its own ``metrics_rank<r>.jsonl`` there (the wrapper's per-step metrics).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 import gossip
 import optim
@@ -38,6 +41,7 @@ from gossip.gpt import GPT, GPTConfig
 from gossip.parallel import DecentralizedDataParallel
 from gossip.run_dir import RunSummary, prepare_run_dir, write_outputs
 
+logger = logging.getLogger(__name__)
 OPTIMIZERS = ("accum-adamw", "adamw", "sgd")
 DDP = "ddp"  # torch DistributedDataParallel: the All-Reduce baseline (gradient all-reduce, no schedule)
 AVERAGING_EVERY_STEP = (DDP, "allreduce")  # --average-every changes nothing for these
@@ -160,6 +164,8 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
         resolved.average_every = 0 if config.algorithm in AVERAGING_EVERY_STEP else DEFAULTS.average_every
     if config.data is not None and not Path(config.data).is_file():
         raise ConfigError("--data", f"{config.data!r} does not exist or is not a file")
+    if config.data is not None and Path(config.data).stat().st_size == 0:
+        raise ConfigError("--data", f"{config.data!r} is empty; give a text file to train on")
     if resolved.algorithm != DDP:
         build_schedule(resolved)
     return resolved, notes
@@ -198,6 +204,19 @@ def learning_rate(config: TrainConfig, step: int) -> float:
         return config.lr * (step + 1) / config.warmup_steps
     progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
     return config.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def make_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer) -> LambdaLR:
+    """:func:`learning_rate` as a :class:`torch.optim.lr_scheduler.LambdaLR` (step it after each optimizer step).
+
+    LambdaLR sets ``lr = base_lr * lr_lambda(step)``. The base is set to 1 and the lambda returns the learning rate
+    itself, because ``1 * x`` is exactly ``x`` while ``lr * (x / lr)`` or ``lr * ((s + 1) / w)`` differ from the
+    formula in the last bit for about a third of the warmup steps: this way the run is bit-identical to one that
+    writes ``learning_rate(config, step)`` into the param groups.
+    """
+    for group in optimizer.param_groups:
+        group["lr"] = 1.0
+    return LambdaLR(optimizer, lambda step: learning_rate(config, step))
 
 
 def make_algorithm(config: TrainConfig) -> gossip.Algorithm:
@@ -268,16 +287,18 @@ def validation_loss(model: Replicated, batches: list, comm: Communicator) -> flo
 
 
 def train_step(
-    model: Replicated, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor], lr: float
+    model: Replicated,
+    optimizer: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    scheduler: LRScheduler,
 ) -> float:
-    """One step at learning rate ``lr``: forward, backward, optimizer step (the wrapper mixes inside it); the loss."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    """One step: forward, backward, optimizer step (the wrapper mixes inside it), scheduler step; the loss."""
     x, y = batch
     _, loss = model(x, y)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
     return loss.item()
 
 
@@ -304,21 +325,26 @@ def _train(config: TrainConfig, comm: Communicator) -> RunSummary | None:
     run_dir = prepare_run_dir(config, comm)
     if comm.rank == 0:
         for note in notes:
-            print(note, flush=True)
+            logger.info(note)
     corpus = load_corpus(config.data, block_size=config.model["block_size"])
     torch.manual_seed(config.seed)
     model = make_model(config, comm, run_dir)
     optimizer = make_optimizer(config, model.module)
+    scheduler = make_scheduler(config, optimizer)
     batches = ShardedBatches(
         corpus.train, comm.rank, comm.size, config.batch_size, config.model["block_size"], config.seed, config.split
     )
     held_out = validation_batches(corpus.validation, config.batch_size, config.model["block_size"], config.eval_batches)
     if comm.rank == 0:
-        print(
-            f"gossip-train: {comm.size} worker(s), {describe_mixing(config)}, {config.optimizer}, "
-            f"GPT {model.module.num_parameters():,} params, corpus {corpus.source} ({len(corpus.train):,} bytes), "
-            f"run dir {run_dir}",
-            flush=True,
+        logger.info(
+            "gossip-train: %d worker(s), %s, %s, GPT %s params, corpus %s (%s bytes), run dir %s",
+            comm.size,
+            describe_mixing(config),
+            config.optimizer,
+            f"{model.module.num_parameters():,}",
+            corpus.source,
+            f"{len(corpus.train):,}",
+            run_dir,
         )
     initial_validation = validation_loss(model, held_out, comm)
     progress = _progress(config, comm.rank)
@@ -326,7 +352,7 @@ def _train(config: TrainConfig, comm: Communicator) -> RunSummary | None:
     started = time.perf_counter()
     losses = []
     for step in range(config.steps):
-        losses.append(train_step(model, optimizer, batches.batch(step), learning_rate(config, step)))
+        losses.append(train_step(model, optimizer, batches.batch(step), scheduler))
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"rank {comm.rank}: training loss is {losses[-1]} at step {step}; lower --lr")
         row = {"loss": losses[-1], "elapsed_seconds": time.perf_counter() - started}

@@ -66,3 +66,17 @@ def test_sbatch_script_outside_srun_is_a_single_process():
 def test_inconsistent_environment_is_refused_naming_the_variable(env, message):
     with pytest.raises(LaunchError, match=message):
         detect_launch(env)
+
+
+@pytest.mark.parametrize(
+    "mpi", [{"PMI_RANK": "2", "PMI_SIZE": "4"}, {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4"}]
+)
+def test_stale_torchrun_environment_under_mpiexec_names_the_variables_to_unset(mpi):
+    stale = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "29500"}
+    with pytest.raises(LaunchError, match=r"rank 2 of 4, .*RANK=0 WORLD_SIZE=1 .*unset RANK WORLD_SIZE MASTER_PORT"):
+        detect_launch({**mpi, **stale})
+
+
+def test_torchrun_variables_agreeing_with_mpi_are_accepted():
+    info = detect_launch({"PMI_RANK": "2", "PMI_SIZE": "4", "RANK": "2", "WORLD_SIZE": "4"})
+    assert (info.rank, info.size) == (2, 4)

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
-from launch import metrics_rows, run_main_job
+from launch import REPO, metrics_rows, run_main_job
 
 from gossip.__main__ import main
+from gossip.corpus import load_corpus
 from gossip.run_dir import PLOTS
 
 STEPS = 30
@@ -67,6 +72,8 @@ def test_every_rank_writes_its_metrics_and_rank0_writes_the_plots(tiny_run):
     out = tiny_run[1]
     for name in (*PLOTS, "metrics_rank0.jsonl", "metrics_rank1.jsonl", "result.json"):
         assert (out / name).stat().st_size > 0, name
+    for rank in range(2):  # tensorboard is installed with the test extras
+        assert any((out / "tensorboard" / f"rank{rank}").glob("events.out.tfevents.*")), rank
 
 
 def test_unknown_algorithm_is_an_argparse_error_naming_it(capsys):
@@ -105,3 +112,76 @@ def test_ddp_with_a_schedule_is_an_argparse_error_naming_schedule(capsys):
         main(["--nproc", "2", "--algorithm", "ddp", "--schedule", "ring"])
     assert exit_info.value.code == 2
     assert "--schedule" in capsys.readouterr().err
+
+
+def test_empty_data_file_is_an_argparse_error_naming_data(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--nproc", "2", "--data", str(empty)])
+    assert exit_info.value.code == 2
+    assert f"argument --data: '{empty}' is empty; give a text file to train on" in capsys.readouterr().err
+
+
+def test_empty_data_file_read_by_a_worker_is_a_clear_error(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"--data file '.*empty.txt' is empty; give a text file to train on"):
+        load_corpus(str(empty))
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_timeout_that_is_not_positive_and_finite_is_an_argparse_error(capsys, value):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--timeout", value])
+    assert exit_info.value.code == 2
+    assert f"argument --timeout: must be positive and finite, got '{value}'" in capsys.readouterr().err
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_the_launcher_stops_and_reaps_every_worker(tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "gossip", "--nproc", "2", "--steps", "100000", "--batch-size", "2"]
+    launcher = subprocess.Popen(
+        [*command, "--out", str(out)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics_rank1.jsonl").exists() and (out / "metrics_rank1.jsonl").stat().st_size > 0):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
+            time.sleep(0.2)
+        workers = _children(launcher.pid)
+        assert len(workers) == 2, workers
+        launcher.send_signal(signal.SIGTERM)
+        stderr = launcher.communicate(timeout=60)[1]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr
+    assert "gossip-train: SIGTERM received; workers stopped" in stderr
+    assert not [pid for pid in workers if _alive(pid)]

@@ -1,28 +1,36 @@
-"""Leave the process promptly after a communication failure, with the status of an uncaught exception.
+"""Process exit with live communicators: a clean exit without ceremony, and never an abort.
 
-After a peer died, the normal interpreter teardown can hang or crash inside the backend: MPICH's
-``MPI_Finalize`` (run by mpi4py at exit) waits for the dead process, and Gloo's destructors may abort with
-"terminate called without an active exception" (docs/design.md J). So every real communicator registers here, and
-when an exception reaches the top level (``sys.excepthook``) while one of them has failed, the hook prints the
-traceback as usual (the previous hook), flushes stdout and stderr, and ends the process with ``os._exit(1)`` --
-the status Python itself gives an uncaught exception. Nothing changes for a healthy run, for an exception
-unrelated to a failed communicator's state (every communicator healthy), or for a program that catches the error
-and exits by itself (it then owns the teardown; ``os._exit`` after flushing is the safe way out).
+Two rules, for every real communicator (registered by :func:`watch`):
+
+* **Normal exit** (the script ends, or calls ``sys.exit``): an ``atexit`` handler closes every communicator that
+  is still open -- barrier, then teardown of the process group the library created -- so a script that never calls
+  ``comm.close()`` or ``model.close()`` exits like one that does. Without it, Gloo's threads live into interpreter
+  finalization, where their destructors abort the process ("terminate called without an active exception",
+  SIGABRT, torchrun's ``ChildFailedError``; docs/design.md J).
+* **An uncaught exception** while a communicator is open or has failed: the hook prints the traceback as usual (the
+  previous hook), flushes stdout and stderr, and ends the process with ``os._exit(1)`` -- the status Python itself
+  gives an uncaught exception -- without the backend's teardown. That teardown would wait for peers that are not
+  coming (a barrier, or MPICH's ``MPI_Finalize`` after a peer died) or abort inside Gloo's destructors. The peers
+  learn of the exit at once (Gloo: closed connection; MPI: the launcher).
+
+A program that catches a communication error and exits by itself owns the teardown; ``os._exit`` after flushing
+is the safe way out.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
 import threading
-import weakref
 from types import TracebackType
 from typing import Any
 
 _lock = threading.Lock()
-_watched: weakref.WeakSet = weakref.WeakSet()
+_watched: list[Any] = []  # strong references: a communicator dropped by the user still holds its process group
 _previous_hook: Any = None
+_atexit_registered = False
 
 
 def _flush() -> None:
@@ -31,18 +39,35 @@ def _flush() -> None:
             stream.flush()
 
 
+def _open(comm: Any) -> bool:
+    return not getattr(comm, "_closed", True)
+
+
 def _hook(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
     (_previous_hook or sys.__excepthook__)(kind, value, traceback)
-    if any(getattr(comm, "failure", None) is not None for comm in list(_watched)):
+    if any(getattr(comm, "failure", None) is not None or _open(comm) for comm in list(_watched)):
         _flush()
         os._exit(1)
 
 
+def _close_open_communicators() -> None:
+    """At normal interpreter exit: close what the program left open, newest first."""
+    for comm in reversed(list(_watched)):
+        if _open(comm):
+            comm.close()
+    _watched.clear()
+
+
 def watch(comm: Any) -> None:
-    """Apply the exit rule above to ``comm`` (anything with a ``failure`` attribute: None while healthy)."""
-    global _previous_hook
+    """Apply the exit rules above to ``comm`` (with a ``failure`` attribute, None while healthy, a ``_closed``
+    flag and an idempotent ``close()``)."""
+    global _previous_hook, _atexit_registered
     with _lock:
-        _watched.add(comm)
+        _watched[:] = [c for c in _watched if _open(c)]  # forget closed ones
+        _watched.append(comm)
         if sys.excepthook is not _hook:
             _previous_hook = sys.excepthook
             sys.excepthook = _hook
+        if not _atexit_registered:
+            atexit.register(_close_open_communicators)
+            _atexit_registered = True

@@ -25,6 +25,7 @@ which would wait for the dead process forever (:mod:`gossip.backends.exit_guard`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -172,6 +173,14 @@ class MPICommunicator(Communicator):
         host = self._host(tensor)
         return host, lambda: tensor.reshape(-1).copy_(host)
 
+    def _cancel(self, pending: list[_Pending]) -> None:
+        """Cancel the point-to-point requests; a nonblocking collective cannot be cancelled (MPI 4.0, section 5.12)
+        and MPICH refuses it ("Attempt to cancel an unknown type of request"), which must not hide the error that
+        made this rank give up."""
+        for request, _, _ in pending:
+            with contextlib.suppress(self._MPI.Exception):
+                request.Cancel()
+
     def _poll(self, progress: Progress, pending: list[_Pending]) -> None:
         """Drive ``pending`` requests to completion; a continuation may append more requests to ``pending``."""
         deadline = time.monotonic() + self.timeout
@@ -180,7 +189,7 @@ class MPICommunicator(Communicator):
             finished = [entry for entry in pending if entry[0].Test()]
             for entry in finished:
                 pending.remove(entry)
-                request, part, then = entry
+                _, part, then = entry
                 if then is not None:
                     then()
                 else:
@@ -189,19 +198,16 @@ class MPICommunicator(Communicator):
                 sleep = 0.0
                 continue
             if self._thread.failure is not None:  # a waiter gave up (its own timeout); stop polling
-                for request, _, _ in pending:
-                    request.Cancel()
+                self._cancel(pending)
                 raise self._thread.failure
             if _launcher_reported_failure.is_set():
-                for request, _, _ in pending:
-                    request.Cancel()
+                self._cancel(pending)
                 raise PeerFailedError(
                     f"rank {self.rank}: {progress.operation}: the MPI launcher reported that a process of this job "
                     f"died (SIGUSR1); gave up waiting to {progress.describe()}"
                 )
             if time.monotonic() > deadline:
-                for request, _, _ in pending:
-                    request.Cancel()
+                self._cancel(pending)
                 raise CommTimeoutError(
                     f"rank {self.rank}: {progress.operation} timed out after {self.timeout:.1f} s waiting to "
                     f"{progress.describe()}"

@@ -54,27 +54,46 @@ from gossip.launch_env import LaunchInfo
 
 
 class TorchDistCommunicator(Communicator):
-    """A communicator on the default torch.distributed process group (``backend`` is "gloo" or "nccl")."""
+    """A communicator on a torch.distributed process group (``backend`` is "gloo" or "nccl").
 
-    def __init__(self, backend: str, info: LaunchInfo, init_method: str | None, timeout: float, **init: Any):
+    By default it creates the default group (``init_process_group``) and destroys it in :meth:`close`. With
+    ``adopt=group`` it runs on a group the caller already created -- the default group (``dist.group.WORLD``) or
+    a subgroup from ``new_group`` -- whose ranks ``info`` gives; it then leaves the group alive at :meth:`close`
+    and, on NCCL, uses the CUDA device the caller selected.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        info: LaunchInfo,
+        init_method: str | None,
+        timeout: float,
+        *,
+        adopt: dist.ProcessGroup | None = None,
+        **init: Any,
+    ):
         super().__init__()
         self.backend = backend
         self.rank, self.size = info.rank, info.size
         self.local_rank, self.local_size = info.local_rank, info.local_size
         self.timeout = timeout
+        self.owns_group = adopt is None
+        self.group = None if adopt is None or adopt is dist.group.WORLD else adopt  # None: the default group
         if backend == "nccl":
-            self.device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
+            index = info.local_rank % torch.cuda.device_count() if adopt is None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=info.rank,
-            world_size=info.size,
-            timeout=datetime.timedelta(seconds=timeout),
-            **init,
-        )
+        if adopt is None:
+            dist.init_process_group(
+                backend,
+                init_method=init_method,
+                rank=info.rank,
+                world_size=info.size,
+                timeout=datetime.timedelta(seconds=timeout),
+                **init,
+            )
         self._thread = CommThread(f"gossip-{backend}-rank{self.rank}", self.rank, timeout)
         self._closed = False
         # per peer: (what this rank sends it, what it receives from it), checked by a per-tensor header exchange
@@ -88,6 +107,18 @@ class TorchDistCommunicator(Communicator):
         return self._thread.failure
 
     # -- helpers --------------------------------------------------------------------------------------------
+    def _global(self, peer: int) -> int:
+        """torch.distributed addresses peers by their rank in the default group."""
+        return peer if self.group is None else dist.get_global_rank(self.group, peer)
+
+    def _local(self, peer: int) -> int:
+        """This communicator's rank of a peer that torch.distributed names by its default-group rank."""
+        return peer if self.group is None else dist.get_group_rank(self.group, peer)
+
+    def _p2p(self, op: Any, tensor: torch.Tensor, peer: int, tag: int) -> dist.P2POp:
+        """A point-to-point operation with ``peer`` (this communicator's rank) on this communicator's group."""
+        return dist.P2POp(op, tensor, self._global(peer), self.group, tag=tag)
+
     def _wait(self, work: dist.Work, part: str, progress: Progress, peer: int | None, count: bool = True) -> None:
         try:
             work.wait(datetime.timedelta(seconds=self.timeout))
@@ -118,7 +149,7 @@ class TorchDistCommunicator(Communicator):
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as error:
-            peers = sorted({op.peer for op in ops})
+            peers = sorted({self._local(op.peer) for op in ops})
             who = f"peer {peers[0]}" if len(peers) == 1 else f"one of peers {peers}"
             raise PeerFailedError(
                 f"rank {self.rank}: {progress.operation}: {who} failed or closed its connection before this rank "
@@ -140,11 +171,11 @@ class TorchDistCommunicator(Communicator):
         for peer in peers:
             for transfer in sends[peer]:
                 header = torch.tensor(transfer.header(seq), dtype=torch.int64, device=self.device)
-                ops.append(dist.P2POp(dist.isend, header, peer, tag=HEADER_TAG))
+                ops.append(self._p2p(dist.isend, header, peer, HEADER_TAG))
                 headers.append((transfer, None))
             for transfer in recvs[peer]:
                 buffer = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=HEADER_TAG))
+                ops.append(self._p2p(dist.irecv, buffer, peer, HEADER_TAG))
                 headers.append((transfer, buffer))
         works = self._post(ops, "exchange headers", progress)
         for (transfer, buffer), work in zip(headers, works, strict=True):
@@ -180,14 +211,14 @@ class TorchDistCommunicator(Communicator):
                 if peer not in fresh:
                     out = torch.tensor(steady_header(seq, to[peer], frm[peer]), dtype=torch.int64, device=self.device)
                     incoming = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-                    ops += [dist.P2POp(dist.irecv, incoming, peer, tag=HEADER_TAG)]
-                    ops += [dist.P2POp(dist.isend, out, peer, tag=HEADER_TAG)]
+                    ops += [self._p2p(dist.irecv, incoming, peer, HEADER_TAG)]
+                    ops += [self._p2p(dist.isend, out, peer, HEADER_TAG)]
                     steady.append((peer, incoming))
             posted = [(t, direction, op) for t, direction, op in payloads if t.tensor.numel()]
             for transfer, direction, _ in payloads:
                 if not transfer.tensor.numel():
                     progress.finish(transfer.describe(direction))
-            ops += [dist.P2POp(op, t.tensor, t.peer, tag=PAYLOAD_TAG) for t, _, op in posted]
+            ops += [self._p2p(op, t.tensor, t.peer, PAYLOAD_TAG) for t, _, op in posted]
             works = self._post(ops, "post its messages", progress)
             header_works, payload_works = works[: 2 * len(steady)], works[2 * len(steady) :]
             if self.backend == "nccl":
@@ -256,7 +287,7 @@ class TorchDistCommunicator(Communicator):
         reduce_op = dist.ReduceOp.AVG if op == "avg" and self.backend == "nccl" else dist.ReduceOp.SUM
 
         def post() -> dist.Work:
-            work = dist.all_reduce(tensor, op=reduce_op, async_op=True)
+            work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)
             if op == "avg" and reduce_op == dist.ReduceOp.SUM:
                 work.wait(datetime.timedelta(seconds=self.timeout))
                 tensor.div_(self.size)
@@ -265,7 +296,9 @@ class TorchDistCommunicator(Communicator):
         return self._collective(f"all_reduce({op}) of {tensor.dtype}{list(tensor.shape)}", post)
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
-        return self._collective(f"broadcast from rank {src}", lambda: dist.broadcast(tensor, src, async_op=True))
+        return self._collective(
+            f"broadcast from rank {src}", lambda: dist.broadcast(tensor, self._global(src), self.group, async_op=True)
+        )
 
     def barrier(self, timeout: float | None = None) -> None:
         timeout = self.timeout if timeout is None else timeout
@@ -273,21 +306,22 @@ class TorchDistCommunicator(Communicator):
             # monitored_barrier names the ranks that did not arrive.
             def run(progress: Progress) -> None:
                 try:
-                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+                    dist.monitored_barrier(self.group, datetime.timedelta(seconds=timeout), wait_all_ranks=True)
                 except RuntimeError as error:
                     raise CommTimeoutError(f"rank {self.rank}: barrier failed: {error}") from error
 
             self._thread.call("barrier", run, timeout + 5.0)
         else:
-            self._collective("barrier", lambda: dist.barrier(async_op=True)).wait(timeout)
+            self._collective("barrier", lambda: dist.barrier(self.group, async_op=True)).wait(timeout)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.size
-        self._thread.call("all_gather_object", lambda progress: dist.all_gather_object(out, obj))
+        self._thread.call("all_gather_object", lambda progress: dist.all_gather_object(out, obj, self.group))
         return out
 
     def close(self) -> None:
-        """Barrier (when healthy), then destroy the process group; a clean exit needs both."""
+        """Barrier (when healthy), then destroy the process group if this communicator created it; a clean exit
+        needs both. An adopted group stays alive: its creator destroys it."""
         if self._closed:
             return
         self._closed = True
@@ -299,7 +333,7 @@ class TorchDistCommunicator(Communicator):
             healthy = False
         finally:
             self._thread.stop(timeout=1.0 if healthy else 0.0)
-            if dist.is_initialized():
+            if self.owns_group and dist.is_initialized():
                 self._destroy_process_group()
 
     def _destroy_process_group(self) -> None:

@@ -1,0 +1,27 @@
+"""Worker for tests/test_lifecycle.py: rank 2 SIGKILLs itself while the others wait in an all_reduce (MPI).
+
+Usage: mpiexec -disable-auto-cleanup -n 4 python tests/collective_dead_peer_worker.py OUT_DIR. Each survivor writes
+the error it ends with to ``OUT_DIR/rank<r>.err`` (Hydra's own output may end before the survivors do), then lets
+it reach the top level: a traceback and exit status 1.
+"""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import gossip
+
+comm = gossip.init("mpi", timeout=20.0)
+comm.barrier()
+if comm.rank == 2:
+    time.sleep(1.0)  # the others are in the all_reduce by now
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    comm.all_reduce(torch.ones(3))
+except Exception as error:
+    (Path(sys.argv[1]) / f"rank{comm.rank}.err").write_text(f"{type(error).__name__}: {error}")
+    raise
