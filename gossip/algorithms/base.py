@@ -59,6 +59,9 @@ class Traffic:
 
 
 NONFINITE_POLICIES = ("raise", "drop")
+_SCALARS = (bool, int, float, str, type(None))
+#: Attributes of every bound algorithm that are not settings: the binding and the per-step accounting.
+_NOT_CONFIG = frozenset({"comm", "schedule", "buckets", "traffic", "wait_seconds"})
 
 
 def check_nonfinite_policy(owner: str, policy: str) -> str:
@@ -142,6 +145,23 @@ class Algorithm(abc.ABC):
     def step(self, step: int) -> None:
         """``start`` and ``finish`` back to back (no overlap): for consensus experiments and tests."""
         self.finish(self.start(step))
+
+    def config(self) -> dict[str, Any]:
+        """The hyper-parameters every rank must share (compared at construction and stored in checkpoints).
+
+        Default: the public scalar attributes (``gamma``, ``every``, ...), without the binding (``comm``,
+        ``schedule``, ``buckets``) and the per-step accounting (``traffic``, ``wait_seconds``), so it is the
+        same before and after :meth:`setup`. Override it when a setting is not a public scalar.
+        """
+        return {
+            key: value
+            for key, value in vars(self).items()
+            if not key.startswith("_") and isinstance(value, _SCALARS) and key not in _NOT_CONFIG
+        }
+
+    def describe(self) -> dict[str, Any]:
+        """How this rank's instance treats the parameters it is bound to; default: every tensor travels exactly."""
+        return {"exact": [entry.name for bucket in getattr(self, "buckets", []) for entry in bucket.entries]}
 
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state to checkpoint (empty for stateless algorithms)."""
