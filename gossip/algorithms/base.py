@@ -81,6 +81,8 @@ class Algorithm(abc.ABC):
     comm: Communicator
     schedule: Schedule | None
     buckets: list[Bucket]
+    #: Set while a composite binds this algorithm to one level of its own schedule (see :meth:`setup_part`).
+    _part_of: Algorithm | None = None
 
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
         """Bind to ``comm``, ``schedule`` and ``buckets``; refuse a schedule this algorithm cannot run."""
@@ -92,12 +94,27 @@ class Algorithm(abc.ABC):
             )
         if schedule is not None:
             schedule.require_size(comm.size)
-            # Also for a schedule built with validate=False: negative weights, rows not summing to one or a
-            # disconnected graph are refused here, naming the step, the ranks and the property.
-            schedule.validate(symmetric=self.needs_symmetric_schedule)
+            if self._part_of is None:
+                # Also for a schedule built with validate=False: negative weights, rows not summing to one or a
+                # disconnected graph are refused here, naming the step, the ranks and the property.
+                schedule.validate(symmetric=self.needs_symmetric_schedule)
         self.comm, self.schedule, self.buckets = comm, schedule, buckets
         self.traffic = Traffic()
         self.wait_seconds = 0.0
+
+    def setup_part(self, part: Algorithm, level: Schedule, buckets: list[Bucket]) -> None:
+        """Bind ``part``, an algorithm this composite runs on one level of its own schedule, to ``level``.
+
+        Call it from the composite's :meth:`setup` after ``super().setup``: the composite's schedule has been
+        validated as a whole, and ``level`` is the part of it that ``part`` runs, which need not be a valid
+        schedule on its own (e.g. the inter-node pairs of hierarchical gossip, disconnected on purpose). So
+        ``level`` is checked for its size only; ``part`` binds to this composite's communicator.
+        """
+        part._part_of = self
+        try:
+            part.setup(self.comm, level, buckets)
+        finally:
+            part._part_of = None
 
     def _begin_step(self) -> None:
         """Reset the per-step accounting; every ``start`` calls it."""
