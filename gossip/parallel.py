@@ -235,6 +235,9 @@ class DecentralizedDataParallel(nn.Module):
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self._parameters_in_order = [p for _, p in named]
+        # The same tensors as views of the buckets (the bucket entries follow the parameters' order): what the
+        # replica holds even while averaged() lets the parameters read the average.
+        self._replica_views = [bucket.view(entry) for bucket in self.buckets for entry in bucket.entries]
         self._names = {id(p): name for name, p in named}
         self._ownership: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.step_count = 0
@@ -363,7 +366,7 @@ class DecentralizedDataParallel(nn.Module):
         }
         if self.consensus_every and (self.step_count + 1) % self.consensus_every == 0:
             with self._naming_step():
-                estimate = self._sampler.estimate_sq(self._parameters_in_order, self.comm, self.step_count + 1)
+                estimate = self._sampler.estimate_sq(self._replica_views, self.comm, self.step_count + 1)
             row["consensus"] = math.sqrt(estimate)
         if self.schedule.period is None and (self.step_count + 1) % SCHEDULE_CHECK_EVERY == 0:
             with self._naming_step():
@@ -621,7 +624,10 @@ class DecentralizedDataParallel(nn.Module):
             self._averaging = False
 
     def consensus_distance(self) -> float:
-        """Exact consensus distance Xi = sqrt((1/n) sum_i ||x_i - xbar||^2) over the parameters. A collective."""
+        """Exact consensus distance Xi = sqrt((1/n) sum_i ||x_i - xbar||^2) over the parameters. A collective.
+
+        Of the replicas themselves, also inside ``averaged()`` (where the module reads the average).
+        """
         self._require_usable("consensus_distance()")
         return math.sqrt(exact_consensus_sq([bucket.buffer for bucket in self.buckets], self.comm))
 
@@ -629,7 +635,7 @@ class DecentralizedDataParallel(nn.Module):
         """Sampled (stratified, shared-coordinate) estimate of Xi; the coordinates depend on ``step``. A collective."""
         self._require_usable("estimate_consensus_distance()")
         step = self.step_count if step is None else step
-        return math.sqrt(self._sampler.estimate_sq(self._parameters_in_order, self.comm, step))
+        return math.sqrt(self._sampler.estimate_sq(self._replica_views, self.comm, step))
 
     # -- checkpoint support (used by gossip.checkpoint) -----------------------------------------------------
     def training_state(self) -> dict[str, Any]:

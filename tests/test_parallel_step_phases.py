@@ -87,7 +87,9 @@ def evaluate_with_exchange_in_flight(comm, batch_norm: bool) -> dict:
     out["buffers_before"] = [b.clone() for b in model.module.buffers() if b.is_floating_point()]
     versions = [bucket.buffer._version for bucket in model.buckets]
     addresses = [p.data_ptr() for p in model.parameters()]
+    out["distances"] = [model.consensus_distance(), model.estimate_consensus_distance()]
     with model.averaged(buffers=batch_norm) as net:
+        out["distances_inside"] = [model.consensus_distance(), model.estimate_consensus_distance()]
         out["inside"] = flat_parameters(net)
         out["buffers_inside"] = [b.clone() for b in net.buffers() if b.is_floating_point()]
         out["phase_inside"] = model.phase
@@ -119,6 +121,7 @@ def test_averaged_reads_the_average_without_touching_the_buckets_or_the_exchange
             assert torch.equal(after, before)
         assert not r["buckets_written"], "averaged() wrote into the buckets (a copy in and out of x_t)"
         assert r["addresses_kept"]
+        assert r["distances"][0] > 0 and r["distances_inside"] == r["distances"]  # of the replicas, not the average
 
 
 def trajectory(comm, algorithm_factory, evaluate: bool) -> torch.Tensor:
