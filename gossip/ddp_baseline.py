@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from gossip import optimizer_hooks
 from gossip.backends.base import Communicator
 from gossip.consensus import exact_consensus_sq
 from gossip.metrics import StepMetrics
@@ -55,9 +55,10 @@ class DDPBaseline:
     ``log(**values)``, ``averaged()``, ``consensus_distance()`` and ``close()``.
 
     Construction is a collective (it creates DDP's process group and broadcasts rank 0's parameters). Per-step
-    metrics rows (:class:`gossip.metrics.StepMetrics`, same columns as the wrapper's) are recorded from the torch
-    optimizer step hooks of any optimizer over ``module``'s parameters; ``consensus`` is the exact distance every
-    ``consensus_every`` steps (one all-reduce of the parameters; 0 turns it off).
+    metrics rows (:class:`gossip.metrics.StepMetrics`, same columns as the wrapper's) are recorded at every step
+    of any optimizer over ``module``'s parameters (through :mod:`gossip.optimizer_hooks`, as the wrapper does);
+    ``consensus`` is the exact distance every ``consensus_every`` steps (one all-reduce of the parameters; 0 turns
+    it off).
     """
 
     def __init__(
@@ -101,10 +102,7 @@ class DDPBaseline:
         self._done_at: list[float] = []
         self._forward_at = self._last_step_end = math.nan
         self._timing: dict[str, float] = {}
-        self._hooks = [
-            register_optimizer_step_pre_hook(self._before_step),
-            register_optimizer_step_post_hook(self._after_step),
-        ]
+        optimizer_hooks.subscribe(self)
 
     # -- the loop -------------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -134,20 +132,20 @@ class DDPBaseline:
 
         return allreduce_hook(group, bucket).then(completed)
 
-    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+    # -- the optimizer-step hooks (gossip.optimizer_hooks calls these) ------------------------------------------
+    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        """True when ``optimizer`` trains any of the module's parameters."""
         return any(id(p) in self._parameter_ids for group in optimizer.param_groups for p in group["params"])
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._owns(optimizer):
-            return
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer, computes_gradients: bool) -> None:
+        """Note the step's timing: compute since the first forward, and the all-reduce backward did not hide."""
         now = time.perf_counter()
         exposed = max(0.0, max(self._done_at) - max(self._ready_at)) if self._done_at and self._ready_at else 0.0
         compute_from = self._forward_at if not math.isnan(self._forward_at) else now
         self._timing = {"compute_seconds": now - compute_from, "wait_seconds": exposed, "finish_seconds": exposed}
 
-    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._owns(optimizer):
-            return
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Record step t's metrics row (the replicas applied the same update) and advance to t + 1."""
         now = time.perf_counter()
         sent = ring_all_reduce_bytes(self._bucket_bytes, self.comm.size)
         timing = self._timing or {"compute_seconds": 0.0, "wait_seconds": 0.0, "finish_seconds": 0.0}
@@ -181,10 +179,9 @@ class DDPBaseline:
 
     # -- teardown -------------------------------------------------------------------------------------------
     def close(self) -> dict[str, float] | None:
-        """Remove the hooks and summarise the metrics (a collective); the summary on rank 0, None elsewhere."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        """Stop following the optimizer steps and summarise the metrics (a collective); the summary on rank 0, None
+        elsewhere."""
+        optimizer_hooks.unsubscribe(self)
         summary = self.metrics.summarize(self.comm)
         self.metrics.close()
         return summary

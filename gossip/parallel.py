@@ -11,8 +11,11 @@ The order of one step (docs/design.md B.1 and G; Decent-DP's schema, arXiv 2410.
    :math:`\sum_j W_{ij} x_j^t` -- ``algorithm.finish`` -- then the optimizer applies its update computed from
    :math:`g_i(x_i^t)`.
 
-Steps 1 and 3 run from torch.optim's global step hooks, filtered to optimizers over this wrapper's parameters,
-so any ``torch.optim.Optimizer`` created after wrapping works unchanged.
+Steps 1 and 3 run from torch.optim's global step hooks (:mod:`gossip.optimizer_hooks`, which calls
+:meth:`DecentralizedDataParallel.before_optimizer_step` and :meth:`~DecentralizedDataParallel.after_optimizer_step`
+for optimizers over this wrapper's parameters), so any ``torch.optim.Optimizer`` created after wrapping works
+unchanged. Where the step stands between them is one :class:`gossip.step_phase.StepPhase`
+(IDLE -> EXCHANGING -> MIXED -> IDLE of the next step), whose legal moves :mod:`gossip.step_phase` holds.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import contextlib
 import copy
 import hashlib
 import math
-import threading
 import time
 import warnings
 import weakref
@@ -32,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from gossip import optimizer_hooks
 from gossip.algorithms.base import Algorithm
 from gossip.backends.base import Communicator
 from gossip.buckets import DEFAULT_BUCKET_BYTES, Bucket, bucket_parameters, pack
@@ -41,12 +43,14 @@ from gossip.consensus import (
     DEFAULT_SAMPLES,
     ConsensusSampler,
     _all_reduce_on,
-    averaged_replicas,
     exact_consensus_sq,
+    global_average,
+    reading,
 )
 from gossip.errors import CommTimeoutError, GossipError, ModelChangedError, NonFiniteError, NonFiniteWarning
 from gossip.metrics import StepMetrics
 from gossip.replicas import ReplicaMismatchError, broadcast_from_rank0, check_replicas
+from gossip.step_phase import StepPhase, StepState
 from topologies import Schedule
 from topologies.validation import find_violation
 
@@ -54,48 +58,12 @@ BUFFER_POLICIES = ("local", "average")
 #: A schedule without period is compared across ranks every this many steps (beyond its construction window).
 SCHEDULE_CHECK_EVERY = 10
 
-# One pair of torch.optim global step hooks per process dispatches to the live wrappers. Registering per wrapper
-# would mutate torch's global hook dict while another thread (a simulator rank) iterates it in optimizer.step().
-_lock = threading.Lock()
-_live: weakref.WeakSet = weakref.WeakSet()
-_global_hooks: list[Any] = []
-
-
-def _live_wrappers() -> list[DecentralizedDataParallel]:
-    with _lock:
-        return list(_live)
-
-
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    # An optimizer subclass whose step() calls super().step() fires the hooks once per level: act on the outermost.
-    for wrapper in _live_wrappers():
-        if wrapper._owns(optimizer):
-            wrapper._step_depth += 1
-            if wrapper._step_depth == 1:
-                # args[0] is the optimizer itself; a closure computes the gradients inside step()
-                if not (args[1:] or kwargs.get("closure")):
-                    wrapper._warn_if_mixing_only()
-                try:
-                    wrapper.finish_mixing()
-                except BaseException:
-                    wrapper._step_depth = 0  # torch skips the post-hook when a pre-hook raises
-                    raise
-
-
-def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for wrapper in _live_wrappers():
-        if wrapper._owns(optimizer):
-            if wrapper._step_depth == 1:
-                wrapper.next_step(lr=optimizer.param_groups[0].get("lr"))
-            wrapper._step_depth = max(0, wrapper._step_depth - 1)
-
 
 def _forget_closed_wrappers_of(module: nn.Module) -> None:
     """A module wrapped again after ``close()``: its old, closed wrapper stops claiming its optimizers."""
-    with _lock:
-        for wrapper in list(_live):
-            if wrapper._closed and wrapper.module is module:
-                _live.discard(wrapper)
+    for listener in optimizer_hooks.listeners():
+        if isinstance(listener, DecentralizedDataParallel) and listener.closed and listener.module is module:
+            optimizer_hooks.unsubscribe(listener)
 
 
 class _BackwardSeen:
@@ -137,24 +105,6 @@ class AverageDriftWarning(UserWarning):
 class MixingOnlyStepWarning(UserWarning):
     """An optimizer step with no forward or backward since the previous one: it only mixes, and on one rank only
     it puts that rank a step ahead of its peers."""
-
-
-def _subscribe(wrapper: DecentralizedDataParallel) -> None:
-    with _lock:
-        _live.add(wrapper)
-        if not _global_hooks:
-            _global_hooks.extend(
-                [register_optimizer_step_pre_hook(_before_step), register_optimizer_step_post_hook(_after_step)]
-            )
-
-
-def _unsubscribe(wrapper: DecentralizedDataParallel) -> None:
-    with _lock:
-        _live.discard(wrapper)
-        if not _live:
-            for hook in _global_hooks:
-                hook.remove()
-            _global_hooks.clear()
 
 
 class DecentralizedDataParallel(nn.Module):
@@ -277,7 +227,7 @@ class DecentralizedDataParallel(nn.Module):
         _warn_if_average_drifts(schedule, algorithm, comm.rank)
         # Every parameter as wrapped: (name, object, storage address, requires_grad), checked at every step.
         self._bound = [(name, p, p.data_ptr(), p.requires_grad) for name, p in module.named_parameters()]
-        self._closed = False
+        self._step = StepState()  # the phase of step t: the only place its legal moves are decided
         self._averaging = False  # inside averaged()
         self._backward_since_step = False  # a backward accumulated gradients since the last optimizer step
         self._forward_since_step = False  # the wrapper's forward ran since the last optimizer step
@@ -285,13 +235,13 @@ class DecentralizedDataParallel(nn.Module):
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self._parameters_in_order = [p for _, p in named]
+        # The same tensors as views of the buckets (the bucket entries follow the parameters' order): what the
+        # replica holds even while averaged() lets the parameters read the average.
+        self._replica_views = [bucket.view(entry) for bucket in self.buckets for entry in bucket.entries]
         self._names = {id(p): name for name, p in named}
         self._ownership: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.step_count = 0
-        self._pending: Any = None
-        self._mixed: list[torch.Tensor] | None = None  # step t's mixing, completed early (see _complete_pending)
-        self._mixing_done = False
-        self._step_depth = 0  # nesting of optimizer.step() calls (subclasses calling super().step())
+        self._exchange: Any = None  # what algorithm.start(t) returned, while the step is EXCHANGING
         self._state_before_start = copy.deepcopy(algorithm.state_dict())
 
         self.metrics = StepMetrics(run_dir, comm.rank)
@@ -306,7 +256,28 @@ class DecentralizedDataParallel(nn.Module):
             parameter.register_post_accumulate_grad_hook(_BackwardSeen(self))
 
         _forget_closed_wrappers_of(module)
-        _subscribe(self)
+        optimizer_hooks.subscribe(self)
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`: the wrapper no longer mixes and refuses every further use."""
+        return self._step.closed
+
+    @property
+    def phase(self) -> StepPhase:
+        """Where the current step is (:class:`gossip.step_phase.StepPhase`)."""
+        return self._step.phase
+
+    def _move(self, event: str, operation: str, *, check_only: bool = False) -> None:
+        """Apply a step event (see :data:`gossip.step_phase.TRANSITIONS`); raise StepPhaseError if illegal.
+
+        ``check_only``: only refuse an illegal event, before an action that cannot be undone.
+        """
+        where = f"rank {self.comm.rank}: step {self.step_count}: {operation}"
+        if check_only:
+            self._step.check(event, where)
+        else:
+            self._step.move(event, where)
 
     # -- the loop -------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -321,7 +292,7 @@ class DecentralizedDataParallel(nn.Module):
             self._skipped_step()
         self._forward_since_step = True
         self.metrics.flush()
-        if self._pending is None and self._mixed is None and not self._mixing_done:
+        if self.phase is StepPhase.IDLE:
             self._start()
         return self.module(*args, **kwargs)
 
@@ -358,7 +329,7 @@ class DecentralizedDataParallel(nn.Module):
                 f"rank {self.comm.rank}: step {self.step_count}: optimizer.step() (or finish_mixing) inside "
                 "averaged(); the averaged values would be trained and then overwritten on exit. Step after the block"
             )
-        if self._mixing_done:
+        if self._step.mixed:
             return
         self._check_parameters()
         with self._naming_step():
@@ -366,31 +337,22 @@ class DecentralizedDataParallel(nn.Module):
 
     def _finish_mixing(self) -> None:
         self.metrics.flush()
-        if self._pending is None and self._mixed is None:
+        if self.phase is StepPhase.IDLE:
             self._start()
         self._timing["compute_seconds"] = time.perf_counter() - self._started_at
         begin = time.perf_counter()
-        if self._mixed is not None:
-            with torch.no_grad():
-                for bucket, mixed in zip(self.buckets, self._mixed, strict=True):
-                    bucket.buffer.copy_(mixed)
-            self._timing["wait_seconds"] = 0.0
-        else:
-            self.algorithm.finish(self._pending)
-            self._timing["wait_seconds"] = self.algorithm.wait_seconds
+        self.algorithm.finish(self._exchange)
+        self._exchange = None
+        self._move("finish", "finish_mixing()")
+        self._timing["wait_seconds"] = self.algorithm.wait_seconds
         self._timing["finish_seconds"] = time.perf_counter() - begin
-        self._pending, self._mixed, self._mixing_done = None, None, True
         if self.buffers_policy == "average":
             self._average_buffers()
 
     def next_step(self, **values: Any) -> None:
         """End step t after the update: record its metrics, advance to t + 1 and start x_{t+1}'s exchange."""
         self._require_usable("next_step")
-        if not self._mixing_done:
-            raise RuntimeError(
-                f"rank {self.comm.rank}: next_step() at step {self.step_count} before finish_mixing(); "
-                "call finish_mixing() before the update"
-            )
+        self._move("advance", "next_step()", check_only=True)  # refused before anything is recorded
         self._backward_since_step = self._forward_since_step = False
         now = time.perf_counter()
         traffic = self.algorithm.traffic
@@ -404,14 +366,14 @@ class DecentralizedDataParallel(nn.Module):
         }
         if self.consensus_every and (self.step_count + 1) % self.consensus_every == 0:
             with self._naming_step():
-                estimate = self._sampler.estimate_sq(self._parameters_in_order, self.comm, self.step_count + 1)
+                estimate = self._sampler.estimate_sq(self._replica_views, self.comm, self.step_count + 1)
             row["consensus"] = math.sqrt(estimate)
         if self.schedule.period is None and (self.step_count + 1) % SCHEDULE_CHECK_EVERY == 0:
             with self._naming_step():
                 self._check_schedule_agreement()
         self.metrics.record(row)
+        self._move("advance", "next_step()")
         self.step_count += 1
-        self._mixing_done = False
         self._last_step_end = time.perf_counter()
         with self._naming_step():
             self._start()
@@ -468,18 +430,18 @@ class DecentralizedDataParallel(nn.Module):
         """An optimizer step with neither a forward nor a backward since the previous one only mixes. Deliberate
         on every rank it is harmless; on one rank only (``optimizer.step()`` called twice) it puts that rank one
         step ahead, which nothing can tell from a deliberate one until ``close()`` times out: say so now."""
-        if self._closed or self._averaging or self._forward_since_step or self._backward_since_step:
+        if self.closed or self._averaging or self._forward_since_step or self._backward_since_step:
             return
         warnings.warn(
             f"rank {self.comm.rank}: step {self.step_count}: optimizer.step() with no forward or backward since the "
             "previous step only mixes; unless every rank does the same, this rank is now one step ahead of its peers "
             "and close() will time out",
             MixingOnlyStepWarning,
-            stacklevel=4,
+            stacklevel=5,  # this, before_optimizer_step, the registry's hook, torch's step wrapper, the caller
         )
 
     def _require_usable(self, operation: str) -> None:
-        if self._closed:
+        if self.closed:
             raise RuntimeError(
                 f"rank {self.comm.rank}: {operation} after close() (step {self.step_count}); this wrapper no longer "
                 "mixes: wrap the module again (with an open communicator) to keep training"
@@ -539,10 +501,14 @@ class DecentralizedDataParallel(nn.Module):
         self._state_before_start = copy.deepcopy(self.algorithm.state_dict())
         if math.isnan(self._last_step_end):
             self._last_step_end = time.perf_counter()
-        self._pending = self.algorithm.start(self.step_count)
+        self._move("start", "starting the exchange", check_only=True)
+        self._exchange = self.algorithm.start(self.step_count)
+        self._move("start", "starting the exchange")
         self._started_at = time.perf_counter()
 
-    def _owns(self, optimizer: torch.optim.Optimizer) -> bool:
+    # -- the optimizer-step hooks (gossip.optimizer_hooks calls these) ------------------------------------------
+    def owns(self, optimizer: torch.optim.Optimizer) -> bool:
+        """True when ``optimizer`` trains this wrapper's parameters; a ValueError when it covers only part."""
         owned = self._ownership.get(optimizer)
         if owned is None:
             ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -556,18 +522,28 @@ class DecentralizedDataParallel(nn.Module):
             self._ownership[optimizer] = owned
         return owned
 
-    def _complete_pending(self) -> None:
-        """Complete the in-flight exchange now and keep its result for the optimizer step, leaving x_t in place."""
-        if self._pending is None:
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer, computes_gradients: bool) -> None:
+        """Before the update: complete step t's mixing (warn first if the step had no forward or backward)."""
+        if not computes_gradients:
+            self._warn_if_mixing_only()
+        self.finish_mixing()
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the update: end step t and start x_{t+1}'s exchange."""
+        self.next_step(lr=optimizer.param_groups[0].get("lr"))
+
+    def _drain_exchange(self) -> None:
+        """For ``close()``: complete an exchange in flight (every rank does, so none is left waiting) and drop its
+        result, so that the parameters keep x_t."""
+        if not self._step.in_flight:
             return
         local = [bucket.buffer.clone() for bucket in self.buckets]
         with self._naming_step():
-            self.algorithm.finish(self._pending)
-        self._mixed = [bucket.buffer.clone() for bucket in self.buckets]
+            self.algorithm.finish(self._exchange)
+        self._exchange = None
         with torch.no_grad():
             for bucket, saved in zip(self.buckets, local, strict=True):
                 bucket.buffer.copy_(saved)
-        self._pending = None
 
     def _float_buffers(self) -> list[tuple[str, torch.Tensor]]:
         return [(name, b) for name, b in self.module.named_buffers() if b.is_floating_point()]
@@ -622,25 +598,36 @@ class DecentralizedDataParallel(nn.Module):
     @contextlib.contextmanager
     def averaged(self, buffers: bool = False) -> Iterator[nn.Module]:
         """Within the block the module holds the global average of the parameters (and of the floating-point
-        buffers if ``buffers``); on exit every rank's own values come back bit for bit. A collective.
+        buffers if ``buffers``); on exit every rank's own values are back, untouched. A collective.
 
-        An exchange in flight is completed first and its result kept for the optimizer step, so the training
-        trajectory is the same as without the evaluation.
+        The average is computed into one new buffer per bucket (a clone of x_t, then ``all_reduce``) and the
+        module's parameters are pointed at it for the block (:func:`gossip.consensus.reading`); the buckets are
+        only read. So an exchange in flight, which sends the buckets' memory, keeps running undisturbed and is
+        completed by the optimizer step as usual: the training trajectory is the same as without the evaluation,
+        and the only full-model copy is the average itself.
         """
         self._require_usable("averaged()")
-        self._complete_pending()
-        tensors = [bucket.buffer for bucket in self.buckets]
+        average = global_average([bucket.buffer for bucket in self.buckets], self.comm)
+        parameters = dict(self.module.named_parameters())
+        targets = [parameters[entry.name] for bucket in self.buckets for entry in bucket.entries]
+        values = [bucket.view(entry, mean) for bucket, mean in zip(self.buckets, average, strict=True)
+                  for entry in bucket.entries]  # fmt: skip
         if buffers:
-            tensors += [b for _, b in self._float_buffers()]
+            float_buffers = [b for _, b in self._float_buffers()]
+            targets += float_buffers
+            values += global_average(float_buffers, self.comm)
         self._averaging = True
         try:
-            with averaged_replicas(tensors, self.comm):
+            with reading(targets, values):
                 yield self.module
         finally:
             self._averaging = False
 
     def consensus_distance(self) -> float:
-        """Exact consensus distance Xi = sqrt((1/n) sum_i ||x_i - xbar||^2) over the parameters. A collective."""
+        """Exact consensus distance Xi = sqrt((1/n) sum_i ||x_i - xbar||^2) over the parameters. A collective.
+
+        Of the replicas themselves, also inside ``averaged()`` (where the module reads the average).
+        """
         self._require_usable("consensus_distance()")
         return math.sqrt(exact_consensus_sq([bucket.buffer for bucket in self.buckets], self.comm))
 
@@ -648,7 +635,7 @@ class DecentralizedDataParallel(nn.Module):
         """Sampled (stratified, shared-coordinate) estimate of Xi; the coordinates depend on ``step``. A collective."""
         self._require_usable("estimate_consensus_distance()")
         step = self.step_count if step is None else step
-        return math.sqrt(self._sampler.estimate_sq(self._parameters_in_order, self.comm, step))
+        return math.sqrt(self._sampler.estimate_sq(self._replica_views, self.comm, step))
 
     # -- checkpoint support (used by gossip.checkpoint) -----------------------------------------------------
     def training_state(self) -> dict[str, Any]:
@@ -657,13 +644,12 @@ class DecentralizedDataParallel(nn.Module):
         Valid between ``optimizer.step()`` and the next step's update; an exchange in flight is not saved -- a
         run resumed from this state starts step t's exchange anew, which is bit-identical.
         """
-        if self._mixing_done:
+        if self._step.mixed:
             raise RuntimeError(
                 f"rank {self.comm.rank}: checkpoint inside step {self.step_count} (between the mixing and the "
                 "optimizer's update); save after optimizer.step()"
             )
-        in_flight = self._pending is not None or self._mixed is not None
-        algorithm_state = self._state_before_start if in_flight else self.algorithm.state_dict()
+        algorithm_state = self._state_before_start if self._step.in_flight else self.algorithm.state_dict()
         return {
             "step": self.step_count,
             "buckets": [bucket.buffer.detach().clone() for bucket in self.buckets],
@@ -672,9 +658,10 @@ class DecentralizedDataParallel(nn.Module):
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`training_state`; an exchange in flight is completed (all ranks do it) and discarded."""
-        if self._pending is not None:
-            self.algorithm.finish(self._pending)
-        self._pending, self._mixed, self._mixing_done = None, None, False
+        if self._step.in_flight:
+            self.algorithm.finish(self._exchange)
+            self._exchange = None
+        self._move("discard", "load_training_state()")
         with torch.no_grad():
             for bucket, saved in zip(self.buckets, state["buckets"], strict=True):
                 bucket.buffer.copy_(saved)
@@ -692,13 +679,13 @@ class DecentralizedDataParallel(nn.Module):
         during training. Afterwards every forward, optimizer step over these parameters, ``averaged()`` or
         consensus call raises ``RuntimeError``; a second ``close()`` does nothing.
         """
-        if self._closed:
+        if self.closed:
             return None
         self._require_usable("close()")
-        if self._backward_since_step and not self._mixing_done:
+        if self._backward_since_step and not self._step.mixed:
             self._skipped_step()
         try:
-            self._complete_pending()
+            self._drain_exchange()
         except CommTimeoutError as error:
             error.args = (
                 f"{error.args[0]} -- in close() after {self.step_count} optimizer steps on this rank: a peer that "
@@ -707,8 +694,7 @@ class DecentralizedDataParallel(nn.Module):
                 *error.args[1:],
             )
             raise
-        self._mixed = None
-        self._closed = True
+        self._move("close", "close()")
         summary = self.metrics.summarize(self.comm)
         self.metrics.close()
         return summary

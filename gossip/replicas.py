@@ -26,22 +26,14 @@ from gossip.backends.base import Communicator
 from gossip.buckets import Bucket
 from topologies import Schedule
 
-_SCALARS = (bool, int, float, str, type(None))
-
 
 class ReplicaMismatchError(ValueError):
     """Ranks disagree on the model, the schedule or the algorithm; the message names the rank and the item."""
 
 
 def algorithm_config(algorithm: Algorithm) -> dict[str, Any]:
-    """The algorithm's name and hyper-parameters: ``algorithm.config()`` when it has one, else its public scalars."""
-    config = getattr(algorithm, "config", None)
-    if callable(config):
-        settings = dict(config())
-    else:
-        settings = {k: v for k, v in vars(algorithm).items() if not k.startswith("_") and isinstance(v, _SCALARS)}
-        settings = {k: v for k, v in settings.items() if k not in ("comm", "schedule", "buckets", "traffic")}
-    return {"name": algorithm.name, **settings}
+    """The algorithm's name and hyper-parameters (:meth:`gossip.algorithms.base.Algorithm.config`)."""
+    return {"name": algorithm.name, **algorithm.config()}
 
 
 def tensor_signature(module: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...], str, str]]:

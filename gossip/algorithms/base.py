@@ -59,6 +59,9 @@ class Traffic:
 
 
 NONFINITE_POLICIES = ("raise", "drop")
+_SCALARS = (bool, int, float, str, type(None))
+#: Attributes of every bound algorithm that are not settings: the binding and the per-step accounting.
+_NOT_CONFIG = frozenset({"comm", "schedule", "buckets", "traffic", "wait_seconds"})
 
 
 def check_nonfinite_policy(owner: str, policy: str) -> str:
@@ -78,6 +81,8 @@ class Algorithm(abc.ABC):
     comm: Communicator
     schedule: Schedule | None
     buckets: list[Bucket]
+    #: Set while a composite binds this algorithm to one level of its own schedule (see :meth:`setup_part`).
+    _part_of: Algorithm | None = None
 
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
         """Bind to ``comm``, ``schedule`` and ``buckets``; refuse a schedule this algorithm cannot run."""
@@ -89,12 +94,27 @@ class Algorithm(abc.ABC):
             )
         if schedule is not None:
             schedule.require_size(comm.size)
-            # Also for a schedule built with validate=False: negative weights, rows not summing to one or a
-            # disconnected graph are refused here, naming the step, the ranks and the property.
-            schedule.validate(symmetric=self.needs_symmetric_schedule)
+            if self._part_of is None:
+                # Also for a schedule built with validate=False: negative weights, rows not summing to one or a
+                # disconnected graph are refused here, naming the step, the ranks and the property.
+                schedule.validate(symmetric=self.needs_symmetric_schedule)
         self.comm, self.schedule, self.buckets = comm, schedule, buckets
         self.traffic = Traffic()
         self.wait_seconds = 0.0
+
+    def setup_part(self, part: Algorithm, level: Schedule, buckets: list[Bucket]) -> None:
+        """Bind ``part``, an algorithm this composite runs on one level of its own schedule, to ``level``.
+
+        Call it from the composite's :meth:`setup` after ``super().setup``: the composite's schedule has been
+        validated as a whole, and ``level`` is the part of it that ``part`` runs, which need not be a valid
+        schedule on its own (e.g. the inter-node pairs of hierarchical gossip, disconnected on purpose). So
+        ``level`` is checked for its size only; ``part`` binds to this composite's communicator.
+        """
+        part._part_of = self
+        try:
+            part.setup(self.comm, level, buckets)
+        finally:
+            part._part_of = None
 
     def _begin_step(self) -> None:
         """Reset the per-step accounting; every ``start`` calls it."""
@@ -142,6 +162,23 @@ class Algorithm(abc.ABC):
     def step(self, step: int) -> None:
         """``start`` and ``finish`` back to back (no overlap): for consensus experiments and tests."""
         self.finish(self.start(step))
+
+    def config(self) -> dict[str, Any]:
+        """The hyper-parameters every rank must share (compared at construction and stored in checkpoints).
+
+        Default: the public scalar attributes (``gamma``, ``every``, ...), without the binding (``comm``,
+        ``schedule``, ``buckets``) and the per-step accounting (``traffic``, ``wait_seconds``), so it is the
+        same before and after :meth:`setup`. Override it when a setting is not a public scalar.
+        """
+        return {
+            key: value
+            for key, value in vars(self).items()
+            if not key.startswith("_") and isinstance(value, _SCALARS) and key not in _NOT_CONFIG
+        }
+
+    def describe(self) -> dict[str, Any]:
+        """How this rank's instance treats the parameters it is bound to; default: every tensor travels exactly."""
+        return {"exact": [entry.name for bucket in getattr(self, "buckets", []) for entry in bucket.entries]}
 
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state to checkpoint (empty for stateless algorithms)."""

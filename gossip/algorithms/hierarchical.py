@@ -96,7 +96,13 @@ def assign_whole_tensors(sizes: list[int], parts: int) -> list[int]:
 
 
 class HierarchicalGossip(Algorithm):
-    """Exact intra-node averaging + one-peer inter-node gossip of 1/L shards, optionally PowerGossip-compressed."""
+    """Exact intra-node averaging + one-peer inter-node gossip of 1/L shards, optionally PowerGossip-compressed.
+
+    With ``compress_rank`` the compressing :class:`PowerGossip` is built here, from the constructor's arguments;
+    :meth:`setup` binds it (:meth:`Algorithm.setup_part`) to the inter-node pairs, the slow level of the
+    validated ``topologies.hierarchical`` schedule, on the local ranks that own tensors (``inner``; None
+    elsewhere). Nothing of it is changed after that.
+    """
 
     name = "hierarchical"
     needs_symmetric_schedule = True
@@ -122,7 +128,13 @@ class HierarchicalGossip(Algorithm):
             raise ValueError(f"HierarchicalGossip: local_size must be None or an integer >= 1, got {local_size!r}")
         self.compress_rank, self.local_size = compress_rank, local_size
         self.min_compression, self.policy, self.seed = min_compression, policy, seed
-        self.inner: PowerGossip | None = None
+        # The part that compresses the inter-node level, built here; setup binds it where it has work.
+        self._compressor = (
+            None
+            if compress_rank is None
+            else PowerGossip(compress_rank, min_compression=min_compression, policy=policy, seed=seed)
+        )
+        self.inner: PowerGossip | None = None  # the compressor, once bound (None where this rank owns nothing)
 
     # -- binding --------------------------------------------------------------------------------------------
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
@@ -155,9 +167,9 @@ class HierarchicalGossip(Algorithm):
         if self.compress_rank is None:
             self.bounds = [shard_bounds(bucket.buffer.numel(), per_node) for bucket in buckets]
         else:
-            self._setup_compressed(comm, expected)
+            self._setup_compressed(comm)
 
-    def _setup_compressed(self, comm: Communicator, expected: Schedule) -> None:
+    def _setup_compressed(self, comm: Communicator) -> None:
         if len({bucket.buffer.dtype for bucket in self.buckets}) > 1:
             raise TypeError(f"rank {comm.rank}: HierarchicalGossip(compress_rank=...) needs buckets of one dtype")
         self.entries: list[tuple[int, Entry]] = [(i, e) for i, b in enumerate(self.buckets) for e in b.entries]
@@ -168,12 +180,9 @@ class HierarchicalGossip(Algorithm):
         named = [(self.entries[k][1].name, self._entry(k).view(self.entries[k][1].shape)) for k in mine]
         self.inner_buckets = pack(named, bucket_bytes=sys.maxsize)
         if self.nodes > 1 and mine:
-            self.inner = PowerGossip(
-                self.compress_rank, min_compression=self.min_compression, policy=self.policy, seed=self.seed
-            )
-            # Validated as the composite schedule it belongs to; then the slow level's pairing is swapped in.
-            self.inner.setup(comm, expected, self.inner_buckets)
-            self.inner.schedule = inter_node_pairs(self.nodes, self.per_node)
+            # The slow level's pairing: a level of the schedule validated in setup, disconnected on its own.
+            self.setup_part(self._compressor, inter_node_pairs(self.nodes, self.per_node), self.inner_buckets)
+            self.inner = self._compressor
 
     def _entry(self, k: int) -> torch.Tensor:
         index, entry = self.entries[k]

@@ -53,7 +53,6 @@ from gossip.algorithms.base import Algorithm
 from gossip.backends.base import Communicator, Handle
 from gossip.buckets import Bucket
 from gossip.errors import GossipError, NonFiniteError, NonFiniteWarning
-from gossip.replicas import algorithm_config
 from topologies import Schedule
 
 
@@ -187,7 +186,11 @@ class PeriodicAverage(Algorithm):
 
     # -- state ----------------------------------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
-        return {"every": self.every, "inner": algorithm_config(self.inner)}
+        return {"every": self.every, "inner": {"name": self.inner.name, **self.inner.config()}}
+
+    def describe(self) -> dict[str, Any]:
+        """The inner algorithm's treatment of the parameters (the averaging steps send every tensor exactly)."""
+        return {"every": self.every, "inner": self.inner.describe()}
 
     def state_dict(self) -> dict[str, Any]:
         return {"config": self.config(), "inner": self.inner.state_dict()}
