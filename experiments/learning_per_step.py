@@ -417,6 +417,10 @@ def suite(name: str, device: str = "cpu") -> list[RunConfig]:
         c("pg1-it4", iterations=4, **d),
         c("mj-pg1", spectrum=True, **main_job),
         c("mj-pg4", rank=4, spectrum=True, **main_job),
+        c("mj-none", algorithm="none", **main_job),
+        c("mj-exact", algorithm="exact", **main_job),
+        c("mj-ddp", algorithm="ddp", **main_job),
+        c("mj-pg4-g0.5", rank=4, gamma=0.5, **main_job),
         c("none-adamw", algorithm="none", spectrum=True, **short),
         c("none-sgd", algorithm="none", optimizer="sgd", lr=0.1, spectrum=True, **short),
         c("pg1-sgd", optimizer="sgd", lr=0.1, spectrum=True, **short),
@@ -430,6 +434,8 @@ def suite(name: str, device: str = "cpu") -> list[RunConfig]:
         c("pg4-avg32", rank=4, average_every=32, **d),
         c("pg4-sgd", rank=4, optimizer="sgd", lr=0.1, spectrum=True, **short),
         c("pg1-avg64", average_every=64, **d),
+        c("pg1-avg32-lr1.5e-3", average_every=32, lr=1.5e-3, **d),
+        c("pg1-avg32-accum4", average_every=32, optimizer="accum-adamw", accum_iter=4, beta2=0.999, **d),
     ]
 
 
