@@ -165,3 +165,45 @@ def test_powergossip_state_dict_resumes_bit_identically():
         return all(torch.equal(a.buffer, b.buffer) for a, b in zip(straight_buckets, resumed_buckets, strict=True))
 
     assert all(gossip.simulate(4, run))
+
+
+def _identical_then_perturbed(comm, schedule: str, rank: int, steps: int) -> tuple[float, float, list]:
+    """Step 0 on identical replicas (as after the initial broadcast or a global average), then perturb and mix."""
+    buckets = pack([("w", torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))])
+    algorithm = gossip.PowerGossip(rank=rank, min_compression=1)
+    algorithm.setup(
+        comm, {"hypercube": topologies.one_peer_hypercube, "ring": topologies.ring}[schedule](comm.size), buckets
+    )
+    algorithm.step(0)
+    buckets[0].buffer.add_(torch.randn(256, generator=torch.Generator().manual_seed(100 + comm.rank)))
+
+    def disagreement() -> float:
+        total = buckets[0].buffer.clone()
+        comm.all_reduce(total)
+        return float(((buckets[0].buffer - total / comm.size) ** 2).sum())
+
+    before = disagreement()
+    for step in range(1, steps + 1):
+        algorithm.step(step)
+    factors = [f for edge in algorithm.edges.values() for f in edge.p + edge.q]
+    return before, disagreement(), factors
+
+
+@pytest.mark.parametrize("schedule", SYMMETRIC)
+@pytest.mark.parametrize("rank", [1, 2])
+def test_an_edge_first_used_on_identical_replicas_keeps_mixing(schedule, rank):
+    """R = a_hi - a_lo is zero on identical replicas; taken as the next factor it would silence the edge forever."""
+    results = gossip.simulate(4, _identical_then_perturbed, schedule, rank, 40)
+    before, after = sum(r[0] for r in results), sum(r[1] for r in results)
+    assert after < 0.2 * before, f"disagreement {before:.1f} -> {after:.1f}: some edge stopped mixing"
+    for rank_index, (_, _, factors) in enumerate(results):
+        dead = [i for i, f in enumerate(factors) if (f.abs().amax(dim=0) == 0).any()]
+        assert not dead, f"rank {rank_index}: factors {dead} hold an all-zero column"
+
+
+def test_keep_direction_replaces_only_all_zero_columns():
+    from gossip.algorithms.powergossip import keep_direction
+
+    product = torch.tensor([[0.0, 1.0], [0.0, -2.0]])
+    previous = torch.tensor([[3.0, 4.0], [5.0, 6.0]])
+    assert torch.equal(keep_direction(product, previous), torch.tensor([[3.0, 1.0], [5.0, -2.0]]))

@@ -11,6 +11,9 @@ weight matrix X (reshaped to m x k), one power iteration on both ends is:
 3. Send a_me to the peer, receive a_peer -- the peer's product exactly, so both ends hold the same operands.
 4. R = a_hi - a_lo, computed identically on both ends (lo: received - own, hi: own - received).
    t odd:  p <- R;   t even:  q <- R.   U = p q^T, i.e. (X_hi - X_lo) projected on the shared subspace.
+   A column of R that is exactly zero (the two models agree along it, e.g. identical replicas right after the
+   initial broadcast or a global average) keeps the previous factor's column instead: a zero factor would
+   orthonormalise to zero and silence that column of the edge for good.
 5. X_lo += gamma w U  and  X_hi -= gamma w U: equal and opposite, so with symmetric W the sum over ranks is
    preserved; the part of X_hi - X_lo not sent stays in the models and is picked up later (no error feedback).
 
@@ -62,6 +65,19 @@ def orthonormalize(matrix: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
             rest = work[:, c + 1 :]
             rest.sub_(torch.outer(column, column @ rest))
     return work.to(matrix.dtype)
+
+
+def keep_direction(product: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """The new warm factor: ``product``, except that an all-zero column keeps ``previous``'s column.
+
+    A zero column of R = a_hi - a_lo means the two models did not differ along the projection (identical
+    replicas: the first step after the initial broadcast, or right after a global average). Taken as the next
+    projection it would orthonormalise to zero, and the edge would send zeros for that column forever; the
+    previous factor still spans a useful direction. Both ends hold the same R and the same previous factor, so
+    they choose alike; the choice is made on the device (no host sync).
+    """
+    nonzero = product.abs().amax(dim=0, keepdim=True) > 0
+    return torch.where(nonzero, product, previous)
 
 
 @dataclass(frozen=True)
@@ -257,9 +273,9 @@ class PowerGossip(Algorithm):
                 a_peer = theirs[offset : offset + size].view(-1, self.rank)
                 difference = a_peer - a_own if lo else a_own - a_peer  # a_hi - a_lo on both ends
                 if right:
-                    edge.p[i] = difference
+                    edge.p[i] = keep_direction(difference, edge.p[i])
                 else:
-                    edge.q[i] = difference
+                    edge.q[i] = keep_direction(difference, edge.q[i])
                 alpha = (1.0 if lo else -1.0) * gamma * weight
                 self._matrix(matrix).addmm_(edge.p[i], edge.q[i].T, alpha=alpha)
                 offset += size
