@@ -90,7 +90,6 @@ class RunConfig:
     batch: int = 8
     steps: int = 1000
     spectrum: bool = False
-    device: str = "cpu"
 
     def describe(self) -> str:
         fields = dataclasses.asdict(self)
@@ -284,7 +283,7 @@ def _average_gradients(module: torch.nn.Module, comm: gossip.Communicator) -> No
 
 
 @torch.no_grad()
-def _averaged_validation(module: torch.nn.Module, comm: gossip.Communicator, batches: list, device: str) -> float:
+def _averaged_validation(module: torch.nn.Module, comm: gossip.Communicator, batches: list) -> float:
     """Validation loss of the averaged parameters; each rank evaluates its share. A collective."""
     flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).double()
     comm.all_reduce(flat, "avg")
@@ -296,7 +295,7 @@ def _averaged_validation(module: torch.nn.Module, comm: gossip.Communicator, bat
     totals = torch.zeros(2, dtype=torch.float64, device=flat.device)
     module.eval()
     for x, y in batches[comm.rank :: comm.size]:
-        totals[0] += module(x.to(device), y.to(device))[1].double()
+        totals[0] += module(x, y)[1].double()
         totals[1] += 1
     module.train()
     for p, s in zip(module.parameters(), saved, strict=True):
@@ -319,7 +318,7 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
         nonlocal model_bytes
         with init_lock:  # the virtual ranks share torch's global generator: seed and draw atomically
             torch.manual_seed(seed)
-            module = GPT(model_config).to(config.device)
+            module = GPT(model_config)
         model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         ddp = config.algorithm == "ddp"
         algorithm = None if ddp else make_algorithm(config)
@@ -337,7 +336,7 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(schedule_config, step)
             x, y = batches.batch(step)
-            _, loss = wrapped(x.to(config.device), y.to(config.device))
+            _, loss = wrapped(x, y)
             loss.backward()
             if ddp:
                 _average_gradients(module, comm)
@@ -364,7 +363,7 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
                 replicas = comm.all_gather_object(named)
                 if comm.rank == 0:
                     spectrum += spectrum_rows(config, seed, step + 1, replicas)
-        val = _averaged_validation(module, comm, held_out, config.device)
+        val = _averaged_validation(module, comm, held_out)
         if not ddp:
             wrapped.close()
         return {"steps": steps, "spectrum": spectrum, "val": val}
@@ -389,11 +388,11 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
 
 
 # -- the suites ----------------------------------------------------------------------------------------------
-def suite(name: str, device: str = "cpu") -> list[RunConfig]:
+def suite(name: str) -> list[RunConfig]:
     """The configurations of a suite, most important first (a sweep cut short keeps the head of the list)."""
     c = RunConfig
     if name == "smoke":
-        common = {"steps": 20, "warmup": 5, "workers": 4, "device": device}
+        common = {"steps": 20, "warmup": 5, "workers": 4}
         return [
             c("ddp", algorithm="ddp", **common),
             c("pg1", spectrum=True, **common),
@@ -404,9 +403,9 @@ def suite(name: str, device: str = "cpu") -> list[RunConfig]:
         ]
     if name != "study":
         raise ValueError(f"unknown suite {name!r}; choose smoke or study")
-    d = {"device": device}
-    short = {"steps": 300, "device": device}
-    main_job = {"workers": 4, "batch": 16, "steps": 300, "device": device}  # gossip-train's defaults, n = 4
+    d: dict[str, Any] = {}
+    short = {"steps": 300}
+    main_job = {"workers": 4, "batch": 16, "steps": 300}  # gossip-train's defaults, n = 4
     return [
         c("ddp", algorithm="ddp", **d),
         c("pg1", spectrum=True, **d),
@@ -421,6 +420,8 @@ def suite(name: str, device: str = "cpu") -> list[RunConfig]:
         c("mj-exact", algorithm="exact", **main_job),
         c("mj-ddp", algorithm="ddp", **main_job),
         c("mj-pg4-g0.5", rank=4, gamma=0.5, **main_job),
+        c("mj-exact-accum2", algorithm="exact", optimizer="accum-adamw", accum_iter=2, beta2=0.99, **main_job),
+        c("mj-exact-lr6e-3", algorithm="exact", lr=6e-3, **main_job),
         c("none-adamw", algorithm="none", spectrum=True, **short),
         c("none-sgd", algorithm="none", optimizer="sgd", lr=0.1, spectrum=True, **short),
         c("pg1-sgd", optimizer="sgd", lr=0.1, spectrum=True, **short),
@@ -474,11 +475,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", help="run only these configuration names")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--jobs", type=int, default=1, help="(configuration, seed) runs in parallel processes")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--steps", type=int, help="override every configuration's steps (calibration, smoke tests)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    configs = suite(args.suite, args.device)
+    configs = suite(args.suite)
     if args.steps is not None:
         configs = [dataclasses.replace(c, steps=args.steps, warmup=min(c.warmup, args.steps // 2)) for c in configs]
     if args.only:
