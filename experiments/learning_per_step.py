@@ -249,13 +249,30 @@ def capture_shares(difference: torch.Tensor, ranks: tuple[int, ...] = SPECTRUM_R
     return shares, total / float(energy[0])
 
 
-def spectrum_rows(config: RunConfig, seed: int, step: int, replicas: list[dict[str, torch.Tensor]]) -> list[dict]:
-    """Rank-r capture and stable rank of X_0 - X_1 (an edge) and X_0 - mean (a replica vs the average), summed over
-    the weight matrices by energy: share = sum over matrices of captured energy / total energy."""
+def spectrum_rows(
+    config: RunConfig, seed: int, step: int, replicas: list[dict[str, torch.Tensor]], algorithm: Algorithm | None
+) -> list[dict]:
+    """Rank-r capture and stable rank of the replica differences, summed over the weight matrices by energy
+    (share = sum over matrices of captured energy / total energy), for three differences:
+
+    * ``pair``: X_0 - X_1;
+    * ``to_mean``: X_0 - mean_i X_i;
+    * ``next_edge`` (PowerGossip only): X_p - X_0 for rank 0's peer p of the next step, with ``pg_captured`` the
+      energy share that edge's warm-started factor (orthonormalised by the exchange already posted) captures:
+      ||D Q||^2 / ||D||^2 (right multiplication) or ||D^T P||^2 / ||D||^2 (left) -- what the next power
+      iteration removes, against the best rank-r share in ``share_r<r>``.
+    """
     rows = []
     mean = {name: torch.stack([r[name] for r in replicas]).mean(0) for name in replicas[0]}
-    for kind, other in (("pair", replicas[1]), ("to_mean", mean)):
-        captured, total, stable = [0.0] * len(SPECTRUM_RANKS), 0.0, []
+    differences = [("pair", replicas[1], None), ("to_mean", mean, None)]
+    inner = algorithm.inner if isinstance(algorithm, EveryK) else algorithm
+    if isinstance(inner, gossip.PowerGossip) and inner.matrices:
+        peer = inner.schedule.peers(0, step).in_peers[0][0]  # the exchange of step index `step` is in flight
+        edge = inner.edges[(0, peer)]
+        right = edge.iteration % 2 == 1
+        differences.append(("next_edge", replicas[peer], (inner, edge, right)))
+    for kind, other, powergossip in differences:
+        captured, total, stable, pg_energy = [0.0] * len(SPECTRUM_RANKS), 0.0, [], 0.0
         for name, x0 in replicas[0].items():
             difference = (x0 - other[name]).double()
             shares, stable_rank = capture_shares(difference)
@@ -263,11 +280,26 @@ def spectrum_rows(config: RunConfig, seed: int, step: int, replicas: list[dict[s
             total += energy
             captured = [c + s * energy for c, s in zip(captured, shares, strict=True)]
             stable.append(stable_rank)
+        if powergossip is not None:
+            inner, edge, right = powergossip
+            total = 0.0  # over the compressed matrices only, as the factors cover them
+            captured = [0.0] * len(SPECTRUM_RANKS)
+            for i, matrix in enumerate(inner.matrices):
+                difference = (replicas[0][matrix.entry.name] - other[matrix.entry.name]).double()
+                difference = difference.reshape(matrix.m, matrix.k)
+                factor = (edge.q if right else edge.p)[i].double().cpu()
+                projected = difference @ factor if right else difference.T @ factor
+                pg_energy += float(projected.square().sum())
+                energy = float(difference.square().sum())
+                shares, _ = capture_shares(difference)
+                captured = [c + s * energy for c, s in zip(captured, shares, strict=True)]
+                total += energy
         row = {"config": config.name, "seed": seed, "step": step, "kind": kind, "norm": math.sqrt(total)}
         for r, c in zip(SPECTRUM_RANKS, captured, strict=True):
             row[f"share_r{r}"] = c / total if total else 1.0
         row["stable_rank_mean"] = sum(stable) / len(stable)
         row["max_rank"] = max(min(x.shape) for x in replicas[0].values())
+        row["pg_captured"] = pg_energy / total if powergossip is not None and total else math.nan
         rows.append(row)
     return rows
 
@@ -362,7 +394,7 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
                 named = {n: p.detach().cpu().clone() for n, p in module.named_parameters() if p.ndim == 2}
                 replicas = comm.all_gather_object(named)
                 if comm.rank == 0:
-                    spectrum += spectrum_rows(config, seed, step + 1, replicas)
+                    spectrum += spectrum_rows(config, seed, step + 1, replicas, algorithm)
         val = _averaged_validation(module, comm, held_out)
         if not ddp:
             wrapped.close()
@@ -422,6 +454,7 @@ def suite(name: str) -> list[RunConfig]:
         c("mj-pg4-g0.5", rank=4, gamma=0.5, **main_job),
         c("mj-exact-accum2", algorithm="exact", optimizer="accum-adamw", accum_iter=2, beta2=0.99, **main_job),
         c("mj-exact-lr6e-3", algorithm="exact", lr=6e-3, **main_job),
+        c("mj-pg1-it4", iterations=4, spectrum=True, **main_job),
         c("none-adamw", algorithm="none", spectrum=True, **short),
         c("none-sgd", algorithm="none", optimizer="sgd", lr=0.1, spectrum=True, **short),
         c("pg1-sgd", optimizer="sgd", lr=0.1, spectrum=True, **short),
