@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from algorithm_scenarios import SHAPES, local_model, run_steps
+from algorithm_scenarios import SHAPES, local_model, make_algorithm, run_steps
 
 import gossip
 import topologies
@@ -207,3 +207,25 @@ def test_keep_direction_replaces_only_all_zero_columns():
     product = torch.tensor([[0.0, 1.0], [0.0, -2.0]])
     previous = torch.tensor([[3.0, 4.0], [5.0, 6.0]])
     assert torch.equal(keep_direction(product, previous), torch.tensor([[3.0, 1.0], [5.0, -2.0]]))
+
+
+@pytest.mark.parametrize("algorithm", ["powergossip-r1", "powergossip-r2-2it"])
+def test_identical_replicas_stay_identical_under_powergossip(algorithm):
+    """Consensus is a fixed point of gossip: with R = a_hi - a_lo = 0 the correction must be 0, whatever factor
+    is kept as the next warm start (as after the initial broadcast, or right after a global average)."""
+
+    def run(comm) -> list[bool]:
+        buckets = local_model(0)  # the same tensors on every rank
+        start = [b.buffer.clone() for b in buckets]
+        mixer = make_algorithm(algorithm)
+        mixer.setup(comm, topologies.one_peer_hypercube(comm.size), buckets)
+        unchanged = []
+        for step in range(4):
+            mixer.step(step)
+            unchanged.append(all(torch.equal(b.buffer, s) for b, s in zip(buckets, start, strict=True)))
+        return unchanged
+
+    for rank, unchanged in enumerate(gossip.simulate(4, run)):
+        assert all(unchanged), (
+            f"rank {rank}: identical replicas moved at steps {[i for i, u in enumerate(unchanged) if not u]}"
+        )

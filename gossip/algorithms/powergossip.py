@@ -12,8 +12,9 @@ weight matrix X (reshaped to m x k), one power iteration on both ends is:
 4. R = a_hi - a_lo, computed identically on both ends (lo: received - own, hi: own - received).
    t odd:  p <- R;   t even:  q <- R.   U = p q^T, i.e. (X_hi - X_lo) projected on the shared subspace.
    A column of R that is exactly zero (the two models agree along it, e.g. identical replicas right after the
-   initial broadcast or a global average) keeps the previous factor's column instead: a zero factor would
-   orthonormalise to zero and silence that column of the edge for good.
+   initial broadcast or a global average) keeps the previous factor's column as the next warm start instead: a
+   zero factor would orthonormalise to zero and silence that column of the edge for good. U is formed from R
+   itself, so that column moves nothing this iteration (identical replicas stay identical).
 5. X_lo += gamma w U  and  X_hi -= gamma w U: equal and opposite, so with symmetric W the sum over ranks is
    preserved; the part of X_hi - X_lo not sent stays in the models and is picked up later (no error feedback).
 
@@ -272,12 +273,14 @@ class PowerGossip(Algorithm):
                 a_own = own[offset : offset + size].view(-1, self.rank)
                 a_peer = theirs[offset : offset + size].view(-1, self.rank)
                 difference = a_peer - a_own if lo else a_own - a_peer  # a_hi - a_lo on both ends
+                alpha = (1.0 if lo else -1.0) * gamma * weight
+                # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
                 if right:
+                    self._matrix(matrix).addmm_(difference, edge.q[i].T, alpha=alpha)
                     edge.p[i] = keep_direction(difference, edge.p[i])
                 else:
+                    self._matrix(matrix).addmm_(edge.p[i], difference.T, alpha=alpha)
                     edge.q[i] = keep_direction(difference, edge.q[i])
-                alpha = (1.0 if lo else -1.0) * gamma * weight
-                self._matrix(matrix).addmm_(edge.p[i], edge.q[i].T, alpha=alpha)
                 offset += size
             edge.iteration += 1
 
