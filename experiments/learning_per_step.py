@@ -166,7 +166,8 @@ class ChocoTopK(Algorithm):
             if schedule.peers(comm.rank, t).in_peers != view.in_peers:
                 raise ValueError(f"ChocoTopK needs a static schedule; rank {comm.rank}'s peers change at step {t}")
         self.neighbours = view.in_peers
-        self.public = {p: [b.buffer.detach().clone() for b in buckets] for p, _ in (*view.in_peers, (comm.rank, 1))}
+        # x_hat = 0 on every holder (Alg. 1's initialisation): identical everywhere whatever the replicas hold
+        self.public = {p: [torch.zeros_like(b.buffer) for b in buckets] for p, _ in (*view.in_peers, (comm.rank, 1))}
 
     def start(self, step: int) -> tuple[list, list]:
         self._begin_step()
