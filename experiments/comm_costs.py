@@ -1,4 +1,4 @@
-"""Communication cost formulas of the runtime model (algorithms.md B.5, E.2): seconds to move M bytes.
+"""Communication cost formulas of the runtime model (docs/design.md B.5, E.2): seconds to move M bytes.
 
 A reconstruction after Wang et al. (arXiv 2410.11998); the paper's own equations were not available, see B.5.
 alpha = one-way latency (s), beta = 1 / bandwidth (s/B), M = bytes, n ranks, L = ``local_size`` ranks per node.

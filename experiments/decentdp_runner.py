@@ -1,5 +1,5 @@
 r"""One worker of the gossip-train task trained with decent-dp's DecentralizedDataParallel (the reference library of
-Wang et al., arXiv 2410.11998; algorithms.md B.1-B.6), for side-by-side comparisons with ``python -m gossip``.
+Wang et al., arXiv 2410.11998; docs/design.md B.1-B.6), for side-by-side comparisons with ``python -m gossip``.
 
 decent-dp is an experiment-only dependency, pinned here and not in setup.cfg::
 

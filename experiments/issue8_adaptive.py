@@ -1,4 +1,4 @@
-"""Issue 8 / GraVAC (algorithms.md C.4): adaptive PowerGossip rank vs fixed ranks, i.i.d. and non-i.i.d.
+"""Issue 8 / GraVAC (docs/design.md C.4): adaptive PowerGossip rank vs fixed ranks, i.i.d. and non-i.i.d.
 
 4 workers (simulator), gossip.gpt's GPT on the stdlib corpus, one-peer hypercube. The controller decides every
 ``--every`` steps (throughput = measured step time of the in-process run, so with no network cost it is nearly

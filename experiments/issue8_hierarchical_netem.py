@@ -1,4 +1,4 @@
-"""Issue 8 / hierarchical gossip (algorithms.md E.2) on an emulated two-level network: 2 nodes x 2 ranks.
+"""Issue 8 / hierarchical gossip (docs/design.md E.2) on an emulated two-level network: 2 nodes x 2 ranks.
 
 Each emulated node is one network namespace of experiments/netem holding BOTH of its ranks: ranks of a node talk
 over that namespace's loopback route (kernel speed, the fast level), ranks of different nodes over the
@@ -111,7 +111,7 @@ def plot(rows: list[dict]):
     return save_figure(fig, RESULTS / "issue8_hierarchical.png")
 
 
-# Link parameters of the emulation (kernel path, no added delay) from shared/research/environment.md: Gloo over
+# Link parameters of the emulation (kernel path, no added delay) from docs/design.md J: Gloo over
 # loopback 60-125 us small-message latency and 2-4.5 GB/s; the htb rate as set. No compute in the timed loop.
 LOOPBACK_LATENCY_MS, LOOPBACK_BPS = 0.1, 3e9
 MODEL_ROWS = {  # method -> (runtime-model algorithm, schedule)

@@ -1,4 +1,4 @@
-"""Issue 8 / TAGC (algorithms.md D.2-D.3): layer-selective PowerGossip vs compress-everything vs exact gossip.
+"""Issue 8 / TAGC (docs/design.md D.2-D.3): layer-selective PowerGossip vs compress-everything vs exact gossip.
 
 4 workers (simulator), gossip.gpt's GPT on the stdlib corpus, one-peer hypercube, i.i.d. data. Writes
 experiments/results/issue8_tagc.csv (one row per evaluation) and issue8_tagc.md (the table).

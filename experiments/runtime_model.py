@@ -1,11 +1,11 @@
-"""Per-iteration runtime model: All-Reduce (DDP) vs decentralized gossip training (algorithms.md B.5, E.2).
+"""Per-iteration runtime model: All-Reduce (DDP) vs decentralized gossip training (docs/design.md B.5, E.2).
 
 A reconstruction after Wang et al. (arXiv 2410.11998); the paper's own equations were not available, see B.5.
 Notation (alpha, beta, M, n, L) and link assumptions: experiments.comm_costs, which holds the cost formulas.
 
 Assumptions, stated once:
 - Compute time C_i(t) of a forward+backward is lognormal with mean ``compute_s`` and coefficient of variation
-  ``compute_cv``, i.i.d. over ranks and steps (as sims/runtime_model.py).
+  ``compute_cv``, i.i.d. over ranks and steps (as in docs/design.md B.5).
 - All-Reduce (DDP): bucketed all-reduce overlapped with the backward pass (``backward_fraction`` = 2/3 of
   compute), of which a fraction ``overlap`` = 0.5 hides communication (the last buckets start only when the
   backward ends; 0.5 reproduces B.5's table). T_AR uses the faster of ring and halving-doubling

@@ -81,6 +81,16 @@ def _decent_dp(topology: str) -> Callable[[int, int, str], list[str]]:
     return argv
 
 
+def _pga(name: str, *, rank: int, iterations: int, every: int, adamw: bool) -> Method:
+    """PowerGossip (``rank``, ``iterations`` per step) with an exact global average every ``every`` steps."""
+    label = f"PowerGossip r={rank}, {iterations} iteration(s), one-peer hypercube, exact average every {every} steps"
+    options = ["--algorithm", "powergossip", "--rank", str(rank), "--power-iterations", str(iterations)]
+    options += ["--schedule", "one_peer_hypercube", "--average-every", str(every)]
+    if adamw:
+        label, options = f"{label}, AdamW", [*options, "--optimizer", "adamw"]
+    return Method(name, label, _gossip_train(*options))
+
+
 METHODS = {
     m.name: m
     for m in (
@@ -117,6 +127,16 @@ METHODS = {
             _gossip_train(
                 "--algorithm", "powergossip", "--rank", "4", "--schedule", "one_peer_hypercube", "--optimizer", "adamw"
             ),
+        ),
+        _pga("pg4-pga16-adamw", rank=4, iterations=1, every=16, adamw=True),
+        _pga("pg4-pga16", rank=4, iterations=1, every=16, adamw=False),
+        _pga("pg4-pga8-adamw", rank=4, iterations=1, every=8, adamw=True),
+        _pga("pg1-pga16-adamw", rank=1, iterations=1, every=16, adamw=True),
+        _pga("pg4-it4-pga16-adamw", rank=4, iterations=4, every=16, adamw=True),
+        Method(
+            "exact-pga16-adamw",
+            "exact gossip, one-peer hypercube, exact average every 16 steps, AdamW",
+            _gossip_train("--schedule", "one_peer_hypercube", "--average-every", "16", "--optimizer", "adamw"),
         ),
         Method("decentdp", "decent-dp 0.2.3, one-peer-exp", _decent_dp("one-peer-exp")),
         Method("decentdp-aer", "decent-dp 0.2.3, alternating-exp-ring", _decent_dp("alternating-exp-ring")),

@@ -1,12 +1,12 @@
 r"""Topologies at n = 16, 32, 64 on the in-process simulator: consensus speed and a decentralized training toy.
 
-(a) Consensus (algorithms.md F.3/F.4, reproduction R4's schedules at larger n). The relative disagreement after t
+(a) Consensus (docs/design.md F.3/F.4, reproduction R4's schedules at larger n). The relative disagreement after t
 steps is :math:`\Xi_t^2 / \Xi_0^2` with :math:`\Xi^2 = \frac1n \sum_i \|x_i - \bar x\|^2`.
 
 * Exact gossip, every built-in schedule that exists for n: :func:`topologies.analysis.steps_to_consensus`, the
   smallest t with :math:`\|(I - J) W(t-1) \cdots W(0)\|_2^2 \le 10^{-6}` -- the worst case over all initial
   vectors, which is what exact gossip on any tensor does (it is linear and acts on every coordinate alike).
-* PowerGossip (rank 1, 2, 4; warm start, one power iteration, algorithms.md A) on the symmetric schedules: the
+* PowerGossip (rank 1, 2, 4; warm start, one power iteration, docs/design.md A) on the symmetric schedules: the
   real :class:`gossip.PowerGossip` on :func:`gossip.simulate`, one random 32 x 32 matrix per rank; the disagreement
   is measured every 10 steps up to a step cap per n (the simulator costs ~70 ms per step at n = 64 on 2 cores).
 

@@ -1,4 +1,4 @@
-r"""Validate the runtime model (experiments.runtime_model, algorithms.md B.5) against emulated runs.
+r"""Validate the runtime model (experiments.runtime_model, docs/design.md B.5) against emulated runs.
 
 For each run (short dedicated runs here, and optionally the time-to-loss runs) the measured per-iteration time is
 the mean ``step_seconds`` over ranks and steps >= 2 (the first two steps carry one-off set-up). The model gets:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import gossip
 import topologies
-from gossip.train import ALGORITHM_CHOICES, OPTIMIZERS, ConfigError, TrainConfig, resolve, train
+from gossip.train import ALGORITHM_CHOICES, DEFAULTS, OPTIMIZERS, ConfigError, TrainConfig, resolve, train
 
 ERROR_FILE_VARIABLE = "GOSSIP_TRAIN_ERROR_FILE"
 LAUNCHER_OPTIONS = ("--nproc", "--out", "--backend")
@@ -54,6 +54,16 @@ def _positive(kind: type) -> Callable[[str], int | float]:
         return value
 
     return parse
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="default: one_peer_hypercube, or ring when the worker count is not a power of two",
     )
     gossip_options.add_argument("--rank", type=_positive(int), default=defaults.rank, help="PowerGossip rank")
+    gossip_options.add_argument(
+        "--power-iterations",
+        type=_positive(int),
+        default=None,
+        help=f"PowerGossip power iterations (exchanges) per step; default: {DEFAULTS.power_iterations}",
+    )
+    gossip_options.add_argument(
+        "--average-every",
+        type=_nonnegative_int,
+        default=None,
+        help="exact global average (all-reduce) every K steps instead of gossip (gossip.PeriodicAverage); 0 = off; "
+        f"default: {DEFAULTS.average_every} (0 for ddp and allreduce)",
+    )
     training = parser.add_argument_group("training")
     training.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer, help="local update rule")
     training.add_argument("--accum-iter", type=_positive(int), default=None, help="default: max(1, workers // 4)")
@@ -113,6 +136,8 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         accum_iter=args.accum_iter,
         algorithm=args.algorithm,
         rank=args.rank,
+        power_iterations=args.power_iterations,
+        average_every=args.average_every,
         schedule=args.schedule,
         split=args.split,
         seed=args.seed,

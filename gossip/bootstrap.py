@@ -116,11 +116,12 @@ def _init_method(info: LaunchInfo) -> str | None:
     return None
 
 
-def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT) -> Communicator:
+def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT, *, mpi_device: str = "cpu") -> Communicator:
     """Return a communicator for this process, as launched (mpirun, srun, torchrun, or a single process).
 
     ``timeout`` (seconds) bounds every wait; on expiry the error names this rank, the peer(s) it waited for
-    and the operation.
+    and the operation. ``mpi_device`` ("cpu" or "cuda": this rank's GPU by local rank) is where the tensors an MPI
+    communicator moves live; Gloo moves CPU tensors and NCCL GPU tensors.
     """
     if timeout <= 0:
         raise ValueError(f"timeout must be positive seconds, got {timeout}")
@@ -129,7 +130,7 @@ def init(backend: str = "auto", timeout: float = DEFAULT_TIMEOUT) -> Communicato
     if chosen == "mpi":
         from gossip.backends.mpi import MPICommunicator
 
-        return MPICommunicator(info, timeout)
+        return MPICommunicator(info, timeout, mpi_device)
     from gossip.backends.torch_dist import TorchDistCommunicator
 
     if info.size == 1 and not (info.master_addr and info.master_port):

@@ -1,4 +1,4 @@
-r"""Consensus distance, exact and sampled, and the global average used for evaluation (algorithms.md F.4).
+r"""Consensus distance, exact and sampled, and the global average used for evaluation (docs/design.md F.4).
 
 The squared consensus distance of n replicas x_i (Kong et al. 2021) is
 

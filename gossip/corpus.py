@@ -14,7 +14,7 @@ x = window[:-1], y = window[1:].
 - "iid": window starts are uniform over the whole training set, so every worker sees the same distribution.
 - "noniid": the training set is cut into world_size contiguous shards and worker r draws only from shard r,
   ``[r * N // world_size, (r + 1) * N // world_size)``. Shards hold different source files, so the workers'
-  byte statistics differ (the decentralized-data setting of PowerGossip's GPT-2 experiment, algorithms.md).
+  byte statistics differ (the decentralized-data setting of PowerGossip's LSTM experiment, docs/design.md A.10).
 
 Every batch is drawn by its own generator, seeded by (seed, rank, step) through numpy's SeedSequence. A batch
 is therefore a pure function of (seed, rank, step): resuming at step k means calling `batch(k)`; there is no

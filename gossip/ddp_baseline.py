@@ -2,7 +2,7 @@ r"""The All-Reduce baseline as users run it: ``torch.nn.parallel.DistributedData
 training loop uses from :class:`gossip.parallel.DecentralizedDataParallel`.
 
 DDP all-reduces the *gradients* in buckets while backward still runs, so every replica applies the same update
-(algorithms.md B.5, "All-Reduce (DDP, bucket all-reduce overlapped with backward)"):
+(docs/design.md B.5, "All-Reduce (DDP, bucket all-reduce overlapped with backward)"):
 
 .. math::  x^{t+1} = x^t - \eta\, d\Big(\tfrac{1}{n} \textstyle\sum_i g_i(x^t)\Big)
 
@@ -46,7 +46,7 @@ class DDPBackendError(ValueError):
 
 
 def ring_all_reduce_bytes(payload_bytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of ``payload_bytes``: 2 (n-1)/n * M (algorithms.md B.5)."""
+    """Bytes one rank sends in a ring all-reduce of ``payload_bytes``: 2 (n-1)/n * M (docs/design.md B.5)."""
     return round(2 * (world_size - 1) / world_size * payload_bytes)
 
 

@@ -37,3 +37,8 @@ class NonFiniteError(GossipError):
 
 class NonFiniteWarning(RuntimeWarning):
     """A peer's non-finite contribution was dropped (``nonfinite="drop"``); the message names the peer and step."""
+
+
+class ModelChangedError(RuntimeError):
+    """The wrapped model's parameters changed after wrapping (rebound, replaced, added, frozen or unfrozen), so
+    the wrapper would no longer mix what the optimizer trains; the message names the rank, step and parameter."""

@@ -11,7 +11,7 @@ The shape follows nanoGPT (karpathy/nanoGPT, `model.py`), which follows GPT-2 (R
 Tokens are raw bytes (vocab_size 256), so no tokenizer is needed and the loss at initialisation is about
 ln(256) ≈ 5.545 nats.
 
-Parameter names say which role a matrix plays, because compression (algorithms.md §D.2, layer-selective
+Parameter names say which role a matrix plays, because compression (docs/design.md D.2, layer-selective
 compression) treats roles differently: MLP matrices `*.mlp.fc.weight` and `*.mlp.proj.weight`, the embeddings
 `tok_emb.weight` (which is also the LM head, tied, so it appears once in `named_parameters()`) and
 `pos_emb.weight`; attention matrices `*.attn.qkv.weight` and `*.attn.proj.weight` are kept exact.

@@ -4,7 +4,7 @@ One line per optimizer step in ``<run_dir>/metrics_rank<r>.jsonl`` with:
 
 * ``step``, ``lr`` (the optimizer's first param group), and whatever the user passed to ``model.log(...)``
   for the step (e.g. ``loss``), before its ``optimizer.step()`` or after it but before the next forward;
-* ``consensus`` -- the sampled estimate of the consensus distance Xi (algorithms.md F.4 method 2), on the steps
+* ``consensus`` -- the sampled estimate of the consensus distance Xi (docs/design.md F.4 method 2), on the steps
   where it is due (``consensus_every``), else absent;
 * ``bytes_sent`` / ``bytes_received`` -- payload bytes of this step's exchange (``algorithm.traffic.last_*``);
 * ``wait_seconds`` -- exposed communication: the algorithm's ``wait_seconds``, time blocked in ``finish``;

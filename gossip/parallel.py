@@ -1,6 +1,6 @@
 r"""``DecentralizedDataParallel``: the wrapper that puts gossip into an ordinary PyTorch training loop.
 
-The order of one step (algorithms.md B.1 and G; Decent-DP's schema, arXiv 2410.11998):
+The order of one step (docs/design.md B.1 and G; Decent-DP's schema, arXiv 2410.11998):
 
 .. math::  x_i^{t+1} = \sum_j W_{ij}(t)\, x_j^{t} \;-\; \eta\, d_i^{t}\big(g_i(x_i^{t})\big)
 
@@ -19,28 +19,40 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import math
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from gossip.algorithms.base import Algorithm
 from gossip.backends.base import Communicator
-from gossip.buckets import DEFAULT_BUCKET_BYTES, bucket_parameters, pack
-from gossip.consensus import DEFAULT_SAMPLES, ConsensusSampler, averaged_replicas, exact_consensus_sq
-from gossip.errors import GossipError
+from gossip.buckets import DEFAULT_BUCKET_BYTES, Bucket, bucket_parameters, pack
+from gossip.consensus import (
+    DEFAULT_SAMPLES,
+    ConsensusSampler,
+    _all_reduce_on,
+    averaged_replicas,
+    exact_consensus_sq,
+)
+from gossip.errors import CommTimeoutError, GossipError, ModelChangedError, NonFiniteError, NonFiniteWarning
 from gossip.metrics import StepMetrics
-from gossip.replicas import broadcast_from_rank0, check_replicas
+from gossip.replicas import ReplicaMismatchError, broadcast_from_rank0, check_replicas
 from topologies import Schedule
+from topologies.validation import find_violation
 
 BUFFER_POLICIES = ("local", "average")
+#: A schedule without period is compared across ranks every this many steps (beyond its construction window).
+SCHEDULE_CHECK_EVERY = 10
 
 # One pair of torch.optim global step hooks per process dispatches to the live wrappers. Registering per wrapper
 # would mutate torch's global hook dict while another thread (a simulator rank) iterates it in optimizer.step().
@@ -60,7 +72,14 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         if wrapper._owns(optimizer):
             wrapper._step_depth += 1
             if wrapper._step_depth == 1:
-                wrapper.finish_mixing()
+                # args[0] is the optimizer itself; a closure computes the gradients inside step()
+                if not (args[1:] or kwargs.get("closure")):
+                    wrapper._warn_if_mixing_only()
+                try:
+                    wrapper.finish_mixing()
+                except BaseException:
+                    wrapper._step_depth = 0  # torch skips the post-hook when a pre-hook raises
+                    raise
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -69,6 +88,55 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             if wrapper._step_depth == 1:
                 wrapper.next_step(lr=optimizer.param_groups[0].get("lr"))
             wrapper._step_depth = max(0, wrapper._step_depth - 1)
+
+
+def _forget_closed_wrappers_of(module: nn.Module) -> None:
+    """A module wrapped again after ``close()``: its old, closed wrapper stops claiming its optimizers."""
+    with _lock:
+        for wrapper in list(_live):
+            if wrapper._closed and wrapper.module is module:
+                _live.discard(wrapper)
+
+
+class _BackwardSeen:
+    """Post-accumulate-grad hook: notes that a backward ran since the last optimizer step (holds a weak ref)."""
+
+    def __init__(self, wrapper: DecentralizedDataParallel):
+        self._wrapper = weakref.ref(wrapper)
+
+    def __call__(self, parameter: torch.Tensor) -> None:
+        wrapper = self._wrapper()
+        if wrapper is not None:
+            wrapper._backward_since_step = True
+
+
+def _warn_if_average_drifts(schedule: Schedule, algorithm: Algorithm, rank: int) -> None:
+    r"""Warn when the schedule's mixing matrices are row- but not column-stochastic.
+
+    Gossip preserves the average :math:`\bar x = \frac1n \mathbf 1^\top x` only if
+    :math:`\mathbf 1^\top W(t) = \mathbf 1^\top` (column sums 1); with row sums 1 alone the replicas still agree
+    in the end, but on the weighted average :math:`\pi^\top x^0` given by the left Perron vector of W, biased
+    towards the ranks that receive more weight.
+    """
+    if algorithm.name == "allreduce" or schedule.is_doubly_stochastic:
+        return
+    violation = find_violation(schedule, "column-stochastic")
+    warnings.warn(
+        f"rank {rank}: schedule '{schedule.name}' is row-stochastic but not doubly stochastic ({violation}); "
+        "gossip will not preserve the average of the replicas, which drifts towards the ranks that receive more "
+        "weight. Use a doubly stochastic schedule (e.g. weights='metropolis') unless that is intended",
+        AverageDriftWarning,
+        stacklevel=3,
+    )
+
+
+class AverageDriftWarning(UserWarning):
+    """The schedule is not doubly stochastic, so gossip does not preserve the average of the replicas."""
+
+
+class MixingOnlyStepWarning(UserWarning):
+    """An optimizer step with no forward or backward since the previous one: it only mixes, and on one rank only
+    it puts that rank a step ahead of its peers."""
 
 
 def _subscribe(wrapper: DecentralizedDataParallel) -> None:
@@ -119,17 +187,39 @@ class DecentralizedDataParallel(nn.Module):
             optimizer.step()
             optimizer.zero_grad()
 
+    DDP-style accumulation code that wraps all but the last micro-batch in ``with model.no_sync():`` runs
+    unchanged: gossip never communicates gradients, so the context changes nothing (see :meth:`no_sync`).
+
+    A step whose update is skipped on some ranks only -- ``torch.amp.GradScaler`` finding an overflow, or any
+    backward followed by ``optimizer.zero_grad()`` without ``optimizer.step()`` -- still mixes: the next forward
+    (or ``close()``) notices gradients accumulated and then cleared, completes step t's mixing and advances, so
+    the ranks stay in lockstep (the metrics row says ``update_skipped``). Clearing with
+    ``zero_grad(set_to_none=False)`` leaves zero gradients that look like a real step's: that case is not detected.
+
     Without a torch optimizer, drive the step by hand: ``model.finish_mixing()`` before the update and
     ``model.next_step()`` after it (this is what the hooks call).
 
     ``buffers``: ``"local"`` (default) never mixes buffers (BatchNorm statistics stay per rank, as in Decent-DP);
     ``"average"`` all-reduces the floating-point buffers to their average at every step, blocking, right after
-    the mixing (integer buffers such as ``num_batches_tracked`` stay local).
+    the mixing (integer buffers such as ``num_batches_tracked`` stay local); the algorithm's ``nonfinite`` policy
+    applies to them as to the parameters.
 
-    Metrics: with ``run_dir`` every rank appends one JSON line per step (see :mod:`gossip.metrics`), including the
+    Metrics: with ``run_dir`` a rank appends one JSON line per step (see :mod:`gossip.metrics`), including the
     sampled consensus distance every ``consensus_every`` steps (one small all-reduce of ``2 * consensus_samples``
-    float64 values; 0 turns it off). ``close()`` removes the hooks, completes an in-flight exchange and returns the
-    summary on rank 0.
+    float64 values; 0 turns it off). When any rank has a ``run_dir`` the sampling runs on every rank, so
+    passing one on rank 0 only is fine; ``consensus_every``, ``consensus_samples``, ``seed``, ``bucket_bytes``,
+    ``buffers`` and the algorithm's ``nonfinite`` policy must be equal on every rank (checked at construction).
+    ``close()`` completes an in-flight exchange and returns the summary on rank 0.
+
+    Invariants, checked where they are cheap: the parameters stay the ones wrapped -- at every step one pass
+    over ``named_parameters()`` (identities and storage addresses, no copy) raises
+    :class:`gossip.errors.ModelChangedError` naming the parameter if one was rebound (``model.double()``,
+    ``.to(...)``, ``load_state_dict(..., assign=True)``), replaced, added or removed, or changed
+    ``requires_grad`` (convert, move, freeze and materialise lazy modules *before* wrapping). Frozen parameters
+    are broadcast from rank 0 at construction, as DDP does, and never gossiped. A schedule whose matrices are not
+    doubly stochastic draws an :class:`AverageDriftWarning`. A closed communicator, a module that already
+    contains a wrapper, and every use after ``close()`` are refused; inside ``averaged()`` the wrapper's own
+    forward and optimizer steps are refused (evaluate with the module it yields).
 
     One optimizer must cover all of the wrapper's trainable parameters (a partial one is refused at its first
     ``step``); parameters added to it later with ``add_param_group`` are not seen. An optimizer subclass whose
@@ -152,6 +242,16 @@ class DecentralizedDataParallel(nn.Module):
         seed: int = 0,
     ):
         super().__init__()
+        if any(isinstance(inner, DecentralizedDataParallel) for inner in module.modules()):
+            raise TypeError(
+                f"rank {comm.rank}: the module already contains a DecentralizedDataParallel; wrap the plain model "
+                "once (a wrapper inside a wrapper would mix the parameters twice per step)"
+            )
+        if comm.closed:
+            raise GossipError(
+                f"rank {comm.rank}: the communicator was already closed (comm.close()); create a new one with "
+                "gossip.init() before wrapping"
+            )
         if buffers not in BUFFER_POLICIES:
             raise ValueError(f"rank {comm.rank}: buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
         if bucket_bytes <= 0:
@@ -161,10 +261,27 @@ class DecentralizedDataParallel(nn.Module):
         self.module = module
         self.comm, self.schedule, self.algorithm = comm, schedule, algorithm
         self.buffers_policy = buffers
-        self.signature = check_replicas(module, comm, schedule, algorithm)
+        settings = {
+            "bucket_bytes": int(bucket_bytes),
+            "buffers": buffers,
+            "consensus_every": int(consensus_every),
+            "consensus_samples": int(consensus_samples),
+            "seed": int(seed),
+            # the algorithm's non-finite policy (one rank dropping what another raises on would split the run)
+            "nonfinite": getattr(algorithm, "nonfinite", None),
+        }
+        self.signature = check_replicas(module, comm, schedule, algorithm, settings)
         self.buckets = bucket_parameters(module, bucket_bytes)
         algorithm.setup(comm, schedule, self.buckets)  # refuses a bad schedule or configuration on every rank
         broadcast_from_rank0(module, self.buckets, comm)
+        _warn_if_average_drifts(schedule, algorithm, comm.rank)
+        # Every parameter as wrapped: (name, object, storage address, requires_grad), checked at every step.
+        self._bound = [(name, p, p.data_ptr(), p.requires_grad) for name, p in module.named_parameters()]
+        self._closed = False
+        self._averaging = False  # inside averaged()
+        self._backward_since_step = False  # a backward accumulated gradients since the last optimizer step
+        self._forward_since_step = False  # the wrapper's forward ran since the last optimizer step
+        self._schedule_checked_to = schedule.window  # a schedule without period: steps agreed on so far
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self._parameters_in_order = [p for _, p in named]
@@ -178,19 +295,52 @@ class DecentralizedDataParallel(nn.Module):
         self._state_before_start = copy.deepcopy(algorithm.state_dict())
 
         self.metrics = StepMetrics(run_dir, comm.rank)
-        self.consensus_every = consensus_every if run_dir is not None else 0
+        # Sampled on every rank as soon as one rank has a run_dir: logging on rank 0 only must not leave rank 0
+        # alone in the consensus all-reduce (and without any run_dir nothing would read it).
+        anyone_logs = any(self.comm.all_gather_object(run_dir is not None))
+        self.consensus_every = consensus_every if anyone_logs else 0
         self._sampler = ConsensusSampler([p.numel() for p in self._parameters_in_order], consensus_samples, seed)
         self._started_at = self._last_step_end = math.nan
         self._timing = {"compute_seconds": 0.0, "wait_seconds": math.nan, "finish_seconds": 0.0}
+        for parameter in self._parameters_in_order:
+            parameter.register_post_accumulate_grad_hook(_BackwardSeen(self))
 
+        _forget_closed_wrappers_of(module)
         _subscribe(self)
 
     # -- the loop -------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_usable("forward")
+        if self._averaging:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: step {self.step_count}: the wrapper's forward was called inside "
+                "averaged(); it would start an exchange of the averaged values. Evaluate with the module that "
+                "averaged() yields: `with model.averaged() as net: net(x)`"
+            )
+        if self._backward_since_step and all(p.grad is None for p in self._parameters_in_order):
+            self._skipped_step()
+        self._forward_since_step = True
         self.metrics.flush()
         if self._pending is None and self._mixed is None and not self._mixing_done:
             self._start()
         return self.module(*args, **kwargs)
+
+    def _skipped_step(self) -> None:
+        """A backward ran, then the gradients were cleared without an optimizer step (e.g. ``GradScaler`` found
+        an overflow on this rank only): the update is skipped, but step t's mixing still runs, so this rank
+        stays in lockstep with its peers (mixing does not depend on the local update)."""
+        self.finish_mixing()
+        self.next_step(update_skipped=True)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """DDP's gradient-accumulation context, accepted so that DDP code runs unchanged; it changes nothing here.
+
+        DDP all-reduces gradients in every backward, and ``no_sync()`` defers that to the last micro-batch.
+        Gossip never communicates gradients: the parameters are mixed once per ``optimizer.step()``, so
+        micro-batches accumulate locally with or without this context, and the result is the same.
+        """
+        self._require_usable("no_sync")
+        return contextlib.nullcontext()
 
     def log(self, **values: Any) -> None:
         """Add ``values`` (e.g. ``loss=loss``) to this step's metrics row: call it before ``optimizer.step()``, or
@@ -202,8 +352,15 @@ class DecentralizedDataParallel(nn.Module):
 
         Idempotent within a step. When no exchange is in flight (no forward this step) it runs one blocking.
         """
+        self._require_usable("optimizer step (mixing)")
+        if self._averaging:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: step {self.step_count}: optimizer.step() (or finish_mixing) inside "
+                "averaged(); the averaged values would be trained and then overwritten on exit. Step after the block"
+            )
         if self._mixing_done:
             return
+        self._check_parameters()
         with self._naming_step():
             self._finish_mixing()
 
@@ -228,11 +385,13 @@ class DecentralizedDataParallel(nn.Module):
 
     def next_step(self, **values: Any) -> None:
         """End step t after the update: record its metrics, advance to t + 1 and start x_{t+1}'s exchange."""
+        self._require_usable("next_step")
         if not self._mixing_done:
             raise RuntimeError(
                 f"rank {self.comm.rank}: next_step() at step {self.step_count} before finish_mixing(); "
                 "call finish_mixing() before the update"
             )
+        self._backward_since_step = self._forward_since_step = False
         now = time.perf_counter()
         traffic = self.algorithm.traffic
         row = {
@@ -247,6 +406,9 @@ class DecentralizedDataParallel(nn.Module):
             with self._naming_step():
                 estimate = self._sampler.estimate_sq(self._parameters_in_order, self.comm, self.step_count + 1)
             row["consensus"] = math.sqrt(estimate)
+        if self.schedule.period is None and (self.step_count + 1) % SCHEDULE_CHECK_EVERY == 0:
+            with self._naming_step():
+                self._check_schedule_agreement()
         self.metrics.record(row)
         self.step_count += 1
         self._mixing_done = False
@@ -269,7 +431,110 @@ class DecentralizedDataParallel(nn.Module):
                 error.args = (f"{where}: {error.args[0]}", *error.args[1:])
             raise
 
+    def _check_schedule_agreement(self) -> None:
+        """For a schedule without period (checked at construction over its first ``window`` steps only): agree
+        on a fingerprint of the steps since the last check, with one all-reduce of two float64 values.
+
+        Each rank contributes v = 20 bits of the SHA-256 of its W(t) for those steps, and v squared; the sums are
+        exact in float64, and every rank finds sum(v) = n v and sum(v^2) = n v^2 exactly iff all v are equal
+        (zero variance). Only then are the ranks asked which one differs. Different edges usually stop the
+        exchange first (a timeout or an exchange mismatch naming the step); this catches different *weights*,
+        which would otherwise mix silently wrong.
+        """
+        first, last = self._schedule_checked_to, self.step_count
+        if last < first:  # still inside the window compared at construction (the same on every rank)
+            return
+        digest = hashlib.sha256()
+        for t in range(first, last + 1):
+            for array in self.schedule.triplets(t):
+                digest.update(np.ascontiguousarray(array).tobytes())
+        self._schedule_checked_to = last + 1
+        value = float(int.from_bytes(digest.digest()[:3], "little") >> 4)
+        sums = torch.tensor([value, value * value], dtype=torch.float64)
+        _all_reduce_on(self.comm, sums, "sum")
+        n = self.comm.size
+        if float(sums[0]) == n * value and float(sums[1]) == n * value * value:
+            return
+        fingerprints = self.comm.all_gather_object(digest.hexdigest())
+        other = next(rank for rank, f in enumerate(fingerprints) if f != fingerprints[0])
+        raise ReplicaMismatchError(
+            f"step {last}: rank {other}'s schedule '{self.schedule.name}' differs from rank 0's between steps {first} "
+            f"and {last} "
+            f"(a schedule without period is compared over its first {self.schedule.window} steps at construction, "
+            f"then every {SCHEDULE_CHECK_EVERY} steps): build it the same way on every rank (same seed)"
+        )
+
+    def _warn_if_mixing_only(self) -> None:
+        """An optimizer step with neither a forward nor a backward since the previous one only mixes. Deliberate
+        on every rank it is harmless; on one rank only (``optimizer.step()`` called twice) it puts that rank one
+        step ahead, which nothing can tell from a deliberate one until ``close()`` times out: say so now."""
+        if self._closed or self._averaging or self._forward_since_step or self._backward_since_step:
+            return
+        warnings.warn(
+            f"rank {self.comm.rank}: step {self.step_count}: optimizer.step() with no forward or backward since the "
+            "previous step only mixes; unless every rank does the same, this rank is now one step ahead of its peers "
+            "and close() will time out",
+            MixingOnlyStepWarning,
+            stacklevel=4,
+        )
+
+    def _require_usable(self, operation: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: {operation} after close() (step {self.step_count}); this wrapper no longer "
+                "mixes: wrap the module again (with an open communicator) to keep training"
+            )
+        if self.comm.closed:
+            raise GossipError(
+                f"rank {self.comm.rank}: {operation} at step {self.step_count}: the communicator was closed "
+                "(comm.close()) while the wrapper still uses it; close the wrapper first, the communicator last"
+            )
+
+    def _check_parameters(self) -> None:
+        """Raise :class:`ModelChangedError` unless the module's parameters are still the ones wrapped.
+
+        A trainable parameter must still be a view of its bucket (``model.double()``, ``.to(...)``,
+        ``load_state_dict(..., assign=True)`` rebind it, and the bucket would then be mixed while the optimizer
+        trains a copy); no parameter may be added, removed or replaced, or change ``requires_grad``. One pass over
+        ``named_parameters()`` comparing object identities and storage addresses: no copy, no synchronisation.
+        """
+        where = f"rank {self.comm.rank}: step {self.step_count}"
+        current = list(self.module.named_parameters())
+        for (name, parameter), (bound_name, bound, address, requires_grad) in zip(current, self._bound, strict=False):
+            if name != bound_name:
+                raise ModelChangedError(
+                    f"{where}: found parameter '{name}' where '{bound_name}' was wrapped: a parameter was added, "
+                    "removed or renamed after wrapping and would not be mixed. Create every parameter before "
+                    "wrapping (run one forward first for lazy modules such as nn.LazyLinear)"
+                )
+            if parameter is not bound:
+                raise ModelChangedError(
+                    f"{where}: parameter '{name}' was replaced by another Parameter after wrapping (e.g. "
+                    "load_state_dict(..., assign=True)); the new one would not be mixed. Load or replace before "
+                    "wrapping, or load with the default assign=False"
+                )
+            if parameter.requires_grad != requires_grad:
+                raise ModelChangedError(
+                    f"{where}: parameter '{name}' changed requires_grad from {requires_grad} to "
+                    f"{parameter.requires_grad} after wrapping; the wrapper gossips the parameters trainable when "
+                    "it was built: freeze or unfreeze before wrapping (and the same on every rank)"
+                )
+            if requires_grad and parameter.data_ptr() != address:
+                raise ModelChangedError(
+                    f"{where}: parameter '{name}' no longer lives in the wrapper's bucket: it was rebound after "
+                    "wrapping (model.double(), .to(dtype or device), load_state_dict(..., assign=True), "
+                    "param.data = ...), so the mixing would miss it. Convert or move the model before wrapping"
+                )
+        if len(current) != len(self._bound):
+            name = current[len(self._bound)][0] if len(current) > len(self._bound) else self._bound[len(current)][0]
+            change = "registered" if len(current) > len(self._bound) else "removed"
+            raise ModelChangedError(
+                f"{where}: parameter '{name}' was {change} after wrapping; it would not be mixed. Create every "
+                "parameter before wrapping (run one forward first for lazy modules such as nn.LazyLinear)"
+            )
+
     def _start(self) -> None:
+        self._check_parameters()
         # The algorithm state before start(t) is what a checkpoint taken during step t must hold (see checkpoint).
         self._state_before_start = copy.deepcopy(self.algorithm.state_dict())
         if math.isnan(self._last_step_end):
@@ -308,13 +573,50 @@ class DecentralizedDataParallel(nn.Module):
         return [(name, b) for name, b in self.module.named_buffers() if b.is_floating_point()]
 
     def _average_buffers(self) -> None:
+        """``buffers="average"``: replace the floating-point buffers by their average over ranks.
+
+        The algorithm's non-finite policy applies as to the parameters: a rank whose buffer holds NaN or Inf
+        would spread it to every rank, so with ``"raise"`` every rank raises :class:`NonFiniteError` naming the
+        rank(s) and the buffer, and with ``"drop"`` the average is taken over the finite ranks only (a
+        :class:`NonFiniteWarning` names the dropped ranks; they receive the finite ranks' average). The check
+        costs one ``isfinite`` of the averaged result; only when it fails are the ranks asked which one it was.
+        """
         named = self._float_buffers()
         tensors = dict(named)
         with torch.no_grad():
             for flat in pack(named):
+                local = flat.buffer.clone()
                 self.comm.all_reduce(flat.buffer, "avg")
+                if not bool(torch.isfinite(flat.buffer).all()):
+                    self._average_finite_only(flat, local)
                 for entry in flat.entries:
                     tensors[entry.name].copy_(flat.view(entry))
+
+    def _average_finite_only(self, flat: Bucket, local: torch.Tensor) -> None:
+        """The average was non-finite on every rank: find the culprits and apply the non-finite policy."""
+        mine = [entry.name for entry in flat.entries if not bool(torch.isfinite(flat.view(entry, local)).all())]
+        culprits = {rank: names for rank, names in enumerate(self.comm.all_gather_object(mine)) if names}
+        ranks = sorted(culprits)
+        first = culprits[ranks[0]][0]
+        where = f"rank {self.comm.rank}"  # the error is prefixed with the step by _naming_step
+        if getattr(self.algorithm, "nonfinite", "raise") != "drop":
+            raise NonFiniteError(
+                f"{where}: buffer '{first}' of rank(s) {ranks} holds non-finite values (NaN or Inf); "
+                'buffers="average" would spread them to every rank. Fix the divergence, or use '
+                "nonfinite='drop' on the algorithm to average over the finite ranks only"
+            )
+        warnings.warn(
+            f"{where}: step {self.step_count}: dropped the buffers of rank(s) {ranks} from the average "
+            f"(buffer '{first}' holds NaN or Inf)",
+            NonFiniteWarning,
+            stacklevel=4,
+        )
+        finite = len(set(range(self.comm.size)) - set(ranks))
+        if finite == 0:
+            raise NonFiniteError(f"{where}: buffer '{first}' is non-finite on every rank; nothing left to average")
+        flat.buffer.copy_(torch.zeros_like(local) if self.comm.rank in culprits else local)
+        self.comm.all_reduce(flat.buffer, "sum")
+        flat.buffer.div_(finite)
 
     # -- evaluation and consensus ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -325,19 +627,26 @@ class DecentralizedDataParallel(nn.Module):
         An exchange in flight is completed first and its result kept for the optimizer step, so the training
         trajectory is the same as without the evaluation.
         """
+        self._require_usable("averaged()")
         self._complete_pending()
         tensors = [bucket.buffer for bucket in self.buckets]
         if buffers:
             tensors += [b for _, b in self._float_buffers()]
-        with averaged_replicas(tensors, self.comm):
-            yield self.module
+        self._averaging = True
+        try:
+            with averaged_replicas(tensors, self.comm):
+                yield self.module
+        finally:
+            self._averaging = False
 
     def consensus_distance(self) -> float:
         """Exact consensus distance Xi = sqrt((1/n) sum_i ||x_i - xbar||^2) over the parameters. A collective."""
+        self._require_usable("consensus_distance()")
         return math.sqrt(exact_consensus_sq([bucket.buffer for bucket in self.buckets], self.comm))
 
     def estimate_consensus_distance(self, step: int | None = None) -> float:
         """Sampled (stratified, shared-coordinate) estimate of Xi; the coordinates depend on ``step``. A collective."""
+        self._require_usable("estimate_consensus_distance()")
         step = self.step_count if step is None else step
         return math.sqrt(self._sampler.estimate_sq(self._parameters_in_order, self.comm, step))
 
@@ -371,17 +680,35 @@ class DecentralizedDataParallel(nn.Module):
                 bucket.buffer.copy_(saved)
         self.algorithm.load_state_dict(copy.deepcopy(state["algorithm"]))
         self.step_count = int(state["step"])
+        self._schedule_checked_to = max(self.schedule.window, self.step_count)
         self._last_step_end = math.nan
 
     # -- teardown -------------------------------------------------------------------------------------------
     def close(self) -> dict[str, float] | None:
-        """Remove the hooks, complete an exchange in flight (parameters keep x_t) and summarise the metrics.
+        """Complete an exchange in flight (parameters keep x_t), summarise the metrics and retire the wrapper.
 
         A collective (the summary gathers one dict per rank); returns the summary on rank 0, None elsewhere.
+        A step whose update was skipped just before (a backward, no ``optimizer.step()``) still mixes first, as
+        during training. Afterwards every forward, optimizer step over these parameters, ``averaged()`` or
+        consensus call raises ``RuntimeError``; a second ``close()`` does nothing.
         """
-        _unsubscribe(self)
-        self._complete_pending()
+        if self._closed:
+            return None
+        self._require_usable("close()")
+        if self._backward_since_step and not self._mixing_done:
+            self._skipped_step()
+        try:
+            self._complete_pending()
+        except CommTimeoutError as error:
+            error.args = (
+                f"{error.args[0]} -- in close() after {self.step_count} optimizer steps on this rank: a peer that "
+                "took fewer steps never starts this exchange (did this rank call optimizer.step() without a "
+                "forward, or a peer clear its gradients with zero_grad(set_to_none=False) and skip its step?)",
+                *error.args[1:],
+            )
+            raise
         self._mixed = None
+        self._closed = True
         summary = self.metrics.summarize(self.comm)
         self.metrics.close()
         return summary

@@ -1,20 +1,25 @@
 """Checks that every rank trains the same model the same way, and the broadcast that makes the replicas equal.
 
 Before the first step :func:`check_replicas` gathers a compact description of every rank's run -- parameter and
-buffer names, shapes, dtypes and device types, the schedule's fingerprint, the algorithm's name and config --
-with one ``all_gather_object`` and compares every rank's with rank 0's. A mismatch raises
+buffer names, shapes, dtypes and device types, the schedule's fingerprint, the algorithm's name and config, and
+the wrapper's own settings that must agree (``bucket_bytes``, the ``buffers`` policy, the consensus sampling
+``seed``, ...) -- with one ``all_gather_object`` and compares every rank's with rank 0's. A mismatch raises
 :class:`ReplicaMismatchError` on *every* rank (all ranks see the same gathered list), naming the first difference
-and the rank that has it, so no rank is left waiting in a later collective. A schedule for another world size
-and a model with nothing to gossip (no trainable parameter, or only empty ones) are refused the same way.
-Parameters with 0 elements among others are accepted: they travel as nothing. :func:`broadcast_from_rank0` then
-copies rank 0's parameters and buffers to every rank (algorithms.md B.1: "broadcast all params from rank 0").
+and the rank that has it, so no rank is left waiting in a later collective. A parameter frozen
+(``requires_grad=False``) on some ranks only is named as such. A schedule for another world size, a lazy module
+not materialised yet and a model with nothing to gossip (no trainable parameter, or only empty ones) are refused
+the same way. Parameters with 0 elements among others are accepted: they travel as nothing.
+:func:`broadcast_from_rank0` then copies rank 0's parameters (frozen ones too, as DDP does) and buffers to every
+rank, as Decent-DP does at setup (docs/design.md B.1).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 from gossip.algorithms.base import Algorithm
 from gossip.backends.base import Communicator
@@ -40,31 +45,65 @@ def algorithm_config(algorithm: Algorithm) -> dict[str, Any]:
 
 
 def tensor_signature(module: torch.nn.Module) -> list[tuple[str, str, tuple[int, ...], str, str]]:
-    """``(kind, name, shape, dtype, device type)`` for every trainable parameter and every buffer, in order."""
+    """``(kind, name, shape, dtype, device type)`` for every parameter and every buffer, in order.
+
+    ``kind`` is ``"parameter"`` for a trainable parameter and ``"frozen parameter"`` for one with
+    ``requires_grad=False`` (broadcast from rank 0 at construction, never gossiped).
+    """
     rows = [
-        ("parameter", name, tuple(p.shape), str(p.dtype).removeprefix("torch."), p.device.type)
+        (
+            "parameter" if p.requires_grad else "frozen parameter",
+            name,
+            _shape(p),
+            str(p.dtype).removeprefix("torch."),
+            p.device.type,
+        )
         for name, p in module.named_parameters()
-        if p.requires_grad
     ]
     rows += [
-        ("buffer", name, tuple(b.shape), str(b.dtype).removeprefix("torch."), b.device.type)
+        ("buffer", name, _shape(b), str(b.dtype).removeprefix("torch."), b.device.type)
         for name, b in module.named_buffers()
     ]
     return rows
 
 
-def run_signature(module: torch.nn.Module, comm: Communicator, schedule: Schedule, algorithm: Algorithm) -> dict:
-    """What must be equal on every rank (and in a checkpoint that this run resumes)."""
+def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    return () if is_lazy(tensor) else tuple(tensor.shape)
+
+
+def is_lazy(tensor: torch.Tensor) -> bool:
+    """True for a parameter or buffer of a lazy module (``nn.LazyLinear``) not materialised by a forward yet."""
+    return isinstance(tensor, UninitializedTensorMixin)
+
+
+def run_signature(
+    module: torch.nn.Module,
+    comm: Communicator,
+    schedule: Schedule,
+    algorithm: Algorithm,
+    settings: dict[str, Any] | None = None,
+) -> dict:
+    """What must be equal on every rank (and in a checkpoint that this run resumes).
+
+    ``settings`` are the wrapper's own options that every rank must share (``bucket_bytes``, ``buffers``,
+    ``seed``, ...): compared at construction like the parameters.
+    """
     return {
         "world_size": comm.size,
         "schedule": {"name": schedule.name, "n": schedule.n, "fingerprint": schedule.fingerprint()},
         "algorithm": algorithm_config(algorithm),
+        "settings": dict(settings or {}),
         "tensors": tensor_signature(module),
     }
 
 
-def first_difference(mine: dict, reference: dict, who: str, reference_who: str) -> str | None:
-    """A sentence naming the first item in which ``mine`` differs from ``reference``, or None when equal."""
+def first_difference(
+    mine: dict, reference: dict, who: str, reference_who: str, settings: Iterable[str] | None = None
+) -> str | None:
+    """A sentence naming the first item in which ``mine`` differs from ``reference``, or None when equal.
+
+    ``settings``: the names of the wrapper settings to compare (default all of them).
+    """
     if mine["world_size"] != reference["world_size"]:
         return f"{who} has world size {mine['world_size']} but {reference_who} has {reference['world_size']}"
     if mine["schedule"] != reference["schedule"]:
@@ -75,11 +114,24 @@ def first_difference(mine: dict, reference: dict, who: str, reference_who: str) 
         )
     if mine["algorithm"] != reference["algorithm"]:
         return f"{who} uses algorithm {mine['algorithm']} but {reference_who} uses {reference['algorithm']}"
+    ours_settings, their_settings = mine.get("settings", {}), reference.get("settings", {})
+    for key in sorted(set(ours_settings) | set(their_settings)) if settings is None else settings:
+        if ours_settings.get(key) != their_settings.get(key):
+            return (
+                f"{who} uses {key}={ours_settings.get(key)!r} but {reference_who} uses {their_settings.get(key)!r}; "
+                f"pass the same {key} on every rank"
+            )
     ours, theirs = mine["tensors"], reference["tensors"]
     for row, other in zip(ours, theirs, strict=False):
         if row == other:
             continue
         kind, name, shape, dtype, device = row
+        if name == other[1] and {kind, other[0]} == {"parameter", "frozen parameter"}:
+            state = {"parameter": "trainable (requires_grad=True)", "frozen parameter": "frozen (requires_grad=False)"}
+            return (
+                f"{who}: parameter '{name}' is {state[kind]} but on {reference_who} it is {state[other[0]]}; "
+                "freeze the same parameters on every rank"
+            )
         if (kind, name) != other[:2]:
             return f"{who} has {kind} '{name}' where {reference_who} has {other[0]} '{other[1]}'"
         return (
@@ -92,17 +144,30 @@ def first_difference(mine: dict, reference: dict, who: str, reference_who: str) 
     return None
 
 
-def check_replicas(module: torch.nn.Module, comm: Communicator, schedule: Schedule, algorithm: Algorithm) -> dict:
+def check_replicas(
+    module: torch.nn.Module,
+    comm: Communicator,
+    schedule: Schedule,
+    algorithm: Algorithm,
+    settings: dict[str, Any] | None = None,
+) -> dict:
     """Raise :class:`ReplicaMismatchError` on every rank unless all ranks agree; return this rank's signature."""
     problem = None
     trainable = [p for p in module.parameters() if p.requires_grad]
-    if schedule.n != comm.size:
+    lazy = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if is_lazy(t)]
+    if lazy:
+        problem = (
+            f"'{lazy[0]}' of the {type(module).__name__} is not materialised yet (a lazy module such as "
+            "nn.LazyLinear): run one forward pass on a sample batch before wrapping, so that every parameter has "
+            "its shape"
+        )
+    elif schedule.n != comm.size:
         problem = f"schedule '{schedule.name}' is built for n={schedule.n} ranks but the world has {comm.size}"
     elif not trainable:
         problem = f"the {type(module).__name__} has no trainable parameters (requires_grad=True): nothing to gossip"
     elif sum(p.numel() for p in trainable) == 0:
         problem = f"every trainable parameter of the {type(module).__name__} has 0 elements: nothing to gossip"
-    mine = run_signature(module, comm, schedule, algorithm)
+    mine = run_signature(module, comm, schedule, algorithm, settings)
     gathered = comm.all_gather_object((mine, problem))
     for rank, (signature, rank_problem) in enumerate(gathered):
         if rank_problem is not None:
@@ -114,11 +179,16 @@ def check_replicas(module: torch.nn.Module, comm: Communicator, schedule: Schedu
 
 
 def broadcast_from_rank0(module: torch.nn.Module, buckets: list[Bucket], comm: Communicator) -> None:
-    """Copy rank 0's parameters (the flat buckets) and buffers into every rank's replica."""
+    """Copy rank 0's parameters (the flat buckets), frozen parameters and buffers into every rank's replica.
+
+    Frozen parameters (``requires_grad=False``) are not gossiped; like ``DistributedDataParallel`` the wrapper
+    broadcasts them once here, so every rank starts from rank 0's values.
+    """
     for bucket in buckets:
         comm.broadcast(bucket.buffer, 0)
+    frozen = [p for _, p in module.named_parameters() if not p.requires_grad]
     with torch.no_grad():
-        for _, buffer in module.named_buffers():
+        for buffer in [*frozen, *(b for _, b in module.named_buffers())]:
             contiguous = buffer if buffer.is_contiguous() else buffer.contiguous()
             comm.broadcast(contiguous, 0)
             if contiguous is not buffer:

@@ -1,10 +1,11 @@
 r"""The training job behind ``gossip-train``: one worker's loop, from the resolved config to the run directory.
 
-Every process is one worker of a decentralized run (algorithms.md B.1; Decent-DP's schema, arXiv 2410.11998):
+Every process is one worker of a decentralized run (docs/design.md B.1; Decent-DP's schema, arXiv 2410.11998):
 
 .. math::  x_i^{t+1} = \sum_j W_{ij}(t)\, x_j^{t} \;-\; \eta_t\, d_i^{t}\big(g_i(x_i^{t})\big)
 
-with :math:`W(t)` from the schedule, the mixing done by the algorithm (exact gossip, PowerGossip or All-Reduce)
+with :math:`W(t)` from the schedule, the mixing done by the algorithm (exact gossip, PowerGossip or All-Reduce;
+with ``average_every = K > 0`` wrapped in :class:`gossip.PeriodicAverage`, an exact global average every K steps)
 inside :class:`gossip.parallel.DecentralizedDataParallel`, and :math:`d` the local optimizer's direction. The
 learning rate :math:`\eta_t` warms up linearly for ``warmup_steps`` then follows a cosine to ``lr / 10``.
 
@@ -39,6 +40,7 @@ from gossip.run_dir import RunSummary, prepare_run_dir, write_outputs
 
 OPTIMIZERS = ("accum-adamw", "adamw", "sgd")
 DDP = "ddp"  # torch DistributedDataParallel: the All-Reduce baseline (gradient all-reduce, no schedule)
+AVERAGING_EVERY_STEP = (DDP, "allreduce")  # --average-every changes nothing for these
 ALGORITHM_CHOICES = tuple(sorted([*gossip.ALGORITHMS, DDP]))
 DEFAULT_SCHEDULE = "one_peer_hypercube"
 FALLBACK_SCHEDULE = "ring"
@@ -54,19 +56,40 @@ class ConfigError(ValueError):
         self.option = option
 
 
+@dataclasses.dataclass(frozen=True)
+class MixingDefaults:
+    """The main job's default mixing and local optimizer, in one place (``gossip-train``'s defaults follow it).
+
+    ``power_iterations`` applies when the algorithm is PowerGossip and ``average_every`` to the gossip algorithms
+    (not to ``ddp`` or ``allreduce``, which average every step); :func:`resolve` fills them in where unset.
+    """
+
+    algorithm: str = "exact"
+    rank: int = 1
+    power_iterations: int = 1
+    average_every: int = 0
+    optimizer: str = "accum-adamw"
+    lr: float = 3e-3
+
+
+DEFAULTS = MixingDefaults()
+
+
 @dataclasses.dataclass
 class TrainConfig:
     """Everything one run depends on; ``None`` fields are resolved per world size by :func:`resolve`."""
 
     steps: int = 500
     batch_size: int = 16
-    lr: float = 3e-3
+    lr: float = DEFAULTS.lr
     warmup_steps: int | None = None
     weight_decay: float = 0.1
-    optimizer: str = "accum-adamw"
+    optimizer: str = DEFAULTS.optimizer
     accum_iter: int | None = None
-    algorithm: str = "exact"
-    rank: int = 1
+    algorithm: str = DEFAULTS.algorithm
+    rank: int = DEFAULTS.rank
+    power_iterations: int | None = None
+    average_every: int | None = None
     schedule: str | None = None
     split: str = "iid"
     seed: int = 0
@@ -110,8 +133,9 @@ def build_schedule(config: TrainConfig) -> topologies.Schedule:
 def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str]]:
     """Fill the per-world-size defaults; return the resolved copy and notes on the choices made.
 
-    ``accum_iter`` defaults to max(1, n // 4) (algorithms.md B.3: A ~ n/4 ... n/2); ``warmup_steps`` to
-    ``steps // 10`` capped at 100. Raises :class:`ConfigError` naming the option at fault.
+    ``accum_iter`` defaults to max(1, n // 4) (docs/design.md B.3: A ~ n/4 ... n/2); ``warmup_steps`` to
+    ``steps // 10`` capped at 100; ``power_iterations`` and ``average_every`` to :data:`DEFAULTS`' where they
+    apply (else 1 and 0). Raises :class:`ConfigError` naming the option at fault.
     """
     resolved = dataclasses.replace(config, world_size=world_size, model=dict(config.model))
     notes = []
@@ -129,11 +153,32 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
         raise ConfigError("--algorithm", f"unknown {config.algorithm!r}; choose one of {list(ALGORITHM_CHOICES)}")
     if config.optimizer not in OPTIMIZERS:
         raise ConfigError("--optimizer", f"unknown {config.optimizer!r}; choose one of {list(OPTIMIZERS)}")
+    _check_mixing_options(config)
+    if config.power_iterations is None:
+        resolved.power_iterations = DEFAULTS.power_iterations if config.algorithm == "powergossip" else 1
+    if config.average_every is None:
+        resolved.average_every = 0 if config.algorithm in AVERAGING_EVERY_STEP else DEFAULTS.average_every
     if config.data is not None and not Path(config.data).is_file():
         raise ConfigError("--data", f"{config.data!r} does not exist or is not a file")
     if resolved.algorithm != DDP:
         build_schedule(resolved)
     return resolved, notes
+
+
+def _check_mixing_options(config: TrainConfig) -> None:
+    """``--average-every`` and ``--power-iterations``, where given, only where they change something."""
+    every, iterations = config.average_every, config.power_iterations
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+        raise ConfigError("--average-every", f"must be an integer >= 0 (0 = off), got {every!r}")
+    if every and config.algorithm in AVERAGING_EVERY_STEP:
+        raise ConfigError(
+            "--average-every", f"--algorithm {config.algorithm} averages every step already; drop --average-every"
+        )
+    if iterations is not None and iterations != 1 and config.algorithm != "powergossip":
+        raise ConfigError(
+            "--power-iterations",
+            f"applies to --algorithm powergossip only, not {config.algorithm}; drop --power-iterations",
+        )
 
 
 def _check_ddp(config: TrainConfig) -> None:
@@ -156,9 +201,24 @@ def learning_rate(config: TrainConfig, step: int) -> float:
 
 
 def make_algorithm(config: TrainConfig) -> gossip.Algorithm:
+    """The gossip algorithm of ``config``, wrapped in :class:`gossip.PeriodicAverage` when ``average_every > 0``."""
     if config.algorithm == "powergossip":
-        return gossip.PowerGossip(rank=config.rank)
-    return gossip.ALGORITHMS[config.algorithm]()
+        algorithm = gossip.PowerGossip(rank=config.rank, num_iterations=config.power_iterations)
+    else:
+        algorithm = gossip.ALGORITHMS[config.algorithm]()
+    if config.average_every:
+        return gossip.PeriodicAverage(algorithm, every=config.average_every)
+    return algorithm
+
+
+def describe_mixing(config: TrainConfig) -> str:
+    """One line for the start of the run, e.g. "powergossip on one_peer_hypercube, exact average every 16 steps"."""
+    if config.algorithm == DDP:
+        return "torch DDP (gradient all-reduce)"
+    mixing = f"{config.algorithm} on {config.schedule}"
+    if config.average_every:
+        mixing += f", exact average every {config.average_every} steps"
+    return mixing
 
 
 def make_model(config: TrainConfig, comm: Communicator, run_dir: Path) -> Replicated:
@@ -254,11 +314,8 @@ def _train(config: TrainConfig, comm: Communicator) -> RunSummary | None:
     )
     held_out = validation_batches(corpus.validation, config.batch_size, config.model["block_size"], config.eval_batches)
     if comm.rank == 0:
-        mixing = (
-            "torch DDP (gradient all-reduce)" if config.algorithm == DDP else f"{config.algorithm} on {config.schedule}"
-        )
         print(
-            f"gossip-train: {comm.size} worker(s), {mixing}, {config.optimizer}, "
+            f"gossip-train: {comm.size} worker(s), {describe_mixing(config)}, {config.optimizer}, "
             f"GPT {model.module.num_parameters():,} params, corpus {corpus.source} ({len(corpus.train):,} bytes), "
             f"run dir {run_dir}",
             flush=True,

@@ -2,7 +2,7 @@ r"""Local update rules for decentralized training. Nothing in this package commu
 
 Decentralization enters only through the order of operations that the wrapper
 (``gossip.DecentralizedDataParallel``) enforces around an ordinary ``torch.optim.Optimizer``
-(algorithms.md B.1 and G; Decent-DP's schema, arXiv 2410.11998):
+(docs/design.md B.1 and G; Decent-DP's schema, arXiv 2410.11998):
 
 .. math::
 
@@ -19,9 +19,9 @@ Contents:
 
 - :data:`SGD` is ``torch.optim.SGD`` itself. With the order above it *is* D-PSGD, and with
   ``momentum=0.9, nesterov=True`` it is the decentralized SGD with Nesterov momentum used by PowerGossip's
-  reference (algorithms.md A.7): the local rule is unchanged, so it is not re-implemented here.
+  reference (docs/design.md A.7): the local rule is unchanged, so it is not re-implemented here.
 - :class:`AccumAdam` / :class:`AccumAdamW`: Adam / AdamW whose moments advance once per ``accum_iter`` local
-  steps with the mean of the last local gradients (algorithms.md B.3). ``accum_iter=1`` gives Adam / AdamW,
+  steps with the mean of the last local gradients (docs/design.md B.3). ``accum_iter=1`` gives Adam / AdamW,
   i.e. DAdam under the order above.
 - :func:`param_groups`: weight decay on ``ndim >= 2`` weights, none on biases and normalisation parameters.
 """

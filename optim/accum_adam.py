@@ -2,7 +2,7 @@ r"""AccumAdam and AccumAdamW: Adam whose moments advance once per ``accum_iter``
 
 Source: Wang, Zhang, Wu, Johansson, "From Promise to Practice: Realizing High-performance Decentralized
 Training", arXiv 2410.11998 (ICLR 2025); reference code ``WangZesen/Decent-DP``
-(``decent_dp/optim.py::accum_adam_foreach`` / ``accum_adamw_foreach``). Specification: algorithms.md B.3.
+(``decent_dp/optim.py::accum_adam_foreach`` / ``accum_adamw_foreach``). Specification: docs/design.md B.3.
 
 Why: in decentralized training with a fixed global batch B and n workers, each worker estimates Adam's
 moments from B/n samples, so the second moment is dominated by gradient noise. AccumAdam refreshes the
@@ -122,7 +122,7 @@ class AccumAdam(Optimizer):
         eps: :math:`\epsilon` added to the denominator (default 1e-8).
         weight_decay: :math:`\lambda` (default 0).
         accum_iter: A, the number of local steps per moment round, an integer >= 1 (default 4). The
-            reference scales it with the number of workers n, roughly n/4 ... n/2 (algorithms.md B.3).
+            reference scales it with the number of workers n, roughly n/4 ... n/2 (docs/design.md B.3).
         decoupled_weight_decay: decay the parameters directly (AdamW) instead of adding L2 to the gradient.
         maximize: maximize the objective instead of minimizing it.
         foreach: use the ``torch._foreach_*`` kernels (bit-identical to the per-tensor loop on CPU);
@@ -223,7 +223,7 @@ class AccumAdamW(AccumAdam):
 
     Same algorithm as :class:`AccumAdam` (step 2 uses the decoupled branch); with ``accum_iter=1`` it is
     exactly ``torch.optim.AdamW``. Default ``weight_decay=1e-2`` as in torch. Sources: arXiv 2410.11998,
-    Decent-DP ``accum_adamw_foreach``; algorithms.md B.3.
+    Decent-DP ``accum_adamw_foreach``; docs/design.md B.3.
     """
 
     def __init__(

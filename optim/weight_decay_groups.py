@@ -1,6 +1,6 @@
 """Split a module's parameters into a weight-decay group and a no-decay group.
 
-Rule (common practice, e.g. nanoGPT; algorithms.md B.1 "Bug to avoid" and B.4 "no wd on bn/bias"): tensors
+Rule (common practice, e.g. nanoGPT; docs/design.md B.1 "Bug to avoid" and B.4, none on BatchNorm and biases): tensors
 with ndim >= 2 (linear and convolution weights, embeddings) are decayed; tensors with ndim <= 1 (biases,
 BatchNorm / LayerNorm scales and shifts, scalars) are not. Decent-DP's
 ``decent_dp/optim.py::_get_param_groups`` has the two groups swapped; this is the correct version.

@@ -21,6 +21,10 @@ def local_model(rank: int, seed: int = 0) -> list:
 
 
 def make_algorithm(name: str) -> gossip.Algorithm:
+    """An algorithm by name; ``pga<K>-<inner>`` is ``PeriodicAverage(<inner>, every=K)``."""
+    if name.startswith("pga"):
+        every, inner = name.removeprefix("pga").split("-", 1)
+        return gossip.PeriodicAverage(make_algorithm(inner), every=int(every))
     return {
         "exact": lambda: gossip.ExactGossip(),
         "exact-overrelaxed": lambda: gossip.ExactGossip(gamma=1.2),
@@ -48,11 +52,12 @@ def run_steps(comm: gossip.Communicator, algorithm: str, schedule: str, steps: i
         if step == steps:
             break
         algo.step(step)
-        if isinstance(algo, gossip.PowerGossip):
+        inner = algo.inner if isinstance(algo, gossip.PeriodicAverage) else algo
+        if isinstance(inner, gossip.PowerGossip):
             factors.append(
                 {
                     key: (e.iteration, [p.clone() for p in e.p], [q.clone() for q in e.q])
-                    for key, e in algo.edges.items()
+                    for key, e in inner.edges.items()
                 }
             )
     return {
@@ -75,6 +80,8 @@ CASES = [
     ("powergossip-r1", "ring"),
     ("powergossip-r2-2it", "hypercube"),
     ("allreduce", "hypercube"),
+    ("pga3-exact", "ring"),  # PeriodicAverage: averages at steps 2 and 5 (the last), gossips in between
+    ("pga3-powergossip-r2-2it", "hypercube"),
 ]
 
 

@@ -1,8 +1,11 @@
 """Worker: run every communicator scenario on a real backend and save this rank's results.
 
-Usage (by tests/launch.py): python tests/comm_worker.py OUT_DIR BACKEND
+Usage (by tests/launch.py): python tests/comm_worker.py OUT_DIR BACKEND. BACKEND "mpi-staged" is MPI with every
+tensor staged through host buffers (forced), the path GPU tensors take on an MPI that is not CUDA-aware; its log
+lines are saved with the results.
 """
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -16,8 +19,19 @@ import gossip
 def main() -> None:
     out_dir, backend = Path(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
-    comm = gossip.init(backend, timeout=30.0)
+    records: list[str] = []
+    if backend == "mpi-staged":
+        from gossip.backends.mpi import MPICommunicator
+        from gossip.launch_env import detect_launch
+
+        handler = logging.Handler()
+        handler.emit = lambda record: records.append(record.getMessage())
+        logging.getLogger("gossip").addHandler(handler)
+        comm = MPICommunicator(detect_launch(), 30.0, stage=True)
+    else:
+        comm = gossip.init(backend, timeout=30.0)
     results = run_all(comm)
+    results["log"] = records
     torch.save(results, out_dir / f"rank{comm.rank}.pt")
     comm.close()
     if backend == "gloo":

@@ -86,36 +86,44 @@ def train(
     return result
 
 
-def checkpoint_resume(comm, directory: str | Path, algorithm_factory=ExactGossip) -> dict[str, torch.Tensor]:
-    """6 steps uninterrupted vs 3 + save + fresh objects + load + 3 (AccumAdamW, accum_iter=2)."""
+def checkpoint_resume(comm, directory: str | Path, algorithm_factory=ExactGossip) -> dict[str, Any]:
+    """6 steps uninterrupted vs 3 + save + fresh objects + load + 3 (AccumAdamW, accum_iter=2), with an LR
+    scheduler, a private generator that perturbs each batch, and a plain dict saved as ``extra`` state."""
 
-    def run(model: DecentralizedDataParallel, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    def run(model, optimizer, scheduler, generator, progress, steps: range) -> None:
         for step in steps:
             x, y = batch(comm.rank, step)
-            loss_of(model, x, y).backward()
+            loss_of(model, x + 0.1 * torch.randn(x.shape, generator=generator), y).backward()
             optimizer.step()
             optimizer.zero_grad()
+            scheduler.step()
+            progress["batches"] = progress.get("batches", 0) + 1
 
-    def fresh(seed: int) -> tuple[DecentralizedDataParallel, torch.optim.Optimizer]:
+    def fresh(seed: int) -> tuple:
         model = wrap(comm, make_mlp(seed), algorithm_factory())
-        return model, optim.AccumAdamW(model.parameters(), lr=1e-2, accum_iter=2)
+        optimizer = optim.AccumAdamW(model.parameters(), lr=1e-2, accum_iter=2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return model, optimizer, scheduler, torch.Generator().manual_seed(seed), {}
 
-    model, optimizer = fresh(comm.rank)
-    run(model, optimizer, range(6))
+    model, optimizer, scheduler, generator, progress = fresh(comm.rank)
+    run(model, optimizer, scheduler, generator, progress, range(6))
     uninterrupted = flat_parameters(model)
     model.close()
 
-    model, optimizer = fresh(comm.rank)
-    run(model, optimizer, range(3))
-    save_checkpoint(directory, model, optimizer)
+    model, optimizer, scheduler, generator, progress = fresh(comm.rank)
+    run(model, optimizer, scheduler, generator, progress, range(3))
+    extra = {"scheduler": scheduler, "generator": generator, "progress": progress}
+    save_checkpoint(directory, model, optimizer, extra=extra)
     model.close()
 
-    model, optimizer = fresh(100 + comm.rank)
-    resumed_at = load_checkpoint(directory, model, optimizer)
-    run(model, optimizer, range(resumed_at, 6))
+    model, optimizer, scheduler, generator, progress = fresh(100 + comm.rank)
+    extra = {"scheduler": scheduler, "generator": generator, "progress": progress}
+    resumed_at = load_checkpoint(directory, model, optimizer, extra=extra)
+    restored = {"batches": progress.get("batches"), "lr": optimizer.param_groups[0]["lr"]}
+    run(model, optimizer, scheduler, generator, progress, range(resumed_at, 6))
     resumed = flat_parameters(model)
     model.close()
-    return {"uninterrupted": uninterrupted, "resumed": resumed, "resumed_at": resumed_at}
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "resumed_at": resumed_at, "restored": restored}
 
 
 def averaged_and_consensus(comm) -> dict[str, Any]:
@@ -136,10 +144,37 @@ def averaged_and_consensus(comm) -> dict[str, Any]:
     return {"before": before, "inside": inside, "after": after, "consensus": consensus}
 
 
+SKIP_RANK, SKIP_STEP = 1, 2
+
+
+def skip_one_update(comm, scaler: bool) -> tuple[torch.Tensor, int]:
+    """5 SGD steps; rank 1's update of step 2 is skipped: by a GradScaler that finds an overflow (``scaler``), or
+    as the reference, by a zero gradient, so that its optimizer step only mixes."""
+    model = wrap(comm, make_mlp(comm.rank))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(5):
+        loss = loss_of(model, *batch(comm.rank, step))
+        overflow = comm.rank == SKIP_RANK and step == SKIP_STEP
+        if scaler:
+            grad_scaler.scale(loss * (float("inf") if overflow else 1.0)).backward()
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
+        else:
+            loss.backward()
+            if overflow:
+                optimizer.zero_grad(set_to_none=False)
+            optimizer.step()
+        optimizer.zero_grad()
+    model.close()
+    return flat_parameters(model), model.step_count
+
+
 def run_all(comm, directory: Path) -> dict[str, Any]:
     """Every scenario the multiprocess test compares with the simulator."""
     return {
         "train": train(comm, 8),
         "checkpoint": checkpoint_resume(comm, directory / "checkpoint"),
         "averaged": averaged_and_consensus(comm),
+        "grad_scaler_skip": skip_one_update(comm, True),
     }

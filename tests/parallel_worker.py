@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import torch
-from parallel_scenarios import run_all
+from parallel_scenarios import make_mlp, run_all, wrap
 
 import gossip
 
@@ -17,8 +17,13 @@ def main() -> None:
     torch.set_num_threads(1)
     comm = gossip.init(backend, timeout=30.0)
     results = run_all(comm, out_dir)
-    torch.save(results, out_dir / f"rank{comm.rank}.pt")
     comm.close()
+    try:  # a closed communicator must be refused at once, without waiting for the peers
+        wrap(comm, make_mlp(comm.rank))
+        results["closed"] = "no error"
+    except gossip.GossipError as error:
+        results["closed"] = str(error)
+    torch.save(results, out_dir / f"rank{comm.rank}.pt")
 
 
 if __name__ == "__main__":

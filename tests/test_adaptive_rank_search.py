@@ -1,4 +1,4 @@
-"""GraVAC's ladder search (algorithms.md C.2, C.4) on given (gain, throughput) measurements."""
+"""GraVAC's ladder search (docs/design.md C.2, C.4) on given (gain, throughput) measurements."""
 
 from __future__ import annotations
 

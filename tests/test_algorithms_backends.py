@@ -8,6 +8,7 @@ from algorithm_scenarios import CASES, run_all
 from launch import launch
 
 import gossip
+from gossip.algorithms.allreduce import COLLECTIVE
 
 N = 4
 
@@ -28,9 +29,14 @@ def test_real_backend_mixes_exactly_like_the_simulator(real, oracle, case):
     backend, results = real
     for rank in range(N):
         got, want = results[rank][case], oracle[rank][case]
-        if case.startswith("allreduce"):  # the backend's reduction order may differ from rank order
+        if case.startswith(("allreduce", "pga")):  # the backend's reduction order may differ from rank order
             for g, w in zip(got["buffers"], want["buffers"], strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+            for g, w in zip(got["factors"], want["factors"], strict=True):
+                assert g.keys() == w.keys()
+                for key in g:
+                    assert g[key][0] == w[key][0]
+                    torch.testing.assert_close(g[key][1] + g[key][2], w[key][1] + w[key][2], rtol=1e-5, atol=1e-5)
             continue
         for g, w in zip(got["buffers"], want["buffers"], strict=True):
             assert torch.equal(g, w), f"{backend} rank {rank} {case}: parameters differ from the simulator's"
@@ -43,9 +49,32 @@ def test_real_backend_mixes_exactly_like_the_simulator(real, oracle, case):
 
 @pytest.mark.parametrize("case", [f"{a}/{s}" for a, s in CASES if not a.startswith("allreduce")])
 def test_algorithm_byte_counts_equal_the_communicators(real, case):
+    """Point-to-point bytes per peer equal the communicator's counters; PeriodicAverage's all-reduce bytes are
+    recorded under COLLECTIVE, which the communicator does not count."""
     backend, results = real
     for rank in range(N):
         result = results[rank][case]
-        assert result["sent"] == result["comm_sent"] and result["received"] == result["comm_received"], (
-            f"{backend} rank {rank} {case}"
-        )
+        sent, received = dict(result["sent"]), dict(result["received"])
+        assert (COLLECTIVE in sent) == case.startswith("pga")
+        sent.pop(COLLECTIVE, None)
+        received.pop(COLLECTIVE, None)
+        assert sent == result["comm_sent"] and received == result["comm_received"], f"{backend} rank {rank} {case}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", [f"{a}/{s}" for a, s in CASES if a.startswith("pga")])
+def test_periodic_average_leaves_bit_identical_replicas_and_edge_factors(real, case):
+    """The last step averages: every rank holds the all-reduce's bits; PowerGossip's factors are the same on
+    both ends of every edge after every step, averaging steps included."""
+    backend, results = real
+    for rank in range(1, N):
+        assert all(
+            torch.equal(a, b) for a, b in zip(results[rank][case]["buffers"], results[0][case]["buffers"], strict=True)
+        ), f"{backend} {case}: rank {rank}'s replica differs from rank 0's after the global average"
+    for step in range(len(results[0][case]["factors"])):
+        for rank, result in enumerate(results):
+            for (lo, hi), (iteration, p, q) in result[case]["factors"][step].items():
+                other = results[hi if rank == lo else lo][case]["factors"][step][(lo, hi)]
+                assert iteration == other[0] and all(
+                    torch.equal(a, b) for a, b in zip(p + q, other[1] + other[2], strict=True)
+                ), f"{backend} {case} step {step}: edge {(lo, hi)} differs between its ends"

@@ -1,4 +1,4 @@
-"""Consensus reproductions R1 and R3 of algorithms.md section H, on the in-process simulator.
+"""Consensus reproductions R1 and R3 of docs/design.md section H, on the in-process simulator.
 
 R1: 8-ring, weights 1/3, one random 100 x 100 matrix per rank (initial error about 8768 = 100^2 (1 - 1/8)).
 R3: one-peer hypercube with n = 16, PowerGossip rank 1 -- stalls with a per-worker parity counter, converges with

@@ -1,4 +1,4 @@
-"""Invariants of the gossip algorithms on the in-process simulator (algorithms.md A.12)."""
+"""Invariants of the gossip algorithms on the in-process simulator (docs/design.md A.12)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from launch import launch
 import gossip
 
 N = 4
-BACKENDS = ("simulator", "gloo", "mpi")
+BACKENDS = ("simulator", "gloo", "mpi", "mpi-staged")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,8 @@ def results(request, oracle, tmp_path_factory) -> tuple[str, list[dict]]:
     if request.param == "simulator":
         return "simulator", oracle
     out_dir = tmp_path_factory.mktemp(request.param)
-    return request.param, launch("comm_worker.py", out_dir, [request.param], backend=request.param, n=N)[0]
+    launcher = "mpi" if request.param == "mpi-staged" else request.param
+    return request.param, launch("comm_worker.py", out_dir, [request.param], backend=launcher, n=N)[0]
 
 
 def scenario(results: tuple[str, list[dict]], name: str) -> list[dict]:
@@ -111,3 +112,11 @@ def test_dtype_mismatch_is_refused_naming_peer_and_both_specs(results):
 def test_communicator_refuses_work_after_a_failure(results):
     for rank, result in enumerate(scenario(results, "failures")):
         assert "unusable after an earlier failure" in result["after"], f"rank {rank}: {result['after']}"
+
+
+@pytest.mark.parametrize("results", ["mpi-staged"], indirect=True)
+def test_staging_through_host_buffers_is_said_once_per_rank(results):
+    kind = "pinned" if torch.cuda.is_available() else "plain"
+    for rank, result in enumerate(results[1]):
+        message = f"rank {rank}: MPI: cpu tensors are staged through {kind} host buffers: forced (stage=True)"
+        assert result["log"] == [message]

@@ -1,7 +1,7 @@
 """A healthy 4-process training job ends with status 0 and nothing alarming on its output, on Gloo and MPI.
 
 About a third of 4-process Gloo runs used to crash at interpreter exit ("terminate called without an active
-exception") unless the process group was torn down (environment.md). Tearing it down is not enough if something
+exception") unless the process group was torn down (docs/design.md J). Tearing it down is not enough if something
 still refers to the group: its Gloo threads then run into interpreter teardown. torch.optim imports, through
 torch._dynamo, torch.distributed.nn.functional, whose ``group=dist.group.WORLD`` defaults captured the live group when
 first imported after init_process_group (the communicator now imports it first). So besides the exit status and

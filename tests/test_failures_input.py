@@ -105,8 +105,8 @@ def test_zero_size_parameters_travel_as_nothing(algorithm):
 def test_parameters_on_another_device_type_are_named(monkeypatch):
     signature = gossip.replicas.run_signature
 
-    def on_cuda_at_rank_1(module, comm, schedule, algorithm):
-        mine = signature(module, comm, schedule, algorithm)
+    def on_cuda_at_rank_1(module, comm, schedule, algorithm, settings=None):
+        mine = signature(module, comm, schedule, algorithm, settings)
         if comm.rank == 1:
             mine["tensors"] = [(*row[:4], "cuda") for row in mine["tensors"]]
         return mine

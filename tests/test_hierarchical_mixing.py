@@ -1,4 +1,4 @@
-"""Hierarchical gossip on the simulator: it applies W(t) = W_node(t) kron (1/L) 1 1^T (algorithms.md E.2)."""
+"""Hierarchical gossip on the simulator: it applies W(t) = W_node(t) kron (1/L) 1 1^T (docs/design.md E.2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""AccumAdam / AccumAdamW: the update rule of algorithms.md B.3, pinned property by property."""
+"""AccumAdam / AccumAdamW: the update rule of docs/design.md B.3, pinned property by property."""
 
 from __future__ import annotations
 

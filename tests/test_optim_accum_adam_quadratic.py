@@ -1,4 +1,4 @@
-"""Reproduction R6 (algorithms.md B.3 and H): AccumAdam beats decentralized Adam on a noisy quadratic.
+"""Reproduction R6 (docs/design.md B.3 and H): AccumAdam beats decentralized Adam on a noisy quadratic.
 
 Setup of the spec: n = 16 workers, global batch B = 256 (local B/n = 16), d = 2000, lr 3e-3, 3000 steps,
 one-peer hypercube mixing (i paired with i XOR 2^(t mod 4), weights 1/2) in the overlapped order

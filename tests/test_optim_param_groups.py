@@ -1,4 +1,4 @@
-"""optim.param_groups: decay on matrices, none on biases / normalisation (algorithms.md B.1 bug to avoid)."""
+"""optim.param_groups: decay on matrices, none on biases / normalisation (docs/design.md B.1 bug to avoid)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,13 @@ import gossip
 import topologies
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.powergossip import PowerGossip
-from gossip.checkpoint import CheckpointMismatchError, checkpoint_path, load_checkpoint, save_checkpoint
+from gossip.checkpoint import (
+    CheckpointMismatchError,
+    checkpoint_path,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+)
 from gossip.parallel import DecentralizedDataParallel
 
 N = 4
@@ -22,21 +28,27 @@ N = 4
 def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(tmp_path, algorithm):
     for rank, result in enumerate(gossip.simulate(N, checkpoint_resume, tmp_path, algorithm)):
         assert result["resumed_at"] == 3
+        assert result["restored"] == {"batches": 3, "lr": 1e-2 / 4}  # the dict and the scheduler came back
         assert torch.equal(result["resumed"], result["uninterrupted"]), f"rank {rank}"
 
 
-def save_after_two_steps(comm, directory) -> None:
+def save_after_two_steps(comm, directory, extra=None, also_after_three=None) -> None:
     model = wrap(comm, make_mlp(comm.rank))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(2):
+    for step in range(3):
+        if step == 2:
+            save_checkpoint(directory, model, optimizer, extra=extra)
+            if also_after_three is None:
+                break
         loss_of(model, *batch(comm.rank, step)).backward()
         optimizer.step()
         optimizer.zero_grad()
-    save_checkpoint(directory, model, optimizer)
+    if also_after_three is not None:
+        save_checkpoint(also_after_three, model, optimizer, extra=extra)
     model.close()
 
 
-def load_into(comm, directory, module=None, schedule=None, algorithm=None) -> str:
+def load_into(comm, directory, module=None, schedule=None, algorithm=None, extra=None) -> str:
     model = DecentralizedDataParallel(
         module or make_mlp(comm.rank),
         comm,
@@ -45,7 +57,7 @@ def load_into(comm, directory, module=None, schedule=None, algorithm=None) -> st
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     try:
-        return f"resumed at {load_checkpoint(directory, model, optimizer)}"
+        return f"resumed at {load_checkpoint(directory, model, optimizer, extra=extra)}"
     except CheckpointMismatchError as error:
         return str(error)
     finally:
@@ -55,7 +67,7 @@ def load_into(comm, directory, module=None, schedule=None, algorithm=None) -> st
 def test_checkpoint_holds_step_optimizer_state_and_one_file_per_rank(tmp_path):
     gossip.simulate(N, save_after_two_steps, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{r}.pt" for r in range(N)]  # no temporary left
-    state = torch.load(checkpoint_path(tmp_path, 1), weights_only=False)
+    state = read_checkpoint(checkpoint_path(tmp_path, 1))
     assert state["training"]["step"] == 2 and state["rank"] == 1
     assert len(state["optimizer"]["state"]) == 4  # momentum buffers of the 4 parameters
     assert set(state["rng"]) == {"torch", "numpy", "python"}
@@ -97,3 +109,92 @@ def test_missing_rank_file_is_reported_on_every_rank(tmp_path):
     checkpoint_path(tmp_path, 3).unlink()
     messages = gossip.simulate(N, load_into, tmp_path)
     assert messages == [f"rank 3: no checkpoint file {checkpoint_path(tmp_path, 3)}"] * N
+
+
+def test_checkpoint_of_a_smaller_world_names_both_sizes(tmp_path):
+    gossip.simulate(2, save_after_two_steps, tmp_path)
+    messages = gossip.simulate(N, load_into, tmp_path)
+    assert all(m.startswith("rank 0: ") and "this run has world size 4 but the checkpoint has 2" in m for m in messages)
+
+
+def test_a_truncated_file_is_named_with_its_rank_on_every_rank(tmp_path):
+    gossip.simulate(N, save_after_two_steps, tmp_path)
+    path = checkpoint_path(tmp_path, 2)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    messages = gossip.simulate(N, load_into, tmp_path)
+    assert all(m.startswith(f"rank 2: {path} is unreadable, truncated or not a checkpoint (") for m in messages)
+
+
+def test_a_corrupted_file_fails_its_checksum(tmp_path):
+    gossip.simulate(N, save_after_two_steps, tmp_path)
+    path = checkpoint_path(tmp_path, 1)
+    envelope = torch.load(path, weights_only=False)
+    corrupted = bytearray(envelope["state"])
+    corrupted[len(corrupted) // 2] ^= 0x01  # one flipped bit inside the saved tensors
+    torch.save({**envelope, "state": bytes(corrupted)}, path)
+    messages = gossip.simulate(N, load_into, tmp_path)
+    assert (
+        messages == [f"rank 1: {path} fails its SHA-256 checksum: the file is corrupt; restore it from a good copy"] * N
+    )
+
+
+def test_files_of_different_saves_are_refused_naming_both_steps(tmp_path):
+    gossip.simulate(N, save_after_two_steps, tmp_path / "a", None, tmp_path / "b")  # saves at step 2 (a) and 3 (b)
+    old, new = checkpoint_path(tmp_path / "b", 3), checkpoint_path(tmp_path / "b", 0)
+    checkpoint_path(tmp_path / "a", 3).replace(old)
+    messages = gossip.simulate(N, load_into, tmp_path / "b")
+    assert (
+        messages
+        == [
+            f"rank 3: {old} holds step 2 but rank 0's {new} holds step 3: the files come from different saves; "
+            "restore one save's files on every rank"
+        ]
+        * N
+    )
+
+
+def test_extra_state_keys_must_match(tmp_path):
+    gossip.simulate(N, lambda comm: save_after_two_steps(comm, tmp_path, {"progress": {"epoch": 1}}))
+    messages = gossip.simulate(N, lambda comm: load_into(comm, tmp_path, extra={"generator": torch.Generator()}))
+    assert all(
+        m.startswith("rank 0: ")
+        and "the extra state saved has keys ['progress'] but load_checkpoint was given ['generator'] (missing "
+        "['progress'], unexpected ['generator'])"
+        in m
+        for m in messages
+    )
+    given = [{} for _ in range(N)]
+    assert (
+        gossip.simulate(N, lambda comm: load_into(comm, tmp_path, extra={"progress": given[comm.rank]}))
+        == ["resumed at 2"] * N
+    )
+    assert given == [{"epoch": 1}] * N
+
+
+def test_a_plain_extra_value_that_is_not_a_dict_is_refused_at_save(tmp_path):
+    with pytest.raises(
+        TypeError, match=r"rank \d: save_checkpoint: extra\['epoch'\] \(type int\) cannot be restored in place"
+    ):
+        gossip.simulate(2, lambda comm: save_after_two_steps(comm, tmp_path, {"epoch": 3}))
+
+
+def test_frozen_parameters_are_saved_and_restored(tmp_path):
+    def save(comm) -> torch.Tensor:
+        module = make_mlp(comm.rank)
+        module[0].weight.requires_grad_(False)
+        model = wrap(comm, module)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        save_checkpoint(tmp_path, model, optimizer)
+        model.close()
+        return module[0].weight.detach().clone()
+
+    def load(comm) -> torch.Tensor:
+        module = make_mlp(100 + comm.rank)  # another initialisation: the frozen weights must come from the file
+        module[0].weight.requires_grad_(False)
+        model = wrap(comm, module)
+        load_checkpoint(tmp_path, model, torch.optim.SGD(model.parameters(), lr=0.1))
+        model.close()
+        return module[0].weight.detach().clone()
+
+    for saved, loaded in zip(gossip.simulate(N, save), gossip.simulate(N, load), strict=True):
+        assert torch.equal(saved, loaded)

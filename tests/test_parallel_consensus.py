@@ -1,4 +1,4 @@
-"""Consensus distance (exact and sampled, algorithms.md F.4) and the averaged() evaluation context (simulator)."""
+"""Consensus distance (exact and sampled, docs/design.md F.4) and the averaged() evaluation context (simulator)."""
 
 from __future__ import annotations
 

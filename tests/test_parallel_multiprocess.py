@@ -79,3 +79,17 @@ def test_averaged_holds_the_global_mean_and_consensus_matches_the_simulator(resu
         torch.testing.assert_close(result["averaged"]["inside"].double(), mean, rtol=1e-6, atol=1e-6)
         expected = oracle[rank]["averaged"]["consensus"]
         assert result["averaged"]["consensus"] == pytest.approx(expected, rel=1e-9), f"{backend} rank {rank}"
+
+
+def test_a_grad_scaler_skip_on_one_rank_keeps_lockstep_as_on_the_simulator(results, oracle):
+    backend, per_rank = results
+    for rank in range(N):
+        (params, steps), (expected, _) = per_rank[rank]["grad_scaler_skip"], oracle[rank]["grad_scaler_skip"]
+        assert steps == 5 and torch.equal(params, expected), f"{backend} rank {rank}"
+
+
+def test_a_closed_communicator_is_refused_by_the_wrapper(results):
+    backend, per_rank = results
+    for rank, result in enumerate(per_rank):
+        expected = f"rank {rank}: the communicator was already closed (comm.close()); create a new one with"
+        assert result["closed"].startswith(expected), f"{backend}: {result['closed']}"

@@ -1,4 +1,4 @@
-"""The order of one step under DecentralizedDataParallel (algorithms.md B.1, G), on the simulator.
+"""The order of one step under DecentralizedDataParallel (docs/design.md B.1, G), on the simulator.
 
 Shown by instrumentation, not timing: a recording algorithm logs start(t)/finish(t), a forward hook logs
 forward(t), the optimizer logs update(t).

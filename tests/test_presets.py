@@ -1,4 +1,5 @@
-"""TAGC's layer-selective preset (algorithms.md D.2-D.3) picks exactly the MLP, token-embedding and LM-head matrices."""
+"""TAGC's layer-selective preset (docs/design.md D.2-D.3) picks exactly the MLP, token-embedding and LM-head
+matrices."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Runtime model (experiments.comm_costs, .runtime_model; algorithms.md B.5/E.2): costs, regimes, B.5 table, tables."""
+"""Runtime model (experiments.comm_costs, .runtime_model; docs/design.md B.5/E.2): costs, regimes, B.5 table, tables."""
 
 import io
 import math

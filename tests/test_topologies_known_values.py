@@ -1,4 +1,4 @@
-"""Spectral and consensus values pinned to algorithms.md F.2, F.3, B.2, E.2 and A.9."""
+"""Spectral and consensus values pinned to docs/design.md F.2, F.3, B.2, E.2 and A.9."""
 
 import math
 

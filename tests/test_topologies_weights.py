@@ -1,4 +1,4 @@
-"""Edge weightings and graph inputs (algorithms.md F.1)."""
+"""Edge weightings and graph inputs (docs/design.md F.1)."""
 
 import networkx as nx
 import numpy as np

@@ -1,4 +1,4 @@
-"""Spectral analysis, consensus simulation and communication volume (algorithms.md F.3, F.4, A.9).
+"""Spectral analysis, consensus simulation and communication volume (docs/design.md F.3, F.4, A.9).
 
 Notation: J = (1/n) 1 1^T. For a step W(t), rho = ||W - J||_2 and the spectral gap is 1 - rho (F.3).
 For a periodic schedule the product over one period is Pi = W(p-1) ... W(0). Consensus distance (F.4,

@@ -1,7 +1,7 @@
 """The schedule abstraction: who mixes with whom, with which weights, at step t.
 
 A schedule is a pure function of the step t -> mixing matrix W(t), identical on every rank without
-communication. Mixing semantics (algorithms.md F): x_i <- sum_j W_ij(t) x_j, so rank i *receives* x_j from
+communication. Mixing semantics (docs/design.md F): x_i <- sum_j W_ij(t) x_j, so rank i *receives* x_j from
 every in-peer j (W_ij > 0) and *sends* x_i to every out-peer j (W_ji > 0).
 
 Internally a step is stored sparsely as coordinate triplets (rows, cols, weights) so that ``peers()`` never

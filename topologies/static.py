@@ -2,7 +2,7 @@
 
 Each function returns a validated :class:`Schedule`. ``weights`` is one of ``"uniform"``,
 ``"metropolis"`` or ``"attribute"`` (see :mod:`topologies.weights`); on a regular graph uniform and
-Metropolis-Hastings coincide (1/(d+1), algorithms.md F.1).
+Metropolis-Hastings coincide (1/(d+1), docs/design.md F.1).
 
 >>> ring(8).mixing_matrix(0)[0, :3]
 array([0.33333333, 0.33333333, 0.        ])
@@ -101,7 +101,7 @@ def star(n: int, weights: str = "metropolis") -> Schedule:
 
 
 def static_exponential(n: int) -> Schedule:
-    """Ying et al. static exponential graph (algorithms.md F.2).
+    """Ying et al. static exponential graph (docs/design.md F.2).
 
     Rank i receives from every j with (i - j) mod n in {1, 2, 4, ..., 2^(tau-1)}, tau = ceil(log2 n), and
     gives weight 1/(tau + 1) to itself and each of them: directed, circulant, doubly stochastic for any n.

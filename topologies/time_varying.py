@@ -1,4 +1,4 @@
-"""Time-varying schedules (algorithms.md F.2, B.2, E.2).
+"""Time-varying schedules (docs/design.md F.2, B.2, E.2).
 
 Ranks are numbered node-major: rank = node * per_node + local_rank. Every schedule here is a pure function
 of the step t. Where a schedule's usual definition needs n = 2^K (or even n, or per_node >= 2) it raises

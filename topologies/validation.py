@@ -1,4 +1,4 @@
-"""Checks that a schedule is a valid gossip schedule (algorithms.md F, A.8; issue 3 item 4).
+"""Checks that a schedule is a valid gossip schedule (docs/design.md F, A.8; issue 3 item 4).
 
 Per step t over one period (or the first ``window`` steps of an aperiodic schedule):
 

@@ -1,4 +1,4 @@
-"""Edge weightings that turn a graph into a mixing matrix (algorithms.md F.1).
+"""Edge weightings that turn a graph into a mixing matrix (docs/design.md F.1).
 
 Convention: in a DiGraph an edge u -> v means v receives x_u, i.e. W[v, u] > 0. An undirected edge
 {u, v} is both u -> v and v -> u. Self loops in the input graph are ignored except by ``attribute``.
@@ -64,7 +64,7 @@ def uniform_weights(graph: nx.Graph) -> Triplets:
 
 
 def metropolis_weights(graph: nx.Graph) -> Triplets:
-    """Metropolis-Hastings weights W_ij = 1 / (1 + max(d_i, d_j)) (algorithms.md F.1)."""
+    """Metropolis-Hastings weights W_ij = 1 / (1 + max(d_i, d_j)) (docs/design.md F.1)."""
     n = check_node_labels(graph)
     if graph.is_directed():
         one_way = [(u, v) for u, v in graph.edges if u != v and not graph.has_edge(v, u)]

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if result is not None:
         print(f"{RESULT_MARKER} {json.dumps(result)}", flush=True)
     if args.backend == "gloo":
-        os._exit(0)  # avoids Gloo's occasional abort at interpreter exit (environment.md)
+        os._exit(0)  # avoids Gloo's occasional abort at interpreter exit (docs/design.md J)
     return 0  # MPI: let mpi4py call MPI_Finalize at exit, so mpiexec collects all output
 
 

@@ -1,11 +1,12 @@
 """Gossip algorithms behind one start/finish interface: ExactGossip, PowerGossip, AllReduce, HierarchicalGossip,
-AdaptivePowerGossip; compression policies (``tagc_policy``)."""
+AdaptivePowerGossip; the PeriodicAverage wrapper; compression policies (``tagc_policy``)."""
 
 from gossip.algorithms.adaptive_rank import AdaptivePowerGossip, LadderSearch
 from gossip.algorithms.allreduce import AllReduce
 from gossip.algorithms.base import Algorithm, Traffic
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.hierarchical import HierarchicalGossip
+from gossip.algorithms.periodic import PeriodicAverage
 from gossip.algorithms.powergossip import PowerGossip, exclude_names
 from gossip.algorithms.presets import tagc_policy
 
@@ -19,6 +20,7 @@ __all__ = [
     "ExactGossip",
     "HierarchicalGossip",
     "LadderSearch",
+    "PeriodicAverage",
     "PowerGossip",
     "Traffic",
     "exclude_names",

@@ -1,4 +1,4 @@
-"""Adaptive PowerGossip rank: GraVAC's compression-throughput search over a ladder of ranks (algorithms.md C.4).
+"""Adaptive PowerGossip rank: GraVAC's compression-throughput search over a ladder of ranks (docs/design.md C.4).
 
 GraVAC (Tyagi & Swany, IEEE CLOUD 2023; C.1-C.2) picks a compression factor maximising the compression
 throughput CT = throughput x gain subject to gain >= epsilon. Mapped onto PowerGossip (C.4):
@@ -156,13 +156,15 @@ class AdaptivePowerGossip(PowerGossip):
         extra = new_rank - self.rank
         for key in sorted(self.edges):
             edge = self.edges[key]
+            p, q = edge.p, edge.q
             for i, matrix in enumerate(self.matrices):
                 if extra > 0:
                     p_new = edge.draw(matrix.m, extra, self._device, self._dtype)
                     q_new = edge.draw(matrix.k, extra, self._device, self._dtype)
-                    edge.p[i], edge.q[i] = torch.cat([edge.p[i], p_new], 1), torch.cat([edge.q[i], q_new], 1)
+                    p[i], q[i] = torch.cat([p[i], p_new], 1), torch.cat([q[i], q_new], 1)
                 else:
-                    edge.p[i], edge.q[i] = edge.p[i][:, :new_rank].contiguous(), edge.q[i][:, :new_rank].contiguous()
+                    p[i], q[i] = p[i][:, :new_rank], q[i][:, :new_rank]
+            edge.set_factors(p, q)
         self.rank = new_rank
 
     def reopen(self) -> None:

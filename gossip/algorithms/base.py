@@ -2,7 +2,7 @@
 
 An algorithm is configured by the user (``ExactGossip(gamma=1.0)``, ``PowerGossip(rank=1)``, ``AllReduce()``)
 and bound once with :meth:`Algorithm.setup` to a communicator, a schedule and the flat parameter buckets it
-mixes. Each step is split in two so that computation runs in between (algorithms.md G, B.1)::
+mixes. Each step is split in two so that computation runs in between (docs/design.md G, B.1)::
 
     pending = algorithm.start(step)   # reads x_t, posts the non-blocking exchange of step t's edges
     ...                               # forward and backward at x_t run meanwhile

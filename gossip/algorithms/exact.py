@@ -1,4 +1,4 @@
-"""Exact (uncompressed) gossip: x_i <- x_i + gamma * sum_j W_ij(t) (x_j - x_i)  (algorithms.md A.1, F).
+"""Exact (uncompressed) gossip: x_i <- x_i + gamma * sum_j W_ij(t) (x_j - x_i)  (docs/design.md A.1, F).
 
 With gamma = 1 this is plain mixing x_i <- sum_j W_ij x_j; gamma > 1 is over-relaxation (gamma* = 1.3084 on the
 uniform 8-ring, F.3). Every bucket is sent whole to every out-peer and received from every in-peer.

@@ -1,4 +1,4 @@
-"""Hierarchical gossip: exact averaging inside a node, one-peer gossip between nodes (algorithms.md E.2).
+"""Hierarchical gossip: exact averaging inside a node, one-peer gossip between nodes (docs/design.md E.2).
 
 With L ranks per node and N = 2^K nodes, ranks numbered node-major (rank = node * L + local rank), step t mixes
 

@@ -1,7 +1,7 @@
 """PowerGossip: gossip of model differences through a rank-r projection both ends of an edge share.
 
 Vogels, Karimireddy, Jaggi, "PowerGossip: Practical Low-Rank Communication Compression in Decentralized Deep
-Learning", NeurIPS 2020 (arXiv 2008.01425); algorithms.md section A. For an edge lo < hi with weight w and a
+Learning", NeurIPS 2020 (arXiv 2008.01425); docs/design.md section A. For an edge lo < hi with weight w and a
 weight matrix X (reshaped to m x k), one power iteration on both ends is:
 
 1. Parity of the edge's own iteration counter t (kept per edge, not per worker: a per-worker counter on a
@@ -19,12 +19,21 @@ weight matrix X (reshaped to m x k), one power iteration on both ends is:
    preserved; the part of X_hi - X_lo not sent stays in the models and is picked up later (no error feedback).
 
 Both ends hold bit-identical p and q: they start from the same pair-seeded draw (seed n^2 + lo n + hi, A.2),
-compute R from the same two operands, and orthonormalize identical inputs with identical code (in float64,
-which also absorbs kernel differences between devices, A.4). Factors of an idle edge are kept, so warm starts
-survive time-varying schedules that revisit pairs (A.8). Tensors with fewer than two dimensions and matrices
-whose compression ratio m k / (r (m + k)) is below ``min_compression`` travel uncompressed, mixed as exact
-gossip (A.5, D.3); ``policy`` overrides the choice per parameter name. Parameters with 0 elements travel as
-nothing.
+compute R from the same two operands, and orthonormalize identical inputs with identical code.
+
+Batching (as PyTorch's PowerSGD communication hook batches its matrices): matrices of one shape and one role
+(``blocks.#.mlp.fc.weight``) -- the layers of a transformer -- are one group with stacked factors. Per group and
+edge a step runs one batched Gram-Schmidt and one subtraction; the products and the update run as one ``bmm`` /
+``baddbmm_`` per run of the group's layers lying at equal distances in one bucket, a (count, m, k) strided view
+of the bucket without a copy (one run per bucket the layers span). The uncompressed tensors of a bucket travel
+packed into one message. Precision: ``orthonormalize_dtype`` (default float64, which keeps
+Gram-Schmidt accurate at large r; float32 is cheaper on GPUs with slow float64). Either way both ends run the same
+kernel on the same input, so they agree bit for bit; the choice is part of ``config()`` and so of checkpoints.
+
+Factors of an idle edge are kept, so warm starts survive time-varying schedules that revisit pairs (A.8).
+Tensors with fewer than two dimensions and matrices whose compression ratio m k / (r (m + k)) is below
+``min_compression`` travel uncompressed, mixed as exact gossip (A.5, D.3); ``policy`` overrides the choice per
+parameter name. Parameters with 0 elements travel as nothing.
 
 ``nonfinite="drop"``: when a peer's products or uncompressed tensors hold NaN or Inf, this end skips that
 edge's correction for the step (its uncompressed tensors' weight goes back to the self weight, so that row stays
@@ -56,15 +65,22 @@ def exclude_names(*patterns: str) -> Policy:
     return lambda name, shape: False if any(p.search(name) for p in compiled) else None
 
 
-def orthonormalize(matrix: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Modified Gram-Schmidt on the columns, in float64; deterministic, so equal inputs give equal outputs."""
-    work = matrix.to(torch.float64)
-    for c in range(work.shape[1]):
-        column = work[:, c]
-        column.div_(torch.linalg.vector_norm(column) + eps)
-        if c + 1 < work.shape[1]:
-            rest = work[:, c + 1 :]
-            rest.sub_(torch.outer(column, column @ rest))
+def orthonormalize(matrix: torch.Tensor, eps: float = 1e-8, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Modified Gram-Schmidt on the columns of ``matrix`` (rows x r, or a batch ... x rows x r), computed in
+    ``dtype`` and returned in ``matrix.dtype``; a new tensor, ``matrix`` is left alone.
+
+    Column c is divided by its norm (+ ``eps``, so a zero column stays finite), then removed from columns c+1..:
+    r steps of a few kernels, each over the whole batch. Deterministic: equal inputs on the same device give
+    equal outputs, which is what keeps both ends of an edge bit-identical.
+    """
+    work = matrix.to(dtype, copy=True)
+    columns = work.shape[-1]
+    for c in range(columns):
+        column = work[..., c : c + 1]
+        column.div_(torch.linalg.vector_norm(column, dim=-2, keepdim=True).add_(eps))
+        if c + 1 < columns:
+            rest = work[..., c + 1 :]
+            rest.sub_(column * (column.mT @ rest))
     return work.to(matrix.dtype)
 
 
@@ -77,7 +93,7 @@ def keep_direction(product: torch.Tensor, previous: torch.Tensor) -> torch.Tenso
     previous factor still spans a useful direction. Both ends hold the same R and the same previous factor, so
     they choose alike; the choice is made on the device (no host sync).
     """
-    nonzero = product.abs().amax(dim=0, keepdim=True) > 0
+    nonzero = product.abs().amax(dim=-2, keepdim=True) > 0  # per column (of each matrix in a stack)
     return torch.where(nonzero, product, previous)
 
 
@@ -91,22 +107,123 @@ class _Matrix:
     k: int
 
 
+@dataclass(frozen=True)
+class _Run:
+    """``count`` matrices of one shape at ``offset``, ``offset + stride``, ... of one bucket: one strided view."""
+
+    bucket: int
+    offset: int
+    stride: int
+    count: int
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Matrices of one shape (m, k) and one role, batched: one batched Gram-Schmidt for their factors.
+
+    ``members`` are indices into the algorithm's matrix list, in (bucket, offset) order; ``runs`` cover them in
+    the same order, each a zero-copy (count, m, k) view of one bucket, so the products and the update take one
+    ``bmm`` / ``baddbmm_`` per run (one per group when the layers share a bucket).
+    """
+
+    m: int
+    k: int
+    members: tuple[int, ...]
+    runs: tuple[_Run, ...]
+
+
+def group_matrices(matrices: list[_Matrix]) -> list[_Group]:
+    """Batch ``matrices`` into groups of one shape and one role, without copying them.
+
+    The role is the parameter name with its digits replaced (``blocks.3.mlp.fc.weight`` -> ``blocks.#.mlp.fc.
+    weight``): in a stack of identical layers the same role sits at the same distance from one layer to the next,
+    so the layers of a bucket form one run. A change of bucket or of spacing starts a new run of the same group.
+    Groups are ordered by their first matrix, so every rank builds the same groups from the same model.
+    """
+    roles: dict[tuple, list[int]] = {}
+    for index, matrix in enumerate(matrices):
+        roles.setdefault((matrix.m, matrix.k, re.sub(r"\d+", "#", matrix.entry.name)), []).append(index)
+    groups: list[_Group] = []
+    for (m, k, _), members in roles.items():
+        members = sorted(members, key=lambda i: (matrices[i].bucket, matrices[i].entry.offset))
+        runs: list[list[int]] = []
+        for index in members:
+            run = runs[-1] if runs else []
+            offsets = [matrices[i].entry.offset for i in run]
+            fits = run and matrices[run[0]].bucket == matrices[index].bucket
+            fits = fits and (len(run) == 1 or matrices[index].entry.offset - offsets[-1] == offsets[1] - offsets[0])
+            if fits:
+                run.append(index)
+            else:
+                runs.append([index])
+        described = []
+        for run in runs:
+            offsets = [matrices[i].entry.offset for i in run]
+            stride = offsets[1] - offsets[0] if len(run) > 1 else m * k
+            described.append(_Run(matrices[run[0]].bucket, offsets[0], stride, len(run)))
+        groups.append(_Group(m, k, tuple(members), tuple(described)))
+    return sorted(groups, key=lambda g: min(g.members))
+
+
 class EdgeState:
-    """Warm factors and the parity counter of one unordered pair, identical on both of its ends."""
+    """Warm factors and the parity counter of one unordered pair, identical on both of its ends.
 
-    __slots__ = ("generator", "iteration", "p", "q")
+    The factors are stored per group, stacked: ``p_stacks[g]`` is (count, m, r) for group g. ``p`` and ``q``
+    give them per matrix (views, in matrix order) for inspection and checkpoints.
+    """
 
-    def __init__(self, seed: int, matrices: list[_Matrix], rank: int, device: torch.device, dtype: torch.dtype):
-        self.generator = torch.Generator().manual_seed(seed)
-        self.iteration = 0
-        self.p: list[torch.Tensor] = []
-        self.q: list[torch.Tensor] = []
+    __slots__ = ("generator", "iteration", "members", "p_stacks", "q_stacks", "slots")
+
+    def __init__(
+        self,
+        groups: list[_Group],
+        generator: torch.Generator,
+        iteration: int,
+        p: list[torch.Tensor],
+        q: list[torch.Tensor],
+    ):
+        self.generator, self.iteration = generator, iteration
+        self.members = [group.members for group in groups]
+        where = {i: (g, s) for g, members in enumerate(self.members) for s, i in enumerate(members)}
+        self.slots = [where[i] for i in range(len(where))]  # matrix index -> (group, position in the group)
+        self.set_factors(p, q)
+
+    @classmethod
+    def fresh(
+        cls,
+        seed: int,
+        matrices: list[_Matrix],
+        groups: list[_Group],
+        rank: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> EdgeState:
+        """Factors drawn from the pair-seeded generator: p then q, matrix by matrix (part of the protocol)."""
+        generator = torch.Generator().manual_seed(seed)
+        p, q = [], []
         for matrix in matrices:
-            self.p.append(self.draw(matrix.m, rank, device, dtype))
-            self.q.append(self.draw(matrix.k, rank, device, dtype))
+            p.append(torch.randn(matrix.m, rank, generator=generator, dtype=dtype).to(device))
+            q.append(torch.randn(matrix.k, rank, generator=generator, dtype=dtype).to(device))
+        return cls(groups, generator, 0, p, q)
 
     def draw(self, rows: int, rank: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         return torch.randn(rows, rank, generator=self.generator, dtype=dtype).to(device)
+
+    def set_factors(self, p: list[torch.Tensor], q: list[torch.Tensor]) -> None:
+        """Replace the factors from per-matrix lists (matrix order)."""
+        self.p_stacks = [torch.stack([p[i] for i in members]) for members in self.members]
+        self.q_stacks = [torch.stack([q[i] for i in members]) for members in self.members]
+
+    def _unstack(self, stacks: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [stacks[g][s] for g, s in self.slots]
+
+    @property
+    def p(self) -> list[torch.Tensor]:
+        return self._unstack(self.p_stacks)
+
+    @property
+    def q(self) -> list[torch.Tensor]:
+        return self._unstack(self.q_stacks)
 
 
 @dataclass
@@ -116,7 +233,8 @@ class _Round:
     peers: list[tuple[int, float, EdgeState, bool]]  # peer, weight, edge, right multiplication?
     sent: list[torch.Tensor]  # per peer: the packed products
     received: list[torch.Tensor]
-    received_exact: list[list[torch.Tensor]]  # per peer, per uncompressed entry
+    sent_exact: list[torch.Tensor]  # per bucket with uncompressed tensors: them, packed (sent to every peer)
+    received_exact: list[list[torch.Tensor]]  # per peer, per such bucket
     handle: Handle
 
 
@@ -137,7 +255,13 @@ class PowerGossip(Algorithm):
         policy: Policy | None = None,
         seed: int = 0,
         nonfinite: str = "raise",
+        orthonormalize_dtype: torch.dtype = torch.float64,
     ):
+        if orthonormalize_dtype not in (torch.float32, torch.float64):
+            raise ValueError(
+                "PowerGossip: orthonormalize_dtype must be torch.float32 or torch.float64, "
+                f"got {orthonormalize_dtype!r}"
+            )
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"PowerGossip: rank must be an integer >= 1, got {rank!r}")
         if isinstance(num_iterations, bool) or not isinstance(num_iterations, int) or num_iterations < 1:
@@ -149,6 +273,7 @@ class PowerGossip(Algorithm):
         self.rank, self.num_iterations, self.gamma = rank, num_iterations, float(gamma)
         self.warm_start, self.min_compression, self.policy, self.seed = warm_start, min_compression, policy, seed
         self.nonfinite = check_nonfinite_policy("PowerGossip", nonfinite)
+        self.orthonormalize_dtype = orthonormalize_dtype
         self.edges: dict[tuple[int, int], EdgeState] = {}
 
     # -- binding --------------------------------------------------------------------------------------------
@@ -175,6 +300,13 @@ class PowerGossip(Algorithm):
         if schedule is None:
             raise ValueError("PowerGossip needs a schedule (e.g. topologies.one_peer_hypercube(n))")
         super().setup(comm, schedule, buckets)
+        dtypes = {str(bucket.buffer.dtype).removeprefix("torch.") for bucket in buckets}
+        if len(dtypes) > 1:
+            raise TypeError(
+                f"rank {comm.rank}: PowerGossip sends each step's factors in one message of one dtype, but the "
+                f"parameters have dtypes {sorted(dtypes)}: convert the model to one dtype before wrapping "
+                "(e.g. model.float()), or use ExactGossip, which mixes every dtype"
+            )
         self.matrices: list[_Matrix] = []
         self.exact: list[tuple[int, Entry]] = []
         for index, bucket in enumerate(buckets):
@@ -185,6 +317,23 @@ class PowerGossip(Algorithm):
                     self.matrices.append(_Matrix(index, entry, entry.shape[0], entry.numel // entry.shape[0]))
                 else:
                     self.exact.append((index, entry))
+        self.groups = group_matrices(self.matrices)
+        # The uncompressed tensors of each bucket travel packed into one message (the entries are small: biases,
+        # norms), so a step sends 1 + (buckets with such tensors) messages per peer, not one per tensor.
+        packs: dict[int, list[Entry]] = {}
+        for index, entry in self.exact:
+            packs.setdefault(index, []).append(entry)
+        self._packs = list(packs.items())
+        self._views: list[list[tuple[slice, torch.Tensor]]] = []  # per group: (its members' slice, (count, m, k))
+        for group in self.groups:
+            views, start = [], 0
+            for run in group.runs:
+                buffer = buckets[run.bucket].buffer
+                shape, strides = (run.count, group.m, group.k), (run.stride, group.k, 1)
+                view = buffer.as_strided(shape, strides, buffer.storage_offset() + run.offset)
+                views.append((slice(start, start + run.count), view))
+                start += run.count
+            self._views.append(views)
 
     def describe(self) -> dict[str, list[str]]:
         """Which parameters are compressed and which travel exactly."""
@@ -199,7 +348,8 @@ class PowerGossip(Algorithm):
             n = self.comm.size
             dtype = self.buckets[0].buffer.dtype if self.buckets else torch.float32
             device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
-            self.edges[key] = EdgeState(self.seed * n * n + lo * n + hi, self.matrices, self.rank, device, dtype)
+            seed = self.seed * n * n + lo * n + hi
+            self.edges[key] = EdgeState.fresh(seed, self.matrices, self.groups, self.rank, device, dtype)
         return self.edges[key]
 
     def _matrix(self, matrix: _Matrix) -> torch.Tensor:
@@ -208,26 +358,37 @@ class PowerGossip(Algorithm):
     def _exact(self, index: int, entry: Entry) -> torch.Tensor:
         return self.buckets[index].buffer[entry.offset : entry.offset + entry.numel]
 
+    def _pack(self, index: int, entries: list[Entry]) -> torch.Tensor:
+        return torch.cat([self._exact(index, entry) for entry in entries])
+
     # -- one power iteration --------------------------------------------------------------------------------
+    def _sizes(self, right: bool) -> list[int]:
+        """Elements of each group's products in a message: count x (m or k) x r."""
+        return [len(g.members) * (g.m if right else g.k) * self.rank for g in self.groups]
+
     def _post(self, step: int, iteration: int) -> _Round:
         view = self.schedule.peers(self.comm.rank, step)
         peers, sent, received, received_exact, sends, recvs = [], [], [], [], [], []
+        exact_out = [] if not view.in_peers else [self._pack(index, entries) for index, entries in self._packs]
         for peer, weight in view.in_peers:
             edge = self.edge(peer)
             right = edge.iteration % 2 == 1
-            sizes = [(m.m if right else m.k) * self.rank for m in self.matrices]
+            sizes = self._sizes(right)
             message = torch.empty(sum(sizes), dtype=self._dtype, device=self._device)
+            factors = edge.q_stacks if right else edge.p_stacks
             offset = 0
-            for i, (matrix, size) in enumerate(zip(self.matrices, sizes, strict=True)):
-                x, out = self._matrix(matrix), message[offset : offset + size].view(-1, self.rank)
-                factors = edge.q if right else edge.p
+            for g, (group, views, size) in enumerate(zip(self.groups, self._views, sizes, strict=True)):
                 if not self.warm_start:
-                    factors[i] = edge.draw(factors[i].shape[0], self.rank, self._device, self._dtype)
-                factors[i] = orthonormalize(factors[i])
-                torch.mm(x, factors[i], out=out) if right else torch.mm(x.T, factors[i], out=out)
+                    rows = group.k if right else group.m
+                    draws = [edge.draw(rows, self.rank, self._device, self._dtype) for _ in group.members]
+                    factors[g] = torch.stack(draws)
+                factors[g] = orthonormalize(factors[g], dtype=self.orthonormalize_dtype)
+                out = message[offset : offset + size].view(len(group.members), -1, self.rank)
+                for members, x in views:
+                    torch.bmm(x if right else x.mT, factors[g][members], out=out[members])
                 offset += size
-            exact_in = [torch.empty_like(self._exact(i, e)) for i, e in self.exact]
-            sends += [(peer, message)] + [(peer, self._exact(i, e)) for i, e in self.exact]
+            exact_in = [torch.empty_like(t) for t in exact_out]
+            sends += [(peer, message)] + [(peer, t) for t in exact_out]
             recvs += [(peer, incoming := torch.empty_like(message))] + [(peer, t) for t in exact_in]
             peers.append((peer, weight, edge, right))
             sent.append(message)
@@ -237,7 +398,7 @@ class PowerGossip(Algorithm):
             self.traffic.record(peer, nbytes, nbytes)
         seq = step * self.num_iterations + iteration
         handle = self.comm.exchange(sends, recvs, seq=seq)
-        return _Round(step, seq, peers, sent, received, received_exact, handle)
+        return _Round(step, seq, peers, sent, received, exact_out, received_exact, handle)
 
     def _apply(self, round_: _Round) -> None:
         self._wait(round_.handle)
@@ -256,31 +417,34 @@ class PowerGossip(Algorithm):
             if p not in dropped
         ]
         keep = 1.0 - gamma * sum(weight for weight, _ in kept)
-        for slot, (index, entry) in enumerate(self.exact):
-            x = self._exact(index, entry)
-            x.mul_(keep)
+        packs = self._packs if round_.sent_exact else []  # nothing was packed on a step without peers
+        for slot, ((index, entries), own) in enumerate(zip(packs, round_.sent_exact, strict=True)):
+            own.mul_(keep)  # the sent copy of the start-of-iteration values; the send is complete
             for weight, incoming in kept:
-                x.add_(incoming[slot], alpha=gamma * weight)
-        # Matrices: equal and opposite low-rank corrections on the two ends of every edge.
+                own.add_(incoming[slot], alpha=gamma * weight)
+            targets = [self._exact(index, entry) for entry in entries]
+            torch._foreach_copy_(targets, list(own.split([entry.numel for entry in entries])))
+        # Matrices: equal and opposite low-rank corrections on the two ends of every edge, one batch per group.
         for (peer, weight, edge, right), own, theirs in zip(round_.peers, round_.sent, round_.received, strict=True):
             if peer in dropped:
                 edge.iteration += 1  # keep the parity in step with the peer's; p and q stay as they were
                 continue
             lo = me < peer
+            alpha = (1.0 if lo else -1.0) * gamma * weight
             offset = 0
-            for i, matrix in enumerate(self.matrices):
-                size = (matrix.m if right else matrix.k) * self.rank
-                a_own = own[offset : offset + size].view(-1, self.rank)
-                a_peer = theirs[offset : offset + size].view(-1, self.rank)
+            for g, (group, views, size) in enumerate(zip(self.groups, self._views, self._sizes(right), strict=True)):
+                shape = (len(group.members), -1, self.rank)
+                a_own, a_peer = own[offset : offset + size].view(shape), theirs[offset : offset + size].view(shape)
                 difference = a_peer - a_own if lo else a_own - a_peer  # a_hi - a_lo on both ends
-                alpha = (1.0 if lo else -1.0) * gamma * weight
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
                 if right:
-                    self._matrix(matrix).addmm_(difference, edge.q[i].T, alpha=alpha)
-                    edge.p[i] = keep_direction(difference, edge.p[i])
+                    p, q = difference, edge.q_stacks[g]
+                    edge.p_stacks[g] = keep_direction(difference, edge.p_stacks[g])
                 else:
-                    self._matrix(matrix).addmm_(edge.p[i], difference.T, alpha=alpha)
-                    edge.q[i] = keep_direction(difference, edge.q[i])
+                    p, q = edge.p_stacks[g], difference
+                    edge.q_stacks[g] = keep_direction(difference, edge.q_stacks[g])
+                for members, x in views:
+                    x.baddbmm_(p[members], q[members].mT, alpha=alpha)
                 offset += size
             edge.iteration += 1
 
@@ -316,13 +480,10 @@ class PowerGossip(Algorithm):
             raise ValueError(f"PowerGossip state was saved with {state.get('config')}, this run uses {self.config()}")
         self.edges = {}
         for key, saved in state["edges"].items():
-            edge = EdgeState.__new__(EdgeState)
-            edge.generator = torch.Generator()
-            edge.generator.set_state(saved["generator"])
-            edge.iteration = saved["iteration"]
-            edge.p = [t.to(self._device) for t in saved["p"]]
-            edge.q = [t.to(self._device) for t in saved["q"]]
-            self.edges[tuple(key)] = edge
+            generator = torch.Generator()
+            generator.set_state(saved["generator"])
+            p, q = ([t.to(self._device) for t in saved[side]] for side in ("p", "q"))
+            self.edges[tuple(key)] = EdgeState(self.groups, generator, saved["iteration"], p, q)
 
     def config(self) -> dict:
         return {
@@ -332,4 +493,5 @@ class PowerGossip(Algorithm):
             "warm_start": self.warm_start,
             "min_compression": self.min_compression,
             "seed": self.seed,
+            "orthonormalize_dtype": str(self.orthonormalize_dtype),
         }

@@ -1,6 +1,6 @@
 """Compression policies for PowerGossip: which parameters travel low-rank and which exactly.
 
-``tagc_policy()`` is TAGC's layer selection (Polyakov et al., arXiv 2504.05638; algorithms.md D.2-D.3) carried
+``tagc_policy()`` is TAGC's layer selection (Polyakov et al., arXiv 2504.05638; docs/design.md D.2-D.3) carried
 over to gossip of model differences: compress only the MLP matrices, the token embedding and the LM head --
 where most of a transformer's bytes are -- and keep attention (its Q/K/V and output projections, the most
 quality-sensitive, D.3), the positional embedding (TAGC reduces ``wpe`` uncompressed, D.2), norms, biases and

@@ -15,6 +15,12 @@ aborting the process on a too-small buffer or silently accepting a wrong dtype. 
 only after its header matched. Messages between one pair of ranks are delivered in order (MPI and Gloo both
 guarantee this per tag), so headers and payloads travel on two tags.
 
+Checked once, then trusted (torch.distributed): the per-tensor headers travel only at the first exchange with a
+peer and again when what this rank sends to or expects from that peer changes (its :func:`signature`). Every
+other exchange sends one *steady* header per peer, ``[MAGIC, seq, STEADY, count, digest of what it sends, digest
+of what it expects]``, posted together with the payloads: a peer at another step, or one whose tensors changed
+while this rank's did not, is still named (:func:`check_steady_header`) without a header round trip.
+
 Send buffers must not be modified until the handle's ``wait`` returns. Receive buffers hold the peer's data
 when ``wait`` returns.
 """
@@ -26,6 +32,7 @@ import concurrent.futures
 import queue
 import threading
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +58,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 }
 _CODE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in DTYPE_CODES.items()}
 REDUCE_OPS = ("sum", "avg")
+STEADY = -1  # the index field of a steady header: one per peer, announcing tensors already checked
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,11 @@ def check_header(header: Sequence[int], expected: Transfer, seq: int, rank: int)
     where = f"rank {rank}: exchange {seq}: message from peer {expected.peer}"
     if magic != MAGIC:
         raise ExchangeMismatchError(f"{where} is not a gossip-train header (magic {magic:#x})")
+    if index == STEADY:
+        raise ExchangeMismatchError(
+            f"{where}: peer {expected.peer} sends and expects what it did before, while rank {rank} changed what it "
+            "sends to or expects from it: both ends must change their tensors at the same exchange"
+        )
     if their_seq != seq:
         raise ExchangeMismatchError(
             f"{where} belongs to exchange {their_seq}: the two ranks are at different steps or their schedules disagree"
@@ -95,6 +108,45 @@ def check_header(header: Sequence[int], expected: Transfer, seq: int, rank: int)
     if index != expected.index or (code, numel) != mine:
         raise ExchangeMismatchError(
             f"{where}: tensor {index + 1}/{count} is {_spec(code, numel)} but the receive buffer is {_spec(*mine)}"
+        )
+
+
+def signature(transfers: Sequence[Transfer]) -> tuple[tuple[int, int], ...]:
+    """What a list of transfers with one peer carries: (dtype code, numel) per tensor, in order."""
+    return tuple((DTYPE_CODES[t.tensor.dtype], t.tensor.numel()) for t in transfers)
+
+
+def digest(sig: tuple[tuple[int, int], ...]) -> int:
+    """A digest of a :func:`signature`, equal on every process (CRC-32 of its text)."""
+    return zlib.crc32(repr(sig).encode())
+
+
+def steady_header(seq: int, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> list[int]:
+    return [MAGIC, seq, STEADY, len(sends), digest(signature(sends)), digest(signature(recvs))]
+
+
+def check_steady_header(
+    header: Sequence[int], peer: int, seq: int, rank: int, sends: Sequence[Transfer], recvs: Sequence[Transfer]
+) -> None:
+    """Raise :class:`ExchangeMismatchError` unless ``header`` is ``peer``'s steady header matching this exchange."""
+    magic, their_seq, index, count, their_sends, their_recvs = (int(v) for v in header)
+    where = f"rank {rank}: exchange {seq}: message from peer {peer}"
+    if magic != MAGIC:
+        raise ExchangeMismatchError(f"{where} is not a gossip-train header (magic {magic:#x})")
+    if index != STEADY:
+        raise ExchangeMismatchError(
+            f"{where}: peer {peer} changed what it sends or expects and re-checks it, while rank {rank} sends and "
+            "expects what it did before: both ends must change their tensors at the same exchange"
+        )
+    if their_seq != seq:
+        raise ExchangeMismatchError(
+            f"{where} belongs to exchange {their_seq}: the two ranks are at different steps or their schedules disagree"
+        )
+    if their_sends != digest(signature(recvs)) or their_recvs != digest(signature(sends)) or count != len(recvs):
+        raise ExchangeMismatchError(
+            f"{where}: peer {peer} sends {count} tensor(s) laid out unlike the {len(recvs)} receive buffer(s) of "
+            f"rank {rank} {list(signature(recvs))} (or expects other tensors than rank {rank} sends), although both "
+            "were checked before: the two ends changed their tensors at different exchanges"
         )
 
 
@@ -336,6 +388,11 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the backend; safe to call twice."""
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called: the communicator can no longer be used."""
+        return bool(getattr(self, "_closed", False))
 
     def __enter__(self) -> Communicator:
         return self

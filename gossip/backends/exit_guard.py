@@ -2,7 +2,7 @@
 
 After a peer died, the normal interpreter teardown can hang or crash inside the backend: MPICH's
 ``MPI_Finalize`` (run by mpi4py at exit) waits for the dead process, and Gloo's destructors may abort with
-"terminate called without an active exception" (environment.md). So every real communicator registers here, and
+"terminate called without an active exception" (docs/design.md J). So every real communicator registers here, and
 when an exception reaches the top level (``sys.excepthook``) while one of them has failed, the hook prints the
 traceback as usual (the previous hook), flushes stdout and stderr, and ends the process with ``os._exit(1)`` --
 the status Python itself gives an uncaught exception. Nothing changes for a healthy run, for an exception

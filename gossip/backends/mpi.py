@@ -4,8 +4,14 @@ An MPI request advances only inside MPI calls, so every MPI call of this communi
 :class:`CommThread`, which polls its requests with ``Test`` and short sleeps: transfers progress while the
 training thread computes, and a rank waiting for a slow peer does not spin a whole core (a blocking
 ``Wait`` busy-polls in MPICH). Tensors travel as bytes (``MPI.BYTE``), so every torch dtype -- bfloat16 too --
-moves bit for bit; contiguous CPU tensors are passed without a copy, CUDA tensors go straight to a CUDA-aware MPI.
-Reductions of float16/bfloat16 run in float32 (MPI has no portable 16-bit float sum).
+moves bit for bit; contiguous CPU tensors are passed without a copy. Reductions of float16/bfloat16 run in float32
+(MPI has no portable 16-bit float sum).
+
+GPU tensors (``device="cuda"``). When the MPI library is CUDA-aware (:func:`cuda_aware`: Open MPI's and MPICH's
+``MPIX_Query_cuda_support``, or MPICH's ``MPIX_GPU_query_support``; ``GOSSIP_MPI_CUDA_AWARE=1``/``0`` overrides
+the answer) device buffers go to MPI directly. Otherwise every tensor is staged through a pinned host buffer (copied
+there before a send, copied back after a receive completes, on the communicator's thread), and one log line says
+so. ``stage=True`` forces staging, also for CPU tensors (how the tests cover that path without a GPU).
 
 A dead peer. MPI offers no failure detection: a receive from a killed process simply never completes, and a
 waiting rank raises :class:`CommTimeoutError` naming that peer after ``timeout``. Under MPICH's Hydra started
@@ -19,6 +25,9 @@ which would wait for the dead process forever (:mod:`gossip.backends.exit_guard`
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
 import pickle
 import signal
 import threading
@@ -50,6 +59,30 @@ _Pending = tuple[Any, str, "Callable[[], None] | None"]  # (request, part it com
 
 
 _launcher_reported_failure = threading.Event()
+_MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's mpi_proto.h
+logger = logging.getLogger(__name__)
+
+
+def cuda_aware() -> bool:
+    """Whether the loaded MPI library accepts CUDA device buffers (call after MPI is initialised)."""
+    forced = os.environ.get("GOSSIP_MPI_CUDA_AWARE")
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "/libmpi" in line and ".so" in line})
+    except OSError:
+        return False
+    for path in paths:
+        library = ctypes.CDLL(path)
+        if hasattr(library, "MPIX_Query_cuda_support"):
+            return bool(library.MPIX_Query_cuda_support())
+        if hasattr(library, "MPIX_GPU_query_support"):
+            supported = ctypes.c_int(0)
+            query = library.MPIX_GPU_query_support
+            query.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+            return query(_MPIX_GPU_SUPPORT_CUDA, ctypes.byref(supported)) == 0 and bool(supported.value)
+    return False
 
 
 def _on_process_failure(signum: int, frame: Any) -> None:
@@ -75,7 +108,7 @@ class MPICommunicator(Communicator):
 
     backend = "mpi"
 
-    def __init__(self, info: LaunchInfo, timeout: float):
+    def __init__(self, info: LaunchInfo, timeout: float, device: str | torch.device = "cpu", stage: bool | None = None):
         super().__init__()
         from mpi4py import MPI
 
@@ -88,7 +121,26 @@ class MPICommunicator(Communicator):
                 f"{info.rank} of {info.size}: launch with mpiexec/mpirun (or srun --mpi=pmix) so MPI sees all ranks"
             )
         self.local_rank, self.local_size = info.local_rank, info.local_size
-        self.device = torch.device("cpu")
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise GossipError(f"rank {self.rank}: MPI with device={device!r} needs a visible CUDA device")
+            if self.device.index is None:
+                self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        elif self.device.type != "cpu":
+            raise GossipError(f"rank {self.rank}: MPI moves cpu or cuda tensors, not {self.device.type}")
+        self.cuda_aware = self.device.type == "cuda" and cuda_aware()
+        self.staged = (self.device.type == "cuda" and not self.cuda_aware) if stage is None else bool(stage)
+        if self.staged:
+            reason = "forced (stage=True)" if stage else "this MPI library is not CUDA-aware"
+            logger.warning(
+                "rank %d: MPI: %s tensors are staged through %s host buffers: %s",
+                self.rank,
+                self.device.type,
+                "pinned" if torch.cuda.is_available() else "plain",
+                reason,
+            )
         self.timeout = timeout
         self._thread = CommThread(f"gossip-mpi-rank{self.rank}", self.rank, timeout)
         self._closed = False
@@ -99,6 +151,26 @@ class MPICommunicator(Communicator):
     def failure(self) -> BaseException | None:
         """The first error of this communicator (None while healthy); after it every operation is refused."""
         return self._thread.failure
+
+    # -- staging ------------------------------------------------------------------------------------------------
+    def _host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host buffer shaped like ``tensor`` (pinned where CUDA exists, so the copies run at full speed)."""
+        return torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
+
+    def _outgoing(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What MPI reads for a send of ``tensor``: itself, or its copy in a host buffer when staging."""
+        if not self.staged:
+            return tensor
+        host = self._host(tensor)
+        host.copy_(tensor.reshape(-1))  # from the GPU: waits for the kernels that produce ``tensor``
+        return host
+
+    def _incoming(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Where MPI writes a receive into ``tensor``, and what completes it (the copy back when staging)."""
+        if not self.staged:
+            return tensor, lambda: None
+        host = self._host(tensor)
+        return host, lambda: tensor.reshape(-1).copy_(host)
 
     def _poll(self, progress: Progress, pending: list[_Pending]) -> None:
         """Drive ``pending`` requests to completion; a continuation may append more requests to ``pending``."""
@@ -150,8 +222,10 @@ class MPICommunicator(Communicator):
                 header = np.asarray(transfer.header(seq), dtype=np.int64)
                 keep_alive.append(header)
                 if transfer.tensor.numel():
+                    payload = self._outgoing(transfer.tensor)
+                    keep_alive.append(payload)
                     pending.append((comm.Isend(header, transfer.peer, HEADER_TAG), f"header of {part}", None))
-                    pending.append((comm.Isend(_bytes(transfer.tensor), transfer.peer, PAYLOAD_TAG), part, None))
+                    pending.append((comm.Isend(_bytes(payload), transfer.peer, PAYLOAD_TAG), part, None))
                 else:
                     pending.append((comm.Isend(header, transfer.peer, HEADER_TAG), part, None))
             for transfer in recvs:
@@ -163,7 +237,14 @@ class MPICommunicator(Communicator):
                 def on_header(transfer: Transfer = transfer, header: np.ndarray = header, part: str = part) -> None:
                     check_header(header.tolist(), transfer, seq, self.rank)
                     if transfer.tensor.numel():
-                        pending.append((comm.Irecv(_bytes(transfer.tensor), transfer.peer, PAYLOAD_TAG), part, None))
+                        buffer, complete = self._incoming(transfer.tensor)
+
+                        def arrived(complete: Callable[[], None] = complete, part: str = part) -> None:
+                            complete()
+                            progress.finish(part)
+
+                        keep_alive.append(buffer)
+                        pending.append((comm.Irecv(_bytes(buffer), transfer.peer, PAYLOAD_TAG), part, arrived))
                     else:
                         progress.finish(part)
 
@@ -184,19 +265,25 @@ class MPICommunicator(Communicator):
         narrow = tensor.dtype in (torch.float16, torch.bfloat16)
 
         def run(progress: Progress) -> None:
-            work = tensor.to(torch.float32) if narrow else tensor
-            request = self._comm.Iallreduce(self._MPI.IN_PLACE, work.reshape(-1).numpy())
+            # the sum runs on the host (MPI reduces with CPU code unless CUDA-aware; numpy needs host memory)
+            in_place = tensor.device.type == "cpu" and not narrow
+            host = tensor if in_place else tensor.to("cpu", torch.float32 if narrow else tensor.dtype)
+            request = self._comm.Iallreduce(self._MPI.IN_PLACE, host.reshape(-1).numpy())
             self._await(progress, request, "every rank")
             if op == "avg":
-                work.div_(self.size)
-            if narrow:
-                tensor.copy_(work)
+                host.div_(self.size)
+            if not in_place:
+                tensor.copy_(host)
 
         return self._thread.submit(f"all_reduce({op}) of {tensor.dtype}{list(tensor.shape)}", run)
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
         def run(progress: Progress) -> None:
-            self._await(progress, self._comm.Ibcast(_bytes(tensor), root=src), f"rank {src}")
+            buffer, complete = self._incoming(tensor)
+            if self.staged and self.rank == src:
+                buffer.copy_(tensor.reshape(-1))
+            self._await(progress, self._comm.Ibcast(_bytes(buffer), root=src), f"rank {src}")
+            complete()
 
         return self._thread.submit(f"broadcast from rank {src}", run)
 

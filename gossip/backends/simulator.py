@@ -119,17 +119,20 @@ class SimulatorCommunicator(Communicator):
 
     backend = "simulator"
 
-    def __init__(self, world: _World, rank: int, local_size: int, timeout: float):
+    def __init__(self, world: _World, rank: int, local_size: int, timeout: float, device: torch.device | None = None):
         super().__init__()
         self._world = world
         self.rank, self.size = rank, world.size
         self.local_size, self.local_rank = local_size, rank % local_size
-        self.device = torch.device("cpu")
+        self.device = torch.device("cpu") if device is None else device
         self.timeout = timeout
         self._rounds = 0
         self._failure: GossipError | None = None
+        self._closed = False
 
     def _check_usable(self, operation: str) -> None:
+        if self._closed:
+            raise GossipError(f"rank {self.rank}: {operation} refused: this communicator was closed")
         if self._failure is not None:
             raise GossipError(
                 f"rank {self.rank}: {operation} refused: this communicator is unusable after an earlier "
@@ -211,7 +214,7 @@ class SimulatorCommunicator(Communicator):
         return self._collective("all_gather_object", obj, list)
 
     def close(self) -> None:
-        return None
+        self._closed = True
 
 
 def simulate(
@@ -220,21 +223,29 @@ def simulate(
     *args: Any,
     timeout: float = 60.0,
     local_size: int | None = None,
+    device: str | torch.device = "cpu",
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(comm, *args, **kwargs)`` on ``size`` virtual ranks; return their results in rank order."""
+    """Run ``fn(comm, *args, **kwargs)`` on ``size`` virtual ranks; return their results in rank order.
+
+    ``device``: where the ranks' tensors live (``comm.device``), e.g. ``"cuda"``: n virtual ranks share one GPU,
+    their kernels ordered on its default stream, messages copied on the device.
+    """
     if size < 1:
         raise ValueError(f"simulate needs at least one rank, got size={size}")
     local_size = size if local_size is None else local_size
     if local_size < 1 or size % local_size:
         raise ValueError(f"simulate: local_size {local_size} must divide size {size}")
     world = _World(size)
+    device = torch.device(device)
     results: list[Any] = [None] * size
     errors: dict[int, BaseException] = {}
 
     def run(rank: int) -> None:
         try:
-            results[rank] = fn(SimulatorCommunicator(world, rank, local_size, timeout), *args, **kwargs)
+            if device.type == "cuda":
+                torch.cuda.set_device(device.index or 0)  # per thread: a new thread starts on device 0
+            results[rank] = fn(SimulatorCommunicator(world, rank, local_size, timeout, device), *args, **kwargs)
         except BaseException as error:
             errors[rank] = error
             world.fail(rank, error)

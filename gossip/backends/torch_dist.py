@@ -3,10 +3,17 @@
 Transfers run on a :class:`CommThread`. Gloo moves bytes on its own I/O threads, so the comm thread only posts
 the operations and waits on them; receives are always posted together with sends (a blocking Gloo send is a
 rendezvous: two peers that both send first deadlock). NCCL ignores tags but keeps per-pair order, which is all
-the header/payload protocol needs. A peer that dies surfaces as Gloo's "connection closed" and is re-raised as
-:class:`PeerFailedError` naming the peer; a peer that never answers as :class:`CommTimeoutError` naming it. An
-uncaught error after such a failure ends the process with status 1 without running Gloo's teardown
-(:mod:`gossip.backends.exit_guard`).
+the header/payload protocol needs. Headers are checked once per peer (see :mod:`gossip.backends.base`): on a
+steady step every message goes out in one ``batch_isend_irecv``, and under NCCL the step never waits on the host:
+``Work.wait()`` only orders the CUDA stream after the transfers, and this thread completes the steady headers'
+check and the timeout in the background (a CUDA event per exchange), before its next operation; an error found
+there is raised by that operation. A send refused when it is posted (Gloo: the peer's connection is already
+closed) is re-raised as :class:`PeerFailedError` naming the peer. A peer that dies while this rank waits
+surfaces as Gloo's "connection closed" and is re-raised as :class:`PeerFailedError` naming the peer; a peer that
+never answers as :class:`CommTimeoutError` naming it. Limitation: a tensor changed on one end only is named on
+Gloo (the ends disagree about the header round, and each reads the other's header); under NCCL, where the payload
+receives are posted before the header is read, it ends in the timeout naming the peer. An uncaught error after
+such a failure ends the process with status 1 without running Gloo's teardown (:mod:`gossip.backends.exit_guard`).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import datetime
 import gc
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -36,6 +44,9 @@ from gossip.backends.base import (
     Progress,
     Transfer,
     check_header,
+    check_steady_header,
+    signature,
+    steady_header,
 )
 from gossip.backends.exit_guard import watch
 from gossip.errors import CommTimeoutError, GossipError, PeerFailedError
@@ -66,6 +77,9 @@ class TorchDistCommunicator(Communicator):
         )
         self._thread = CommThread(f"gossip-{backend}-rank{self.rank}", self.rank, timeout)
         self._closed = False
+        # per peer: (what this rank sends it, what it receives from it), checked by a per-tensor header exchange
+        self._agreed: dict[int, tuple] = {}
+        self._pending: list[tuple] = []  # NCCL exchanges posted, not yet known to be complete and checked
         watch(self)
 
     @property
@@ -74,7 +88,7 @@ class TorchDistCommunicator(Communicator):
         return self._thread.failure
 
     # -- helpers --------------------------------------------------------------------------------------------
-    def _wait(self, work: dist.Work, part: str, progress: Progress, peer: int | None) -> None:
+    def _wait(self, work: dist.Work, part: str, progress: Progress, peer: int | None, count: bool = True) -> None:
         try:
             work.wait(datetime.timedelta(seconds=self.timeout))
         except RuntimeError as error:
@@ -89,56 +103,148 @@ class TorchDistCommunicator(Communicator):
                 f"rank {self.rank}: {progress.operation}: {who} failed or closed its connection while this "
                 f"rank waited to {part}: {text.splitlines()[0]}"
             ) from error
-        progress.finish(part)
+        if count:
+            progress.finish(part)
 
     # -- point to point -------------------------------------------------------------------------------------
-    def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle:
-        def run(progress: Progress) -> None:
-            # 1. every header out and every header receive posted: no payload yet.
-            posted: list[tuple[dist.Work, str, int]] = []
-            for transfer in sends:
-                part = transfer.describe("send to")
-                progress.add(part)
-                header = torch.tensor(transfer.header(seq), dtype=torch.int64, device=self.device)
-                posted.append((dist.isend(header, transfer.peer, tag=HEADER_TAG), part, transfer.peer))
-            headers = []
-            for transfer in recvs:
-                part = transfer.describe("receive from")
-                progress.add(part)
-                buffer = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-                headers.append((transfer, buffer, dist.irecv(buffer, transfer.peer, tag=HEADER_TAG), part))
-            # 2. each payload receive is posted once its header matched the buffer.
-            for transfer, buffer, work, part in headers:
-                self._wait(work, f"receive the header of {part}", progress, transfer.peer)
-                check_header(buffer.tolist(), transfer, seq, self.rank)
-                if transfer.tensor.numel():
-                    posted.append((dist.irecv(transfer.tensor, transfer.peer, tag=PAYLOAD_TAG), part, transfer.peer))
-                else:
-                    progress.finish(part)
-            # 3. payload sends only now: this rank's "ready to receive" notices are already on the wire, so they
-            #    cannot queue behind its own bulk data on the same connection (which serialised the two directions
-            #    of a pair: 2 M/B instead of M/B on a rate-limited link).
-            for transfer in sends:
-                if transfer.tensor.numel():
-                    posted.append(
-                        (
-                            dist.isend(transfer.tensor, transfer.peer, tag=PAYLOAD_TAG),
-                            transfer.describe("send to"),
-                            transfer.peer,
-                        )
-                    )
-            for work, part, peer in posted:
-                self._wait(work, part, progress, peer)
-                progress.finish(part)
+    def _post(self, ops: list[dist.P2POp], what: str, progress: Progress) -> list[dist.Work]:
+        """Post ``ops`` together (``batch_isend_irecv``); a failure to post names the peer(s) concerned.
 
+        Gloo refuses a send to a peer whose connection is already closed (SIGKILLed, crashed) at once, with a raw
+        "Connection closed by peer": that becomes :class:`PeerFailedError` naming the peer(s) of ``ops``.
+        """
+        if not ops:
+            return []
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as error:
+            peers = sorted({op.peer for op in ops})
+            who = f"peer {peers[0]}" if len(peers) == 1 else f"one of peers {peers}"
+            raise PeerFailedError(
+                f"rank {self.rank}: {progress.operation}: {who} failed or closed its connection before this rank "
+                f"could {what}: {str(error).splitlines()[0]}"
+            ) from error
+        return works if len(works) == len(ops) else works * len(ops)  # NCCL coalesces the batch into one work
+
+    def _handshake(
+        self, peers: list[int], sends: dict[int, list[Transfer]], recvs: dict[int, list[Transfer]], seq: int,
+        progress: Progress,
+    ) -> None:  # fmt: skip
+        """Per-tensor headers with ``peers``, each checked against its receive buffer before any payload moves.
+
+        A host read of every header: under NCCL a synchronisation, paid only here (first exchange with a peer, or
+        changed tensors), never on a steady step.
+        """
+        ops: list[dist.P2POp] = []
+        headers = []
+        for peer in peers:
+            for transfer in sends[peer]:
+                header = torch.tensor(transfer.header(seq), dtype=torch.int64, device=self.device)
+                ops.append(dist.P2POp(dist.isend, header, peer, tag=HEADER_TAG))
+                headers.append((transfer, None))
+            for transfer in recvs[peer]:
+                buffer = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, buffer, peer, tag=HEADER_TAG))
+                headers.append((transfer, buffer))
+        works = self._post(ops, "exchange headers", progress)
+        for (transfer, buffer), work in zip(headers, works, strict=True):
+            if buffer is not None:
+                part = f"receive the header of {transfer.describe('receive from')}"
+                self._wait(work, part, progress, transfer.peer, count=False)
+                check_header(buffer.tolist(), transfer, seq, self.rank)
+        for (transfer, buffer), work in zip(headers, works, strict=True):
+            if buffer is None:
+                self._wait(work, f"send a header to peer {transfer.peer}", progress, transfer.peer, count=False)
+
+    def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle:
         peers = sorted({t.peer for t in sends} | {t.peer for t in recvs})
+        to = {peer: [t for t in sends if t.peer == peer] for peer in peers}
+        frm = {peer: [t for t in recvs if t.peer == peer] for peer in peers}
+        keys = {peer: (signature(to[peer]), signature(frm[peer])) for peer in peers}
+        # receives first, then sends: this rank's small messages go out before its bulk data on each connection,
+        # so the two directions of a pair are not serialised behind each other on a rate-limited link.
+        payloads = [(t, "receive from", dist.irecv) for t in recvs] + [(t, "send to", dist.isend) for t in sends]
+
+        def run(progress: Progress) -> None:
+            self._check_pending()
+            for transfer, direction, _ in payloads:
+                progress.add(transfer.describe(direction))
+            # 1. peers met for the first time, or whose tensors changed: per-tensor headers, checked one by one.
+            fresh = [peer for peer in peers if self._agreed.get(peer) != keys[peer]]
+            if fresh:
+                self._handshake(fresh, to, frm, seq, progress)
+                self._agreed.update({peer: keys[peer] for peer in fresh})
+            # 2. one batch: a steady header to and from every other peer, every payload receive, every payload send.
+            ops, steady = [], []
+            for peer in peers:
+                if peer not in fresh:
+                    out = torch.tensor(steady_header(seq, to[peer], frm[peer]), dtype=torch.int64, device=self.device)
+                    incoming = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+                    ops += [dist.P2POp(dist.irecv, incoming, peer, tag=HEADER_TAG)]
+                    ops += [dist.P2POp(dist.isend, out, peer, tag=HEADER_TAG)]
+                    steady.append((peer, incoming))
+            posted = [(t, direction, op) for t, direction, op in payloads if t.tensor.numel()]
+            for transfer, direction, _ in payloads:
+                if not transfer.tensor.numel():
+                    progress.finish(transfer.describe(direction))
+            ops += [dist.P2POp(op, t.tensor, t.peer, tag=PAYLOAD_TAG) for t, _, op in posted]
+            works = self._post(ops, "post its messages", progress)
+            header_works, payload_works = works[: 2 * len(steady)], works[2 * len(steady) :]
+            if self.backend == "nccl":
+                self._order_after(steady, header_works, payload_works, posted, seq, to, frm, progress)
+                return
+            # 3. Gloo: the steady headers first, so that a mismatch is named before waiting on payloads that may
+            #    never come; the check is a read of a CPU tensor.
+            for (peer, incoming), work in zip(steady, header_works[0::2], strict=True):
+                self._wait(work, f"receive the header of peer {peer}", progress, peer, count=False)
+                check_steady_header(incoming.tolist(), peer, seq, self.rank, to[peer], frm[peer])
+            for (peer, _), work in zip(steady, header_works[1::2], strict=True):
+                self._wait(work, f"send its header to peer {peer}", progress, peer, count=False)
+            for work, (transfer, direction, _) in zip(payload_works, posted, strict=True):
+                self._wait(work, transfer.describe(direction), progress, transfer.peer)
+
         return self._thread.submit(f"exchange {seq} with peer(s) {peers}", run)
+
+    # -- NCCL: ordering on the GPU, checks in the background ------------------------------------------------
+    def _order_after(
+        self, steady: list, header_works: list, payload_works: list, posted: list, seq: int,
+        to: dict[int, list[Transfer]], frm: dict[int, list[Transfer]], progress: Progress,
+    ) -> None:  # fmt: skip
+        """Make the current CUDA stream wait for the transfers (``Work.wait()`` without a timeout: no host wait),
+        and leave the steady headers' check and the timeout to this thread, before its next operation."""
+        for work in (*header_works, *payload_works):
+            work.wait()
+        for transfer, direction, _ in posted:
+            progress.finish(transfer.describe(direction))
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + self.timeout
+        checks = [(peer, incoming, to[peer], frm[peer]) for peer, incoming in steady]
+        peers = sorted({peer for peer, _ in steady} | {t.peer for t, _, _ in posted})
+        self._pending.append((done, deadline, seq, peers, checks))
+
+    def _check_pending(self) -> None:
+        """Complete the checks of earlier NCCL exchanges: wait (on this thread) until each finished on the GPU, at
+        most until its deadline, then check its steady headers; raise the named error of the first failure."""
+        while self._pending:
+            done, deadline, seq, peers, steady = self._pending[0]
+            while not done.query():
+                if time.monotonic() > deadline:
+                    raise CommTimeoutError(
+                        f"rank {self.rank}: exchange {seq} timed out after {self.timeout:.1f} s: the transfers with "
+                        f"peer(s) {peers} did not complete on the GPU (a peer failed, or is at another step)"
+                    )
+                time.sleep(1e-4)
+            self._pending.pop(0)
+            for peer, incoming, sends, recvs in steady:
+                check_steady_header(incoming.tolist(), peer, seq, self.rank, sends, recvs)
 
     # -- collectives ----------------------------------------------------------------------------------------
     def _collective(self, operation: str, post: Any) -> Handle:
         def run(progress: Progress) -> None:
             # The Work object dies here, not in a handle the caller may keep: a Gloo work that outlives its process
             # group holds tensors whose release at interpreter exit needs the GIL and aborts the process.
+            self._check_pending()
             progress.add("every rank")
             work = post()
             if isinstance(work, dist.Work):

@@ -1,0 +1,204 @@
+"""PowerGossip's own computation per step, as a share of forward + backward, before and after batching.
+
+"Own computation" is everything PowerGossip does on one rank in a step except waiting for the network:
+orthonormalising the factors, the products X q / X^T p, packing the message, the difference of the two ends'
+products and the rank-r update X += alpha p q^T. It is measured on a :class:`LoopbackCommunicator`: rank 0 of a
+world of 2 whose exchange completes at once, handing back half of what it sent as the peer's message (the same
+shapes and realistic magnitudes, no network). The same process times forward + backward of the model on the
+main job's batch, so the share is a ratio of two times measured side by side.
+
+Old vs new in one run: ``--baseline REV`` loads ``gossip/algorithms/powergossip.py`` as it was at git revision
+``REV`` (default: the last revision before matrices were batched) into a separate module, and the two
+implementations run interleaved, round by round, on two copies of the same model. The ratio old / new is the
+speed-up of the batched implementation.
+
+Usage::
+
+    python benchmarks/powergossip_compute.py                       # the main job's GPT, CPU, ranks 1 and 4
+    python benchmarks/powergossip_compute.py --layers 12 --embd 768 --block 1024 --batch 8 --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import topologies  # noqa: E402
+from gossip.backends.base import Communicator, Handle, Transfer  # noqa: E402
+from gossip.buckets import Bucket, bucket_parameters  # noqa: E402
+from gossip.gpt import GPT, GPTConfig  # noqa: E402
+
+BASELINE_REVISION = "40b881d"  # the last revision with the matrix-by-matrix PowerGossip
+
+
+class _Done(Handle):
+    wait_seconds = 0.0
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+
+class LoopbackCommunicator(Communicator):
+    """Rank 0 of a world of ``size``: every exchange completes at once; each receive gets half of the matching send.
+
+    For timing an algorithm's own computation without a network. Collectives act on this rank alone.
+    """
+
+    backend = "loopback"
+
+    def __init__(self, size: int = 2, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.rank, self.size, self.local_rank, self.local_size = 0, size, 0, 1
+        self.device, self.timeout = torch.device(device), 60.0
+
+    def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle:
+        for send, recv in zip(sends, recvs, strict=True):
+            torch.mul(send.tensor, 0.5, out=recv.tensor)
+        return _Done()
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
+        return _Done()
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
+        return _Done()
+
+    def barrier(self, timeout: float | None = None) -> None:
+        return None
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj] * self.size
+
+    def close(self) -> None:
+        return None
+
+
+def load_baseline(revision: str, path: str | None = None) -> type:
+    """``PowerGossip`` as defined in ``gossip/algorithms/powergossip.py`` at git ``revision`` (or in file ``path``)."""
+    if path is None:
+        source = subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{revision}:gossip/algorithms/powergossip.py"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        path = str(Path(tempfile.mkdtemp()) / "powergossip_baseline.py")
+        Path(path).write_text(source)
+    spec = importlib.util.spec_from_file_location("powergossip_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module.PowerGossip
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds(run: Callable[[], None], device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    run()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def model_buckets(config: GPTConfig, device: torch.device, seed: int) -> tuple[GPT, list[Bucket]]:
+    torch.manual_seed(seed)
+    model = GPT(config).to(device)
+    return model, bucket_parameters(model)
+
+
+def forward_backward(model: GPT, config: GPTConfig, batch: int, device: torch.device) -> Callable[[], None]:
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(config.vocab_size, (batch, config.block_size + 1), generator=generator).to(device)
+
+    def run() -> None:
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+
+    return run
+
+
+def bound_step(algorithm: Any, buckets: list[Bucket], device: torch.device) -> Callable[[], None]:
+    """``algorithm`` set up on a loopback rank 0 of 2; the callable runs one step (start + finish)."""
+    algorithm.setup(LoopbackCommunicator(2, device), topologies.one_peer_hypercube(2), buckets)
+    step = iter(range(10**9))
+    return lambda: algorithm.step(next(step))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="PowerGossip ranks to measure")
+    parser.add_argument("--rounds", type=int, default=30, help="measured rounds (each: one step of everything)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--baseline", default=BASELINE_REVISION, help="git revision of the old implementation")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--layers", type=int, default=GPTConfig.n_layer)
+    parser.add_argument("--embd", type=int, default=GPTConfig.n_embd)
+    parser.add_argument("--heads", type=int, default=GPTConfig.n_head)
+    parser.add_argument("--block", type=int, default=GPTConfig.block_size)
+    parser.add_argument("--batch", type=int, default=16, help="per-worker batch (the main job's default: 16)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (a main-job worker: cores // 4)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from gossip.algorithms.powergossip import PowerGossip
+
+    device = torch.device(args.device)
+    config = GPTConfig(block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
+    Old = load_baseline(args.baseline)
+    model, _ = model_buckets(config, device, 0)
+    jobs: dict[str, Callable[[], None]] = {"forward+backward": forward_backward(model, config, args.batch, device)}
+    variants: dict[str, Callable[[int], Any]] = {
+        "old": lambda rank: Old(rank=rank),
+        "new": lambda rank: PowerGossip(rank=rank),
+        "new fp32": lambda rank: PowerGossip(rank=rank, orthonormalize_dtype=torch.float32),
+    }
+    for rank in args.ranks:
+        for label, make in variants.items():
+            _, buckets = model_buckets(config, device, 0)
+            jobs[f"{label} r={rank}"] = bound_step(make(rank), buckets, device)
+    times: dict[str, list[float]] = {name: [] for name in jobs}
+    for round_ in range(args.warmup + args.rounds):
+        order = list(jobs.items())
+        for name, job in order if round_ % 2 == 0 else order[::-1]:  # interleaved, alternating who goes first
+            elapsed = seconds(job, device)
+            if round_ >= args.warmup:
+                times[name].append(elapsed)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    base = median["forward+backward"]
+    parameters = sum(p.numel() for p in model.parameters())
+    print(
+        f"model: GPT {args.layers} layers x {args.embd}, {parameters / 1e6:.2f} M parameters; batch {args.batch} x "
+        f"{args.block} tokens; device {device}; {args.threads} thread(s); baseline revision {args.baseline}; "
+        f"{args.rounds} rounds, medians"
+    )
+    print(f"forward+backward: {base * 1e3:.2f} ms")
+    print("PowerGossip's own computation per step (orthonormalisation in float64 unless marked fp32):")
+    print(f"{'rank':>4} {'variant':>9} {'ms/step':>8} {'% fwd+bwd':>10} {'old / this':>11}")
+    for rank in args.ranks:
+        for label in variants:
+            this = median[f"{label} r={rank}"]
+            old = median[f"old r={rank}"]
+            print(f"{rank:>4} {label:>9} {this * 1e3:8.3f} {100 * this / base:9.2f}% {old / this:11.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""GPU tier on one GPU: what can be tested without one GPU per rank. Skipped where no CUDA device exists.
+
+* the simulator with n virtual ranks holding CUDA tensors, every algorithm, against the same run on CPU:
+  bit-identical where the arithmetic is the same sequence of correctly rounded IEEE operations (all-reduce: sums
+  in rank order, one division); within stated tolerances where CUDA may contract a*x + y into one fused
+  multiply-add (exact gossip: 1e-6) or reduces in another order (PowerGossip's matrix products: 1e-4);
+* DecentralizedDataParallel on CUDA parameters with a world of 1 on NCCL (mixing is the identity there, so the
+  wrapped model trains exactly like the bare one);
+* AccumAdamW's foreach path on CUDA against its per-tensor path and against the CPU;
+* bf16 autocast through the wrapper.
+
+``GOSSIP_TEST_DEVICE=cpu`` runs the same tests on the CPU (NCCL replaced by Gloo), to check the tier itself
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from algorithm_scenarios import local_model, make_schedule
+from torch import nn
+
+import gossip
+import optim
+import topologies
+from gossip.buckets import Bucket
+from gossip.gpt import GPT, GPTConfig
+from gossip.parallel import DecentralizedDataParallel
+
+DEVICE = torch.device(os.environ.get("GOSSIP_TEST_DEVICE", "cuda"))
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+ALGORITHMS = {
+    "exact": lambda: gossip.ExactGossip(),
+    "exact-overrelaxed": lambda: gossip.ExactGossip(gamma=1.2),
+    "powergossip-r1": lambda: gossip.PowerGossip(rank=1, min_compression=1),
+    "powergossip-r2-2it": lambda: gossip.PowerGossip(rank=2, num_iterations=2, min_compression=1),
+    "powergossip-r2-fp32": lambda: gossip.PowerGossip(rank=2, min_compression=1, orthonormalize_dtype=torch.float32),
+    "adaptive-powergossip": lambda: gossip.AdaptivePowerGossip(ladder=(1, 2), every=3, min_compression=1),
+    "allreduce": lambda: gossip.AllReduce(),
+    "hierarchical": lambda: gossip.HierarchicalGossip(local_size=2),
+    "hierarchical-r1": lambda: gossip.HierarchicalGossip(compress_rank=1, local_size=2, min_compression=1),
+}
+# (rtol, atol) of the CUDA run against the CPU run; None: bit-identical.
+TOLERANCE = {"exact": (0, 1e-6), "exact-overrelaxed": (0, 1e-6), "allreduce": None}
+
+
+def mix(comm: gossip.Communicator, algorithm: str, steps: int = 6) -> dict:
+    buckets = [Bucket(b.buffer.to(comm.device), b.entries) for b in local_model(comm.rank)]
+    algo = ALGORITHMS[algorithm]()
+    schedule = "ring" if algorithm.startswith("exact-") else "hypercube"
+    algo.setup(comm, None if algorithm.startswith("hierarchical") else make_schedule(schedule, comm.size), buckets)
+    for step in range(steps):
+        algo.step(step)
+    total = torch.cat([b.buffer.double() for b in buckets])
+    comm.all_reduce(total)
+    edges = getattr(algo, "edges", {})
+    return {
+        "buffers": [b.buffer.cpu() for b in buckets],
+        "device": {b.buffer.device.type for b in buckets},
+        "sum": total.cpu(),
+        "factors": {key: [t.cpu() for t in e.p + e.q] for key, e in edges.items()},
+    }
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_the_simulator_on_cuda_matches_the_cpu_run(algorithm):
+    on_device = gossip.simulate(4, mix, algorithm, device=DEVICE)
+    on_cpu = gossip.simulate(4, mix, algorithm)
+    initial = sum(torch.cat([b.buffer.double() for b in local_model(rank)]) for rank in range(4))
+    for rank, (got, expected) in enumerate(zip(on_device, on_cpu, strict=True)):
+        assert got["device"] == {DEVICE.type}
+        tolerance = TOLERANCE.get(algorithm, (1e-4, 1e-5))
+        for x, y in zip(got["buffers"], expected["buffers"], strict=True):
+            if tolerance is None:
+                assert torch.equal(x, y), f"rank {rank}: {algorithm} on {DEVICE} differs from the CPU run"
+            else:
+                torch.testing.assert_close(x, y, rtol=tolerance[0], atol=tolerance[1])
+        torch.testing.assert_close(got["sum"], initial, rtol=0, atol=1e-4)  # the average is preserved
+        for (lo, hi), factors in got["factors"].items():  # both ends of every edge agree bit for bit
+            theirs = on_device[hi if rank == lo else lo]["factors"][(lo, hi)]
+            assert all(torch.equal(a, b) for a, b in zip(factors, theirs, strict=True)), (algorithm, lo, hi)
+
+
+def make_mlp() -> nn.Module:
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return model.to(DEVICE)
+
+
+def train_mlp(model: nn.Module, steps: int) -> list[float]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=generator).to(DEVICE)
+        loss = (model(x) - x[:, :4]).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_the_wrapper_on_cuda_parameters_with_a_world_of_one_on_nccl(monkeypatch):
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(variable, raising=False)
+    comm = gossip.init("nccl" if DEVICE.type == "cuda" else "gloo", timeout=60.0)
+    try:
+        assert comm.device.type == DEVICE.type
+        wrapped = DecentralizedDataParallel(make_mlp(), comm, topologies.ring(1), gossip.ExactGossip())
+        bare = make_mlp()
+        wrapped_losses, bare_losses = train_mlp(wrapped, 5), train_mlp(bare, 5)
+        assert all(p.is_cuda == (DEVICE.type == "cuda") for p in wrapped.parameters())
+        assert wrapped_losses == bare_losses
+        assert all(torch.equal(a, b) for a, b in zip(wrapped.module.parameters(), bare.parameters(), strict=True))
+    finally:
+        comm.close()
+
+
+def accum_adamw_run(device: torch.device, foreach: bool) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    params = [torch.randn(shape, generator=generator).to(device).requires_grad_() for shape in ((33, 7), (7,), (5,))]
+    optimizer = optim.AccumAdamW(params, lr=1e-2, accum_iter=3, foreach=foreach)
+    for _ in range(10):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=generator).to(device)
+        optimizer.step()
+    return [p.detach().cpu() for p in params]
+
+
+def test_accum_adamw_foreach_on_cuda_matches_its_per_tensor_path_and_the_cpu():
+    foreach = accum_adamw_run(DEVICE, True)
+    for a, b in zip(foreach, accum_adamw_run(DEVICE, False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(foreach, accum_adamw_run(torch.device("cpu"), True), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def autocast_training(comm: gossip.Communicator) -> dict:
+    config = GPTConfig(block_size=16, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(config)
+    generator = torch.Generator().manual_seed(comm.rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+    wrapped = DecentralizedDataParallel(
+        model.to(comm.device), comm, topologies.one_peer_hypercube(comm.size), gossip.PowerGossip(rank=2)
+    )
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    tokens = torch.randint(256, (8, config.block_size + 1), generator=generator).to(comm.device)
+    losses = []
+    for _ in range(15):
+        with torch.autocast(comm.device.type, dtype=torch.bfloat16):
+            _, loss = wrapped(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "dtypes": {p.dtype for p in wrapped.parameters()}, "loss_dtype": loss.dtype}
+
+
+def test_bf16_autocast_through_the_wrapper_trains_in_float32_parameters():
+    for result in gossip.simulate(2, autocast_training, device=DEVICE):
+        assert result["dtypes"] == {torch.float32}  # autocast computes in bf16, parameters and mixing stay fp32
+        assert all(torch.isfinite(torch.tensor(result["losses"])))
+        assert result["losses"][-1] < result["losses"][0] - 0.1, result["losses"]

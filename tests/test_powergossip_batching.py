@@ -1,0 +1,165 @@
+"""PowerGossip batches equal-shape matrices: one bmm per group, one batched Gram-Schmidt, packed exact tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gossip
+import topologies
+from gossip.algorithms import powergossip
+from gossip.algorithms.powergossip import PowerGossip, _Matrix, group_matrices, orthonormalize
+from gossip.buckets import Entry, bucket_parameters
+from gossip.gpt import GPT, GPTConfig
+
+CONFIG = GPTConfig(block_size=8, n_layer=3, n_head=2, n_embd=16)
+
+
+def gpt_buckets(rank: int, bucket_bytes: int = 1 << 30) -> list:
+    """A small GPT's parameters, different on every rank (drawn from a per-rank generator: the simulator's ranks
+    are threads, which share torch's global generator)."""
+    model, generator = GPT(CONFIG), torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    return bucket_parameters(model, bucket_bytes)
+
+
+def bound(comm: gossip.Communicator, **options) -> PowerGossip:
+    algorithm = PowerGossip(**{"rank": 2, "min_compression": 1, **options})
+    algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), gpt_buckets(comm.rank))
+    return algorithm
+
+
+def groups_of_a_gpt(comm: gossip.Communicator, bucket_bytes: int) -> list:
+    algorithm = PowerGossip(rank=2, min_compression=1)
+    algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), gpt_buckets(comm.rank, bucket_bytes))
+    members = [[algorithm.matrices[i].entry.name for i in g.members] for g in algorithm.groups]
+    runs = [len(views) for views in algorithm._views]
+    storages = {b.buffer.untyped_storage().data_ptr() for b in algorithm.buckets}
+    views_are_the_parameters = [
+        torch.equal(view, torch.stack([algorithm._matrix(algorithm.matrices[i]) for i in g.members[members_]]))
+        and view.untyped_storage().data_ptr() in storages
+        for g, views in zip(algorithm.groups, algorithm._views, strict=True)
+        for members_, view in views
+    ]
+    return [members, runs, views_are_the_parameters]
+
+
+@pytest.mark.parametrize(("bucket_bytes", "runs"), [(1 << 30, [1, 1, 1, 1, 1, 1]), (4096, [1, 1, 3, 3, 3, 3])])
+def test_the_layers_of_a_gpt_form_one_group_per_role_viewed_without_copies(bucket_bytes, runs):
+    members, got_runs, views_are_the_parameters = gossip.simulate(2, groups_of_a_gpt, bucket_bytes)[0]
+    roles = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+    blocks = [[f"blocks.{i}.{role}.weight" for i in range(3)] for role in roles]
+    assert members == [["tok_emb.weight"], ["pos_emb.weight"], *blocks]
+    assert got_runs == runs  # one bmm per group when the layers share a bucket, one per bucket otherwise
+    assert all(views_are_the_parameters)
+
+
+def test_a_run_ends_where_the_bucket_or_the_spacing_between_equal_matrices_changes():
+    shape = torch.Size((4, 3))
+    matrices = [_Matrix(0, Entry(f"layer.{i}.w", offset, shape), 4, 3) for i, offset in enumerate((0, 20, 40, 70))]
+    matrices.append(_Matrix(1, Entry("layer.4.w", 90, shape), 4, 3))
+    matrices.append(_Matrix(1, Entry("other.w", 200, shape), 4, 3))  # another role: another group
+    groups = group_matrices(matrices)
+    assert [(g.members, [(r.bucket, r.offset, r.stride, r.count) for r in g.runs]) for g in groups] == [
+        ((0, 1, 2, 3, 4), [(0, 0, 20, 3), (0, 70, 12, 1), (1, 90, 12, 1)]),
+        ((5,), [(1, 200, 12, 1)]),
+    ]
+
+
+def steps_and_factors(comm: gossip.Communicator, steps: int, options: dict) -> dict:
+    algorithm = bound(comm, **options)
+    for step in range(steps):
+        algorithm.step(step)
+    total = torch.cat([b.buffer.double() for b in algorithm.buckets])
+    comm.all_reduce(total)
+    return {
+        "buffers": [b.buffer.clone() for b in algorithm.buckets],
+        "factors": {key: [t.clone() for t in e.p + e.q] for key, e in algorithm.edges.items()},
+        "sum": total,
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_batched_groups_keep_both_ends_bit_identical_and_the_sum(dtype):
+    initial = sum(torch.cat([b.buffer.double() for b in gpt_buckets(rank)]) for rank in range(4))
+    results = gossip.simulate(4, steps_and_factors, 5, {"orthonormalize_dtype": dtype})
+    for rank, result in enumerate(results):
+        for (lo, hi), factors in result["factors"].items():
+            theirs = results[hi if rank == lo else lo]["factors"][(lo, hi)]
+            assert all(torch.equal(a, b) for a, b in zip(factors, theirs, strict=True)), (rank, lo, hi)
+    torch.testing.assert_close(results[0]["sum"], initial, rtol=0, atol=1e-5)
+
+
+def test_batching_computes_what_the_matrix_by_matrix_path_computes(monkeypatch):
+    batched = gossip.simulate(4, steps_and_factors, 5, {})
+    monkeypatch.setattr(
+        powergossip,
+        "group_matrices",
+        lambda matrices: [
+            powergossip._Group(m.m, m.k, (i,), (powergossip._Run(m.bucket, m.entry.offset, m.m * m.k, 1),))
+            for i, m in enumerate(matrices)
+        ],
+    )
+    one_by_one = gossip.simulate(4, steps_and_factors, 5, {})
+    for a, b in zip(batched, one_by_one, strict=True):
+        for x, y in zip(a["buffers"], b["buffers"], strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_batched_orthonormalize_equals_the_per_matrix_one_and_is_orthonormal():
+    batch = torch.randn(5, 30, 4, generator=torch.Generator().manual_seed(0))
+    together = orthonormalize(batch)
+    for i in range(5):
+        torch.testing.assert_close(together[i], orthonormalize(batch[i]), rtol=0, atol=1e-6)
+        torch.testing.assert_close(together[i].T @ together[i], torch.eye(4), rtol=0, atol=1e-5)
+    assert torch.equal(batch, torch.randn(5, 30, 4, generator=torch.Generator().manual_seed(0)))  # input untouched
+
+
+def test_an_orthonormalize_dtype_other_than_float32_or_float64_is_refused():
+    with pytest.raises(ValueError, match=r"orthonormalize_dtype must be torch.float32 or torch.float64, got torch.f"):
+        PowerGossip(orthonormalize_dtype=torch.float16)
+
+
+def count_messages(comm: gossip.Communicator) -> list[int]:
+    algorithm = bound(comm)
+    counts: list[int] = []
+    exchange = comm.exchange
+
+    def counting(sends, recvs, *, seq):
+        counts.append(len(sends))
+        return exchange(sends, recvs, seq=seq)
+
+    comm.exchange = counting
+    algorithm.step(0)
+    return [counts[0], len({index for index, _ in algorithm.exact}), len(algorithm.exact)]
+
+
+def test_uncompressed_tensors_travel_as_one_message_per_bucket():
+    messages, buckets_with_exact, exact_tensors = gossip.simulate(2, count_messages)[0]
+    assert exact_tensors > 10  # biases and norms of three layers
+    assert messages == 1 + buckets_with_exact
+
+
+def resume(comm: gossip.Communicator) -> list:
+    first = bound(comm)
+    for step in range(3):
+        first.step(step)
+    state = first.state_dict()
+    buffers = [b.buffer.clone() for b in first.buckets]
+    for step in range(3, 6):
+        first.step(step)
+    second = PowerGossip(rank=2, min_compression=1)
+    buckets = gpt_buckets(comm.rank)
+    for bucket, saved in zip(buckets, buffers, strict=True):
+        bucket.buffer.copy_(saved)
+    second.setup(comm, topologies.one_peer_hypercube(comm.size), buckets)
+    second.load_state_dict(state)
+    for step in range(3, 6):
+        second.step(step)
+    return [all(torch.equal(a.buffer, b.buffer) for a, b in zip(first.buckets, buckets, strict=True))]
+
+
+def test_grouped_state_dict_resumes_bit_identically():
+    assert all(result[0] for result in gossip.simulate(4, resume))
