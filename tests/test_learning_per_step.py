@@ -115,12 +115,13 @@ def test_report_pairs_gaps_by_seed_and_counts_steps_to_ddp_final_loss():
         for s, loss in ((0, 1.5), (1, 2.1))
     ]  # fmt: skip
     steps = [
-        {"config": "pg", "seed": 0, "step": 10, "train_loss": 3.0},
-        {"config": "pg", "seed": 0, "step": 20, "train_loss": 1.4},
-        {"config": "pg", "seed": 1, "step": 10, "train_loss": 3.0},
+        {"config": "pg", "seed": 0, "step": 10, "train_loss": 3.0, "consensus": 0.9},
+        {"config": "pg", "seed": 0, "step": 20, "train_loss": 1.4, "consensus": 0.3},
+        {"config": "pg", "seed": 1, "step": 10, "train_loss": 3.0, "consensus": 0.8},
     ]
     pg = next(r for r in config_table(summary, steps) if r["config"] == "pg")
     assert pg["gap"][0] == pytest.approx((0.5 + 0.1) / 2)
     assert pg["ddp_over_bytes"] == 5.0
     assert pg["to_target"] == (1, 2, 20.0)  # target = mean of DDP's final losses, 1.5
+    assert pg["late_consensus"] == 0.3  # the records after step 15 of the 30
     assert math.isnan(steps_to_target([(10, 2.0)], 1.5))
