@@ -1,5 +1,5 @@
-"""The learning-per-step study's own pieces: CHOCO-Gossip, the every-K global average, the spectrum measurement and
-the report's aggregation (experiments/learning_per_step.py, experiments/learning_per_step_report.py)."""
+"""The learning-per-step study's own pieces: CHOCO-Gossip, the spectrum measurement and the report's aggregation
+(experiments/learning_per_step.py, experiments/learning_per_step_report.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 import gossip
 import topologies
-from experiments.learning_per_step import ChocoTopK, EveryK, RunConfig, capture_shares, spectrum_rows
+from experiments.learning_per_step import ChocoTopK, RunConfig, capture_shares, spectrum_rows
 from experiments.learning_per_step_report import config_table, steps_to_target
 from gossip.buckets import pack
 
@@ -47,27 +47,6 @@ def test_choco_preserves_the_sum_keeps_public_copies_identical_and_contracts():
         for owner, tensors in copies.items():
             for mine, theirs in zip(tensors, publics[owner][owner], strict=True):
                 assert torch.equal(mine, theirs), f"rank {holder}'s copy of rank {owner}'s public model differs"
-
-
-def _every_k(comm):
-    algorithm = EveryK(gossip.PowerGossip(rank=1, min_compression=1), every=3)
-    buckets = _random_buckets(comm.rank)
-    algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), buckets)
-    states, sent = [], []
-    for step in range(3):
-        algorithm.step(step)
-        states.append(buckets[0].buffer.clone())
-        sent.append(sum(algorithm.traffic.last_sent.values()))
-    return comm.all_gather_object(states), sent, buckets[0].nbytes
-
-
-def test_every_k_averages_exactly_on_the_kth_step_only_and_counts_its_bytes():
-    states, sent, model_bytes = gossip.simulate(4, _every_k)[0]
-    assert not torch.equal(states[0][1], states[1][1])  # PowerGossip steps leave the replicas apart
-    for rank in range(1, 4):
-        assert torch.equal(states[rank][2], states[0][2]), f"rank {rank} differs after the global average"
-    assert sent[0] == sent[1] == 12 * 8  # a new edge's first iteration sends X^T p: k x r float64 values
-    assert sent[2] == round(2 * 3 / 4 * model_bytes)
 
 
 def test_capture_shares_of_a_known_spectrum():
