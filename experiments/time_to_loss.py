@@ -81,6 +81,10 @@ def _decent_dp(topology: str) -> Callable[[int, int, str], list[str]]:
     return argv
 
 
+PG1_IT4_OPTIONS = ("--algorithm", "powergossip", "--rank", "1", "--power-iterations", "4", "--schedule",
+                   "one_peer_hypercube", "--optimizer", "adamw")  # fmt: skip
+
+
 def _pga(name: str, *, rank: int, iterations: int, every: int, adamw: bool) -> Method:
     """PowerGossip (``rank``, ``iterations`` per step) with an exact global average every ``every`` steps."""
     label = f"PowerGossip r={rank}, {iterations} iteration(s), one-peer hypercube, exact average every {every} steps"
@@ -127,6 +131,11 @@ METHODS = {
             _gossip_train(
                 "--algorithm", "powergossip", "--rank", "4", "--schedule", "one_peer_hypercube", "--optimizer", "adamw"
             ),
+        ),
+        Method(
+            "pg1-it4-adamw",
+            "PowerGossip r=1, 4 iterations, one-peer hypercube, AdamW",
+            _gossip_train(*PG1_IT4_OPTIONS),
         ),
         _pga("pg4-pga16-adamw", rank=4, iterations=1, every=16, adamw=True),
         _pga("pg4-pga16", rank=4, iterations=1, every=16, adamw=False),

@@ -1,0 +1,510 @@
+r"""Learning per step: why PowerGossip + a decentralized Adam learns less per step than All-Reduce, and what fixes it.
+
+Every configuration trains ``gossip-train``'s task (the byte-level GPT of :mod:`gossip.gpt` at its default size,
+the stdlib corpus, iid :class:`gossip.corpus.ShardedBatches`, lr 3e-3 with linear warm-up then a cosine to lr / 10,
+betas (0.9, 0.95), weight decay 0.1 on matrices) on ``n`` virtual ranks of the in-process simulator
+(:func:`gossip.simulate`): deterministic, no network, so only learning per step is compared. Per configuration and
+seed it records
+
+* every ``RECORD_EVERY`` steps: the training loss (mean over ranks and over the block of steps), the exact
+  consensus distance :math:`\Xi = \sqrt{\frac1n \sum_i \lVert x_i - \bar x\rVert^2}` (:func:`gossip.consensus.
+  exact_consensus_sq`) and the bytes each worker has sent so far;
+* at the end: the validation loss of the averaged model :math:`\bar x` on the held-out batches;
+* with ``spectrum``: at ``SPECTRUM_STEPS``, for every compressed weight matrix, the singular values of the replica
+  difference :math:`D = X_0 - X_1` and of :math:`X_i - \bar X`: the energy share a rank-r projection captures,
+  :math:`\sum_{k<r}\sigma_k^2 / \sum_k \sigma_k^2`, and the stable rank :math:`\lVert D\rVert_F^2/\lVert D\rVert_2^2`.
+
+Mixing rules (the order of one step is :class:`gossip.DecentralizedDataParallel`'s, Decent-DP's schema):
+
+* ``ddp``: All-Reduce of the gradients (mean over ranks, summed in rank order) before one AdamW step on every rank,
+  so the replicas stay identical; :math:`2\frac{n-1}{n} M` bytes per worker per step (ring all-reduce, M = model
+  bytes).
+* ``none``: no communication at all (each rank trains alone from the same initial model): the drift that mixing
+  must remove.
+* ``exact``, ``powergossip``: the library's :class:`gossip.ExactGossip` and :class:`gossip.PowerGossip` on the
+  one-peer hypercube.
+* ``average_every = K``: :class:`gossip.PeriodicAverage` -- every K-th step an exact global average of the
+  parameters replaces the inner algorithm's mixing (gossip with periodic global averaging, Chen, Yuan, Zhang,
+  Pan, Xu, Yin, "Accelerating Gossip SGD with Periodic Global Averaging", ICML 2021, Alg. 1); on average
+  :math:`2\frac{n-1}{n} M / K` bytes per worker per step on top of the inner algorithm's. (The n = 8 sweep in
+  experiments/README.md ran an equivalent harness-level wrapper that passed the training step to the inner
+  algorithm unchanged; :class:`gossip.PeriodicAverage` numbers the inner steps without the averaging steps.)
+* ``choco``: a compact harness-level CHOCO-Gossip (Koloskova, Stich, Jaggi, "Decentralized Stochastic Optimization
+  and Gossip Algorithms with Compressed Communication", ICML 2019, Alg. 1) with top-k compression and the public
+  copies :math:`\hat x` as error feedback, on the static ring (CHOCO needs a fixed neighbourhood), for comparison
+  only: :class:`ChocoTopK`.
+
+``python -m experiments.learning_per_step --suite study --jobs 16`` runs every configuration of the study (each
+(configuration, seed) in its own process) and appends to ``<out>/steps.csv``, ``summary.csv`` and ``spectrum.csv``
+as runs finish, so an interrupted sweep keeps what it finished. ``--suite smoke`` is a few steps of each kind.
+:mod:`experiments.learning_per_step_report` turns the CSVs into the tables and plots of experiments/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import math
+import multiprocessing
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import gossip
+import optim
+import topologies
+from gossip.algorithms.base import Algorithm
+from gossip.consensus import exact_consensus_sq
+from gossip.corpus import ShardedBatches, load_corpus, validation_batches
+from gossip.gpt import GPT, GPTConfig
+from gossip.train import TrainConfig, learning_rate
+
+RESULTS = Path(__file__).resolve().parent / "results" / "learning_per_step"
+RECORD_EVERY = 10
+SPECTRUM_STEPS = (10, 100, 300, 1000)
+SPECTRUM_RANKS = (1, 4, 16)
+EVAL_BATCHES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One configuration of the study; ``name`` identifies it in the CSVs."""
+
+    name: str
+    algorithm: str = "powergossip"  # ddp | none | exact | powergossip | choco
+    rank: int = 1
+    iterations: int = 1
+    gamma: float = 1.0
+    average_every: int = 0  # exact global average every K steps, replacing the inner mixing (0: never)
+    topk: float = 0.01  # choco: share of coordinates sent per step
+    optimizer: str = "adamw"  # adamw | accum-adamw | sgd
+    beta2: float = 0.95
+    accum_iter: int = 1
+    lr: float = 3e-3
+    warmup: int = 30
+    workers: int = 8
+    batch: int = 8
+    steps: int = 1000
+    spectrum: bool = False
+
+    def describe(self) -> str:
+        fields = dataclasses.asdict(self)
+        defaults = dataclasses.asdict(RunConfig(name=self.name))
+        return ", ".join(f"{k}={v}" for k, v in fields.items() if k != "name" and v != defaults[k])
+
+
+# -- mixing rules that the library does not have (harness-level, for the study) --------------------------------
+class NoMixing(Algorithm):
+    """No communication: every rank keeps its own replica (the drift that mixing has to remove)."""
+
+    name = "none"
+
+    def start(self, step: int) -> None:
+        self._begin_step()
+
+    def finish(self, pending: None) -> None:
+        return None
+
+
+class ChocoTopK(Algorithm):
+    r"""CHOCO-Gossip with top-k compression on a static symmetric schedule (Koloskova et al., ICML 2019, Alg. 1).
+
+    Each rank keeps public copies :math:`\hat x_j` of itself and of its neighbours (identical on every rank that
+    holds them). Per step: :math:`q_i = \mathrm{top}_k(x_i - \hat x_i)` is sent to the neighbours (values float32 +
+    indices int32); every holder adds :math:`q_j` to :math:`\hat x_j`; then
+    :math:`x_i \leftarrow x_i + \gamma \sum_j W_{ij} (\hat x_j - \hat x_i)`. What top-k leaves out stays in
+    :math:`x_i - \hat x_i` and is sent later (error feedback). With symmetric W the sum over ranks is preserved.
+    """
+
+    name = "choco"
+    needs_symmetric_schedule = True
+
+    def __init__(self, fraction: float, gamma: float):
+        if not 0 < fraction <= 1:
+            raise ValueError(f"ChocoTopK: fraction must be in (0, 1], got {fraction}")
+        if not gamma > 0:
+            raise ValueError(f"ChocoTopK: gamma must be positive, got {gamma}")
+        self.fraction, self.gamma = fraction, gamma
+
+    def setup(self, comm, schedule, buckets) -> None:
+        super().setup(comm, schedule, buckets)
+        view = schedule.peers(comm.rank, 0)
+        for t in range(1, schedule.period or 1):
+            if schedule.peers(comm.rank, t).in_peers != view.in_peers:
+                raise ValueError(f"ChocoTopK needs a static schedule; rank {comm.rank}'s peers change at step {t}")
+        self.neighbours = view.in_peers
+        # x_hat = 0 on every holder (Alg. 1's initialisation): identical everywhere whatever the replicas hold
+        self.public = {p: [torch.zeros_like(b.buffer) for b in buckets] for p, _ in (*view.in_peers, (comm.rank, 1))}
+
+    def start(self, step: int) -> tuple[list, list]:
+        self._begin_step()
+        own, sends, recvs, received = self.public[self.comm.rank], [], [], []
+        mine = []
+        for bucket, public in zip(self.buckets, own, strict=True):
+            residual = bucket.buffer - public
+            k = max(1, math.ceil(self.fraction * residual.numel()))
+            indices = residual.abs().topk(k, sorted=False).indices
+            mine.append((indices.to(torch.int32), residual[indices].clone()))
+        for peer, _ in self.neighbours:
+            incoming = []
+            for indices, values in mine:
+                sends += [(peer, indices), (peer, values)]
+                pair = (torch.empty_like(indices), torch.empty_like(values))
+                recvs += [(peer, pair[0]), (peer, pair[1])]
+                incoming.append(pair)
+            received.append(incoming)
+            nbytes = sum(i.numel() * i.element_size() + v.numel() * v.element_size() for i, v in mine)
+            self.traffic.record(peer, nbytes, nbytes)
+        return mine, [self.comm.exchange(sends, recvs, seq=step), received]
+
+    def finish(self, pending: tuple[list, list]) -> None:
+        mine, (handle, received) = pending
+        self._wait(handle)
+        updates = [(self.comm.rank, mine)] + [(p, r) for (p, _), r in zip(self.neighbours, received, strict=True)]
+        for peer, pairs in updates:
+            for public, (indices, values) in zip(self.public[peer], pairs, strict=True):
+                public.index_add_(0, indices.long(), values)
+        own = self.public[self.comm.rank]
+        for index, bucket in enumerate(self.buckets):
+            correction = torch.zeros_like(bucket.buffer)
+            for peer, weight in self.neighbours:
+                correction.add_(self.public[peer][index] - own[index], alpha=weight)
+            bucket.buffer.add_(correction, alpha=self.gamma)
+
+
+# -- one run --------------------------------------------------------------------------------------------------
+def make_algorithm(config: RunConfig) -> Algorithm:
+    if config.algorithm == "none":
+        inner: Algorithm = NoMixing()
+    elif config.algorithm == "exact":
+        inner = gossip.ExactGossip(gamma=config.gamma)
+    elif config.algorithm == "powergossip":
+        inner = gossip.PowerGossip(rank=config.rank, num_iterations=config.iterations, gamma=config.gamma)
+    elif config.algorithm == "choco":
+        inner = ChocoTopK(config.topk, config.gamma)
+    else:
+        raise ValueError(f"unknown algorithm {config.algorithm!r} (ddp is run without a mixing algorithm)")
+    return gossip.PeriodicAverage(inner, config.average_every) if config.average_every else inner
+
+
+def make_schedule(config: RunConfig) -> topologies.Schedule:
+    if config.algorithm == "choco":
+        return topologies.ring(config.workers)
+    return topologies.one_peer_hypercube(config.workers)
+
+
+def make_optimizer(config: RunConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
+    groups = optim.param_groups(module, 0.1)
+    if config.optimizer == "sgd":
+        return optim.SGD(groups, lr=config.lr, momentum=0.9, nesterov=True)
+    accum = config.accum_iter if config.optimizer == "accum-adamw" else 1
+    return optim.AccumAdamW(groups, lr=config.lr, betas=(0.9, config.beta2), eps=1e-8, accum_iter=accum)
+
+
+def capture_shares(difference: torch.Tensor, ranks: tuple[int, ...] = SPECTRUM_RANKS) -> tuple[list[float], float]:
+    """Energy share of ``difference`` that its best rank-r approximation keeps, per r, and its stable rank.
+
+    share_r = sum_{k<r} s_k^2 / sum_k s_k^2 (Eckart-Young: the largest share any rank-r projection can capture);
+    stable rank = ||D||_F^2 / ||D||_2^2, between 1 (rank one) and min(m, k) (flat spectrum).
+    """
+    singular = torch.linalg.svdvals(difference.to(torch.float64))
+    energy = singular.square()
+    total = float(energy.sum())
+    if total == 0.0:
+        return [1.0 for _ in ranks], 1.0
+    cumulative = energy.cumsum(0)
+    shares = [float(cumulative[min(r, len(energy)) - 1]) / total for r in ranks]
+    return shares, total / float(energy[0])
+
+
+def spectrum_rows(
+    config: RunConfig, seed: int, step: int, replicas: list[dict[str, torch.Tensor]], algorithm: Algorithm | None
+) -> list[dict]:
+    """Rank-r capture and stable rank of the replica differences, summed over the weight matrices by energy
+    (share = sum over matrices of captured energy / total energy), for three differences:
+
+    * ``pair``: X_0 - X_1;
+    * ``to_mean``: X_0 - mean_i X_i;
+    * ``next_edge`` (PowerGossip only): X_p - X_0 for rank 0's peer p of the next step, with ``pg_captured`` the
+      energy share that edge's warm-started factor (orthonormalised by the exchange already posted) captures:
+      ||D Q||^2 / ||D||^2 (right multiplication) or ||D^T P||^2 / ||D||^2 (left) -- what the next power
+      iteration removes, against the best rank-r share in ``share_r<r>``.
+    """
+    rows = []
+    mean = {name: torch.stack([r[name] for r in replicas]).mean(0) for name in replicas[0]}
+    differences = [("pair", replicas[1], None), ("to_mean", mean, None)]
+    inner = algorithm  # a bare PowerGossip only: inside PeriodicAverage its steps are numbered differently
+    if isinstance(inner, gossip.PowerGossip) and inner.matrices:
+        peer = inner.schedule.peers(0, step).in_peers[0][0]  # the exchange of step index `step` is in flight
+        edge = inner.edges[(0, peer)]
+        right = edge.iteration % 2 == 1
+        differences.append(("next_edge", replicas[peer], (inner, edge, right)))
+    for kind, other, powergossip in differences:
+        captured, total, stable, pg_energy = [0.0] * len(SPECTRUM_RANKS), 0.0, [], 0.0
+        for name, x0 in replicas[0].items():
+            difference = (x0 - other[name]).double()
+            shares, stable_rank = capture_shares(difference)
+            energy = float(difference.square().sum())
+            total += energy
+            captured = [c + s * energy for c, s in zip(captured, shares, strict=True)]
+            stable.append(stable_rank)
+        if powergossip is not None:
+            inner, edge, right = powergossip
+            total = 0.0  # over the compressed matrices only, as the factors cover them
+            captured = [0.0] * len(SPECTRUM_RANKS)
+            for i, matrix in enumerate(inner.matrices):
+                difference = (replicas[0][matrix.entry.name] - other[matrix.entry.name]).double()
+                difference = difference.reshape(matrix.m, matrix.k)
+                factor = (edge.q if right else edge.p)[i].double().cpu()
+                projected = difference @ factor if right else difference.T @ factor
+                pg_energy += float(projected.square().sum())
+                energy = float(difference.square().sum())
+                shares, _ = capture_shares(difference)
+                captured = [c + s * energy for c, s in zip(captured, shares, strict=True)]
+                total += energy
+        row = {"config": config.name, "seed": seed, "step": step, "kind": kind, "norm": math.sqrt(total)}
+        for r, c in zip(SPECTRUM_RANKS, captured, strict=True):
+            row[f"share_r{r}"] = c / total if total else 1.0
+        row["stable_rank_mean"] = sum(stable) / len(stable)
+        row["max_rank"] = max(min(x.shape) for x in replicas[0].values())
+        row["pg_captured"] = pg_energy / total if powergossip is not None and total else math.nan
+        rows.append(row)
+    return rows
+
+
+def _average_gradients(module: torch.nn.Module, comm: gossip.Communicator) -> None:
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, "avg")
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+@torch.no_grad()
+def _averaged_validation(module: torch.nn.Module, comm: gossip.Communicator, batches: list) -> float:
+    """Validation loss of the averaged parameters; each rank evaluates its share. A collective."""
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()]).double()
+    comm.all_reduce(flat, "avg")
+    saved = [p.detach().clone() for p in module.parameters()]
+    offset = 0
+    for p in module.parameters():
+        p.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    totals = torch.zeros(2, dtype=torch.float64, device=flat.device)
+    module.eval()
+    for x, y in batches[comm.rank :: comm.size]:
+        totals[0] += module(x, y)[1].double()
+        totals[1] += 1
+    module.train()
+    for p, s in zip(module.parameters(), saved, strict=True):
+        p.copy_(s)
+    comm.all_reduce(totals, "sum")
+    return float(totals[0] / totals[1])
+
+
+def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
+    """Train ``config`` with ``seed``; return its ``steps``, ``summary`` and ``spectrum`` rows."""
+    model_config = GPTConfig()
+    corpus = load_corpus(None, block_size=model_config.block_size)
+    held_out = validation_batches(corpus.validation, config.batch, model_config.block_size, EVAL_BATCHES)
+    schedule_config = TrainConfig(lr=config.lr, steps=config.steps, warmup_steps=config.warmup)
+    init_lock = threading.Lock()
+    model_bytes = 0
+    started = time.perf_counter()
+
+    def worker(comm: gossip.Communicator) -> dict[str, list[dict]]:
+        nonlocal model_bytes
+        with init_lock:  # the virtual ranks share torch's global generator: seed and draw atomically
+            torch.manual_seed(seed)
+            module = GPT(model_config)
+        model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        ddp = config.algorithm == "ddp"
+        algorithm = None if ddp else make_algorithm(config)
+        if ddp:
+            wrapped: torch.nn.Module = module
+            parameters = list(module.parameters())
+        else:
+            wrapped = gossip.DecentralizedDataParallel(module, comm, make_schedule(config), algorithm, seed=seed)
+            parameters = [b.buffer for b in wrapped.buckets]
+        optimizer = make_optimizer(config, module)
+        batches = ShardedBatches(corpus.train, comm.rank, comm.size, config.batch, model_config.block_size, seed, "iid")
+        ring_bytes = 2 * (comm.size - 1) / comm.size * model_bytes
+        steps, spectrum, losses = [], [], []
+        for step in range(config.steps):
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(schedule_config, step)
+            x, y = batches.batch(step)
+            _, loss = wrapped(x, y)
+            loss.backward()
+            if ddp:
+                _average_gradients(module, comm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            if not math.isfinite(losses[-1]):
+                where = f"{config.name} seed {seed}: rank {comm.rank}, step {step}"
+                raise FloatingPointError(f"{where}: training loss {losses[-1]}; lower lr")
+            if (step + 1) % RECORD_EVERY == 0 or step + 1 == config.steps:
+                block = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
+                comm.all_reduce(block, "avg")
+                sent = ring_bytes * (step + 1) if ddp else float(algorithm.traffic.total_sent)
+                total_sent = torch.tensor([sent], dtype=torch.float64)
+                comm.all_reduce(total_sent, "avg")
+                consensus = math.sqrt(exact_consensus_sq(parameters, comm))
+                steps.append(
+                    {"config": config.name, "seed": seed, "step": step + 1, "train_loss": float(block),
+                     "consensus": consensus, "bytes_per_worker": float(total_sent)}
+                )  # fmt: skip
+                losses = []
+            if config.spectrum and step + 1 in SPECTRUM_STEPS:
+                named = {n: p.detach().cpu().clone() for n, p in module.named_parameters() if p.ndim == 2}
+                replicas = comm.all_gather_object(named)
+                if comm.rank == 0:
+                    spectrum += spectrum_rows(config, seed, step + 1, replicas, algorithm)
+        val = _averaged_validation(module, comm, held_out)
+        if not ddp:
+            wrapped.close()
+        return {"steps": steps, "spectrum": spectrum, "val": val}
+
+    results = gossip.simulate(config.workers, worker, timeout=1800.0)
+    rows = results[0]["steps"]
+    tail = [r["train_loss"] for r in rows if r["step"] > config.steps - 50]
+    summary = {
+        "config": config.name,
+        "seed": seed,
+        "steps": config.steps,
+        "workers": config.workers,
+        "final_train_loss": sum(tail) / len(tail),
+        "val_loss_averaged": results[0]["val"],
+        "final_consensus": rows[-1]["consensus"],
+        "bytes_per_worker_per_step": rows[-1]["bytes_per_worker"] / config.steps,
+        "ddp_bytes_per_worker_per_step": 2 * (config.workers - 1) / config.workers * model_bytes,
+        "seconds": time.perf_counter() - started,
+        "settings": config.describe(),
+    }
+    return {"steps": rows, "summary": [summary], "spectrum": results[0]["spectrum"]}
+
+
+# -- the suites ----------------------------------------------------------------------------------------------
+def suite(name: str) -> list[RunConfig]:
+    """The configurations of a suite, most important first (a sweep cut short keeps the head of the list)."""
+    c = RunConfig
+    if name == "smoke":
+        common = {"steps": 20, "warmup": 5, "workers": 4}
+        return [
+            c("ddp", algorithm="ddp", **common),
+            c("pg1", spectrum=True, **common),
+            c("pg1-avg10", average_every=10, **common),
+            c("choco", algorithm="choco", gamma=0.5, **common),
+            c("none-sgd", algorithm="none", optimizer="sgd", lr=0.1, spectrum=True, **common),
+            c("accum", optimizer="accum-adamw", accum_iter=2, beta2=0.99, **common),
+        ]
+    if name != "study":
+        raise ValueError(f"unknown suite {name!r}; choose smoke or study")
+    d: dict[str, Any] = {}
+    short = {"steps": 300}
+    main_job = {"workers": 4, "batch": 16, "steps": 300}  # gossip-train's defaults, n = 4
+    return [
+        c("ddp", algorithm="ddp", **d),
+        c("pg1", spectrum=True, **d),
+        c("pg1-avg32", average_every=32, **d),
+        c("exact", algorithm="exact", **d),
+        c("pg4", rank=4, spectrum=True, **d),
+        c("avg32-only", algorithm="none", average_every=32, **d),
+        c("pg1-it4", iterations=4, **d),
+        c("mj-pg1", spectrum=True, **main_job),
+        c("mj-pg4", rank=4, spectrum=True, **main_job),
+        c("mj-none", algorithm="none", **main_job),
+        c("mj-exact", algorithm="exact", **main_job),
+        c("mj-ddp", algorithm="ddp", **main_job),
+        c("mj-pg4-g0.5", rank=4, gamma=0.5, **main_job),
+        c("mj-exact-accum2", algorithm="exact", optimizer="accum-adamw", accum_iter=2, beta2=0.99, **main_job),
+        c("mj-exact-lr6e-3", algorithm="exact", lr=6e-3, **main_job),
+        c("mj-pg1-it4", iterations=4, spectrum=True, **main_job),
+        c("none-adamw", algorithm="none", spectrum=True, **short),
+        c("none-sgd", algorithm="none", optimizer="sgd", lr=0.1, spectrum=True, **short),
+        c("pg1-sgd", optimizer="sgd", lr=0.1, spectrum=True, **short),
+        c("pg1-g0.5", gamma=0.5, spectrum=True, **d),
+        c("pg1-avg16", average_every=16, **d),
+        c("choco-top1-g0.5", algorithm="choco", topk=0.01, gamma=0.5, **d),
+        c("pg1-avg32-accum2", average_every=32, optimizer="accum-adamw", accum_iter=2, beta2=0.99, **d),
+        c("ddp-accum2", algorithm="ddp", optimizer="accum-adamw", accum_iter=2, beta2=0.99, **d),
+        c("pg1-avg32-wu100", average_every=32, warmup=100, **d),
+        c("pg1-it4-avg64", iterations=4, average_every=64, **d),
+        c("pg4-avg32", rank=4, average_every=32, **d),
+        c("pg4-sgd", rank=4, optimizer="sgd", lr=0.1, spectrum=True, **short),
+        c("pg1-avg64", average_every=64, **d),
+        c("pg1-avg32-lr1.5e-3", average_every=32, lr=1.5e-3, **d),
+        c("pg1-avg32-accum4", average_every=32, optimizer="accum-adamw", accum_iter=4, beta2=0.999, **d),
+    ]
+
+
+def _run_job(job: tuple[RunConfig, int]) -> dict[str, list[dict]]:
+    torch.set_num_threads(1)
+    config, seed = job
+    try:
+        return train_run(config, seed)
+    except Exception as error:  # one failed run must not sink the sweep: record it
+        return {"error": [{"config": config.name, "seed": seed, "error": f"{type(error).__name__}: {error}"}]}
+
+
+def append_rows(path: Path, rows: list[dict]) -> None:
+    """Append ``rows`` to the CSV at ``path``, writing the header when the file is new."""
+    if not rows:
+        return
+    new = not path.exists()
+    with path.open("a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def jobs_in_order(configs: list[RunConfig], seeds: list[int]) -> Iterator[tuple[RunConfig, int]]:
+    """Configuration-major, in the suite's order of importance: a sweep cut short keeps whole configurations (every
+    seed) of the head of the list rather than one seed of everything."""
+    for config in configs:
+        for seed in seeds:
+            yield config, seed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", default="study", choices=["smoke", "study"])
+    parser.add_argument("--only", nargs="*", help="run only these configuration names")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--jobs", type=int, default=1, help="(configuration, seed) runs in parallel processes")
+    parser.add_argument("--steps", type=int, help="override every configuration's steps (calibration, smoke tests)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    configs = suite(args.suite)
+    if args.steps is not None:
+        configs = [dataclasses.replace(c, steps=args.steps, warmup=min(c.warmup, args.steps // 2)) for c in configs]
+    if args.only:
+        unknown = sorted(set(args.only) - {c.name for c in configs})
+        if unknown:
+            parser.error(f"unknown configuration(s) {unknown}; the suite has {[c.name for c in configs]}")
+        configs = [c for c in configs if c.name in args.only]
+    args.out.mkdir(parents=True, exist_ok=True)
+    jobs = list(jobs_in_order(configs, args.seeds))
+    started = time.perf_counter()
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(args.jobs, maxtasksperchild=1) as pool:
+        for done, result in enumerate(pool.imap_unordered(_run_job, jobs), 1):
+            for kind, rows in result.items():
+                append_rows(args.out / f"{kind}.csv", rows)
+            head = result.get("summary", result.get("error"))[0]
+            print(f"[{done}/{len(jobs)} {time.perf_counter() - started:.0f}s] {head}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

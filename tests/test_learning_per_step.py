@@ -1,0 +1,106 @@
+"""The learning-per-step study's own pieces: CHOCO-Gossip, the spectrum measurement and the report's aggregation
+(experiments/learning_per_step.py, experiments/learning_per_step_report.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gossip
+import topologies
+from experiments.learning_per_step import ChocoTopK, RunConfig, capture_shares, spectrum_rows
+from experiments.learning_per_step_report import config_table, steps_to_target
+from gossip.buckets import pack
+
+
+def _random_buckets(rank: int, shape=(24, 12)) -> list:
+    generator = torch.Generator().manual_seed(1000 + rank)
+    return pack([("w", torch.randn(*shape, generator=generator, dtype=torch.float64))])
+
+
+def _choco(comm, steps: int):
+    algorithm = ChocoTopK(fraction=0.1, gamma=0.4)
+    buckets = _random_buckets(comm.rank)
+    algorithm.setup(comm, topologies.ring(comm.size), buckets)
+    total_before = buckets[0].buffer.clone()
+    comm.all_reduce(total_before, "sum")
+    for step in range(steps):
+        algorithm.step(step)
+    total_after = buckets[0].buffer.clone()
+    comm.all_reduce(total_after, "sum")
+    spread = buckets[0].buffer.clone()
+    comm.all_reduce(spread, "avg")
+    distance = float((buckets[0].buffer - spread).square().sum())
+    publics = comm.all_gather_object({p: [t.clone() for t in copies] for p, copies in algorithm.public.items()})
+    return total_before, total_after, distance, publics
+
+
+def test_choco_preserves_the_sum_keeps_public_copies_identical_and_contracts():
+    before = gossip.simulate(6, _choco, 0)[0][2]
+    results = gossip.simulate(6, _choco, 200)
+    total_before, total_after, after, publics = results[0]
+    torch.testing.assert_close(total_after, total_before, rtol=0, atol=1e-10)
+    assert after < 1e-2 * before  # error feedback: what top-10% leaves out is sent later
+    for holder, copies in enumerate(publics):  # every holder's copy of rank j's public x_hat equals rank j's own
+        for owner, tensors in copies.items():
+            for mine, theirs in zip(tensors, publics[owner][owner], strict=True):
+                assert torch.equal(mine, theirs), f"rank {holder}'s copy of rank {owner}'s public model differs"
+
+
+def test_capture_shares_of_a_known_spectrum():
+    u, _ = torch.linalg.qr(torch.randn(20, 20, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(10, 10, dtype=torch.float64))
+    singular = torch.tensor([3.0, 2.0, 1.0] + [0.0] * 7, dtype=torch.float64)
+    shares, stable_rank = capture_shares(u[:, :10] @ torch.diag(singular) @ v.T, ranks=(1, 2, 4))
+    assert shares == pytest.approx([9 / 14, 13 / 14, 1.0])
+    assert stable_rank == pytest.approx(14 / 9)
+
+
+def _next_edge(comm):
+    algorithm = gossip.PowerGossip(rank=1, min_compression=1)
+    buckets = _random_buckets(comm.rank)
+    algorithm.setup(comm, topologies.one_peer_hypercube(2), buckets)
+    algorithm.step(0)
+    pending = algorithm.start(1)  # the next exchange, posted: its factor is the one the measurement reads
+    replicas = comm.all_gather_object({"w": buckets[0].buffer.view(24, 12).clone()})
+    rows = spectrum_rows(RunConfig(name="t"), 0, 1, replicas, algorithm) if comm.rank == 0 else []
+    algorithm.finish(pending)
+    after = comm.all_gather_object(buckets[0].buffer.clone())
+    return rows, replicas, after
+
+
+def test_powergossip_capture_is_what_the_step_removes_and_at_most_the_best_rank_one_share():
+    rows, before, after = gossip.simulate(2, _next_edge)[0]
+    edge = next(r for r in rows if r["kind"] == "next_edge")
+    energy_before = float((before[1]["w"] - before[0]["w"]).square().sum())
+    energy_after = float((after[1] - after[0]).square().sum())
+    # gamma = 1, weight 1/2 on both ends: the edge's difference loses exactly its projection on the factor
+    assert energy_after / energy_before == pytest.approx(1 - edge["pg_captured"], rel=1e-9)
+    assert 0 < edge["pg_captured"] <= edge["share_r1"] + 1e-12  # Eckart-Young bound
+
+
+def test_report_pairs_gaps_by_seed_and_counts_steps_to_ddp_final_loss():
+    summary = [
+        {"config": "ddp", "seed": s, "workers": 8, "steps": 30, "final_train_loss": loss, "val_loss_averaged": 1.0,
+         "final_consensus": 0.0, "bytes_per_worker_per_step": 10.0, "ddp_bytes_per_worker_per_step": 10.0,
+         "settings": ""}
+        for s, loss in ((0, 1.0), (1, 2.0))
+    ] + [
+        {"config": "pg", "seed": s, "workers": 8, "steps": 30, "final_train_loss": loss, "val_loss_averaged": 1.0,
+         "final_consensus": 1.0, "bytes_per_worker_per_step": 2.0, "ddp_bytes_per_worker_per_step": 10.0,
+         "settings": ""}
+        for s, loss in ((0, 1.5), (1, 2.1))
+    ]  # fmt: skip
+    steps = [
+        {"config": "pg", "seed": 0, "step": 10, "train_loss": 3.0, "consensus": 0.9},
+        {"config": "pg", "seed": 0, "step": 20, "train_loss": 1.4, "consensus": 0.3},
+        {"config": "pg", "seed": 1, "step": 10, "train_loss": 3.0, "consensus": 0.8},
+    ]
+    pg = next(r for r in config_table(summary, steps) if r["config"] == "pg")
+    assert pg["gap"][0] == pytest.approx((0.5 + 0.1) / 2)
+    assert pg["ddp_over_bytes"] == 5.0
+    assert pg["to_target"] == (1, 2, 20.0)  # target = mean of DDP's final losses, 1.5
+    assert pg["late_consensus"] == 0.3  # the records after step 15 of the 30
+    assert math.isnan(steps_to_target([(10, 2.0)], 1.5))
