@@ -1,6 +1,6 @@
 """Issue 8 / GraVAC (docs/design.md C.4): adaptive PowerGossip rank vs fixed ranks, i.i.d. and non-i.i.d.
 
-4 workers (simulator), gossip.gpt's GPT on the stdlib corpus, one-peer hypercube. The controller decides every
+4 workers (simulator), gossip.app.gpt's GPT on the stdlib corpus, one-peer hypercube. The controller decides every
 ``--every`` steps (throughput = measured step time of the in-process run, so with no network cost it is nearly
 flat across ranks and the gain term decides). Writes experiments/results/issue8_adaptive.csv (every evaluation),
 issue8_adaptive_decisions.csv (the controller's gain / throughput / CT per decision), issue8_adaptive.md (per

@@ -1,6 +1,6 @@
 """Issue 8 / TAGC (docs/design.md D.2-D.3): layer-selective PowerGossip vs compress-everything vs exact gossip.
 
-4 workers (simulator), gossip.gpt's GPT on the stdlib corpus, one-peer hypercube, i.i.d. data. Writes
+4 workers (simulator), gossip.app.gpt's GPT on the stdlib corpus, one-peer hypercube, i.i.d. data. Writes
 experiments/results/issue8_tagc.csv (one row per evaluation) and issue8_tagc.md (the table).
 Also draws issue8_tagc.png (final validation loss vs bytes sent per worker, one point per method).
 Run: PYTHONPATH=. python experiments/issue8_tagc.py [--steps 150]
@@ -16,7 +16,7 @@ from experiments.issue8_common import RESULTS, pyplot, read_csv, save_figure, tr
 from gossip.algorithms.presets import tagc_policy
 
 NOTES = """
-Model: gossip.gpt GPT, 2 layers, n_embd 64, block 32 (experiments/issue8_common.MODEL), batch 8 per worker,
+Model: gossip.app.gpt GPT, 2 layers, n_embd 64, block 32 (experiments/issue8_common.MODEL), batch 8 per worker,
 AccumAdamW lr 3e-3 (warm-up 20, cosine), one seed, one run per method: across seeds 0-2 the final loss of one
 PowerGossip method spreads by up to 0.14 (issue8_adaptive.md), so differences below ~0.1 are not evidence. At this
 size attention (qkv 192x64, proj 64x64 per block) is a large share of the bytes, so keeping it exact costs TAGC

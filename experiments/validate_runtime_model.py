@@ -84,7 +84,7 @@ def run_statistics(run_dir: Path) -> dict:
 
 def model_size_bytes() -> int:
     """Bytes of the task's GPT parameters (float32): what exact gossip sends per peer and DDP all-reduces."""
-    from gossip.gpt import GPT, GPTConfig
+    from gossip.app.gpt import GPT, GPTConfig
 
     return sum(p.numel() * p.element_size() for p in GPT(GPTConfig()).parameters())
 
@@ -92,8 +92,8 @@ def model_size_bytes() -> int:
 def compute_alone_ms(steps: int = 30, batch_size: int = 8) -> float:
     """Forward + backward + AdamW step of the task's GPT in this process, one thread, nothing else of ours running;
     mean ms over ``steps`` after 3 warm-up steps."""
-    from gossip.corpus import ShardedBatches, load_corpus
-    from gossip.gpt import GPT, GPTConfig
+    from gossip.app.corpus import ShardedBatches, load_corpus
+    from gossip.app.gpt import GPT, GPTConfig
 
     torch.set_num_threads(1)
     config = GPTConfig()

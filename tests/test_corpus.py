@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossip.corpus import (
+from gossip.app.corpus import (
     STDLIB_FILES,
     ShardedBatches,
     decode,

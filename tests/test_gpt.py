@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from gossip.gpt import GPT, GPTConfig
+from gossip.app.gpt import GPT, GPTConfig
 
 
 @pytest.fixture(autouse=True)

@@ -25,8 +25,8 @@ from torch import nn
 import gossip
 import optim
 import topologies
+from gossip.app.gpt import GPT, GPTConfig
 from gossip.buckets import Bucket
-from gossip.gpt import GPT, GPTConfig
 from gossip.parallel import DecentralizedDataParallel
 
 DEVICE = torch.device(os.environ.get("GOSSIP_TEST_DEVICE", "cuda"))
