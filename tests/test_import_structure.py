@@ -5,7 +5,7 @@ The library is every module of ``gossip`` (outside ``gossip.app``, the main job,
 ``python -m gossip`` entry point that forwards to it), ``optim`` and ``topologies``. The checks read the source with
 :mod:`ast`, so an import inside a function counts like one at the top of a module; only imports under
 ``if TYPE_CHECKING:`` (never executed) are left out. A cycle is found with :func:`networkx.find_cycle` on the graph
-module -> module it imports.
+module -> module it imports; the same check covers experiments/.
 """
 
 from __future__ import annotations
@@ -125,6 +125,14 @@ def test_no_library_module_imports_the_application():
 def test_the_library_imports_form_no_cycle():
     graph = import_graph(REPO, LIBRARY_PACKAGES)
     assert graph.number_of_edges() > 50, "the import graph was not read (no edges found)"
+    cycle = import_cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}; move the shared piece into the module that owns it"
+
+
+def test_the_experiments_imports_form_no_cycle():
+    """The runtime model's modules import one way (costs <- model <- cli <- validate), and so does the rest."""
+    graph = import_graph(REPO, ("experiments",))
+    assert graph.has_edge("experiments.runtime_model.cli", "experiments.runtime_model.model")
     cycle = import_cycle(graph)
     assert cycle is None, f"import cycle: {' -> '.join(cycle)}; move the shared piece into the module that owns it"
 

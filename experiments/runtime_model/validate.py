@@ -17,7 +17,7 @@ The emulation has n processes on 2 cores, so compute is CPU-bound and shared. Th
 :math:`\kappa_n = C_n / C_1` (compute per step with n processes running / with one process alone, both with one
 thread) is measured and reported; a second prediction uses :math:`C_1` to show what the model says without it.
 
-    python -m experiments.validate_runtime_model --hosts 4 8 --rates 1gbit 100mbit --steps 40 \
+    python -m experiments.runtime_model.validate --hosts 4 8 --rates 1gbit 100mbit --steps 40 \
         [--time-to-loss-runs runs/time_to_loss]
 
 Writes ``<results>/runtime_validation.csv``.
@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from experiments.runtime_model_cli import parse_rate, validation_table
+from experiments.runtime_model.cli import parse_rate, validation_table
 from experiments.time_to_loss import METHODS, RESULTS, run_method
 
 LATENCY_MS = 0.03
@@ -192,7 +192,7 @@ FIELDS = ("label", "source", "n", "algorithm", "schedule", "rate", "measured_ms"
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m experiments.validate_runtime_model", description=__doc__.split("\n")[0]
+        prog="python -m experiments.runtime_model.validate", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--hosts", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"])
