@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from algorithm_scenarios import SHAPES, local_model, make_algorithm, run_steps
+from helpers.algorithm_scenarios import SHAPES, local_model, make_algorithm, run_steps
 
 import gossip
 import topologies

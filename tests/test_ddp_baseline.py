@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import metrics_rows, run_main_job
+from helpers.launch import metrics_rows, run_main_job
 
 import gossip
 from gossip.app.ddp_baseline import DDPBackendError, DDPBaseline, ring_all_reduce_bytes

@@ -19,7 +19,7 @@ import os
 
 import pytest
 import torch
-from algorithm_scenarios import local_model, make_schedule
+from helpers.algorithm_scenarios import local_model, make_schedule
 from torch import nn
 
 import gossip

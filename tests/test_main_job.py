@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import REPO, metrics_rows, run_main_job
+from helpers.launch import REPO, metrics_rows, run_main_job
 
 from gossip.app.cli import main
 from gossip.app.corpus import load_corpus
