@@ -1,4 +1,4 @@
-"""Properties of the byte-level GPT (gossip/gpt.py)."""
+"""Properties of the byte-level GPT (gossip/app/gpt.py)."""
 
 import math
 
