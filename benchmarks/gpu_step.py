@@ -48,8 +48,8 @@ from powergossip_compute import (
 import optim
 import topologies
 from gossip import ExactGossip, PowerGossip, simulate
+from gossip.app.gpt import GPTConfig
 from gossip.buckets import Bucket
-from gossip.gpt import GPTConfig
 
 
 def median_seconds(run: Callable[[], None], device: torch.device, warmup: int, rounds: int) -> float:

@@ -68,7 +68,7 @@ def make_model(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "mlp":
         return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10))
-    from gossip.gpt import GPT
+    from gossip.app.gpt import GPT
 
     return GPT()
 

@@ -37,9 +37,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import topologies  # noqa: E402
+from gossip.app.gpt import GPT, GPTConfig  # noqa: E402
 from gossip.backends.base import Communicator, Handle, Transfer  # noqa: E402
 from gossip.buckets import Bucket, bucket_parameters  # noqa: E402
-from gossip.gpt import GPT, GPTConfig  # noqa: E402
 
 BASELINE_REVISION = "40b881d"  # the last revision with the matrix-by-matrix PowerGossip
 

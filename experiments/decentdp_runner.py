@@ -6,7 +6,7 @@ decent-dp is an experiment-only dependency, pinned here and not in setup.cfg::
     PIP_CONSTRAINT=.ci/constraints.txt pip install decent-dp==0.2.3   # keeps the pinned CPU torch
 
 Same task as ``gossip-train``: the same GPT config (GPTConfig defaults), corpus (stdlib, ``load_corpus``), batches
-(``ShardedBatches``: a pure function of (seed, rank, step)), learning-rate schedule (``gossip.train.learning_rate``:
+(``ShardedBatches``: a pure function of (seed, rank, step)), learning-rate schedule (``gossip.app.train.learning_rate``:
 linear warmup, cosine to lr / 10), seed, AdamW betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on matrices only and
 accum_iter = max(1, n // 4). The optimizer is decent-dp's own ``AccumAdamW`` (moments advance once every accum_iter
 steps); its ``optim_fn_accum_adamw`` helper is not used because it puts weight decay on biases instead of matrices.
@@ -43,10 +43,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gossip.corpus import ShardedBatches, load_corpus, validation_batches
-from gossip.gpt import GPT, GPTConfig
-from gossip.run_dir import FINAL_WINDOW, write_metrics_csv
-from gossip.train import TrainConfig, learning_rate, resolve
+from gossip.app.corpus import ShardedBatches, load_corpus, validation_batches
+from gossip.app.gpt import GPT, GPTConfig
+from gossip.app.run_dir import FINAL_WINDOW, write_metrics_csv
+from gossip.app.train import TrainConfig, learning_rate, resolve
 
 DECENT_DP_VERSION = "0.2.3"
 TOPOLOGIES = ("one-peer-exp", "alternating-exp-ring", "ring", "complete")
@@ -87,7 +87,7 @@ def _bucket_optimizer(named: list[tuple[str, torch.Tensor]], config: TrainConfig
 
 
 def make_scheduler_fn(config: TrainConfig) -> partial:
-    """decent-dp's ``lr_scheduler_fn``: LambdaLR following ``gossip.train.learning_rate`` (stepped per update)."""
+    """decent-dp's ``lr_scheduler_fn``: LambdaLR following ``gossip.app.train.learning_rate`` (stepped per update)."""
     return partial(_bucket_scheduler, config=config)
 
 

@@ -5,7 +5,7 @@ process per emulated host (``experiments.netem``), one method after the other in
 machine's conditions. From each run's ``metrics.csv``:
 
 * target :math:`L^*` = DDP's final training loss: the mean over ranks of the loss, averaged over the last 10 steps
-  (``gossip.run_dir.FINAL_WINDOW``) -- the training loss, not the validation loss;
+  (``gossip.app.run_dir.FINAL_WINDOW``) -- the training loss, not the validation loss;
 * smoothed loss :math:`\bar L_t = \frac{1}{w} \sum_{s=t-w+1}^{t} L_s` (trailing moving average, w = 10, fewer at the
   start), :math:`L_s` the mean over ranks at step s;
 * time to target = wall clock at the first step with :math:`\bar L_t \le L^*`, the clock starting at the end of
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gossip.run_dir import FINAL_WINDOW
+from gossip.app.run_dir import FINAL_WINDOW
 
 CLOCK_START_STEP = 1
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -167,7 +167,7 @@ def smoothed(losses: Sequence[float], window: int = FINAL_WINDOW) -> np.ndarray:
 
 
 def final_loss(losses: Sequence[float], window: int = FINAL_WINDOW) -> float:
-    """Mean of the last ``window`` losses (gossip.run_dir's final training loss).
+    """Mean of the last ``window`` losses (gossip.app.run_dir's final training loss).
 
     Computed as the last entry of :func:`smoothed`, bit for bit, so a curve always reaches its own final loss.
     """

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from algorithm_scenarios import CASES, run_all
-from launch import launch
+from helpers.algorithm_scenarios import CASES, run_all
+from helpers.launch import launch
 
 import gossip
 from gossip.algorithms.allreduce import COLLECTIVE

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from algorithm_scenarios import SHAPES, local_model, make_algorithm, run_steps
+from helpers.algorithm_scenarios import SHAPES, local_model, make_algorithm, run_steps
 
 import gossip
 import topologies
+from gossip.app.gpt import GPT, GPTConfig
 from gossip.buckets import pack
-from gossip.gpt import GPT, GPTConfig
 
 SYMMETRIC = ["hypercube", "ring"]
 ALGORITHMS = ["exact", "exact-overrelaxed", "powergossip-r1", "powergossip-r2-2it"]

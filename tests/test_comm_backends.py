@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from comm_scenarios import BIG_NUMEL, DTYPES, SIZES, run_all
-from launch import launch
+from helpers.comm_scenarios import BIG_NUMEL, DTYPES, SIZES, run_all
+from helpers.launch import launch
 
 import gossip
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from comm_scenarios import run_all
-from launch import launch
+from helpers.comm_scenarios import run_all
+from helpers.launch import launch
 
 import gossip
 

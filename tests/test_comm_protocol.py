@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from launch import launch
+from helpers.launch import launch
 
 pytestmark = pytest.mark.multiprocess
 

@@ -1,4 +1,4 @@
-"""Properties of the default corpus, its train/validation split and per-worker batches (gossip/corpus.py)."""
+"""Properties of the default corpus, its train/validation split and per-worker batches (gossip/app/corpus.py)."""
 
 import sysconfig
 from itertools import islice
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossip.corpus import (
+from gossip.app.corpus import (
     STDLIB_FILES,
     ShardedBatches,
     decode,

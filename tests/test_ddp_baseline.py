@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import metrics_rows, run_main_job
+from helpers.launch import metrics_rows, run_main_job
 
 import gossip
-from gossip.ddp_baseline import DDPBackendError, DDPBaseline, ring_all_reduce_bytes
-from gossip.gpt import GPT, GPTConfig
-from gossip.train import ConfigError, TrainConfig, resolve
+from gossip.app.ddp_baseline import DDPBackendError, DDPBaseline, ring_all_reduce_bytes
+from gossip.app.gpt import GPT, GPTConfig
+from gossip.app.train import ConfigError, TrainConfig, resolve
 
 STEPS = 20
 LOG_EVERY = 5

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO, _env, mpiexec
+from helpers.launch import REPO, _env, mpiexec
 
 import topologies
 

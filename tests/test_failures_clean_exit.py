@@ -6,8 +6,8 @@ still refers to the group: its Gloo threads then run into interpreter teardown. 
 torch._dynamo, torch.distributed.nn.functional, whose ``group=dist.group.WORLD`` defaults captured the live group when
 first imported after init_process_group (the communicator now imports it first). So besides the exit status and
 output, the job's ranks report the threads left after ``comm.close()``, and no Gloo thread may be among them. The
-job is tests/failure_dead_peer_worker.py with no rank killed (model.close(); comm.close(); normal exit); Gloo runs
-three times, MPI once (its exit goes through MPI_Finalize).
+job is tests/helpers/failure_dead_peer_worker.py with no rank killed (model.close(); comm.close(); normal exit); Gloo
+runs three times, MPI once (its exit goes through MPI_Finalize).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from failure_launch import N, run
+from helpers.failure_launch import N, run
 
 import gossip
 

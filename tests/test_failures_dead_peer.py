@@ -1,6 +1,6 @@
 """A peer SIGKILLed mid-training: every survivor ends fast with a named error and a non-zero status, none hangs.
 
-tests/failure_dead_peer_worker.py trains with ExactGossip on ring(4) (timeout 5 s); rank 2 kills itself at the
+tests/helpers/failure_dead_peer_worker.py trains with ExactGossip on ring(4) (timeout 5 s); rank 2 kills itself at the
 top of step 5. What each survivor sees:
 
 * Gloo: ranks 1 and 3 (rank 2's neighbours) get "connection closed" from Gloo at once: ``PeerFailedError`` naming
@@ -21,8 +21,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from failure_dead_peer_worker import KILL_STEP, TIMEOUT
-from failure_launch import N, alive, pids, run
+from helpers.failure_dead_peer_worker import KILL_STEP, TIMEOUT
+from helpers.failure_launch import N, alive, pids, run
 
 DEAD = 2
 NEIGHBOURS = (1, 3)

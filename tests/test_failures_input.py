@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.parallel_scenarios import batch, loss_of, make_mlp
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from parallel_scenarios import batch, loss_of, make_mlp
 from torch import nn
 
 import gossip

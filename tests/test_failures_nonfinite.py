@@ -9,10 +9,10 @@ import warnings
 
 import pytest
 import torch
-from algorithm_scenarios import local_model
+from helpers.algorithm_scenarios import local_model
+from helpers.parallel_scenarios import batch, loss_of, make_mlp
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from parallel_scenarios import batch, loss_of, make_mlp
 
 import gossip
 import topologies

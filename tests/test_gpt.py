@@ -1,11 +1,11 @@
-"""Properties of the byte-level GPT (gossip/gpt.py)."""
+"""Properties of the byte-level GPT (gossip/app/gpt.py)."""
 
 import math
 
 import pytest
 import torch
 
-from gossip.gpt import GPT, GPTConfig
+from gossip.app.gpt import GPT, GPTConfig
 
 
 @pytest.fixture(autouse=True)

@@ -19,14 +19,14 @@ import os
 
 import pytest
 import torch
-from algorithm_scenarios import local_model, make_schedule
+from helpers.algorithm_scenarios import local_model, make_schedule
 from torch import nn
 
 import gossip
 import optim
 import topologies
+from gossip.app.gpt import GPT, GPTConfig
 from gossip.buckets import Bucket
-from gossip.gpt import GPT, GPTConfig
 from gossip.parallel import DecentralizedDataParallel
 
 DEVICE = torch.device(os.environ.get("GOSSIP_TEST_DEVICE", "cuda"))

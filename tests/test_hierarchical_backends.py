@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hierarchical_worker import CASES, LOCAL_SIZE, run_all
-from launch import launch
+from helpers.hierarchical_worker import CASES, LOCAL_SIZE, run_all
+from helpers.launch import launch
 
 import gossip
 

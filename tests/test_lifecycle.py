@@ -1,4 +1,4 @@
-"""Initialisation and exit as users write them, under torchrun with 4 processes (tests/lifecycle_worker.py).
+"""Initialisation and exit as users write them, under torchrun with 4 processes (tests/helpers/lifecycle_worker.py).
 
 * A script that created the default process group itself gets a communicator on it from ``gossip.init()`` (and
   on a subgroup from ``gossip.init(group=...)``); training on it gives the simulator's parameters bit for bit, and
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO, _env, mpiexec
-from lifecycle_worker import train_a_few_steps
+from helpers.launch import REPO, _env, mpiexec
+from helpers.lifecycle_worker import train_a_few_steps
 
 import gossip
 
@@ -30,7 +30,7 @@ ALARMS = ("terminate called", "Traceback", "ChildFailedError", "SIGABRT")
 
 def torchrun(out_dir: Path, mode: str, timeout: float = 180.0) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}"]
-    command += [str(REPO / "tests" / "lifecycle_worker.py"), str(out_dir), mode]
+    command += [str(REPO / "tests" / "helpers" / "lifecycle_worker.py"), str(out_dir), mode]
     return subprocess.run(command, env=_env({}), capture_output=True, text=True, timeout=timeout)
 
 
@@ -117,7 +117,7 @@ def test_a_rank_killed_during_an_mpi_collective_leaves_the_others_with_the_named
     must end with PeerFailedError (a nonblocking collective cannot be cancelled: MPICH's refusal used to replace the
     error with a raw ``mpi4py.MPI.Exception``). Hydra still SIGKILLs some survivors now and then (status 9)."""
     command = [mpiexec(), "-disable-auto-cleanup", "-print-all-exitcodes", "-n", str(N), sys.executable]
-    command += [str(REPO / "tests" / "collective_dead_peer_worker.py"), str(tmp_path)]
+    command += [str(REPO / "tests" / "helpers" / "collective_dead_peer_worker.py"), str(tmp_path)]
     job = subprocess.run(command, env=_env({}), capture_output=True, text=True, timeout=120)
     output = job.stdout + job.stderr
     codes = re.search(r"Exit codes: \[\S+\] ([\d,]+)", output)

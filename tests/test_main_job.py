@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import REPO, metrics_rows, run_main_job
+from helpers.launch import REPO, metrics_rows, run_main_job
 
-from gossip.__main__ import main
-from gossip.corpus import load_corpus
-from gossip.run_dir import PLOTS
+from gossip.app.cli import main
+from gossip.app.corpus import load_corpus
+from gossip.app.run_dir import PLOTS
 
 STEPS = 30
 

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 import gossip
-from gossip.__main__ import build_parser, config_from, main
-from gossip.train import DEFAULTS, TrainConfig, describe_mixing, make_algorithm, resolve
+from gossip.app.cli import build_parser, config_from, main
+from gossip.app.train import DEFAULTS, TrainConfig, describe_mixing, make_algorithm, resolve
 
 
 def test_average_every_and_power_iterations_reach_the_config_and_its_json():

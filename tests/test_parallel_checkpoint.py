@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parallel_scenarios import batch, checkpoint_resume, loss_of, make_mlp, wrap
+from helpers.parallel_scenarios import batch, checkpoint_resume, loss_of, make_mlp, wrap
 from torch import nn
 
 import gossip

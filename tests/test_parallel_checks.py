@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parallel_scenarios import batch, loss_of, make_mlp, wrap
+from helpers.parallel_scenarios import batch, loss_of, make_mlp, wrap
 from torch import nn
 
 import gossip

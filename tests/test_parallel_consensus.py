@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 
 import torch
-from parallel_scenarios import averaged_and_consensus, batch, flat_parameters, loss_of, make_mlp, wrap
+from helpers.parallel_scenarios import averaged_and_consensus, batch, flat_parameters, loss_of, make_mlp, wrap
 
 import gossip
 from gossip.consensus import ConsensusSampler, allocate_samples, exact_consensus_sq

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from parallel_scenarios import batch, flat_parameters, loss_of, make_mlp, skip_one_update, wrap
+from helpers.parallel_scenarios import batch, flat_parameters, loss_of, make_mlp, skip_one_update, wrap
 from torch import nn
 
 import gossip

@@ -6,7 +6,7 @@ import json
 import math
 
 import torch
-from parallel_scenarios import batch, loss_of, make_mlp, wrap
+from helpers.parallel_scenarios import batch, loss_of, make_mlp, wrap
 
 import gossip
 

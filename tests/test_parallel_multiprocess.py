@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from launch import launch
-from parallel_scenarios import run_all
+from helpers.launch import launch
+from helpers.parallel_scenarios import run_all
 
 import gossip
 

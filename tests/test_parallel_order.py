@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parallel_scenarios import batch, loss_of, make_mlp, train, wrap
+from helpers.parallel_scenarios import batch, loss_of, make_mlp, train, wrap
 
 import gossip
 import optim

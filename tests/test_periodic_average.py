@@ -14,8 +14,8 @@ import json
 
 import pytest
 import torch
-from algorithm_scenarios import local_model, make_algorithm, make_schedule, run_steps
-from parallel_scenarios import checkpoint_resume, flat_parameters, make_mlp, train
+from helpers.algorithm_scenarios import local_model, make_algorithm, make_schedule, run_steps
+from helpers.parallel_scenarios import checkpoint_resume, flat_parameters, make_mlp, train
 from torch import nn
 
 import gossip

@@ -9,8 +9,8 @@ import gossip
 import topologies
 from gossip.algorithms import powergossip
 from gossip.algorithms.powergossip import PowerGossip, _Matrix, group_matrices, orthonormalize
+from gossip.app.gpt import GPT, GPTConfig
 from gossip.buckets import Entry, bucket_parameters
-from gossip.gpt import GPT, GPTConfig
 
 CONFIG = GPTConfig(block_size=8, n_layer=3, n_head=2, n_embd=16)
 

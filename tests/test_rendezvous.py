@@ -1,5 +1,5 @@
 """Launch errors of a Gloo job started by hand (torchrun's variables without its agent) end within the timeout on
-every rank, each naming the cause (tests/rendezvous_worker.py, timeout 3 s)."""
+every rank, each naming the cause (tests/helpers/rendezvous_worker.py, timeout 3 s)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import REPO, _env, _free_port
+from helpers.launch import REPO, _env, _free_port
 
 TIMEOUT = 3.0
 pytestmark = pytest.mark.multiprocess
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.multiprocess
 
 def job(ranks: list[int], sizes: list[int], port: int) -> list[tuple[int, str]]:
     """(exit status, output) per process started with RANK/WORLD_SIZE from ``ranks``/``sizes``."""
-    command = [sys.executable, str(REPO / "tests" / "rendezvous_worker.py"), str(TIMEOUT)]
+    command = [sys.executable, str(REPO / "tests" / "helpers" / "rendezvous_worker.py"), str(TIMEOUT)]
     processes = [
         subprocess.Popen(
             command,

@@ -1,4 +1,4 @@
-"""Runtime model (experiments.comm_costs, .runtime_model; docs/design.md B.5/E.2): costs, regimes, B.5 table, tables."""
+"""Runtime model (experiments.runtime_model; docs/design.md B.5/E.2): costs, regimes, B.5 table, tables."""
 
 import io
 import math
@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from experiments.comm_costs import (
+from experiments.runtime_model.cli import parse_rate, predict_table, validation_table
+from experiments.runtime_model.costs import (
     Network,
     RuntimeModelError,
     allreduce_time,
@@ -15,8 +16,12 @@ from experiments.comm_costs import (
     hierarchical_gossip_time,
     ring_allreduce_time,
 )
-from experiments.runtime_model import allreduce_iteration, expected_max_compute, gossip_iteration, predict_iteration
-from experiments.runtime_model_cli import parse_rate, predict_table, validation_table
+from experiments.runtime_model.model import (
+    allreduce_iteration,
+    expected_max_compute,
+    gossip_iteration,
+    predict_iteration,
+)
 
 MB = 1e6
 GBIT = 1e9 / 8  # bytes/s

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from gossip.train import TrainConfig, learning_rate, make_optimizer, make_scheduler, resolve, train_step
+from gossip.app.train import TrainConfig, learning_rate, make_optimizer, make_scheduler, resolve, train_step
 
 
 def _optimizer(config: TrainConfig) -> torch.optim.Optimizer:

@@ -20,15 +20,14 @@ from functools import cached_property
 import networkx as nx
 import numpy as np
 
+# ScheduleError is defined next to the checks that raise most of them; topologies.ScheduleError is the same class.
+from topologies.validation import ScheduleError, find_violation, validate_schedule
+
 #: Steps checked for aperiodic schedules (random matchings) by validation, symmetry flags and fingerprint.
 DEFAULT_APERIODIC_WINDOW = 32
 
 Triplets = tuple[np.ndarray, np.ndarray, np.ndarray]
 StepFunction = Callable[[int], Triplets]
-
-
-class ScheduleError(ValueError):
-    """A schedule, or a request to it, is invalid. The message names the step, rank(s) and property."""
 
 
 @dataclass(frozen=True)
@@ -221,15 +220,11 @@ class Schedule:
     @cached_property
     def is_symmetric(self) -> bool:
         """Every W(t) over ``check_steps`` equals its transpose (pairwise exchange)."""
-        from topologies.validation import find_violation
-
         return find_violation(self, "symmetric") is None
 
     @cached_property
     def is_doubly_stochastic(self) -> bool:
         """Every W(t) over ``check_steps`` has rows and columns summing to 1."""
-        from topologies.validation import find_violation
-
         return find_violation(self, "column-stochastic") is None
 
     def validate(self, *, symmetric: bool = False, doubly_stochastic: bool = False) -> None:
@@ -238,8 +233,6 @@ class Schedule:
         Always checked: non-negative, row-stochastic, in/out-peer consistency, union graph over
         ``check_steps`` strongly connected. Optionally: symmetric, doubly stochastic.
         """
-        from topologies.validation import validate_schedule
-
         validate_schedule(self, symmetric=symmetric, doubly_stochastic=doubly_stochastic)
 
     def fingerprint(self) -> str:

@@ -22,10 +22,13 @@ from typing import TYPE_CHECKING
 import networkx as nx
 import numpy as np
 
-from topologies.schedule import ScheduleError
-
 if TYPE_CHECKING:
     from topologies.schedule import Schedule
+
+
+class ScheduleError(ValueError):
+    """A schedule, or a request to it, is invalid. The message names the step, rank(s) and property."""
+
 
 #: Absolute tolerance on row/column sums and on symmetry.
 TOLERANCE = 1e-9

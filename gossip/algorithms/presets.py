@@ -6,7 +6,7 @@ where most of a transformer's bytes are -- and keep attention (its Q/K/V and out
 quality-sensitive, D.3), the positional embedding (TAGC reduces ``wpe`` uncompressed, D.2), norms, biases and
 every other tensor exact. Names are recognised for
 
-* gossip.gpt: ``blocks.N.mlp.fc``/``mlp.proj``, ``tok_emb`` (tied LM head); attention ``blocks.N.attn.qkv/proj``;
+* gossip.app.gpt: ``blocks.N.mlp.fc``/``mlp.proj``, ``tok_emb`` (tied LM head); attention ``blocks.N.attn.qkv/proj``;
 * nanoGPT / HF GPT-2: ``mlp.c_fc``/``mlp.c_proj``, ``wte``, ``lm_head``; attention ``attn.c_attn``/``attn.c_proj``;
 * HF Llama/Mistral/OPT/BERT-style: ``mlp.gate_proj/up_proj/down_proj``, ``fc1``/``fc2``, ``mlp.dense_h_to_4h``
   /``dense_4h_to_h``, ``intermediate.dense``/``output.dense``, ``embed_tokens``, ``word_embeddings``, ``lm_head``.
@@ -23,7 +23,7 @@ import torch
 
 from gossip.algorithms.powergossip import Policy
 
-#: Feed-forward (MLP) matrices: gossip.gpt, nanoGPT/HF GPT-2, Llama/Mistral, OPT, GPT-NeoX/BLOOM, BERT.
+#: Feed-forward (MLP) matrices: gossip.app.gpt, nanoGPT/HF GPT-2, Llama/Mistral, OPT, GPT-NeoX/BLOOM, BERT.
 MLP_PATTERNS = (
     r"(^|\.)mlp\.(fc|proj|c_fc|c_proj|fc1|fc2|gate_proj|up_proj|down_proj|dense_h_to_4h|dense_4h_to_h)\.weight$",
     r"(^|\.)(fc1|fc2)\.weight$",

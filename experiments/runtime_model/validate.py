@@ -17,7 +17,7 @@ The emulation has n processes on 2 cores, so compute is CPU-bound and shared. Th
 :math:`\kappa_n = C_n / C_1` (compute per step with n processes running / with one process alone, both with one
 thread) is measured and reported; a second prediction uses :math:`C_1` to show what the model says without it.
 
-    python -m experiments.validate_runtime_model --hosts 4 8 --rates 1gbit 100mbit --steps 40 \
+    python -m experiments.runtime_model.validate --hosts 4 8 --rates 1gbit 100mbit --steps 40 \
         [--time-to-loss-runs runs/time_to_loss]
 
 Writes ``<results>/runtime_validation.csv``.
@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from experiments.runtime_model_cli import parse_rate, validation_table
+from experiments.runtime_model.cli import parse_rate, validation_table
 from experiments.time_to_loss import METHODS, RESULTS, run_method
 
 LATENCY_MS = 0.03
@@ -84,7 +84,7 @@ def run_statistics(run_dir: Path) -> dict:
 
 def model_size_bytes() -> int:
     """Bytes of the task's GPT parameters (float32): what exact gossip sends per peer and DDP all-reduces."""
-    from gossip.gpt import GPT, GPTConfig
+    from gossip.app.gpt import GPT, GPTConfig
 
     return sum(p.numel() * p.element_size() for p in GPT(GPTConfig()).parameters())
 
@@ -92,8 +92,8 @@ def model_size_bytes() -> int:
 def compute_alone_ms(steps: int = 30, batch_size: int = 8) -> float:
     """Forward + backward + AdamW step of the task's GPT in this process, one thread, nothing else of ours running;
     mean ms over ``steps`` after 3 warm-up steps."""
-    from gossip.corpus import ShardedBatches, load_corpus
-    from gossip.gpt import GPT, GPTConfig
+    from gossip.app.corpus import ShardedBatches, load_corpus
+    from gossip.app.gpt import GPT, GPTConfig
 
     torch.set_num_threads(1)
     config = GPTConfig()
@@ -192,7 +192,7 @@ FIELDS = ("label", "source", "n", "algorithm", "schedule", "rate", "measured_ms"
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m experiments.validate_runtime_model", description=__doc__.split("\n")[0]
+        prog="python -m experiments.runtime_model.validate", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--hosts", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"])

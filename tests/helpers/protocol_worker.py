@@ -1,8 +1,8 @@
 """Worker: the "check once, then trust" exchange protocol on 4 Gloo ranks, pairs (0, 1) and (2, 3).
 
-Usage (by tests/test_comm_protocol.py): python tests/protocol_worker.py OUT_DIR. Every rank counts the per-tensor
-header rounds (handshakes) over five exchanges with unchanged tensors and over a change made by both ends; then
-pair (0, 1) changes a tensor on rank 0 only and pair (2, 3) drifts a step apart (rank 3 one exchange ahead).
+Usage (by tests/test_comm_protocol.py): python tests/helpers/protocol_worker.py OUT_DIR. Every rank counts the
+per-tensor header rounds (handshakes) over five exchanges with unchanged tensors and over a change made by both ends;
+then pair (0, 1) changes a tensor on rank 0 only and pair (2, 3) drifts a step apart (rank 3 one exchange ahead).
 """
 
 import os

@@ -1,5 +1,5 @@
 """One rank of the issue-8 two-level network experiment: time mixing steps of each algorithm on a model-sized
-set of tensors. Started by experiments/issue8_hierarchical_netem.py (usage: OUT_DIR STEPS MATRIX_SIZE LAYERS)."""
+set of tensors. Started by experiments/hierarchical_netem.py (usage: OUT_DIR STEPS MATRIX_SIZE LAYERS)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
 """Worker: run every algorithm scenario on a real backend and save this rank's results.
 
-Usage (by tests/launch.py): python tests/algorithm_worker.py OUT_DIR BACKEND
+Usage (by tests/helpers/launch.py): python tests/helpers/algorithm_worker.py OUT_DIR BACKEND
 """
 
 import sys
 from pathlib import Path
 
 import torch
-from algorithm_scenarios import run_all
 
 import gossip
+from helpers.algorithm_scenarios import run_all
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TextIO
 
 import topologies
-from experiments.comm_costs import Network, RuntimeModelError
-from experiments.runtime_model import NODE_SCHEDULES, IterationPrediction, predict_iteration
+from experiments.runtime_model.costs import Network, RuntimeModelError
+from experiments.runtime_model.model import NODE_SCHEDULES, IterationPrediction, predict_iteration
 
 DEFAULT_NS = (64, 128, 256, 512, 1024)
 HIERARCHICAL_GOSSIP = "hierarchical_gossip"  # a table "schedule" that is its own algorithm (HierarchicalGossip)

@@ -1,7 +1,7 @@
 """Worker: two Gloo ranks exchange once; rank 1 then SIGKILLs itself and rank 0 exchanges with it again.
 
-Usage (by tests/test_failures_send_to_dead.py): python tests/failure_send_to_dead_worker.py OUT_DIR. Rank 0 waits
-until rank 1 is dead (its pid gone), so its send is refused by Gloo when it is posted (the connection is closed),
+Usage (by tests/test_failures_send_to_dead.py): python tests/helpers/failure_send_to_dead_worker.py OUT_DIR. Rank 0
+waits until rank 1 is dead (its pid gone), so its send is refused by Gloo when it is posted (the connection is closed),
 and writes what the second exchange raised to ``OUT_DIR/error.txt``.
 """
 

@@ -47,7 +47,7 @@ FINAL_WINDOW = 10  # the final training loss is the mean over the last FINAL_WIN
 class RunSummary:
     """What rank 0 knows at the end of a run."""
 
-    config: Any  # gossip.train.TrainConfig
+    config: Any  # gossip.app.train.TrainConfig
     losses_by_rank: list[list[float]]
     initial_val_loss: float
     final_val_loss: float

@@ -7,9 +7,9 @@ times ``--steps`` mixing steps (no compute, so the communication is fully expose
 gossip and flat PowerGossip on the one-peer hypercube over the 4 ranks, and hierarchical gossip (exact and
 PowerGossip r=4 across nodes). Needs root. Writes experiments/results/issue8_hierarchical.{csv,md}.
 Also draws issue8_hierarchical.png (seconds per step per method).
-Run: PYTHONPATH=. python experiments/issue8_hierarchical_netem.py [--rate 100mbit --size 512 --layers 8]
-     PYTHONPATH=. python experiments/issue8_hierarchical_netem.py --plot-only   (redraw the PNG from the CSV)
-     PYTHONPATH=. python experiments/issue8_hierarchical_netem.py --validate    (runtime model vs the CSV)
+Run: PYTHONPATH=. python experiments/hierarchical_netem.py [--rate 100mbit --size 512 --layers 8]
+     PYTHONPATH=. python experiments/hierarchical_netem.py --plot-only   (redraw the PNG from the CSV)
+     PYTHONPATH=. python experiments/hierarchical_netem.py --validate    (runtime model vs the CSV)
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from experiments.issue8_common import RESULTS, pyplot, read_csv, save_figure, write_csv
 from experiments.netem import EmulatedNetwork
 from experiments.netem.launch import supervise
 from experiments.netem.network import python_path_env
-from experiments.runtime_model_cli import parse_rate, validation_table
+from experiments.runtime_model.cli import parse_rate, validation_table
+from experiments.simulated_training import RESULTS, pyplot, read_csv, save_figure, write_csv
 
 NODES, PER_NODE = 2, 2
 NOTES = """
@@ -54,7 +54,7 @@ def main() -> None:
     if args.validate:
         validate(read_csv(RESULTS / "issue8_hierarchical.csv"))
         return
-    worker = Path(__file__).resolve().parent / "issue8_hierarchical_worker.py"
+    worker = Path(__file__).resolve().parent / "hierarchical_netem_worker.py"
     with tempfile.TemporaryDirectory() as out, EmulatedNetwork(hosts=NODES, rate=args.rate) as net:
         base = python_path_env()
         processes, prefixes = [], []

@@ -1,4 +1,4 @@
-"""Shared runner of the issue-8 experiments: 4 workers train gossip.gpt's GPT on the stdlib corpus.
+"""Shared runner of the issue-8 experiments: 4 workers train gossip.app.gpt's GPT on the stdlib corpus.
 
 The workers are virtual ranks of ``gossip.simulate`` in this one process (the simulator is the oracle the real
 backends match bit for bit), so losses and bytes are those of a real run; wall-clock times are of 4 threads
@@ -18,9 +18,9 @@ import torch
 import gossip
 import optim
 import topologies
-from gossip.corpus import ShardedBatches, load_corpus, validation_batches
-from gossip.gpt import GPT, GPTConfig
-from gossip.train import TrainConfig, make_scheduler, train_step, validation_loss
+from gossip.app.corpus import ShardedBatches, load_corpus, validation_batches
+from gossip.app.gpt import GPT, GPTConfig
+from gossip.app.train import TrainConfig, make_scheduler, train_step, validation_loss
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKERS = 4

@@ -1,7 +1,7 @@
 """Worker for tests/test_lifecycle.py: rank 2 SIGKILLs itself while the others wait in an all_reduce (MPI).
 
-Usage: mpiexec -disable-auto-cleanup -n 4 python tests/collective_dead_peer_worker.py OUT_DIR. Each survivor writes
-the error it ends with to ``OUT_DIR/rank<r>.err`` (Hydra's own output may end before the survivors do), then lets
+Usage: mpiexec -disable-auto-cleanup -n 4 python tests/helpers/collective_dead_peer_worker.py OUT_DIR. Each survivor
+writes the error it ends with to ``OUT_DIR/rank<r>.err`` (Hydra's own output may end before the survivors do), then lets
 it reach the top level: a traceback and exit status 1.
 """
 

@@ -1,15 +1,15 @@
 """Worker: run every DecentralizedDataParallel scenario on a real backend and save this rank's results.
 
-Usage (by tests/launch.py): python tests/parallel_worker.py OUT_DIR BACKEND
+Usage (by tests/helpers/launch.py): python tests/helpers/parallel_worker.py OUT_DIR BACKEND
 """
 
 import sys
 from pathlib import Path
 
 import torch
-from parallel_scenarios import make_mlp, run_all, wrap
 
 import gossip
+from helpers.parallel_scenarios import make_mlp, run_all, wrap
 
 
 def main() -> None:

@@ -1,13 +1,13 @@
 """Issue 8 / GraVAC (docs/design.md C.4): adaptive PowerGossip rank vs fixed ranks, i.i.d. and non-i.i.d.
 
-4 workers (simulator), gossip.gpt's GPT on the stdlib corpus, one-peer hypercube. The controller decides every
+4 workers (simulator), gossip.app.gpt's GPT on the stdlib corpus, one-peer hypercube. The controller decides every
 ``--every`` steps (throughput = measured step time of the in-process run, so with no network cost it is nearly
 flat across ranks and the gain term decides). Writes experiments/results/issue8_adaptive.csv (every evaluation),
 issue8_adaptive_decisions.csv (the controller's gain / throughput / CT per decision), issue8_adaptive.md (per
 split: steps, bytes and simulator seconds until the validation loss reaches a common target) and
 issue8_adaptive.png (validation loss vs cumulative bytes).
-Run: PYTHONPATH=. python experiments/issue8_adaptive.py [--steps 150 --every 20 --seeds 0 1 2]
-     PYTHONPATH=. python experiments/issue8_adaptive.py --plot-only   (redraw the PNG from the CSV)
+Run: PYTHONPATH=. python experiments/adaptive_rank.py [--steps 150 --every 20 --seeds 0 1 2]
+     PYTHONPATH=. python experiments/adaptive_rank.py --plot-only   (redraw the PNG from the CSV)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import argparse
 import statistics
 
 import gossip
-from experiments.issue8_common import RESULTS, first_reaching, pyplot, read_csv, save_figure, train_run, write_csv
+from experiments.simulated_training import RESULTS, first_reaching, pyplot, read_csv, save_figure, train_run, write_csv
 from gossip.algorithms.adaptive_rank import AdaptivePowerGossip
 
 CSV, DECISIONS = RESULTS / "issue8_adaptive.csv", RESULTS / "issue8_adaptive_decisions.csv"

@@ -1,10 +1,10 @@
 """Issue 8 / TAGC (docs/design.md D.2-D.3): layer-selective PowerGossip vs compress-everything vs exact gossip.
 
-4 workers (simulator), gossip.gpt's GPT on the stdlib corpus, one-peer hypercube, i.i.d. data. Writes
+4 workers (simulator), gossip.app.gpt's GPT on the stdlib corpus, one-peer hypercube, i.i.d. data. Writes
 experiments/results/issue8_tagc.csv (one row per evaluation) and issue8_tagc.md (the table).
 Also draws issue8_tagc.png (final validation loss vs bytes sent per worker, one point per method).
-Run: PYTHONPATH=. python experiments/issue8_tagc.py [--steps 150]
-     PYTHONPATH=. python experiments/issue8_tagc.py --plot-only   (redraw the PNG from the CSV)
+Run: PYTHONPATH=. python experiments/layer_selective_compression.py [--steps 150]
+     PYTHONPATH=. python experiments/layer_selective_compression.py --plot-only   (redraw the PNG from the CSV)
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 
 import gossip
-from experiments.issue8_common import RESULTS, pyplot, read_csv, save_figure, train_run, write_csv
+from experiments.simulated_training import RESULTS, pyplot, read_csv, save_figure, train_run, write_csv
 from gossip.algorithms.presets import tagc_policy
 
 NOTES = """
-Model: gossip.gpt GPT, 2 layers, n_embd 64, block 32 (experiments/issue8_common.MODEL), batch 8 per worker,
+Model: gossip.app.gpt GPT, 2 layers, n_embd 64, block 32 (experiments/simulated_training.MODEL), batch 8 per worker,
 AccumAdamW lr 3e-3 (warm-up 20, cosine), one seed, one run per method: across seeds 0-2 the final loss of one
 PowerGossip method spreads by up to 0.14 (issue8_adaptive.md), so differences below ~0.1 are not evidence. At this
 size attention (qkv 192x64, proj 64x64 per block) is a large share of the bytes, so keeping it exact costs TAGC

@@ -1,4 +1,4 @@
-"""Launch tests/failure_dead_peer_worker.py on 4 processes and collect, per rank, its exit status and output.
+"""Launch tests/helpers/failure_dead_peer_worker.py on 4 processes and collect, per rank, its exit status and output.
 
 Gloo: one process per rank with torchrun's environment; each rank's stderr goes to ``rank<r>.err``. MPI:
 ``mpiexec -disable-auto-cleanup -print-all-exitcodes -l -n 4`` (MPICH's Hydra; without the flag Hydra kills every
@@ -15,10 +15,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch import REPO, _env, _free_port, mpiexec
+from helpers.launch import REPO, _env, _free_port, mpiexec
 
 N = 4
-WORKER = REPO / "tests" / "failure_dead_peer_worker.py"
+WORKER = REPO / "tests" / "helpers" / "failure_dead_peer_worker.py"
 
 
 @dataclass

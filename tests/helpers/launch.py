@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 
 
 def mpiexec() -> str:
@@ -50,12 +50,12 @@ def launch(
     timeout: float = 240.0,
     local_size: int | None = None,
 ) -> tuple[list[Any], str]:
-    """Run ``tests/<script>`` on ``n`` processes with ``backend`` ("gloo" or "mpi"); return results and output.
+    """Run ``tests/helpers/<script>`` on ``n`` processes with ``backend`` ("gloo" or "mpi"); return results and output.
 
     ``local_size`` (Gloo only) emulates nodes of that many ranks: LOCAL_RANK = r % local_size (default: one node).
     """
     local_size = n if local_size is None else local_size
-    argv = [sys.executable, str(REPO / "tests" / script), str(out_dir), *args]
+    argv = [sys.executable, str(REPO / "tests" / "helpers" / script), str(out_dir), *args]
     if backend == "mpi":
         procs = [
             subprocess.Popen(

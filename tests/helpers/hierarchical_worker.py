@@ -1,7 +1,7 @@
 """Worker: run the hierarchical-gossip scenarios on a real backend (4 ranks = 2 nodes x 2) and save the results.
 
-Usage (by tests/launch.py): python tests/hierarchical_worker.py OUT_DIR BACKEND. Under Gloo the launcher sets
-LOCAL_WORLD_SIZE=2, so the communicator's own local size is used; MPICH on one host reports all 4 ranks as local,
+Usage (by tests/helpers/launch.py): python tests/helpers/hierarchical_worker.py OUT_DIR BACKEND. Under Gloo the launcher
+sets LOCAL_WORLD_SIZE=2, so the communicator's own local size is used; MPICH on one host reports all 4 ranks as local,
 so under MPI the algorithm is given ``local_size=2`` explicitly (the same node-major grouping).
 """
 
@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from algorithm_scenarios import local_model
 
 import gossip
 from gossip.algorithms.hierarchical import HierarchicalGossip
+from helpers.algorithm_scenarios import local_model
 
 LOCAL_SIZE = 2
 CASES = {"exact": None, "powergossip-r1": 1, "powergossip-r2": 2}

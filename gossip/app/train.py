@@ -11,10 +11,10 @@ learning rate :math:`\eta_t` warms up linearly for ``warmup_steps`` then follows
 (a ``torch.optim.lr_scheduler.LambdaLR``, :func:`make_scheduler`).
 
 ``algorithm="ddp"`` is the All-Reduce baseline as users run it: torch DistributedDataParallel (gradient all-reduce
-overlapped with backward, :mod:`gossip.ddp_baseline`), no schedule; the loop is the same.
+overlapped with backward, :mod:`gossip.app.ddp_baseline`), no schedule; the loop is the same.
 
 Rank 0 shows a progress bar and, at the end, a summary table and a text sample from the averaged model; it writes
-``config.json``, ``metrics.csv`` and the plots into the run directory (see :mod:`gossip.run_dir`). Every rank
+``config.json``, ``metrics.csv`` and the plots into the run directory (see :mod:`gossip.app.run_dir`). Every rank
 writes its own ``metrics_rank<r>.jsonl`` there (the wrapper's per-step metrics).
 """
 
@@ -34,12 +34,12 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 import gossip
 import optim
 import topologies
+from gossip.app.corpus import ShardedBatches, decode, encode, load_corpus, validation_batches
+from gossip.app.ddp_baseline import DDPBaseline
+from gossip.app.gpt import GPT, GPTConfig
+from gossip.app.run_dir import RunSummary, prepare_run_dir, write_outputs
 from gossip.backends.base import Communicator
-from gossip.corpus import ShardedBatches, decode, encode, load_corpus, validation_batches
-from gossip.ddp_baseline import DDPBaseline
-from gossip.gpt import GPT, GPTConfig
 from gossip.parallel import DecentralizedDataParallel
-from gossip.run_dir import RunSummary, prepare_run_dir, write_outputs
 
 logger = logging.getLogger(__name__)
 OPTIMIZERS = ("accum-adamw", "adamw", "sgd")

@@ -1,6 +1,6 @@
 """Worker for tests/test_lifecycle.py, started by torchrun (4 processes): process groups and exit without ceremony.
 
-Usage: python tests/lifecycle_worker.py OUT_DIR MODE
+Usage: python tests/helpers/lifecycle_worker.py OUT_DIR MODE
 
 * ``adopt``: the script creates the default Gloo group itself (as DDP tutorials do), then ``gossip.init()`` adopts
   it and trains :func:`train_a_few_steps`; ``gossip.init(group=...)`` adopts a subgroup ({0, 2} or {1, 3}) and

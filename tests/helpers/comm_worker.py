@@ -1,8 +1,8 @@
 """Worker: run every communicator scenario on a real backend and save this rank's results.
 
-Usage (by tests/launch.py): python tests/comm_worker.py OUT_DIR BACKEND. BACKEND "mpi-staged" is MPI with every
-tensor staged through host buffers (forced), the path GPU tensors take on an MPI that is not CUDA-aware; its log
-lines are saved with the results.
+Usage (by tests/helpers/launch.py): python tests/helpers/comm_worker.py OUT_DIR BACKEND. BACKEND "mpi-staged" is MPI
+with every tensor staged through host buffers (forced), the path GPU tensors take on an MPI that is not CUDA-aware; its
+log lines are saved with the results.
 """
 
 import logging
@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import torch
-from comm_scenarios import run_all
 
 import gossip
+from helpers.comm_scenarios import run_all
 
 
 def main() -> None:

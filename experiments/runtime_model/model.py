@@ -1,7 +1,7 @@
 """Per-iteration runtime model: All-Reduce (DDP) vs decentralized gossip training (docs/design.md B.5, E.2).
 
 A reconstruction after Wang et al. (arXiv 2410.11998); the paper's own equations were not available, see B.5.
-Notation (alpha, beta, M, n, L) and link assumptions: experiments.comm_costs, which holds the cost formulas.
+Notation (alpha, beta, M, n, L) and link assumptions: experiments.runtime_model.costs, which holds the cost formulas.
 
 Assumptions, stated once:
 - Compute time C_i(t) of a forward+backward is lognormal with mean ``compute_s`` and coefficient of variation
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 
 import topologies
-from experiments.comm_costs import (
+from experiments.runtime_model.costs import (
     Network,
     RuntimeModelError,
     allreduce_time,
@@ -301,9 +301,3 @@ def _with_total(result: IterationPrediction, total_s: float) -> IterationPredict
     """Replace the straggler part by the Monte-Carlo remainder so that total_s equals the simulated mean."""
     remainder = total_s - result.compute_s - result.exposed_comm_s - result.optimizer_s
     return dataclasses.replace(result, straggler_s=remainder)
-
-
-if __name__ == "__main__":  # tables, validation_table and the CLI live in experiments.runtime_model_cli
-    from experiments.runtime_model_cli import main
-
-    main()

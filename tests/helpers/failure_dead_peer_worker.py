@@ -1,6 +1,6 @@
 """Worker: train a tiny model with DecentralizedDataParallel (ExactGossip on a ring); one rank may kill itself.
 
-Usage (by tests/test_failures_dead_peer.py): python tests/failure_dead_peer_worker.py OUT_DIR BACKEND KILL_RANK
+Usage (by tests/test_failures_dead_peer.py): python tests/helpers/failure_dead_peer_worker.py OUT_DIR BACKEND KILL_RANK
 [STEPS]. KILL_RANK -1 is a healthy run. The rank ``KILL_RANK`` writes ``OUT_DIR/killed_at`` (time.time()) and
 SIGKILLs itself at the top of step ``KILL_STEP``; every rank writes its pid to ``OUT_DIR/rank<r>.pid`` first and, after
 closing, the names of its remaining threads to ``OUT_DIR/rank<r>.threads``. A

@@ -1,0 +1,299 @@
+"""``gossip-train`` / ``python -m gossip``: train the small byte-level GPT with decentralized (gossip) training.
+
+Two ways to run it:
+
+* ``gossip-train --nproc 4`` starts 4 local worker processes on Gloo through torch's elastic launcher (as
+  ``torchrun --standalone``; ``OMP_NUM_THREADS = max(1, cores // 4)``) and waits for them. If one fails, the others
+  are stopped and the job exits 1 with that worker's error; SIGTERM/SIGINT to the launcher reach the workers.
+* Without ``--nproc`` the command is one worker, as launched: ``mpirun -n 8 gossip-train``,
+  ``srun gossip-train``, ``torchrun --nproc-per-node 4 -m gossip`` or a single process (``gossip.init`` reads the
+  launcher's environment).
+
+Defaults (chosen so that ``gossip-train --nproc 4`` trains visibly in about a minute on 2 cores): exact gossip on
+one_peer_hypercube (ring when the number of workers is not a power of two), AccumAdamW with
+accum_iter = max(1, n // 4), 500 steps of 16 x 64 bytes per worker, lr 3e-3 with warmup and cosine decay. Exact
+gossip keeps the replicas close (consensus distance ~0.05 at the end of the default run), so the averaged model
+that is evaluated and sampled is as good as the replicas; ``--algorithm powergossip`` sends ~74x fewer bytes per
+step (23.7 KB vs 1.75 MB), but with AdamW the replicas drift apart (consensus distance ~8 at the end, validation
+loss of the averaged model 2.24 vs 1.97 with exact gossip, measured on 4 workers, 400 steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import gossip
+import topologies
+from gossip.app.train import ALGORITHM_CHOICES, DEFAULTS, OPTIMIZERS, ConfigError, TrainConfig, resolve, train
+
+ERROR_DIR_VARIABLE = "GOSSIP_TRAIN_ERROR_DIR"  # workers of --nproc write rank<r>.txt there when they fail
+LAUNCHER_OPTIONS = ("--nproc", "--out", "--backend")
+
+
+def _positive(kind: type) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"must be positive and finite, got {text!r}")
+        return value
+
+    return parse
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = TrainConfig()
+    parser = argparse.ArgumentParser(
+        prog="gossip-train",
+        description="Decentralized (gossip) training of a small byte-level GPT.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    launch = parser.add_argument_group("launch")
+    launch.add_argument("--nproc", type=_positive(int), help="start N local workers on Gloo (else: as launched)")
+    launch.add_argument("--backend", choices=gossip.BACKENDS, default=defaults.backend, help="communication backend")
+    launch.add_argument("--timeout", type=_positive(float), default=defaults.timeout, help="seconds per wait")
+    gossip_options = parser.add_argument_group("gossip")
+    gossip_options.add_argument(
+        "--algorithm",
+        choices=ALGORITHM_CHOICES,
+        default=defaults.algorithm,
+        help="how replicas are mixed; ddp: torch DistributedDataParallel (gradient all-reduce, no --schedule)",
+    )
+    gossip_options.add_argument(
+        "--schedule",
+        choices=topologies.names(),
+        default=None,
+        help="default: one_peer_hypercube, or ring when the worker count is not a power of two",
+    )
+    gossip_options.add_argument("--rank", type=_positive(int), default=defaults.rank, help="PowerGossip rank")
+    gossip_options.add_argument(
+        "--power-iterations",
+        type=_positive(int),
+        default=None,
+        help=f"PowerGossip power iterations (exchanges) per step; default: {DEFAULTS.power_iterations}",
+    )
+    gossip_options.add_argument(
+        "--average-every",
+        type=_nonnegative_int,
+        default=None,
+        help="exact global average (all-reduce) every K steps instead of gossip (gossip.PeriodicAverage); 0 = off; "
+        f"default: {DEFAULTS.average_every} (0 for ddp and allreduce)",
+    )
+    training = parser.add_argument_group("training")
+    training.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer, help="local update rule")
+    training.add_argument("--accum-iter", type=_positive(int), default=None, help="default: max(1, workers // 4)")
+    training.add_argument("--steps", type=_positive(int), default=defaults.steps, help="optimizer steps")
+    training.add_argument("--batch-size", type=_positive(int), default=defaults.batch_size, help="per worker")
+    training.add_argument("--lr", type=_positive(float), default=defaults.lr, help="peak learning rate")
+    training.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="on matrices only")
+    training.add_argument("--seed", type=int, default=defaults.seed, help="model init, batches, sampling")
+    training.add_argument("--split", choices=("iid", "noniid"), default=defaults.split, help="data per worker")
+    training.add_argument("--data", default=None, help="a text file to train on (default: Python stdlib source)")
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", default=None, help="run directory (default: runs/<timestamp>)")
+    output.add_argument(
+        "--eval-every", type=_positive(int), default=defaults.eval_every, help="steps between validation losses"
+    )
+    output.add_argument(
+        "--log-every", type=_positive(int), default=defaults.log_every, help="steps between consensus estimates"
+    )
+    return parser
+
+
+def config_from(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        optimizer=args.optimizer,
+        accum_iter=args.accum_iter,
+        algorithm=args.algorithm,
+        rank=args.rank,
+        power_iterations=args.power_iterations,
+        average_every=args.average_every,
+        schedule=args.schedule,
+        split=args.split,
+        seed=args.seed,
+        data=args.data,
+        backend=args.backend,
+        timeout=args.timeout,
+        out=args.out,
+        eval_every=args.eval_every,
+        log_every=args.log_every,
+    )
+
+
+def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int | None) -> None:
+    if args.weight_decay < 0:
+        parser.error(f"argument --weight-decay: must be >= 0, got {args.weight_decay}")
+    if args.seed < 0:
+        parser.error(f"argument --seed: must be >= 0, got {args.seed}")
+    if world_size is not None:
+        try:
+            resolve(config_from(args), world_size)
+        except ConfigError as err:
+            parser.error(f"argument {err}")
+
+
+def _worker_argv(argv: Sequence[str], out: str) -> list[str]:
+    """``argv`` without ``--nproc``, ``--out`` and ``--backend`` (``--opt V`` or ``--opt=V``), then ``--out out
+    --backend gloo``."""
+    kept, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item in LAUNCHER_OPTIONS:
+            skip = True
+        elif not item.startswith(tuple(f"{option}=" for option in LAUNCHER_OPTIONS)):
+            kept.append(item)
+    return [*kept, "--out", out, "--backend", "gloo"]
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"failed with exit code {code}"
+
+
+def _root_cause(failed: dict[int, int], errors: Path) -> tuple[int, str]:
+    """The failed rank to blame: one that did not merely lose a peer (timeout or closed connection), if any."""
+    messages = {}
+    for rank in failed:
+        error_file = errors / f"rank{rank}.txt"
+        messages[rank] = error_file.read_text().strip() if error_file.exists() else "(see its output above)"
+    secondary = ("PeerFailedError", "CommTimeoutError")
+    primary = [rank for rank in failed if not any(name in messages[rank] for name in secondary)]
+    rank = (primary or sorted(failed))[0]
+    return rank, messages[rank]
+
+
+def launch_local(nproc: int, argv: Sequence[str], out: str) -> int:
+    """Run ``nproc`` workers of this command on Gloo through torch's elastic launcher (what torchrun runs, with
+    ``--standalone``); return 0, or 1 with the failed worker to blame and its error.
+
+    The launcher sets torchrun's environment for each worker, stops the others when one fails, and forwards
+    SIGTERM, SIGINT and SIGHUP to the workers and waits for them (a scheduler's ``kill`` leaves nothing running).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in [name for name in os.environ if name.startswith(("PMI_", "OMPI_", "SLURM_"))]:
+        del os.environ[name]  # the workers inherit this process's environment: no other launcher's variables
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"gossip-train-{os.getpid()}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",  # a free port, as torchrun --standalone
+        max_restarts=0,
+        monitor_interval=0.1,
+        local_addr="127.0.0.1",
+    )
+    with tempfile.TemporaryDirectory(prefix="gossip-train-") as errors:
+        os.environ[ERROR_DIR_VARIABLE] = errors
+        try:
+            elastic_launch(config, sys.executable)("-m", "gossip", *_worker_argv(argv, out))
+            return 0
+        except ChildFailedError as failure:
+            failed = {rank: process.exitcode for rank, process in failure.failures.items()}
+        except SignalException as stopped:
+            print(f"gossip-train: {stopped.sigval.name} received; workers stopped", file=sys.stderr)
+            return 128 + int(stopped.sigval)
+        rank, message = _root_cause(failed, Path(errors))
+        others = f" ({len(failed) - 1} other worker(s) failed too)" if len(failed) > 1 else ""
+        print(
+            f"gossip-train: worker rank {rank} of {nproc} {_describe(failed[rank])}: {message}{others}", file=sys.stderr
+        )
+        return 1
+
+
+def _show_library_messages() -> None:
+    """The library logs its notes (``logging``, logger ``gossip``); the command shows them on stdout."""
+    library = logging.getLogger("gossip")
+    if not library.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        library.addHandler(handler)
+        library.setLevel(logging.INFO)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Train as one worker of the job as launched; print the summary on rank 0; 0 on success, 1 on error."""
+    _show_library_messages()
+    try:
+        rank = gossip.detect_launch().rank
+    except gossip.LaunchError as err:
+        print(f"gossip-train: {err}", file=sys.stderr, flush=True)
+        return 1
+    try:
+        summary = train(config_from(args))
+    except Exception as err:
+        message = f"rank {rank}: {type(err).__name__}: {err}"
+        traceback.print_exc()
+        print(f"gossip-train: {message}", file=sys.stderr, flush=True)
+        if os.environ.get(ERROR_DIR_VARIABLE):
+            (Path(os.environ[ERROR_DIR_VARIABLE]) / f"rank{rank}.txt").write_text(message + "\n")
+        return 1
+    if summary is not None:
+        from gossip.app.run_dir import summary_table
+
+        print("\nsummary:\n" + summary_table(summary), flush=True)
+        if summary.sample is not None:
+            print(f"\nsample from the averaged model:\n{summary.sample}", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _validate(parser, args, args.nproc)
+    if args.nproc is not None:
+        if args.backend not in ("auto", "gloo"):
+            parser.error(f"argument --backend: --nproc starts Gloo workers; got --backend {args.backend}")
+        out = args.out or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        return launch_local(args.nproc, argv, out)
+    code = run_worker(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code != 0 and gossip.detect_launch().size > 1:
+        # A failed job: leave at once, without the teardown that would wait for peers that are not coming.
+        # A successful one exits normally, so that MPI_Finalize runs when mpi4py initialised MPI (under
+        # mpiexec, also for Gloo, whose address is broadcast over MPI): without it, Hydra reports a BAD
+        # TERMINATION and kills the ranks still writing their output.
+        os._exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
