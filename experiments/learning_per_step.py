@@ -1,7 +1,7 @@
 r"""Learning per step: why PowerGossip + a decentralized Adam learns less per step than All-Reduce, and what fixes it.
 
-Every configuration trains ``gossip-train``'s task (the byte-level GPT of :mod:`gossip.gpt` at its default size,
-the stdlib corpus, iid :class:`gossip.corpus.ShardedBatches`, lr 3e-3 with linear warm-up then a cosine to lr / 10,
+Every configuration trains ``gossip-train``'s task (the byte-level GPT of :mod:`gossip.app.gpt` at its default size,
+the stdlib corpus, iid :class:`gossip.app.corpus.ShardedBatches`, lr 3e-3 with linear warm-up then a cosine to lr / 10,
 betas (0.9, 0.95), weight decay 0.1 on matrices) on ``n`` virtual ranks of the in-process simulator
 (:func:`gossip.simulate`): deterministic, no network, so only learning per step is compared. Per configuration and
 seed it records
@@ -61,9 +61,9 @@ import optim
 import topologies
 from gossip.algorithms.base import Algorithm
 from gossip.consensus import exact_consensus_sq
-from gossip.corpus import ShardedBatches, load_corpus, validation_batches
-from gossip.gpt import GPT, GPTConfig
-from gossip.train import TrainConfig, learning_rate
+from gossip.app.corpus import ShardedBatches, load_corpus, validation_batches
+from gossip.app.gpt import GPT, GPTConfig
+from gossip.app.train import TrainConfig, learning_rate
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learning_per_step"
 RECORD_EVERY = 10

@@ -156,7 +156,7 @@ def markdown_spectrum(spectrum: list[dict], kind: str) -> str:
 
 def plot_curves(steps: list[dict], configs: Sequence[str], key: str, path: Path, log: bool) -> Path:
     """Mean over seeds of ``key`` against the step, one line per configuration, with the seeds' min-max band."""
-    from experiments.issue8_common import pyplot, save_figure
+    from experiments.simulated_training import pyplot, save_figure
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parallel_scenarios import batch, flat_parameters, loss_of, make_mlp, wrap
+from helpers.parallel_scenarios import batch, flat_parameters, loss_of, make_mlp, wrap
 
 import gossip
 from gossip.algorithms.powergossip import PowerGossip
