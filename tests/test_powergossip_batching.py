@@ -163,3 +163,80 @@ def resume(comm: gossip.Communicator) -> list:
 
 def test_grouped_state_dict_resumes_bit_identically():
     assert all(result[0] for result in gossip.simulate(4, resume))
+
+
+def messages_and_buckets(comm: gossip.Communicator) -> list[int]:
+    algorithm = PowerGossip(rank=2, min_compression=1)
+    algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), gpt_buckets(comm.rank, 4096))
+    counts: list[int] = []
+    exchange = comm.exchange
+
+    def counting(sends, recvs, *, seq):
+        counts.append(len(sends))
+        return exchange(sends, recvs, seq=seq)
+
+    comm.exchange = counting
+    algorithm.step(0)
+    return [counts[0], len({index for index, _ in algorithm.exact})]
+
+
+def test_uncompressed_tensors_of_all_buckets_travel_as_one_message():
+    messages, buckets_with_exact = gossip.simulate(2, messages_and_buckets)[0]
+    assert buckets_with_exact > 2  # small buckets: the biases and norms are spread over several
+    assert messages == 2  # the products, and every uncompressed tensor packed into one
+
+
+class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten operations run on this thread (each a kernel launch or a view on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(comm: gossip.Communicator, layers: int) -> list[int]:
+    model = GPT(GPTConfig(block_size=8, n_layer=layers, n_head=2, n_embd=16))
+    algorithm = PowerGossip(rank=2, min_compression=1)
+    algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), bucket_parameters(model, 1 << 30))
+    algorithm.step(0)
+    counts = []
+    for step in (1, 2):  # one right and one left multiplication
+        with CountOps() as ops:
+            algorithm.step(step)
+        counts.append(ops.count)
+    return counts
+
+
+def test_the_operations_per_step_do_not_grow_with_the_number_of_layers():
+    """One bucket: the layers of a role are one strided view, their biases and norms one packed message, so a
+    step runs as many operations (GPU kernel launches) for 8 layers as for 2 -- no per-layer or per-tensor work."""
+    two, eight = (gossip.simulate(2, ops_per_step, layers)[0] for layers in (2, 8))
+    assert two == eight
+
+
+def test_groups_with_equal_rows_share_one_gram_schmidt(monkeypatch):
+    """One orthonormalisation per distinct row count, not per group. p factors (m rows): tok_emb 256, pos_emb 8,
+    qkv 48, fc 64, and proj + mlp.proj share 16 -> 5 calls; q factors (k rows): 16 for all but mlp.proj (64) ->
+    2 calls, the first holding tok_emb, pos_emb and the 3 layers of qkv, proj and fc: 11 matrices."""
+    calls: list[tuple[int, ...]] = []
+    original = powergossip.orthonormalize
+
+    def counting(matrix, *args, **kwargs):
+        calls.append(tuple(matrix.shape))
+        return original(matrix, *args, **kwargs)
+
+    monkeypatch.setattr(powergossip, "orthonormalize", counting)
+
+    def two_steps(comm: gossip.Communicator) -> None:
+        algorithm = bound(comm)
+        algorithm.step(0)  # left multiplication: orthonormalises p
+        algorithm.step(1)  # right multiplication: orthonormalises q
+
+    gossip.simulate(2, two_steps)
+    left = [(1, 256, 2), (1, 8, 2), (3, 48, 2), (6, 16, 2), (3, 64, 2)]
+    right = [(11, 16, 2), (3, 64, 2)]
+    assert sorted(calls) == sorted(2 * (left + right))  # on each of the 2 ranks
