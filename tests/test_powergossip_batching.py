@@ -218,10 +218,10 @@ def test_the_operations_per_step_do_not_grow_with_the_number_of_layers():
     assert two == eight
 
 
-def test_groups_with_equal_rows_share_one_gram_schmidt(monkeypatch):
-    """One orthonormalisation per distinct row count, not per group. p factors (m rows): tok_emb 256, pos_emb 8,
-    qkv 48, fc 64, and proj + mlp.proj share 16 -> 5 calls; q factors (k rows): 16 for all but mlp.proj (64) ->
-    2 calls, the first holding tok_emb, pos_emb and the 3 layers of qkv, proj and fc: 11 matrices."""
+def test_groups_with_rows_within_a_factor_4_share_one_zero_padded_gram_schmidt(monkeypatch):
+    """One orthonormalisation per class of similar row counts, not per group. p factors (m rows): tok_emb 256
+    with fc 64; qkv 48 with proj and mlp.proj 16; pos_emb 8 alone -> 3 calls. q factors (k rows): 16 for all but
+    mlp.proj (64) -> 1 call of all 14 matrices, padded to 64 rows."""
     calls: list[tuple[int, ...]] = []
     original = powergossip.orthonormalize
 
@@ -237,6 +237,26 @@ def test_groups_with_equal_rows_share_one_gram_schmidt(monkeypatch):
         algorithm.step(1)  # right multiplication: orthonormalises q
 
     gossip.simulate(2, two_steps)
-    left = [(1, 256, 2), (1, 8, 2), (3, 48, 2), (6, 16, 2), (3, 64, 2)]
-    right = [(11, 16, 2), (3, 64, 2)]
+    left = [(4, 256, 2), (9, 48, 2), (1, 8, 2)]
+    right = [(14, 64, 2)]
     assert sorted(calls) == sorted(2 * (left + right))  # on each of the 2 ranks
+
+
+def test_zero_padding_leaves_the_factors_orthonormal_and_their_padding_out():
+    """The padded Gram-Schmidt gives the unpadded one's factors (up to rounding) and zero in the padding."""
+    generator = torch.Generator().manual_seed(0)
+    small, large = torch.randn(3, 10, 4, generator=generator), torch.randn(2, 30, 4, generator=generator)
+    padded = torch.zeros(5, 30, 4)
+    padded[:3, :10], padded[3:] = small, large
+    together = orthonormalize(padded)
+    torch.testing.assert_close(together[:3, :10], orthonormalize(small), rtol=0, atol=1e-6)
+    torch.testing.assert_close(together[3:], orthonormalize(large), rtol=0, atol=1e-6)
+    assert torch.equal(together[:3, 10:], torch.zeros(3, 20, 4))
+
+
+def test_row_classes_take_the_groups_within_the_pad_ratio_of_the_largest():
+    assert powergossip.row_classes([768, 3072, 2304, 50257, 1024, 768], pad_ratio=4) == [
+        (50257, [3]),
+        (3072, [0, 1, 2, 4, 5]),
+    ]
+    assert powergossip.row_classes([100, 24, 25], pad_ratio=4) == [(100, [0, 2]), (24, [1])]

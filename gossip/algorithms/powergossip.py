@@ -25,11 +25,13 @@ Batching (as PyTorch's PowerSGD communication hook batches its matrices): matric
 (``blocks.#.mlp.fc.weight``) -- the layers of a transformer -- are one group with stacked factors. The products
 and the update run as one ``bmm`` / ``baddbmm_`` per run of the group's layers lying at equal distances in one
 bucket, a (count, m, k) strided view of the bucket without a copy (one run per bucket the layers span). Factors
-with equal rows are orthonormalised together: one batched Gram-Schmidt per distinct row count (q of every group
-with k = n_embd in one call), not per group. The difference of the two ends' products is one subtraction over the
-whole message. The uncompressed tensors of all buckets travel packed into one message, packed with one ``cat`` of
-views taken at setup and unpacked with one ``_foreach_copy_``. So the operations of a step -- on a GPU, kernel
-launches, which dominate at these sizes -- do not grow with the number of layers or of uncompressed tensors.
+with similar rows (within a factor ``PAD_RATIO``) are orthonormalised together, the smaller ones zero-padded: one
+batched Gram-Schmidt per class (on a GPT, every q in one call), not per group. The difference of the two ends'
+products is one subtraction over the whole message. The uncompressed tensors of all buckets travel packed into
+one message, packed with one ``cat`` of views taken at setup and unpacked with one ``_foreach_copy_``. So the
+operations of a step -- on a GPU, kernel launches, whose fixed cost dominates at these sizes -- do not grow with
+the number of layers or of uncompressed tensors, except for the runs (keep the layers in few buckets). No value
+is read back to the host on the hot path: the non-finite check is deferred on CUDA (see gossip.algorithms.base).
 Precision: ``orthonormalize_dtype`` (default float64, which keeps Gram-Schmidt accurate at large r; float32 is
 cheaper on GPUs with slow float64). Either way both ends run the same kernel on the same input, so they agree bit
 for bit; the choice is part of ``config()`` and so of checkpoints.
@@ -169,13 +171,26 @@ def group_matrices(matrices: list[_Matrix]) -> list[_Group]:
     return sorted(groups, key=lambda g: min(g.members))
 
 
-def row_classes(rows: list[int]) -> list[list[int]]:
-    """Indices of ``rows`` grouped by equal value, in order of first appearance: the groups whose factors
-    (rows x r each) one batched Gram-Schmidt can orthonormalise together."""
-    classes: dict[int, list[int]] = {}
-    for index, count in enumerate(rows):
-        classes.setdefault(count, []).append(index)
-    return list(classes.values())
+PAD_RATIO = 4
+
+
+def row_classes(rows: list[int], pad_ratio: int = PAD_RATIO) -> list[tuple[int, list[int]]]:
+    """Groups whose factors (``rows[i]`` x r each) one batched Gram-Schmidt orthonormalises together:
+    ``(padded rows, group indices)`` per class.
+
+    A class starts at the largest row count not yet taken and takes every group with at least 1/``pad_ratio`` of
+    its rows; the smaller factors are zero-padded to the class's rows. Zero rows change neither a column's norm nor
+    an inner product, and stay zero, so the padded Gram-Schmidt computes the same factors (up to the rounding of
+    the longer sums) with one kernel sequence per class instead of one per group; ``pad_ratio`` bounds the work
+    spent on the zeros. Deterministic in ``rows``, so both ends of an edge build the same classes.
+    """
+    classes: list[tuple[int, list[int]]] = []
+    for index in sorted(range(len(rows)), key=lambda i: (-rows[i], i)):
+        if classes and rows[index] * pad_ratio >= classes[-1][0]:
+            classes[-1][1].append(index)
+        else:
+            classes.append((rows[index], [index]))
+    return [(top, sorted(members)) for top, members in classes]
 
 
 class EdgeState:
@@ -349,9 +364,11 @@ class PowerGossip(Algorithm):
             self._views.append(views)
             self._run_counts.append([run.count for run in group.runs])
         self._transposed = [[x.mT for _, x in views] for views in self._views]  # X^T of each run, a view
-        # Groups whose factors have equal rows are orthonormalised together, one Gram-Schmidt per row count:
+        # Groups whose factors have similar rows are orthonormalised together, zero-padded (see row_classes):
         # right multiplications orthonormalise q (k rows), left ones p (m rows).
-        self._row_classes = {right: row_classes([g.k if right else g.m for g in self.groups]) for right in (0, 1)}
+        self._row_classes = {
+            right: row_classes([g.k if right else g.m for g in self.groups]) for right in (False, True)
+        }
 
     def describe(self) -> dict[str, list[str]]:
         """Which parameters are compressed and which travel exactly."""
@@ -381,6 +398,24 @@ class PowerGossip(Algorithm):
         return [stack] if len(self._run_counts[g]) == 1 else stack.split(self._run_counts[g])
 
     # -- one power iteration --------------------------------------------------------------------------------
+    def _orthonormalize_class(self, factors: list[torch.Tensor], rows: int, members: list[int]) -> None:
+        """Orthonormalise ``factors[g]`` for the groups ``members`` in one batched Gram-Schmidt, the smaller
+        ones zero-padded to ``rows``; each ``factors[g]`` becomes a view of the result."""
+        if len(members) == 1:
+            factors[members[0]] = orthonormalize(factors[members[0]], dtype=self.orthonormalize_dtype)
+            return
+        stacks = [factors[g] for g in members]
+        counts = [len(stack) for stack in stacks]
+        if all(stack.shape[-2] == rows for stack in stacks):
+            together = torch.cat(stacks)
+        else:
+            together = stacks[0].new_zeros(sum(counts), rows, self.rank)
+            for stack, part in zip(stacks, together.split(counts), strict=True):
+                part[:, : stack.shape[-2]].copy_(stack)
+        together = orthonormalize(together, dtype=self.orthonormalize_dtype)
+        for g, stack, part in zip(members, stacks, together.split(counts), strict=True):
+            factors[g] = part[:, : stack.shape[-2]]
+
     def _sizes(self, right: bool) -> list[int]:
         """Elements of each group's products in a message: count x (m or k) x r."""
         return [len(g.members) * (g.m if right else g.k) * self.rank for g in self.groups]
@@ -400,12 +435,8 @@ class PowerGossip(Algorithm):
                     rows = group.k if right else group.m
                     draws = [edge.draw(rows, self.rank, self._device, self._dtype) for _ in group.members]
                     factors[g] = torch.stack(draws)
-            for members in self._row_classes[right]:
-                together = factors[members[0]] if len(members) == 1 else torch.cat([factors[g] for g in members])
-                together = orthonormalize(together, dtype=self.orthonormalize_dtype)
-                counts = [len(self.groups[g].members) for g in members]
-                for g, stack in zip(members, [together] if len(members) == 1 else together.split(counts), strict=True):
-                    factors[g] = stack
+            for rows, members in self._row_classes[right]:
+                self._orthonormalize_class(factors, rows, members)
             parts = message.split(sizes)
             for g, group in enumerate(self.groups):
                 out = parts[g].view(len(group.members), -1, self.rank)
