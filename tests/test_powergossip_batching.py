@@ -218,28 +218,52 @@ def test_the_operations_per_step_do_not_grow_with_the_number_of_layers():
     assert two == eight
 
 
-def test_groups_with_rows_within_a_factor_4_share_one_zero_padded_gram_schmidt(monkeypatch):
-    """One orthonormalisation per class of similar row counts, not per group. p factors (m rows): tok_emb 256
-    with fc 64; qkv 48 with proj and mlp.proj 16; pos_emb 8 alone -> 3 calls. q factors (k rows): 16 for all but
-    mlp.proj (64) -> 1 call of all 14 matrices, padded to 64 rows."""
-    calls: list[tuple[int, ...]] = []
+# Row counts of the test GPT's factors: p (m rows): tok_emb 256, pos_emb 8, qkv 48, proj 16, fc 64, mlp.proj 16;
+# q (k rows): 16 for all but mlp.proj (64). Shapes: (matrices, rows, r).
+EQUAL_ROWS = [(1, 256, 2), (1, 8, 2), (3, 48, 2), (6, 16, 2), (3, 64, 2), (11, 16, 2), (3, 64, 2)]  # 5 p, 2 q
+PADDED_4 = [(4, 256, 2), (9, 48, 2), (1, 8, 2), (14, 64, 2)]  # p: tok_emb + fc, qkv + proj + mlp.proj, pos_emb; q
+
+
+@pytest.mark.parametrize(("options", "calls"), [({}, EQUAL_ROWS), ({"pad_ratio": 4}, PADDED_4)], ids=["cpu", "pad4"])
+def test_one_gram_schmidt_per_class_of_row_counts_not_per_group(monkeypatch, options, calls):
+    """On the CPU (default) groups of equal rows share one orthonormalisation: 5 calls for p, 2 for q. With
+    pad_ratio=4 (the default on CUDA) groups within a factor 4 of rows share one, zero-padded: 3 for p, 1 for q."""
+    seen: list[tuple[int, ...]] = []
     original = powergossip.orthonormalize
 
     def counting(matrix, *args, **kwargs):
-        calls.append(tuple(matrix.shape))
+        seen.append(tuple(matrix.shape))
         return original(matrix, *args, **kwargs)
 
     monkeypatch.setattr(powergossip, "orthonormalize", counting)
 
     def two_steps(comm: gossip.Communicator) -> None:
-        algorithm = bound(comm)
+        algorithm = bound(comm, **options)
         algorithm.step(0)  # left multiplication: orthonormalises p
         algorithm.step(1)  # right multiplication: orthonormalises q
 
     gossip.simulate(2, two_steps)
-    left = [(4, 256, 2), (9, 48, 2), (1, 8, 2)]
-    right = [(14, 64, 2)]
-    assert sorted(calls) == sorted(2 * (left + right))  # on each of the 2 ranks
+    assert sorted(seen) == sorted(2 * calls)  # on each of the 2 ranks
+
+
+def test_padded_classes_keep_both_ends_bit_identical_and_the_sum():
+    initial = sum(torch.cat([b.buffer.double() for b in gpt_buckets(rank)]) for rank in range(4))
+    results = gossip.simulate(4, steps_and_factors, 5, {"pad_ratio": 4})
+    for rank, result in enumerate(results):
+        for (lo, hi), factors in result["factors"].items():
+            theirs = results[hi if rank == lo else lo]["factors"][(lo, hi)]
+            assert all(torch.equal(a, b) for a, b in zip(factors, theirs, strict=True)), (rank, lo, hi)
+    torch.testing.assert_close(results[0]["sum"], initial, rtol=0, atol=1e-5)
+    equal_rows = gossip.simulate(4, steps_and_factors, 5, {})
+    for a, b in zip(results, equal_rows, strict=True):  # padding changes only the rounding
+        for x, y in zip(a["buffers"], b["buffers"], strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pad_ratio", [0, 1.5, True])
+def test_a_pad_ratio_other_than_a_positive_integer_is_refused(pad_ratio):
+    with pytest.raises(ValueError, match=r"PowerGossip: pad_ratio must be None or an integer >= 1, got "):
+        PowerGossip(pad_ratio=pad_ratio)
 
 
 def test_zero_padding_leaves_the_factors_orthonormal_and_their_padding_out():

@@ -25,8 +25,10 @@ Batching (as PyTorch's PowerSGD communication hook batches its matrices): matric
 (``blocks.#.mlp.fc.weight``) -- the layers of a transformer -- are one group with stacked factors. The products
 and the update run as one ``bmm`` / ``baddbmm_`` per run of the group's layers lying at equal distances in one
 bucket, a (count, m, k) strided view of the bucket without a copy (one run per bucket the layers span). Factors
-with similar rows (within a factor ``PAD_RATIO``) are orthonormalised together, the smaller ones zero-padded: one
-batched Gram-Schmidt per class (on a GPT, every q in one call), not per group. The difference of the two ends'
+of equal rows are orthonormalised together, and on CUDA also those within a factor ``pad_ratio`` (default
+``PAD_RATIO``), the smaller ones zero-padded: one batched Gram-Schmidt per class (on a GPT on a GPU, every q in one
+call), not per group. On the CPU, where the arithmetic rather than the launches dominates, padding would add work
+(rows x r^2 per factor), so the default there is 1. The difference of the two ends'
 products is one subtraction over the whole message. The uncompressed tensors of all buckets travel packed into
 one message, packed with one ``cat`` of views taken at setup and unpacked with one ``_foreach_copy_``. So the
 operations of a step -- on a GPU, kernel launches, whose fixed cost dominates at these sizes -- do not grow with
@@ -171,7 +173,7 @@ def group_matrices(matrices: list[_Matrix]) -> list[_Group]:
     return sorted(groups, key=lambda g: min(g.members))
 
 
-PAD_RATIO = 4
+PAD_RATIO = 4  # the default pad_ratio on CUDA
 
 
 def row_classes(rows: list[int], pad_ratio: int = PAD_RATIO) -> list[tuple[int, list[int]]]:
@@ -284,6 +286,7 @@ class PowerGossip(Algorithm):
         seed: int = 0,
         nonfinite: str = "raise",
         orthonormalize_dtype: torch.dtype = torch.float64,
+        pad_ratio: int | None = None,
     ):
         if orthonormalize_dtype not in (torch.float32, torch.float64):
             raise ValueError(
@@ -302,6 +305,9 @@ class PowerGossip(Algorithm):
         self.warm_start, self.min_compression, self.policy, self.seed = warm_start, min_compression, policy, seed
         self.nonfinite = check_nonfinite_policy("PowerGossip", nonfinite)
         self.orthonormalize_dtype = orthonormalize_dtype
+        if pad_ratio is not None and (isinstance(pad_ratio, bool) or not isinstance(pad_ratio, int) or pad_ratio < 1):
+            raise ValueError(f"PowerGossip: pad_ratio must be None or an integer >= 1, got {pad_ratio!r}")
+        self.pad_ratio = pad_ratio
         self.edges: dict[tuple[int, int], EdgeState] = {}
 
     # -- binding --------------------------------------------------------------------------------------------
@@ -366,8 +372,10 @@ class PowerGossip(Algorithm):
         self._transposed = [[x.mT for _, x in views] for views in self._views]  # X^T of each run, a view
         # Groups whose factors have similar rows are orthonormalised together, zero-padded (see row_classes):
         # right multiplications orthonormalise q (k rows), left ones p (m rows).
+        on_cuda = any(bucket.buffer.is_cuda for bucket in buckets)
+        pad_ratio = self.pad_ratio if self.pad_ratio is not None else PAD_RATIO if on_cuda else 1
         self._row_classes = {
-            right: row_classes([g.k if right else g.m for g in self.groups]) for right in (False, True)
+            right: row_classes([g.k if right else g.m for g in self.groups], pad_ratio) for right in (False, True)
         }
 
     def describe(self) -> dict[str, list[str]]:
