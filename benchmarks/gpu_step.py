@@ -4,8 +4,11 @@ Measured side by side in one run, medians over ``--rounds`` (each timed between 
 
 * forward + backward of one worker's batch (``--batch`` x ``--block`` tokens, bf16 autocast, fp32 parameters);
 * PowerGossip's own computation per step at each ``--ranks`` (one rank's work: orthonormalisation, products,
-  update, packing; no network -- :class:`LoopbackCommunicator`), new (batched) vs the previous implementation
-  when ``--baseline-file`` or a git checkout provides it; and its share of forward + backward;
+  update, packing, the non-finite check; no network -- :class:`LoopbackCommunicator`), new vs the previous
+  implementation when ``--baseline-file`` or a git checkout provides it (run with the immediate non-finite check,
+  a host sync per step, as it was), and the new one on a second copy of the model in one bucket
+  (``--one-bucket-bytes``: each group of layers one strided view, one ``bmm`` per group); and its share of
+  forward + backward;
 * exact gossip's mixing per step (same loopback);
 * the optimizer step: AccumAdamW (foreach) vs ``torch.optim.AdamW(fused=True)``;
 * ``--n`` virtual ranks on the simulator sharing the GPU, each with its own replica: wall time of one mixing step
@@ -108,6 +111,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline-file", default=None, help="the previous powergossip.py (else: git revision)")
     parser.add_argument("--baseline", default=BASELINE_REVISION, help="git revision of the previous implementation")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument(
+        "--one-bucket-bytes",
+        type=int,
+        default=1 << 40,
+        help="also measure PowerGossip on a second copy of the model in buckets of this size (default: one bucket, "
+        "so every group of layers is one strided view); 0: skip",
+    )
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
@@ -150,16 +160,29 @@ def main(argv: list[str] | None = None) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    # One rank's own computation per step (loopback), exact mixing and PowerGossip old / new.
-    variants: dict[str, Callable[[], Any]] = {"exact mixing": ExactGossip}
+    # One rank's own computation per step (loopback), exact mixing and PowerGossip old / new. The previous
+    # implementation runs with the immediate non-finite check it had (a host sync per step).
+    variants: dict[str, tuple[Callable[[], Any], list[Bucket]]] = {"exact mixing": (ExactGossip, buckets)}
+    one_bucket = model_buckets(config, device, 0, args.one_bucket_bytes)[1] if args.one_bucket_bytes else None
     for rank in args.ranks:
-        variants[f"powergossip r={rank}"] = lambda rank=rank: PowerGossip(rank=rank)
+        variants[f"powergossip r={rank}"] = (lambda rank=rank: PowerGossip(rank=rank), buckets)
+        variants[f"powergossip r={rank}, fp32 orthonormalisation"] = (
+            lambda rank=rank: PowerGossip(rank=rank, orthonormalize_dtype=torch.float32),
+            buckets,
+        )
         if Old is not None:
-            variants[f"powergossip r={rank} (previous)"] = lambda rank=rank: Old(rank=rank)
+            variants[f"powergossip r={rank} (previous)"] = (lambda rank=rank: Old(rank=rank), buckets)
+        if one_bucket is not None:
+            variants[f"powergossip r={rank}, {len(one_bucket)} bucket(s)"] = (
+                lambda r=rank: PowerGossip(rank=r),
+                one_bucket,
+            )
     results["own_s"], results["edge_state_bytes"], results["transient_peak_bytes"] = {}, {}, {}
-    for name, make in variants.items():
+    for name, (make, bound_buckets) in variants.items():
         algorithm = make()
-        step = bound_step(algorithm, buckets, device)
+        step = bound_step(algorithm, bound_buckets, device)
+        if name.endswith("(previous)"):
+            algorithm.deferred_nonfinite_check = False
         before = reset_peak(device)
         results["own_s"][name] = median_seconds(step, device, args.warmup, args.rounds)
         results["transient_peak_bytes"][name] = peak_bytes(device) - before

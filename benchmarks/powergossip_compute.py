@@ -10,12 +10,16 @@ main job's batch, so the share is a ratio of two times measured side by side.
 Old vs new in one run: ``--baseline REV`` loads ``gossip/algorithms/powergossip.py`` as it was at git revision
 ``REV`` (default: the last revision before matrices were batched) into a separate module, and the two
 implementations run interleaved, round by round, on two copies of the same model. The ratio old / new is the
-speed-up of the batched implementation.
+speed-up of the batched implementation. The last column counts the aten operations of one step (each a kernel
+launch, or a view, on a GPU; their fixed cost, not the arithmetic, dominates there at these sizes).
+``--bucket-bytes`` smaller than a layer spreads each group of layers over several buckets, as the default 25 MiB
+buckets do with GPT-2 small's 28 MB blocks.
 
 Usage::
 
     python benchmarks/powergossip_compute.py                       # the main job's GPT, CPU, ranks 1 and 4
     python benchmarks/powergossip_compute.py --layers 12 --embd 768 --block 1024 --batch 8 --device cuda
+    python benchmarks/powergossip_compute.py --layers 12 --bucket-bytes 900000 --baseline 5689234  # 2 buckets a layer
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -39,7 +45,7 @@ sys.path.insert(0, str(REPO))
 import topologies  # noqa: E402
 from gossip.app.gpt import GPT, GPTConfig  # noqa: E402
 from gossip.backends.base import Communicator, Handle, Transfer  # noqa: E402
-from gossip.buckets import Bucket, bucket_parameters  # noqa: E402
+from gossip.buckets import DEFAULT_BUCKET_BYTES, Bucket, bucket_parameters  # noqa: E402
 
 BASELINE_REVISION = "40b881d"  # the last revision with the matrix-by-matrix PowerGossip
 
@@ -119,10 +125,12 @@ def seconds(run: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def model_buckets(config: GPTConfig, device: torch.device, seed: int) -> tuple[GPT, list[Bucket]]:
+def model_buckets(
+    config: GPTConfig, device: torch.device, seed: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> tuple[GPT, list[Bucket]]:
     torch.manual_seed(seed)
     model = GPT(config).to(device)
-    return model, bucket_parameters(model)
+    return model, bucket_parameters(model, bucket_bytes)
 
 
 def forward_backward(model: GPT, config: GPTConfig, batch: int, device: torch.device) -> Callable[[], None]:
@@ -143,6 +151,27 @@ def bound_step(algorithm: Any, buckets: list[Bucket], device: torch.device) -> C
     return lambda: algorithm.step(next(step))
 
 
+class CountOps(TorchDispatchMode):
+    """Counts the aten operations run on this thread: on a GPU each is a kernel launch (or a view), whose fixed
+    cost dominates PowerGossip's step at these sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operations(run: Callable[[], None], steps: int = 2) -> float:
+    """Aten operations per call of ``run``, averaged over ``steps`` calls (a left and a right multiplication)."""
+    with CountOps() as counter:
+        for _ in range(steps):
+            run()
+    return counter.count / steps
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="PowerGossip ranks to measure")
@@ -156,14 +185,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block", type=int, default=GPTConfig.block_size)
     parser.add_argument("--batch", type=int, default=16, help="per-worker batch (the main job's default: 16)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (a main-job worker: cores // 4)")
+    parser.add_argument(
+        "--bucket-bytes",
+        type=int,
+        default=DEFAULT_BUCKET_BYTES,
+        help="bucket size (default 25 MiB); smaller than a layer spreads each group over several buckets, as "
+        "GPT-2 small's 28 MB blocks are with the default",
+    )
+    parser.add_argument("--vocab", type=int, default=GPTConfig.vocab_size)
+    parser.add_argument(
+        "--ops-only", action="store_true", help="only count the operations per step (no timing; any model size)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from gossip.algorithms.powergossip import PowerGossip
+    from gossip.algorithms.powergossip import PAD_RATIO, PowerGossip
 
     device = torch.device(args.device)
-    config = GPTConfig(block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
+    config = GPTConfig(
+        block_size=args.block, vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, n_embd=args.embd
+    )
     Old = load_baseline(args.baseline)
+    if args.ops_only:
+        _, buckets = model_buckets(config, device, 0, args.bucket_bytes)
+        print(
+            f"model: GPT {args.layers} layers x {args.embd}, vocab {args.vocab}, block {args.block}; {len(buckets)} "
+            f"bucket(s) of at most {args.bucket_bytes} bytes; baseline revision {args.baseline}"
+        )
+        print(f"{'rank':>4} {'variant':>10} {'ops/step':>9}")
+        for rank in args.ranks:
+            pad_4 = partial(PowerGossip, pad_ratio=PAD_RATIO)  # CUDA's default: similar rows share a Gram-Schmidt
+            for label, make in (("old", Old), ("new", PowerGossip), ("new pad 4", pad_4)):
+                step = bound_step(make(rank=rank), buckets, device)
+                step(), step()  # the first steps create the edge's state
+                print(f"{rank:>4} {label:>10} {operations(step):9.0f}")
+        return
     model, _ = model_buckets(config, device, 0)
     jobs: dict[str, Callable[[], None]] = {"forward+backward": forward_backward(model, config, args.batch, device)}
     variants: dict[str, Callable[[int], Any]] = {
@@ -173,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     for rank in args.ranks:
         for label, make in variants.items():
-            _, buckets = model_buckets(config, device, 0)
+            _, buckets = model_buckets(config, device, 0, args.bucket_bytes)
             jobs[f"{label} r={rank}"] = bound_step(make(rank), buckets, device)
     times: dict[str, list[float]] = {name: [] for name in jobs}
     for round_ in range(args.warmup + args.rounds):
@@ -187,17 +243,18 @@ def main(argv: list[str] | None = None) -> None:
     parameters = sum(p.numel() for p in model.parameters())
     print(
         f"model: GPT {args.layers} layers x {args.embd}, {parameters / 1e6:.2f} M parameters; batch {args.batch} x "
-        f"{args.block} tokens; device {device}; {args.threads} thread(s); baseline revision {args.baseline}; "
-        f"{args.rounds} rounds, medians"
+        f"{args.block} tokens; device {device}; {args.threads} thread(s); {len(buckets)} bucket(s) of at most "
+        f"{args.bucket_bytes} bytes; baseline revision {args.baseline}; {args.rounds} rounds, medians"
     )
     print(f"forward+backward: {base * 1e3:.2f} ms")
     print("PowerGossip's own computation per step (orthonormalisation in float64 unless marked fp32):")
-    print(f"{'rank':>4} {'variant':>9} {'ms/step':>8} {'% fwd+bwd':>10} {'old / this':>11}")
+    print(f"{'rank':>4} {'variant':>9} {'ms/step':>8} {'% fwd+bwd':>10} {'old / this':>11} {'ops/step':>9}")
     for rank in args.ranks:
         for label in variants:
             this = median[f"{label} r={rank}"]
             old = median[f"old r={rank}"]
-            print(f"{rank:>4} {label:>9} {this * 1e3:8.3f} {100 * this / base:9.2f}% {old / this:11.2f}")
+            ops = operations(jobs[f"{label} r={rank}"])
+            print(f"{rank:>4} {label:>9} {this * 1e3:8.3f} {100 * this / base:9.2f}% {old / this:11.2f} {ops:9.0f}")
 
 
 if __name__ == "__main__":

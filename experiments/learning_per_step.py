@@ -60,10 +60,10 @@ import gossip
 import optim
 import topologies
 from gossip.algorithms.base import Algorithm
-from gossip.consensus import exact_consensus_sq
 from gossip.app.corpus import ShardedBatches, load_corpus, validation_batches
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.app.train import TrainConfig, learning_rate
+from gossip.consensus import exact_consensus_sq
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learning_per_step"
 RECORD_EVERY = 10

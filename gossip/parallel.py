@@ -697,4 +697,7 @@ class DecentralizedDataParallel(nn.Module):
         self._move("close", "close()")
         summary = self.metrics.summarize(self.comm)
         self.metrics.close()
+        # Non-finite values received in the last step, where the check runs one step late (CUDA parameters);
+        # after the collective above, so that a raising rank leaves no peer waiting in it.
+        self.algorithm.check_deferred()
         return summary

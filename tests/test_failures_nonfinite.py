@@ -111,3 +111,90 @@ def test_communication_error_in_the_loop_names_the_training_step():
     for rank in (0, 2):  # rank 3's peers; its step-2 message may have been sent, so they may fail at step 3
         step, text = messages[rank].split(": ", 1)
         assert step in ("step 2", "step 3") and text.startswith(f"rank {rank}: peer rank 3 failed"), messages[rank]
+
+
+def deferred(algorithm_class: type) -> type:
+    """``algorithm_class`` with the check deferred as on CUDA parameters (flags read at the next step)."""
+
+    class Deferred(algorithm_class):
+        def setup(self, *args) -> None:
+            super().setup(*args)
+            self.deferred_nonfinite_check = True
+
+    return Deferred
+
+
+def bad_last_step_then_check(comm, algorithm_class: type, value: float) -> list:
+    """Rank BAD sends ``value`` at step 1 of 2; the steps complete, the check raises only when read."""
+    buckets, algorithm = local_model(comm.rank), deferred(algorithm_class)()
+    algorithm.setup(comm, topologies.ring(comm.size), buckets)
+    for step in range(2):
+        saved = buckets[0].buffer.clone()
+        if comm.rank == BAD and step == 1:
+            corrupt(buckets, value)
+        algorithm.step(step)  # no error here: nothing is read from the device on the hot path
+        if comm.rank == BAD:
+            buckets[0].buffer.copy_(saved)
+    messages = []
+    for _ in range(2):  # the second read finds nothing pending
+        try:
+            algorithm.check_deferred()
+            messages.append(None)
+        except NonFiniteError as error:
+            messages.append(str(error))
+    return messages
+
+
+@pytest.mark.parametrize("algorithm", [ExactGossip, PowerGossip], ids=["exact", "powergossip"])
+def test_a_deferred_check_names_the_step_the_values_arrived_in_when_read(algorithm):
+    results = gossip.simulate(N, bad_last_step_then_check, algorithm, float("nan"))
+    for rank in (0, 2):
+        first, second = results[rank]
+        assert first.startswith(
+            f"rank {rank}: step 1: peer 1 sent non-finite values (NaN or Inf) to mix in; its replica has diverged "
+            "(found one step later"
+        ), first
+        assert second is None
+    assert results[1] == results[3] == [None, None]
+
+
+@pytest.mark.parametrize("algorithm", [ExactGossip, PowerGossip], ids=["exact", "powergossip"])
+def test_a_deferred_check_raises_at_the_next_step(algorithm):
+    with pytest.raises(NonFiniteError, match=r"^rank [02]: step 1: peer 1 sent non-finite .*found one step later"):
+        gossip.simulate(N, steps_with_a_bad_peer, deferred(algorithm), 1, float("inf"), 3)
+
+
+def test_close_raises_for_nonfinite_values_of_the_last_step_under_a_deferred_check():
+    errors: dict[int, str] = {}
+
+    def run(comm) -> None:
+        model = DecentralizedDataParallel(make_mlp(comm.rank), comm, topologies.ring(comm.size), ExactGossip())
+        model.algorithm.deferred_nonfinite_check = True
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            if comm.rank == BAD and step == 1:
+                with torch.no_grad():
+                    next(model.parameters()).fill_(float("nan"))
+            loss_of(model, *batch(comm.rank, step)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        try:
+            model.close()
+        except NonFiniteError as error:
+            errors[comm.rank] = str(error)
+
+    gossip.simulate(N, run)
+    assert sorted(errors) == [0, 2]
+    # rank 1's NaN is first sent with x_2, whose exchange starts after step 1's update and completes in close()
+    assert all(errors[r].startswith(f"rank {r}: step 2: peer 1 sent non-finite") for r in errors), errors
+
+
+def test_a_deferred_check_inside_periodic_average_names_the_training_step():
+    """every=3: training steps 0, 1, 3, 4 gossip (inner steps 0, 1, 2, 3), step 2 averages. NaN sent at training
+    step 3 (inner step 2) is found at step 4's start, named in both numberings."""
+
+    def make() -> gossip.PeriodicAverage:
+        return gossip.PeriodicAverage(deferred(ExactGossip)(), every=3)
+
+    with pytest.raises(NonFiniteError, match=r"^rank [02]: step 2: peer 1 sent .* \[exact step 2 is step 3 of Per"):
+        gossip.simulate(N, steps_with_a_bad_peer, make, 3, float("nan"), 5)

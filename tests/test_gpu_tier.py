@@ -173,3 +173,47 @@ def test_bf16_autocast_through_the_wrapper_trains_in_float32_parameters():
         assert result["dtypes"] == {torch.float32}  # autocast computes in bf16, parameters and mixing stay fp32
         assert all(torch.isfinite(torch.tensor(result["losses"])))
         assert result["losses"][-1] < result["losses"][0] - 0.1, result["losses"]
+
+
+def steps_under_sync_debug_mode(comm: gossip.Communicator, algorithm: str) -> str | None:
+    """Steps 2 and 3 with CUDA's sync debug mode set to "error" (any device-to-host synchronisation raises); then
+    rank 1 sends NaN at step 4, outside that window (writing a Python float into a CUDA tensor is itself a
+    synchronising copy). Returns what the deferred non-finite check says afterwards."""
+    buckets = [Bucket(b.buffer.to(comm.device), b.entries) for b in local_model(comm.rank)]
+    algo = ALGORITHMS[algorithm]()
+    algo.setup(comm, topologies.ring(comm.size), buckets)
+    assert algo.deferred_nonfinite_check
+    for step in range(2):  # the first steps create the edges' state (host-to-device copies)
+        algo.step(step)
+    comm.barrier()
+    if comm.rank == 0:
+        torch.cuda.set_sync_debug_mode("error")  # process-wide: every virtual rank is under it
+    comm.barrier()
+    try:
+        for step in (2, 3):  # both multiplication sides of PowerGossip
+            algo.step(step)
+        comm.barrier()
+    finally:
+        if comm.rank == 0:
+            torch.cuda.set_sync_debug_mode("default")
+    comm.barrier()
+    if comm.rank == 1:
+        buckets[0].buffer[0] = float("nan")
+    algo.step(4)
+    try:
+        algo.check_deferred()
+    except gossip.NonFiniteError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("algorithm", ["exact", "powergossip-r1"])
+def test_a_step_on_cuda_reads_nothing_back_to_the_host_and_still_names_a_nonfinite_peer(algorithm):
+    """The hot path has no device-to-host sync (the non-finite check is deferred by one step on CUDA), and the
+    deferred check still names the rank, the peer and the step -- here on the real path: pinned flags, CUDA event."""
+    if DEVICE.type != "cuda":
+        pytest.skip("CUDA's sync debug mode and the deferred check exist only on a CUDA device")
+    results = gossip.simulate(4, steps_under_sync_debug_mode, algorithm, device=DEVICE)
+    assert results[1] is None and results[3] is None  # on ring(4) only ranks 0 and 2 receive from rank 1
+    for rank in (0, 2):
+        assert results[rank].startswith(f"rank {rank}: step 4: peer 1 sent non-finite values"), results[rank]

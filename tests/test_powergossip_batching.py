@@ -163,3 +163,124 @@ def resume(comm: gossip.Communicator) -> list:
 
 def test_grouped_state_dict_resumes_bit_identically():
     assert all(result[0] for result in gossip.simulate(4, resume))
+
+
+def messages_and_buckets(comm: gossip.Communicator) -> list[int]:
+    algorithm = PowerGossip(rank=2, min_compression=1)
+    algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), gpt_buckets(comm.rank, 4096))
+    counts: list[int] = []
+    exchange = comm.exchange
+
+    def counting(sends, recvs, *, seq):
+        counts.append(len(sends))
+        return exchange(sends, recvs, seq=seq)
+
+    comm.exchange = counting
+    algorithm.step(0)
+    return [counts[0], len({index for index, _ in algorithm.exact})]
+
+
+def test_uncompressed_tensors_of_all_buckets_travel_as_one_message():
+    messages, buckets_with_exact = gossip.simulate(2, messages_and_buckets)[0]
+    assert buckets_with_exact > 2  # small buckets: the biases and norms are spread over several
+    assert messages == 2  # the products, and every uncompressed tensor packed into one
+
+
+class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten operations run on this thread (each a kernel launch or a view on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_step(comm: gossip.Communicator, layers: int) -> list[int]:
+    model = GPT(GPTConfig(block_size=8, n_layer=layers, n_head=2, n_embd=16))
+    algorithm = PowerGossip(rank=2, min_compression=1)
+    algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), bucket_parameters(model, 1 << 30))
+    algorithm.step(0)
+    counts = []
+    for step in (1, 2):  # one right and one left multiplication
+        with CountOps() as ops:
+            algorithm.step(step)
+        counts.append(ops.count)
+    return counts
+
+
+def test_the_operations_per_step_do_not_grow_with_the_number_of_layers():
+    """One bucket: the layers of a role are one strided view, their biases and norms one packed message, so a
+    step runs as many operations (GPU kernel launches) for 8 layers as for 2 -- no per-layer or per-tensor work."""
+    two, eight = (gossip.simulate(2, ops_per_step, layers)[0] for layers in (2, 8))
+    assert two == eight
+
+
+# Row counts of the test GPT's factors: p (m rows): tok_emb 256, pos_emb 8, qkv 48, proj 16, fc 64, mlp.proj 16;
+# q (k rows): 16 for all but mlp.proj (64). Shapes: (matrices, rows, r).
+EQUAL_ROWS = [(1, 256, 2), (1, 8, 2), (3, 48, 2), (6, 16, 2), (3, 64, 2), (11, 16, 2), (3, 64, 2)]  # 5 p, 2 q
+PADDED_4 = [(4, 256, 2), (9, 48, 2), (1, 8, 2), (14, 64, 2)]  # p: tok_emb + fc, qkv + proj + mlp.proj, pos_emb; q
+
+
+@pytest.mark.parametrize(("options", "calls"), [({}, EQUAL_ROWS), ({"pad_ratio": 4}, PADDED_4)], ids=["cpu", "pad4"])
+def test_one_gram_schmidt_per_class_of_row_counts_not_per_group(monkeypatch, options, calls):
+    """On the CPU (default) groups of equal rows share one orthonormalisation: 5 calls for p, 2 for q. With
+    pad_ratio=4 (the default on CUDA) groups within a factor 4 of rows share one, zero-padded: 3 for p, 1 for q."""
+    seen: list[tuple[int, ...]] = []
+    original = powergossip.orthonormalize
+
+    def counting(matrix, *args, **kwargs):
+        seen.append(tuple(matrix.shape))
+        return original(matrix, *args, **kwargs)
+
+    monkeypatch.setattr(powergossip, "orthonormalize", counting)
+
+    def two_steps(comm: gossip.Communicator) -> None:
+        algorithm = bound(comm, **options)
+        algorithm.step(0)  # left multiplication: orthonormalises p
+        algorithm.step(1)  # right multiplication: orthonormalises q
+
+    gossip.simulate(2, two_steps)
+    assert sorted(seen) == sorted(2 * calls)  # on each of the 2 ranks
+
+
+def test_padded_classes_keep_both_ends_bit_identical_and_the_sum():
+    initial = sum(torch.cat([b.buffer.double() for b in gpt_buckets(rank)]) for rank in range(4))
+    results = gossip.simulate(4, steps_and_factors, 5, {"pad_ratio": 4})
+    for rank, result in enumerate(results):
+        for (lo, hi), factors in result["factors"].items():
+            theirs = results[hi if rank == lo else lo]["factors"][(lo, hi)]
+            assert all(torch.equal(a, b) for a, b in zip(factors, theirs, strict=True)), (rank, lo, hi)
+    torch.testing.assert_close(results[0]["sum"], initial, rtol=0, atol=1e-5)
+    equal_rows = gossip.simulate(4, steps_and_factors, 5, {})
+    for a, b in zip(results, equal_rows, strict=True):  # padding changes only the rounding
+        for x, y in zip(a["buffers"], b["buffers"], strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pad_ratio", [0, 1.5, True])
+def test_a_pad_ratio_other_than_a_positive_integer_is_refused(pad_ratio):
+    with pytest.raises(ValueError, match=r"PowerGossip: pad_ratio must be None or an integer >= 1, got "):
+        PowerGossip(pad_ratio=pad_ratio)
+
+
+def test_zero_padding_leaves_the_factors_orthonormal_and_their_padding_out():
+    """The padded Gram-Schmidt gives the unpadded one's factors (up to rounding) and zero in the padding."""
+    generator = torch.Generator().manual_seed(0)
+    small, large = torch.randn(3, 10, 4, generator=generator), torch.randn(2, 30, 4, generator=generator)
+    padded = torch.zeros(5, 30, 4)
+    padded[:3, :10], padded[3:] = small, large
+    together = orthonormalize(padded)
+    torch.testing.assert_close(together[:3, :10], orthonormalize(small), rtol=0, atol=1e-6)
+    torch.testing.assert_close(together[3:], orthonormalize(large), rtol=0, atol=1e-6)
+    assert torch.equal(together[:3, 10:], torch.zeros(3, 20, 4))
+
+
+def test_row_classes_take_the_groups_within_the_pad_ratio_of_the_largest():
+    assert powergossip.row_classes([768, 3072, 2304, 50257, 1024, 768], pad_ratio=4) == [
+        (50257, [3]),
+        (3072, [0, 1, 2, 4, 5]),
+    ]
+    assert powergossip.row_classes([100, 24, 25], pad_ratio=4) == [(100, [0, 2]), (24, [1])]

@@ -11,10 +11,18 @@ mixes. Each step is split in two so that computation runs in between (docs/desig
 The buckets must not be modified between ``start`` and ``finish``: their memory is sent without a copy.
 
 Non-finite input. What a peer sent is checked in ``finish`` (one ``torch.isfinite(...).all()`` per received
-tensor, one synchronisation): with ``nonfinite="raise"`` (default) a NaN or Inf raises
-:class:`gossip.errors.NonFiniteError` naming this rank, the peer and the step; with ``"drop"`` that peer's
-contribution is left out of this step (each algorithm says how) and a :class:`gossip.errors.NonFiniteWarning`
-names the peer and the step.
+tensor): with ``nonfinite="raise"`` (default) a NaN or Inf raises :class:`gossip.errors.NonFiniteError` naming
+this rank, the peer and the step; with ``"drop"`` that peer's contribution is left out of this step (each
+algorithm says how) and a :class:`gossip.errors.NonFiniteWarning` names the peer and the step.
+
+Reading the verdict on the host is a device-to-host synchronisation on a GPU: the CPU would stop queuing work
+until the GPU drained. So with ``"raise"`` on CUDA parameters (``deferred_nonfinite_check``, set by ``setup``)
+the check is deferred by one step: ``finish`` computes per-peer flags on the device and starts their copy into
+pinned host memory behind a CUDA event; the next ``start`` (or :meth:`Algorithm.check_deferred`, which
+``DecentralizedDataParallel.close`` calls) reads them -- the event has long completed, so nothing waits -- and
+raises the same error, naming the step the values arrived in. The values of that step were mixed in already;
+the run stops one step later than with the immediate check. ``"drop"`` must decide before mixing, so it reads
+the flags at once (one synchronisation per step); on CPU parameters the check is always immediate (no device).
 """
 
 from __future__ import annotations
@@ -101,6 +109,8 @@ class Algorithm(abc.ABC):
         self.comm, self.schedule, self.buckets = comm, schedule, buckets
         self.traffic = Traffic()
         self.wait_seconds = 0.0
+        self.deferred_nonfinite_check = any(bucket.buffer.is_cuda for bucket in buckets)
+        self._unchecked: list[tuple[int, list[int], torch.Tensor, Any]] = []  # step, peers, flags, CUDA event
 
     def setup_part(self, part: Algorithm, level: Schedule, buckets: list[Bucket]) -> None:
         """Bind ``part``, an algorithm this composite runs on one level of its own schedule, to ``level``.
@@ -117,9 +127,45 @@ class Algorithm(abc.ABC):
             part._part_of = None
 
     def _begin_step(self) -> None:
-        """Reset the per-step accounting; every ``start`` calls it."""
+        """Reset the per-step accounting and raise for non-finite values a deferred check found; every ``start``
+        calls it."""
+        self.check_deferred()
         self.traffic.new_step()
         self.wait_seconds = 0.0
+
+    def check_deferred(self) -> None:
+        """Raise :class:`NonFiniteError` if a deferred check found non-finite values from a peer (see the module
+        docstring); a no-op when nothing is pending. Waits only for the flags' copy, done long before."""
+        pending, self._unchecked = getattr(self, "_unchecked", []), []
+        for step, peers, flags, event in pending:
+            if event is not None:
+                event.synchronize()
+            finite = flags.tolist()
+            if not all(finite):
+                bad = peers[finite.index(False)]
+                raise NonFiniteError(
+                    f"rank {self.comm.rank}: step {step}: peer {bad} sent non-finite values (NaN or Inf) to mix in; "
+                    f"its replica has diverged (found one step later: on a GPU the check is read without a host "
+                    f"sync, and the values were mixed in). {type(self).__name__}(nonfinite='drop') leaves such a "
+                    "contribution out instead"
+                )
+
+    def _defer_nonfinite_check(self, step: int, received: list[tuple[int, list[torch.Tensor]]]) -> None:
+        """Per-peer finite flags on the device, copied to pinned host memory without waiting (read later)."""
+        checked = [(peer, [t for t in tensors if t.numel()]) for peer, tensors in received]
+        checked = [(peer, tensors) for peer, tensors in checked if tensors]
+        if not checked:
+            return
+        peers = [peer for peer, _ in checked]
+        flags = torch.stack([torch.stack([torch.isfinite(t).all() for t in tensors]).all() for _, tensors in checked])
+        event = None
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            flags = host
+        self._unchecked.append((step, peers, flags, event))
 
     def _wait(self, handle: Handle) -> None:
         """Wait for ``handle``, adding the time blocked to ``wait_seconds`` (the step's exposed communication)."""
@@ -129,9 +175,13 @@ class Algorithm(abc.ABC):
     def _nonfinite_peers(self, step: int, policy: str, received: list[tuple[int, list[torch.Tensor]]]) -> set[int]:
         """The peers among ``(peer, tensors it sent)`` whose tensors hold NaN or Inf, under ``policy``.
 
-        ``"raise"``: raise :class:`NonFiniteError` for the first such peer. ``"drop"``: warn once per peer and
-        return them, for the caller to leave out.
+        ``"raise"``: raise :class:`NonFiniteError` for the first such peer -- or, with
+        ``deferred_nonfinite_check``, at the next step (see the module docstring) and return no peer now.
+        ``"drop"``: warn once per peer and return them, for the caller to leave out.
         """
+        if policy == "raise" and self.deferred_nonfinite_check:
+            self._defer_nonfinite_check(step, received)
+            return set()
         checks = [torch.isfinite(t).all() for _, tensors in received for t in tensors if t.numel()]
         if not checks or bool(torch.stack(checks).all()):
             return set()

@@ -244,6 +244,12 @@ class HierarchicalGossip(Algorithm):
                 group[self.local].copy_(own)
         self._wait(handle)
 
+    def check_deferred(self) -> None:
+        """Also the inner PowerGossip's deferred non-finite check (same step numbers)."""
+        super().check_deferred()
+        if self.inner is not None:
+            self.inner.check_deferred()
+
     # -- the Algorithm interface ----------------------------------------------------------------------------
     def start(self, step: int) -> _Pending:
         self._begin_step()

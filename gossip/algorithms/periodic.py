@@ -122,6 +122,15 @@ class PeriodicAverage(Algorithm):
                 error.args = (error.args[0] + note, *error.args[1:])
             raise
 
+    def check_deferred(self) -> None:
+        """Also the inner algorithm's deferred non-finite check, its step named as a training step."""
+        super().check_deferred()
+        if self.inner is not None and getattr(self.inner, "_unchecked", None):
+            inner_step = self.inner._unchecked[0][0]
+            # the training step whose gossip was inner step s: s plus the averaging steps before it
+            with self._naming_training_step(inner_step + inner_step // (self.every - 1)):
+                self.inner.check_deferred()
+
     # -- the Algorithm interface ----------------------------------------------------------------------------
     def start(self, step: int) -> _Averaging | _Gossip:
         self._begin_step()

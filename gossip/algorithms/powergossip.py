@@ -22,13 +22,21 @@ Both ends hold bit-identical p and q: they start from the same pair-seeded draw 
 compute R from the same two operands, and orthonormalize identical inputs with identical code.
 
 Batching (as PyTorch's PowerSGD communication hook batches its matrices): matrices of one shape and one role
-(``blocks.#.mlp.fc.weight``) -- the layers of a transformer -- are one group with stacked factors. Per group and
-edge a step runs one batched Gram-Schmidt and one subtraction; the products and the update run as one ``bmm`` /
-``baddbmm_`` per run of the group's layers lying at equal distances in one bucket, a (count, m, k) strided view
-of the bucket without a copy (one run per bucket the layers span). The uncompressed tensors of a bucket travel
-packed into one message. Precision: ``orthonormalize_dtype`` (default float64, which keeps
-Gram-Schmidt accurate at large r; float32 is cheaper on GPUs with slow float64). Either way both ends run the same
-kernel on the same input, so they agree bit for bit; the choice is part of ``config()`` and so of checkpoints.
+(``blocks.#.mlp.fc.weight``) -- the layers of a transformer -- are one group with stacked factors. The products
+and the update run as one ``bmm`` / ``baddbmm_`` per run of the group's layers lying at equal distances in one
+bucket, a (count, m, k) strided view of the bucket without a copy (one run per bucket the layers span). Factors
+of equal rows are orthonormalised together, and on CUDA also those within a factor ``pad_ratio`` (default
+``PAD_RATIO``), the smaller ones zero-padded: one batched Gram-Schmidt per class (on a GPT on a GPU, every q in one
+call), not per group. On the CPU, where the arithmetic rather than the launches dominates, padding would add work
+(rows x r^2 per factor), so the default there is 1. The difference of the two ends'
+products is one subtraction over the whole message. The uncompressed tensors of all buckets travel packed into
+one message, packed with one ``cat`` of views taken at setup and unpacked with one ``_foreach_copy_``. So the
+operations of a step -- on a GPU, kernel launches, whose fixed cost dominates at these sizes -- do not grow with
+the number of layers or of uncompressed tensors, except for the runs (keep the layers in few buckets). No value
+is read back to the host on the hot path: the non-finite check is deferred on CUDA (see gossip.algorithms.base).
+Precision: ``orthonormalize_dtype`` (default float64, which keeps Gram-Schmidt accurate at large r; float32 is
+cheaper on GPUs with slow float64). Either way both ends run the same kernel on the same input, so they agree bit
+for bit; the choice is part of ``config()`` and so of checkpoints.
 
 Factors of an idle edge are kept, so warm starts survive time-varying schedules that revisit pairs (A.8).
 Tensors with fewer than two dimensions and matrices whose compression ratio m k / (r (m + k)) is below
@@ -165,6 +173,28 @@ def group_matrices(matrices: list[_Matrix]) -> list[_Group]:
     return sorted(groups, key=lambda g: min(g.members))
 
 
+PAD_RATIO = 4  # the default pad_ratio on CUDA
+
+
+def row_classes(rows: list[int], pad_ratio: int = PAD_RATIO) -> list[tuple[int, list[int]]]:
+    """Groups whose factors (``rows[i]`` x r each) one batched Gram-Schmidt orthonormalises together:
+    ``(padded rows, group indices)`` per class.
+
+    A class starts at the largest row count not yet taken and takes every group with at least 1/``pad_ratio`` of
+    its rows; the smaller factors are zero-padded to the class's rows. Zero rows change neither a column's norm nor
+    an inner product, and stay zero, so the padded Gram-Schmidt computes the same factors (up to the rounding of
+    the longer sums) with one kernel sequence per class instead of one per group; ``pad_ratio`` bounds the work
+    spent on the zeros. Deterministic in ``rows``, so both ends of an edge build the same classes.
+    """
+    classes: list[tuple[int, list[int]]] = []
+    for index in sorted(range(len(rows)), key=lambda i: (-rows[i], i)):
+        if classes and rows[index] * pad_ratio >= classes[-1][0]:
+            classes[-1][1].append(index)
+        else:
+            classes.append((rows[index], [index]))
+    return [(top, sorted(members)) for top, members in classes]
+
+
 class EdgeState:
     """Warm factors and the parity counter of one unordered pair, identical on both of its ends.
 
@@ -233,8 +263,8 @@ class _Round:
     peers: list[tuple[int, float, EdgeState, bool]]  # peer, weight, edge, right multiplication?
     sent: list[torch.Tensor]  # per peer: the packed products
     received: list[torch.Tensor]
-    sent_exact: list[torch.Tensor]  # per bucket with uncompressed tensors: them, packed (sent to every peer)
-    received_exact: list[list[torch.Tensor]]  # per peer, per such bucket
+    sent_exact: list[torch.Tensor]  # the uncompressed tensors of all buckets, packed (sent to every peer); or []
+    received_exact: list[list[torch.Tensor]]  # per peer: its pack, or []
     handle: Handle
 
 
@@ -256,6 +286,7 @@ class PowerGossip(Algorithm):
         seed: int = 0,
         nonfinite: str = "raise",
         orthonormalize_dtype: torch.dtype = torch.float64,
+        pad_ratio: int | None = None,
     ):
         if orthonormalize_dtype not in (torch.float32, torch.float64):
             raise ValueError(
@@ -274,6 +305,9 @@ class PowerGossip(Algorithm):
         self.warm_start, self.min_compression, self.policy, self.seed = warm_start, min_compression, policy, seed
         self.nonfinite = check_nonfinite_policy("PowerGossip", nonfinite)
         self.orthonormalize_dtype = orthonormalize_dtype
+        if pad_ratio is not None and (isinstance(pad_ratio, bool) or not isinstance(pad_ratio, int) or pad_ratio < 1):
+            raise ValueError(f"PowerGossip: pad_ratio must be None or an integer >= 1, got {pad_ratio!r}")
+        self.pad_ratio = pad_ratio
         self.edges: dict[tuple[int, int], EdgeState] = {}
 
     # -- binding --------------------------------------------------------------------------------------------
@@ -318,13 +352,13 @@ class PowerGossip(Algorithm):
                 else:
                     self.exact.append((index, entry))
         self.groups = group_matrices(self.matrices)
-        # The uncompressed tensors of each bucket travel packed into one message (the entries are small: biases,
-        # norms), so a step sends 1 + (buckets with such tensors) messages per peer, not one per tensor.
-        packs: dict[int, list[Entry]] = {}
-        for index, entry in self.exact:
-            packs.setdefault(index, []).append(entry)
-        self._packs = list(packs.items())
+        # The uncompressed tensors of all buckets travel packed into one message (the entries are small: biases,
+        # norms), so a step sends 2 messages per peer (1 without such tensors), not one per tensor or bucket.
+        # Their flat views are taken once here: packing is one ``cat``, unpacking one ``_foreach_copy_``.
+        self._exact_views = [self._exact(index, entry) for index, entry in self.exact]
+        self._exact_sizes = [entry.numel for _, entry in self.exact]
         self._views: list[list[tuple[slice, torch.Tensor]]] = []  # per group: (its members' slice, (count, m, k))
+        self._run_counts: list[list[int]] = []  # per group: matrices per run, to split its stacks in one call
         for group in self.groups:
             views, start = [], 0
             for run in group.runs:
@@ -334,6 +368,15 @@ class PowerGossip(Algorithm):
                 views.append((slice(start, start + run.count), view))
                 start += run.count
             self._views.append(views)
+            self._run_counts.append([run.count for run in group.runs])
+        self._transposed = [[x.mT for _, x in views] for views in self._views]  # X^T of each run, a view
+        # Groups whose factors have similar rows are orthonormalised together, zero-padded (see row_classes):
+        # right multiplications orthonormalise q (k rows), left ones p (m rows).
+        on_cuda = any(bucket.buffer.is_cuda for bucket in buckets)
+        pad_ratio = self.pad_ratio if self.pad_ratio is not None else PAD_RATIO if on_cuda else 1
+        self._row_classes = {
+            right: row_classes([g.k if right else g.m for g in self.groups], pad_ratio) for right in (False, True)
+        }
 
     def describe(self) -> dict[str, list[str]]:
         """Which parameters are compressed and which travel exactly."""
@@ -358,10 +401,29 @@ class PowerGossip(Algorithm):
     def _exact(self, index: int, entry: Entry) -> torch.Tensor:
         return self.buckets[index].buffer[entry.offset : entry.offset + entry.numel]
 
-    def _pack(self, index: int, entries: list[Entry]) -> torch.Tensor:
-        return torch.cat([self._exact(index, entry) for entry in entries])
+    def _runs(self, g: int, stack: torch.Tensor) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+        """``stack`` (group g's matrices along dim 0) cut into its runs: views, one call for all runs."""
+        return [stack] if len(self._run_counts[g]) == 1 else stack.split(self._run_counts[g])
 
     # -- one power iteration --------------------------------------------------------------------------------
+    def _orthonormalize_class(self, factors: list[torch.Tensor], rows: int, members: list[int]) -> None:
+        """Orthonormalise ``factors[g]`` for the groups ``members`` in one batched Gram-Schmidt, the smaller
+        ones zero-padded to ``rows``; each ``factors[g]`` becomes a view of the result."""
+        if len(members) == 1:
+            factors[members[0]] = orthonormalize(factors[members[0]], dtype=self.orthonormalize_dtype)
+            return
+        stacks = [factors[g] for g in members]
+        counts = [len(stack) for stack in stacks]
+        if all(stack.shape[-2] == rows for stack in stacks):
+            together = torch.cat(stacks)
+        else:
+            together = stacks[0].new_zeros(sum(counts), rows, self.rank)
+            for stack, part in zip(stacks, together.split(counts), strict=True):
+                part[:, : stack.shape[-2]].copy_(stack)
+        together = orthonormalize(together, dtype=self.orthonormalize_dtype)
+        for g, stack, part in zip(members, stacks, together.split(counts), strict=True):
+            factors[g] = part[:, : stack.shape[-2]]
+
     def _sizes(self, right: bool) -> list[int]:
         """Elements of each group's products in a message: count x (m or k) x r."""
         return [len(g.members) * (g.m if right else g.k) * self.rank for g in self.groups]
@@ -369,24 +431,26 @@ class PowerGossip(Algorithm):
     def _post(self, step: int, iteration: int) -> _Round:
         view = self.schedule.peers(self.comm.rank, step)
         peers, sent, received, received_exact, sends, recvs = [], [], [], [], [], []
-        exact_out = [] if not view.in_peers else [self._pack(index, entries) for index, entries in self._packs]
+        exact_out = [torch.cat(self._exact_views)] if view.in_peers and self._exact_views else []
         for peer, weight in view.in_peers:
             edge = self.edge(peer)
             right = edge.iteration % 2 == 1
             sizes = self._sizes(right)
             message = torch.empty(sum(sizes), dtype=self._dtype, device=self._device)
             factors = edge.q_stacks if right else edge.p_stacks
-            offset = 0
-            for g, (group, views, size) in enumerate(zip(self.groups, self._views, sizes, strict=True)):
-                if not self.warm_start:
+            if not self.warm_start:
+                for g, group in enumerate(self.groups):
                     rows = group.k if right else group.m
                     draws = [edge.draw(rows, self.rank, self._device, self._dtype) for _ in group.members]
                     factors[g] = torch.stack(draws)
-                factors[g] = orthonormalize(factors[g], dtype=self.orthonormalize_dtype)
-                out = message[offset : offset + size].view(len(group.members), -1, self.rank)
-                for members, x in views:
-                    torch.bmm(x if right else x.mT, factors[g][members], out=out[members])
-                offset += size
+            for rows, members in self._row_classes[right]:
+                self._orthonormalize_class(factors, rows, members)
+            parts = message.split(sizes)
+            for g, group in enumerate(self.groups):
+                out = parts[g].view(len(group.members), -1, self.rank)
+                operands = [x for _, x in self._views[g]] if right else self._transposed[g]
+                for x, factor, product in zip(operands, self._runs(g, factors[g]), self._runs(g, out), strict=True):
+                    torch.bmm(x, factor, out=product)
             exact_in = [torch.empty_like(t) for t in exact_out]
             sends += [(peer, message)] + [(peer, t) for t in exact_out]
             recvs += [(peer, incoming := torch.empty_like(message))] + [(peer, t) for t in exact_in]
@@ -417,13 +481,11 @@ class PowerGossip(Algorithm):
             if p not in dropped
         ]
         keep = 1.0 - gamma * sum(weight for weight, _ in kept)
-        packs = self._packs if round_.sent_exact else []  # nothing was packed on a step without peers
-        for slot, ((index, entries), own) in enumerate(zip(packs, round_.sent_exact, strict=True)):
+        for slot, own in enumerate(round_.sent_exact):  # nothing was packed on a step without peers
             own.mul_(keep)  # the sent copy of the start-of-iteration values; the send is complete
             for weight, incoming in kept:
                 own.add_(incoming[slot], alpha=gamma * weight)
-            targets = [self._exact(index, entry) for entry in entries]
-            torch._foreach_copy_(targets, list(own.split([entry.numel for entry in entries])))
+            torch._foreach_copy_(self._exact_views, list(own.split(self._exact_sizes)))
         # Matrices: equal and opposite low-rank corrections on the two ends of every edge, one batch per group.
         for (peer, weight, edge, right), own, theirs in zip(round_.peers, round_.sent, round_.received, strict=True):
             if peer in dropped:
@@ -431,11 +493,10 @@ class PowerGossip(Algorithm):
                 continue
             lo = me < peer
             alpha = (1.0 if lo else -1.0) * gamma * weight
-            offset = 0
-            for g, (group, views, size) in enumerate(zip(self.groups, self._views, self._sizes(right), strict=True)):
-                shape = (len(group.members), -1, self.rank)
-                a_own, a_peer = own[offset : offset + size].view(shape), theirs[offset : offset + size].view(shape)
-                difference = a_peer - a_own if lo else a_own - a_peer  # a_hi - a_lo on both ends
+            # a_hi - a_lo on both ends, for all groups at once (elementwise: equal to the per-group differences)
+            differences = (theirs - own if lo else own - theirs).split(self._sizes(right))
+            for g, group in enumerate(self.groups):
+                difference = differences[g].view(len(group.members), -1, self.rank)
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
                 if right:
                     p, q = difference, edge.q_stacks[g]
@@ -443,9 +504,9 @@ class PowerGossip(Algorithm):
                 else:
                     p, q = edge.p_stacks[g], difference
                     edge.q_stacks[g] = keep_direction(difference, edge.q_stacks[g])
-                for members, x in views:
-                    x.baddbmm_(p[members], q[members].mT, alpha=alpha)
-                offset += size
+                runs = zip(self._views[g], self._runs(g, p), self._runs(g, q.mT), strict=True)
+                for (_, x), p_run, q_run_t in runs:
+                    x.baddbmm_(p_run, q_run_t, alpha=alpha)
             edge.iteration += 1
 
     # -- the Algorithm interface ----------------------------------------------------------------------------
