@@ -156,15 +156,19 @@ def test_inner_that_is_not_an_algorithm_is_refused():
         gossip.PeriodicAverage(4, every=4)
 
 
+def construction_error(comm: gossip.Communicator, algorithm: gossip.Algorithm) -> str:
+    """The ReplicaMismatchError message of wrapping a small model with ``algorithm`` ("no error" if none)."""
+    try:
+        DecentralizedDataParallel(nn.Linear(6, 4), comm, topologies.one_peer_hypercube(comm.size), algorithm)
+    except ReplicaMismatchError as error:
+        return str(error)
+    return "no error"
+
+
 def test_a_different_every_on_one_rank_is_refused_naming_the_rank():
     def build(comm) -> str:
         inner = gossip.PowerGossip(rank=1)
-        algorithm = gossip.PeriodicAverage(inner, every=8 if comm.rank == 2 else 16)
-        try:
-            DecentralizedDataParallel(nn.Linear(6, 4), comm, topologies.one_peer_hypercube(comm.size), algorithm)
-        except ReplicaMismatchError as error:
-            return str(error)
-        return "no error"
+        return construction_error(comm, gossip.PeriodicAverage(inner, every=8 if comm.rank == 2 else 16))
 
     messages = gossip.simulate(4, build)
     assert all(m.startswith("rank 2 uses algorithm {'name': 'periodic-average', 'every': 8") for m in messages)
@@ -173,12 +177,9 @@ def test_a_different_every_on_one_rank_is_refused_naming_the_rank():
 
 def test_a_different_inner_setting_on_one_rank_is_refused_naming_the_rank():
     def build(comm) -> str:
-        algorithm = gossip.PeriodicAverage(gossip.PowerGossip(rank=2 if comm.rank == 1 else 1), every=4)
-        try:
-            DecentralizedDataParallel(nn.Linear(6, 4), comm, topologies.one_peer_hypercube(comm.size), algorithm)
-        except ReplicaMismatchError as error:
-            return str(error)
-        return "no error"
+        return construction_error(
+            comm, gossip.PeriodicAverage(gossip.PowerGossip(rank=2 if comm.rank == 1 else 1), every=4)
+        )
 
     messages = gossip.simulate(4, build)
     assert all(m.startswith("rank 1 uses algorithm") and "'rank': 2" in m for m in messages)

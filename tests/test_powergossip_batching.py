@@ -122,8 +122,8 @@ def test_an_orthonormalize_dtype_other_than_float32_or_float64_is_refused():
         PowerGossip(orthonormalize_dtype=torch.float16)
 
 
-def count_messages(comm: gossip.Communicator) -> list[int]:
-    algorithm = bound(comm)
+def messages_of_first_step(comm: gossip.Communicator, algorithm: PowerGossip) -> int:
+    """How many tensors ``algorithm``'s first step sends to its peer (the communicator's exchange, counted)."""
     counts: list[int] = []
     exchange = comm.exchange
 
@@ -133,7 +133,13 @@ def count_messages(comm: gossip.Communicator) -> list[int]:
 
     comm.exchange = counting
     algorithm.step(0)
-    return [counts[0], len({index for index, _ in algorithm.exact}), len(algorithm.exact)]
+    return counts[0]
+
+
+def count_messages(comm: gossip.Communicator) -> list[int]:
+    algorithm = bound(comm)
+    messages = messages_of_first_step(comm, algorithm)
+    return [messages, len({index for index, _ in algorithm.exact}), len(algorithm.exact)]
 
 
 def test_uncompressed_tensors_travel_as_one_message_per_bucket():
@@ -168,16 +174,7 @@ def test_grouped_state_dict_resumes_bit_identically():
 def messages_and_buckets(comm: gossip.Communicator) -> list[int]:
     algorithm = PowerGossip(rank=2, min_compression=1)
     algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), gpt_buckets(comm.rank, 4096))
-    counts: list[int] = []
-    exchange = comm.exchange
-
-    def counting(sends, recvs, *, seq):
-        counts.append(len(sends))
-        return exchange(sends, recvs, seq=seq)
-
-    comm.exchange = counting
-    algorithm.step(0)
-    return [counts[0], len({index for index, _ in algorithm.exact})]
+    return [messages_of_first_step(comm, algorithm), len({index for index, _ in algorithm.exact})]
 
 
 def test_uncompressed_tensors_of_all_buckets_travel_as_one_message():

@@ -69,7 +69,7 @@ class Traffic:
 NONFINITE_POLICIES = ("raise", "drop")
 _SCALARS = (bool, int, float, str, type(None))
 #: Attributes of every bound algorithm that are not settings: the binding and the per-step accounting.
-_NOT_CONFIG = frozenset({"comm", "schedule", "buckets", "traffic", "wait_seconds"})
+_NOT_CONFIG = frozenset({"comm", "schedule", "buckets", "traffic", "wait_seconds", "deferred_nonfinite_check"})
 
 
 def check_nonfinite_policy(owner: str, policy: str) -> str:
@@ -217,8 +217,9 @@ class Algorithm(abc.ABC):
         """The hyper-parameters every rank must share (compared at construction and stored in checkpoints).
 
         Default: the public scalar attributes (``gamma``, ``every``, ...), without the binding (``comm``,
-        ``schedule``, ``buckets``) and the per-step accounting (``traffic``, ``wait_seconds``), so it is the
-        same before and after :meth:`setup`. Override it when a setting is not a public scalar.
+        ``schedule``, ``buckets``, and ``deferred_nonfinite_check``, which follows the parameters' device) and the
+        per-step accounting (``traffic``, ``wait_seconds``), so it is the same before and after :meth:`setup`.
+        Override it when a setting is not a public scalar.
         """
         return {
             key: value
