@@ -84,6 +84,10 @@ class Run:
             args += ["--schedule", self.schedule]
         if self.rank:
             args += ["--rank", str(self.rank)]
+        # the optimizer and power iterations of the table in experiments/README.md, whatever gossip-train's defaults
+        args += ["--optimizer", "accum-adamw"]
+        if self.algorithm == "powergossip":
+            args += ["--power-iterations", "1"]
         return args
 
 

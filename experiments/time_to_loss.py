@@ -81,6 +81,16 @@ def _decent_dp(topology: str) -> Callable[[int, int, str], list[str]]:
     return argv
 
 
+# Every method names its algorithm and optimizer, so that a change of gossip-train's defaults leaves it as labelled.
+EXACT = ("--algorithm", "exact", "--schedule", "one_peer_hypercube")
+
+
+def powergossip(rank: int) -> tuple[str, ...]:
+    """PowerGossip at ``rank``, one power iteration per step, on the one-peer hypercube."""
+    return ("--algorithm", "powergossip", "--rank", str(rank), "--power-iterations", "1", "--schedule",
+            "one_peer_hypercube")  # fmt: skip
+
+
 PG1_IT4_OPTIONS = ("--algorithm", "powergossip", "--rank", "1", "--power-iterations", "4", "--schedule",
                    "one_peer_hypercube", "--optimizer", "adamw")  # fmt: skip
 
@@ -91,46 +101,52 @@ def _pga(name: str, *, rank: int, iterations: int, every: int, adamw: bool) -> M
     options = ["--algorithm", "powergossip", "--rank", str(rank), "--power-iterations", str(iterations)]
     options += ["--schedule", "one_peer_hypercube", "--average-every", str(every)]
     if adamw:
-        label, options = f"{label}, AdamW", [*options, "--optimizer", "adamw"]
-    return Method(name, label, _gossip_train(*options))
+        label = f"{label}, AdamW"
+    return Method(name, label, _gossip_train(*options, "--optimizer", "adamw" if adamw else "accum-adamw"))
 
 
 METHODS = {
     m.name: m
     for m in (
         Method("ddp", "DDP all-reduce (AdamW)", _gossip_train("--algorithm", "ddp", "--optimizer", "adamw")),
-        Method("ddp-accum", "DDP all-reduce (AccumAdamW)", _gossip_train("--algorithm", "ddp")),
-        Method("exact", "exact gossip, one-peer hypercube", _gossip_train("--schedule", "one_peer_hypercube")),
+        Method(
+            "ddp-accum",
+            "DDP all-reduce (AccumAdamW)",
+            _gossip_train("--algorithm", "ddp", "--optimizer", "accum-adamw"),
+        ),
+        Method("exact", "exact gossip, one-peer hypercube", _gossip_train(*EXACT, "--optimizer", "accum-adamw")),
         Method(
             "exact-adamw",
             "exact gossip, one-peer hypercube, AdamW",
-            _gossip_train("--schedule", "one_peer_hypercube", "--optimizer", "adamw"),
+            _gossip_train(*EXACT, "--optimizer", "adamw"),
         ),
         Method(
             "exact-accum4",
             "exact gossip, one-peer hypercube, accum_iter 4",
-            _gossip_train("--schedule", "one_peer_hypercube", "--accum-iter", "4"),
+            _gossip_train(*EXACT, "--optimizer", "accum-adamw", "--accum-iter", "4"),
         ),
         Method(
             "exact-lr1e-3",
             "exact gossip, one-peer hypercube, lr 1e-3",
-            _gossip_train("--schedule", "one_peer_hypercube", "--lr", "1e-3"),
+            _gossip_train(*EXACT, "--optimizer", "accum-adamw", "--lr", "1e-3"),
         ),
-        Method("exact-ring", "exact gossip, ring", _gossip_train("--schedule", "ring")),
+        Method(
+            "exact-ring",
+            "exact gossip, ring",
+            _gossip_train("--algorithm", "exact", "--schedule", "ring", "--optimizer", "accum-adamw"),
+        ),
         *(
             Method(
                 f"pg{r}",
                 f"PowerGossip r={r}, one-peer hypercube",
-                _gossip_train("--algorithm", "powergossip", "--rank", str(r), "--schedule", "one_peer_hypercube"),
+                _gossip_train(*powergossip(r), "--optimizer", "accum-adamw"),
             )
             for r in (1, 2, 4)
         ),
         Method(
             "pg4-adamw",
             "PowerGossip r=4, one-peer hypercube, AdamW",
-            _gossip_train(
-                "--algorithm", "powergossip", "--rank", "4", "--schedule", "one_peer_hypercube", "--optimizer", "adamw"
-            ),
+            _gossip_train(*powergossip(4), "--optimizer", "adamw"),
         ),
         Method(
             "pg1-it4-adamw",
@@ -145,7 +161,7 @@ METHODS = {
         Method(
             "exact-pga16-adamw",
             "exact gossip, one-peer hypercube, exact average every 16 steps, AdamW",
-            _gossip_train("--schedule", "one_peer_hypercube", "--average-every", "16", "--optimizer", "adamw"),
+            _gossip_train(*EXACT, "--average-every", "16", "--optimizer", "adamw"),
         ),
         Method("decentdp", "decent-dp 0.2.3, one-peer-exp", _decent_dp("one-peer-exp")),
         Method("decentdp-aer", "decent-dp 0.2.3, alternating-exp-ring", _decent_dp("alternating-exp-ring")),

@@ -44,7 +44,7 @@ def test_average_every_wraps_the_algorithm_with_its_settings():
 
 
 def test_exact_gossip_with_periodic_averaging():
-    config, _ = resolve(TrainConfig(average_every=4), 8)
+    config, _ = resolve(TrainConfig(algorithm="exact", average_every=4), 8)
     algorithm = make_algorithm(config)
     assert isinstance(algorithm, gossip.PeriodicAverage) and isinstance(algorithm.inner, gossip.ExactGossip)
 
@@ -56,7 +56,11 @@ def test_exact_gossip_with_periodic_averaging():
         (["--average-every", "x"], "--average-every", "expected an int, got 'x'"),
         (["--algorithm", "ddp", "--average-every", "4"], "--average-every", "ddp averages every step already"),
         (["--algorithm", "allreduce", "--average-every", "4"], "--average-every", "allreduce averages every step"),
-        (["--power-iterations", "2"], "--power-iterations", "applies to --algorithm powergossip only, not exact"),
+        (
+            ["--algorithm", "exact", "--power-iterations", "2"],
+            "--power-iterations",
+            "applies to --algorithm powergossip only, not exact",
+        ),
         (["--algorithm", "powergossip", "--power-iterations", "0"], "--power-iterations", "must be positive"),
     ],
 )
