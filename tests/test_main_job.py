@@ -185,3 +185,53 @@ def test_sigterm_to_the_launcher_stops_and_reaps_every_worker(tmp_path):
     assert launcher.returncode == 128 + signal.SIGTERM, stderr
     assert "gossip-train: SIGTERM received; workers stopped" in stderr
     assert not [pid for pid in workers if _alive(pid)]
+
+
+def _rank_of(pid: int) -> int | None:
+    """The RANK the launcher gave worker ``pid`` (from its environment), or None once it is gone."""
+    try:
+        environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [entry.split(b"=", 1)[1] for entry in environment if entry.startswith(b"RANK=")]
+    return int(ranks[0]) if ranks else None
+
+
+@pytest.mark.multiprocess
+def test_a_sigkilled_worker_is_the_one_the_launcher_names(tmp_path):
+    """Its peers fail too (they lose it, then the launcher stops them): the report must name the killed rank."""
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "gossip", "--nproc", "4", "--steps", "100000", "--batch-size", "2"]
+    launcher = subprocess.Popen(
+        [*command, "--out", str(out)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics_rank2.jsonl").exists() and (out / "metrics_rank2.jsonl").stat().st_size > 0):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
+            time.sleep(0.2)
+        victim = [pid for pid in _children(launcher.pid) if _rank_of(pid) == 2]
+        assert len(victim) == 1, victim
+        os.kill(victim[0], signal.SIGKILL)
+        stderr = launcher.communicate(timeout=60)[1]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1, stderr
+    assert "gossip-train: worker rank 2 of 4 was killed by SIGKILL" in stderr, stderr
+
+
+def test_the_launcher_blames_a_failed_worker_over_those_that_lost_it(tmp_path):
+    from gossip.app.cli import _describe, _root_cause
+
+    for rank in (0, 1, 3):
+        (tmp_path / f"rank{rank}.txt").write_text(f"PeerFailedError: step 7: rank {rank}: peer 2 failed")
+    assert _root_cause({0: 1, 1: 1, 2: -signal.SIGKILL, 3: 1}, tmp_path) == (2, "(see its output above)")
+    assert _describe(-signal.SIGKILL) == "was killed by SIGKILL"
+    (tmp_path / "rank2.txt").write_text("ValueError: bad batch")
+    assert _root_cause({0: 1, 2: 1}, tmp_path) == (2, "ValueError: bad batch")
