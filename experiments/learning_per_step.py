@@ -70,6 +70,7 @@ RECORD_EVERY = 10
 SPECTRUM_STEPS = (10, 100, 300, 1000)
 SPECTRUM_RANKS = (1, 4, 16)
 EVAL_BATCHES = 8
+FINAL_TAIL_STEPS = 50  # final_train_loss: the mean over ranks and over the last this many steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,7 +377,7 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
 
     results = gossip.simulate(config.workers, worker, timeout=1800.0)
     rows = results[0]["steps"]
-    tail = [r["train_loss"] for r in rows if r["step"] > config.steps - 50]
+    tail = [r["train_loss"] for r in rows if r["step"] > config.steps - FINAL_TAIL_STEPS]
     summary = {
         "config": config.name,
         "seed": seed,

@@ -28,8 +28,6 @@ from pathlib import Path
 
 from experiments.learning_per_step import RESULTS
 
-FINAL_TAIL_STEPS = 50
-
 
 def read_rows(path: Path) -> list[dict]:
     """Rows of a CSV, numbers as float where they parse, empty file -> []."""
