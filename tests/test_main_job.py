@@ -3,6 +3,7 @@ directory, and its handling of bad options and failed workers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -158,10 +160,12 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.multiprocess
-def test_sigterm_to_the_launcher_stops_and_reaps_every_worker(tmp_path):
+@contextlib.contextmanager
+def _training(tmp_path: Path, nproc: int, until_rank: int) -> Iterator[subprocess.Popen]:
+    """``gossip-train --nproc nproc`` (a long run) once rank ``until_rank`` has logged a step; killed at exit if
+    still running."""
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "gossip", "--nproc", "2", "--steps", "100000", "--batch-size", "2"]
+    command = [sys.executable, "-m", "gossip", "--nproc", str(nproc), "--steps", "100000", "--batch-size", "2"]
     launcher = subprocess.Popen(
         [*command, "--out", str(out)],
         cwd=tmp_path,
@@ -170,18 +174,25 @@ def test_sigterm_to_the_launcher_stops_and_reaps_every_worker(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
+    metrics = out / f"metrics_rank{until_rank}.jsonl"
     try:
         deadline = time.monotonic() + 120
-        while not ((out / "metrics_rank1.jsonl").exists() and (out / "metrics_rank1.jsonl").stat().st_size > 0):
+        while not (metrics.exists() and metrics.stat().st_size > 0):
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
             time.sleep(0.2)
+        yield launcher
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_the_launcher_stops_and_reaps_every_worker(tmp_path):
+    with _training(tmp_path, nproc=2, until_rank=1) as launcher:
         workers = _children(launcher.pid)
         assert len(workers) == 2, workers
         launcher.send_signal(signal.SIGTERM)
         stderr = launcher.communicate(timeout=60)[1]
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
     assert launcher.returncode == 128 + signal.SIGTERM, stderr
     assert "gossip-train: SIGTERM received; workers stopped" in stderr
     assert not [pid for pid in workers if _alive(pid)]
@@ -200,28 +211,11 @@ def _rank_of(pid: int) -> int | None:
 @pytest.mark.multiprocess
 def test_a_sigkilled_worker_is_the_one_the_launcher_names(tmp_path):
     """Its peers fail too (they lose it, then the launcher stops them): the report must name the killed rank."""
-    out = tmp_path / "run"
-    command = [sys.executable, "-m", "gossip", "--nproc", "4", "--steps", "100000", "--batch-size", "2"]
-    launcher = subprocess.Popen(
-        [*command, "--out", str(out)],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not ((out / "metrics_rank2.jsonl").exists() and (out / "metrics_rank2.jsonl").stat().st_size > 0):
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
-            time.sleep(0.2)
+    with _training(tmp_path, nproc=4, until_rank=2) as launcher:
         victim = [pid for pid in _children(launcher.pid) if _rank_of(pid) == 2]
         assert len(victim) == 1, victim
         os.kill(victim[0], signal.SIGKILL)
         stderr = launcher.communicate(timeout=60)[1]
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
     assert launcher.returncode == 1, stderr
     assert "gossip-train: worker rank 2 of 4 was killed by SIGKILL" in stderr, stderr
 
