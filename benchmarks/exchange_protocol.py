@@ -20,13 +20,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
@@ -35,6 +33,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from baseline_revision import module_at_revision  # noqa: E402
 
 import gossip  # noqa: E402
 import topologies  # noqa: E402
@@ -51,18 +51,7 @@ SHAPES = {
 
 def old_exchange(comm: gossip.Communicator, revision: str) -> types.MethodType:
     """The baseline revision's ``TorchDistCommunicator._start_exchange``, bound to ``comm``."""
-    source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{revision}:gossip/backends/torch_dist.py"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / "torch_dist_baseline.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("torch_dist_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = module_at_revision("gossip/backends/torch_dist.py", revision, "torch_dist_baseline")
     return types.MethodType(module.TorchDistCommunicator._start_exchange, comm)
 
 

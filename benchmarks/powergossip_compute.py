@@ -25,11 +25,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -41,6 +38,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from baseline_revision import module_at_revision  # noqa: E402
 
 import topologies  # noqa: E402
 from gossip.app.gpt import GPT, GPTConfig  # noqa: E402
@@ -96,20 +95,7 @@ class LoopbackCommunicator(Communicator):
 
 def load_baseline(revision: str, path: str | None = None) -> type:
     """``PowerGossip`` as defined in ``gossip/algorithms/powergossip.py`` at git ``revision`` (or in file ``path``)."""
-    if path is None:
-        source = subprocess.run(
-            ["git", "-C", str(REPO), "show", f"{revision}:gossip/algorithms/powergossip.py"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout
-        path = str(Path(tempfile.mkdtemp()) / "powergossip_baseline.py")
-        Path(path).write_text(source)
-    spec = importlib.util.spec_from_file_location("powergossip_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module.PowerGossip
+    return module_at_revision("gossip/algorithms/powergossip.py", revision, "powergossip_baseline", path).PowerGossip
 
 
 def synchronize(device: torch.device) -> None:
