@@ -143,17 +143,16 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"needs torchrun's environment; missing {missing} (launch with torchrun or experiments.netem)")
 
 
-def run(args: argparse.Namespace) -> dict | None:
-    """Train one worker; return rank 0's result dict (None elsewhere)."""
-    ddp_class, accum_adamw = _import_decent_dp()
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+def train_config(args: argparse.Namespace, world_size: int) -> TrainConfig:
+    """The run's settings as ``gossip-train`` would resolve them, recorded in ``config.json``: the optimizer is
+    decent-dp's AccumAdamW whatever ``gossip-train``'s default is (``algorithm``/``schedule`` are placeholders that
+    ``resolve`` accepts; ``config.json`` replaces them with decent-dp and its topology)."""
     config = TrainConfig(
         steps=args.steps,
         batch_size=args.batch_size,
         lr=args.lr,
         weight_decay=args.weight_decay,
+        optimizer="accum-adamw",
         accum_iter=args.accum_iter,
         seed=args.seed,
         eval_every=args.eval_every,
@@ -161,7 +160,16 @@ def run(args: argparse.Namespace) -> dict | None:
         algorithm="exact",
         schedule="ring",
     )
-    config, _ = resolve(config, world_size)
+    return resolve(config, world_size)[0]
+
+
+def run(args: argparse.Namespace) -> dict | None:
+    """Train one worker; return rank 0's result dict (None elsewhere)."""
+    ddp_class, accum_adamw = _import_decent_dp()
+    dist.init_process_group("gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    config = train_config(args, world_size)
     out = Path(args.out)
     if rank == 0:
         if (out / "config.json").exists():
