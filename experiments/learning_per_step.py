@@ -412,7 +412,7 @@ def suite(name: str) -> list[RunConfig]:
         raise ValueError(f"unknown suite {name!r}; choose smoke or study")
     d: dict[str, Any] = {}
     short = {"steps": 300}
-    main_job = {"workers": 4, "batch": 16, "steps": 300}  # gossip-train's defaults, n = 4
+    main_job = {"workers": 4, "batch": 16, "steps": 300}  # gossip-train's n = 4 and batch 16; 300 of its 500 steps
     return [
         c("ddp", algorithm="ddp", **d),
         c("pg1", spectrum=True, **d),
