@@ -197,6 +197,25 @@ def test_the_inner_algorithm_still_refuses_a_schedule_it_cannot_run():
     assert all("symmetric" in m for m in gossip.simulate(4, build))
 
 
+def test_the_schedule_is_validated_once_for_the_wrapper_and_its_inner_algorithm(monkeypatch):
+    schedule = topologies.ring(2)  # built (and validated) before the count starts
+    calls: list[bool] = []
+    validate = topologies.Schedule.validate
+
+    def counted(self, **kwargs) -> None:
+        calls.append(kwargs.get("symmetric", False))
+        validate(self, **kwargs)
+
+    monkeypatch.setattr(topologies.Schedule, "validate", counted)
+
+    def bind(comm) -> None:
+        algorithm = gossip.PeriodicAverage(gossip.PowerGossip(rank=1), every=4)
+        algorithm.setup(comm, schedule, local_model(comm.rank))
+
+    gossip.simulate(2, bind)
+    assert calls == [True, True]  # one per rank, with PowerGossip's need for a symmetric schedule
+
+
 def test_resume_mid_period_through_a_checkpoint_is_bit_identical(tmp_path):
     """6 steps vs 3 + save + load + 3 under DecentralizedDataParallel; averaging steps 1, 3, 5, saved after 2."""
 

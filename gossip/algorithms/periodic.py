@@ -100,9 +100,10 @@ class PeriodicAverage(Algorithm):
         return getattr(self.inner, "nonfinite", "raise")
 
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
-        """Bind this wrapper and the inner algorithm to ``comm``, ``schedule`` and ``buckets``."""
+        """Bind this wrapper and the inner algorithm to ``comm``, ``schedule`` and ``buckets`` (the schedule is
+        validated once, here, for both: the inner algorithm's symmetry need is this wrapper's)."""
         super().setup(comm, schedule, buckets)
-        self.inner.setup(comm, schedule, buckets)
+        self.setup_part(self.inner, schedule, buckets)
 
     def averages(self, step: int) -> bool:
         """Whether ``step`` is an averaging step: (step + 1) % every == 0."""
