@@ -9,7 +9,8 @@ import pytest
 
 import gossip
 from gossip.app.cli import build_parser, config_from, main
-from gossip.app.train import DEFAULTS, TrainConfig, describe_mixing, make_algorithm, resolve
+from gossip.app.run_dir import describe_mixing
+from gossip.app.train import DEFAULTS, TrainConfig, make_algorithm, resolve
 
 
 def test_average_every_and_power_iterations_reach_the_config_and_its_json():
@@ -40,7 +41,9 @@ def test_average_every_wraps_the_algorithm_with_its_settings():
     assert isinstance(algorithm, gossip.PeriodicAverage) and algorithm.every == 16
     assert isinstance(algorithm.inner, gossip.PowerGossip)
     assert (algorithm.inner.rank, algorithm.inner.num_iterations) == (4, 2)
-    assert describe_mixing(config) == "powergossip on one_peer_hypercube, exact average every 16 steps"
+    assert describe_mixing(config) == (
+        "powergossip on one_peer_hypercube (rank 4, 2 power iterations), exact average every 16 steps"
+    )
 
 
 def test_exact_gossip_with_periodic_averaging():

@@ -69,7 +69,8 @@ def test_plot_title_names_the_configuration():
         TrainConfig(algorithm="powergossip", rank=2, optimizer="accum-adamw", steps=300, seed=7), world_size=4
     )
     assert plot_title(config) == (
-        "powergossip on one_peer_hypercube (rank 2), 4 workers, accum-adamw lr 0.003, 300 steps x 16, iid, seed 7"
+        "powergossip on one_peer_hypercube (rank 2, 4 power iterations), 4 workers, accum-adamw lr 0.003, "
+        "300 steps x 16, iid, seed 7"
     )
 
 

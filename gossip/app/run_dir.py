@@ -136,13 +136,24 @@ def _smoothed(values: list[float], window: int = FINAL_WINDOW) -> list[float]:
     return out
 
 
+def describe_mixing(config: Any) -> str:
+    """How the run mixes, e.g. "powergossip on one_peer_hypercube (rank 1, 4 power iterations), exact average
+    every 16 steps": every setting that tells two runs' mixing apart."""
+    if config.algorithm == "ddp":
+        return "torch DDP (gradient all-reduce)"
+    mixing = f"{config.algorithm} on {config.schedule}"
+    if config.algorithm == "powergossip":
+        iterations = config.power_iterations or 1
+        mixing += f" (rank {config.rank}{f', {iterations} power iterations' if iterations > 1 else ''})"
+    if config.average_every:
+        mixing += f", exact average every {config.average_every} steps"
+    return mixing
+
+
 def plot_title(config: Any) -> str:
     """The run's configuration in one line, the title of every plot (two runs' plots side by side stay apart)."""
-    mixing = "torch DDP" if config.algorithm == "ddp" else f"{config.algorithm} on {config.schedule}"
-    if config.algorithm == "powergossip":
-        mixing += f" (rank {config.rank})"
     return (
-        f"{mixing}, {config.world_size} workers, {config.optimizer} lr {config.lr:g}, "
+        f"{describe_mixing(config)}, {config.world_size} workers, {config.optimizer} lr {config.lr:g}, "
         f"{config.steps} steps x {config.batch_size}, {config.split}, seed {config.seed}"
     )
 

@@ -37,7 +37,7 @@ import topologies
 from gossip.app.corpus import ShardedBatches, decode, encode, load_corpus, validation_batches
 from gossip.app.ddp_baseline import DDPBaseline
 from gossip.app.gpt import GPT, GPTConfig
-from gossip.app.run_dir import RunSummary, prepare_run_dir, write_outputs
+from gossip.app.run_dir import RunSummary, describe_mixing, prepare_run_dir, write_outputs
 from gossip.backends.base import Communicator
 from gossip.parallel import DecentralizedDataParallel
 
@@ -232,16 +232,6 @@ def make_algorithm(config: TrainConfig) -> gossip.Algorithm:
     if config.average_every:
         return gossip.PeriodicAverage(algorithm, every=config.average_every)
     return algorithm
-
-
-def describe_mixing(config: TrainConfig) -> str:
-    """One line for the start of the run, e.g. "powergossip on one_peer_hypercube, exact average every 16 steps"."""
-    if config.algorithm == DDP:
-        return "torch DDP (gradient all-reduce)"
-    mixing = f"{config.algorithm} on {config.schedule}"
-    if config.average_every:
-        mixing += f", exact average every {config.average_every} steps"
-    return mixing
 
 
 def make_model(config: TrainConfig, comm: Communicator, run_dir: Path) -> Replicated:
