@@ -21,5 +21,6 @@ def test_a_send_to_a_killed_peer_names_it(tmp_path):
         procs.append(subprocess.Popen(argv, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outputs = [proc.communicate(timeout=120)[0].decode() for proc in procs]
     assert procs[1].returncode == -9, outputs[1]
+    assert (tmp_path / "error.txt").exists(), f"rank 0 exited with {procs[0].returncode}:\n{outputs[0]}"
     error = (tmp_path / "error.txt").read_text()
     assert error.startswith("PeerFailedError: rank 0: exchange 1 with peer(s) [1]: peer 1 failed or closed"), error

@@ -16,6 +16,14 @@ import torch
 import gossip
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, or a process already reaped, does not)."""
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -24,13 +32,15 @@ def main() -> None:
     received = torch.empty(4)
     comm.exchange([(peer, torch.ones(4))], [(peer, received)], seq=0).wait()
     if comm.rank == 1:
-        (out_dir / "rank1.pid").write_text(str(os.getpid()))
+        written = out_dir / "rank1.pid.partial"
+        written.write_text(str(os.getpid()))
+        written.replace(out_dir / "rank1.pid")  # atomic: rank 0 never reads a half-written file
         os.kill(os.getpid(), signal.SIGKILL)
     deadline = time.monotonic() + 30.0
     while not (out_dir / "rank1.pid").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     pid = int((out_dir / "rank1.pid").read_text())
-    while Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text():
+    while running(pid):
         time.sleep(0.05)
     time.sleep(0.5)  # let Gloo notice the closed connection
     try:
