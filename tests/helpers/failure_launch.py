@@ -75,5 +75,8 @@ def pids(out_dir: Path) -> list[int]:
 
 
 def alive(pid: int) -> bool:
-    status = Path(f"/proc/{pid}/status")
-    return status.exists() and "zombie" not in status.read_text()
+    """Whether process ``pid`` still runs (a zombie, or a process already reaped, does not)."""
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
