@@ -17,12 +17,14 @@ import topologies
 
 N = 2
 STEPS = 3
+INIT = threading.Lock()  # the virtual ranks are threads, and torch's global generator is one for all of them
 
 
 def train(compile_with=None):
     def run(comm: gossip.Communicator) -> list[torch.Tensor]:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+        with INIT:  # seed and draw in one go, or the two ranks' draws interleave and rank 0's start differs by run
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
         if compile_with is not None:
             net = torch.compile(net, backend=compile_with)
         model = gossip.DecentralizedDataParallel(net, comm, topologies.ring(comm.size), gossip.ExactGossip())
