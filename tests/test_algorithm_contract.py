@@ -1,16 +1,23 @@
-"""The base Algorithm's contract: config() and describe() for every algorithm, composites built from their parts."""
+"""The base Algorithm's contract: config() and describe() for every algorithm, composites built from their parts,
+and one account of each step's bytes and waits, kept by the base class from what the communicator was given."""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
 
 import gossip
 import topologies
+from gossip.algorithms.adaptive_rank import AdaptivePowerGossip
 from gossip.algorithms.allreduce import AllReduce
+from gossip.algorithms.base import COLLECTIVE
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.hierarchical import HierarchicalGossip, inter_node_pairs
 from gossip.algorithms.periodic import PeriodicAverage
+from gossip.algorithms.powergossip import PowerGossip
 from gossip.buckets import pack
 from gossip.replicas import algorithm_config
 from topologies.schedule import ScheduleError
@@ -98,3 +105,126 @@ def test_a_level_schedule_is_accepted_only_as_a_part_of_a_validated_composite():
         assert message == "bound to hierarchical-inter, part_of reset: True"
     with pytest.raises(ScheduleError, match="connected"):
         gossip.simulate(4, bind_disconnected, False)
+
+
+# -- one account per step: the base class books what the communicator was given ---------------------------------
+ALGORITHM_SOURCES = Path(gossip.__file__).parent / "algorithms"
+#: The one communication outside a step's account: PeriodicAverage's blocking fallback when the mean is not finite.
+NOT_A_STEP = {("periodic.py", "_replace_nonfinite_mean")}
+
+
+def unbooked_calls(source: str, filename: str) -> list[str]:
+    """Calls in ``source`` that count bytes by hand or communicate past the account: ``<...>traffic.record(...)``,
+    ``<...>comm.exchange(...)``, ``<...>comm.all_reduce(...)``, outside the functions of :data:`NOT_A_STEP`."""
+    found = []
+    for function in ast.walk(ast.parse(source)):
+        if not isinstance(function, ast.FunctionDef) or (filename, function.name) in NOT_A_STEP:
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner, attr = ast.unparse(node.func.value), node.func.attr
+                if (attr == "record" and owner.endswith("traffic")) or (
+                    attr in ("exchange", "all_reduce") and owner.endswith("comm")
+                ):
+                    found.append(f"{filename}:{node.lineno} {function.name}: {ast.unparse(node.func)}")
+    return sorted(set(found))
+
+
+def test_no_algorithm_counts_its_own_bytes():
+    """Byte accounting lives in the communicator (``exchange``/``all_reduce`` given a ``traffic``), reached through
+    the base class's ``_exchange``/``_all_reduce``: no algorithm module records bytes or calls the communicator
+    past the account."""
+    offenders = [
+        call
+        for path in sorted(ALGORITHM_SOURCES.glob("*.py"))
+        if path.name != "base.py"
+        for call in unbooked_calls(path.read_text(), path.name)
+    ]
+    assert offenders == []
+
+
+def test_the_accounting_check_finds_a_hand_written_record_and_a_direct_exchange():
+    source = (
+        "def start(self, step):\n"
+        "    self.traffic.record(1, 8, 8)\n"
+        "    return self.comm.exchange([], [], seq=step)\n"
+        "def _replace_nonfinite_mean(self):\n"
+        "    self.comm.all_reduce(x)\n"
+    )
+    assert unbooked_calls(source, "new.py") == [
+        "new.py:2 start: self.traffic.record",
+        "new.py:3 start: self.comm.exchange",
+        "new.py:5 _replace_nonfinite_mean: self.comm.all_reduce",
+    ]
+    assert unbooked_calls(source, "periodic.py") == [
+        "periodic.py:2 start: self.traffic.record",
+        "periodic.py:3 start: self.comm.exchange",
+    ]
+
+
+COMPOSITES = {
+    "periodic-powergossip": lambda: PeriodicAverage(PowerGossip(rank=1, min_compression=1), every=2),
+    "periodic-exact": lambda: PeriodicAverage(ExactGossip(), every=3),
+    "hierarchical-compressed": lambda: HierarchicalGossip(compress_rank=1, local_size=2, min_compression=1),
+    "adaptive": lambda: AdaptivePowerGossip(ladder=(1, 2), every=2, min_compression=1),
+}
+
+
+def composite_accounts(comm, factory) -> dict:
+    algorithm = factory()
+    schedule = None if isinstance(algorithm, HierarchicalGossip) else topologies.one_peer_hypercube(comm.size)
+    algorithm.setup(comm, schedule, buckets_of(comm.rank))
+    parts = [part for part in (getattr(algorithm, "inner", None),) if part is not None]
+    before = dict(comm.bytes_sent)
+    steps = []
+    for step in range(4):
+        algorithm.step(step)
+        steps.append(dict(algorithm.traffic.last_sent))
+    point_to_point = {p: b - before.get(p, 0) for p, b in comm.bytes_sent.items() if b != before.get(p, 0)}
+    return {
+        "shared": all(part.traffic is algorithm.traffic for part in parts),
+        "steps": steps,
+        "sent": dict(algorithm.traffic.sent),
+        "comm_sent": point_to_point,
+        "part_wait": [part.wait_seconds for part in parts],
+        "bucket_bytes": sum(bucket.nbytes for bucket in buckets_of(comm.rank)),
+    }
+
+
+@pytest.mark.parametrize("name", COMPOSITES)
+def test_a_composite_books_what_its_parts_moved_once(name):
+    """The parts share the composite's account: per step, the bytes are what the communicator was handed (the
+    all-reduce of an averaging step under COLLECTIVE, as a ring moves it), none counted twice; the waits are the
+    composite's."""
+    for rank, result in enumerate(gossip.simulate(4, composite_accounts, COMPOSITES[name], local_size=2)):
+        assert result["shared"], f"rank {rank}: a part keeps its own account"
+        assert result["part_wait"] == [0.0] * len(result["part_wait"]), f"rank {rank}: a part's waits went astray"
+        sent = dict(result["sent"])
+        collective = sent.pop(COLLECTIVE, 0)
+        assert sent == result["comm_sent"], f"rank {rank}"
+        totals: dict[int, int] = {}
+        for step in result["steps"]:
+            for peer, nbytes in step.items():
+                totals[peer] = totals.get(peer, 0) + nbytes
+        assert totals == result["sent"], f"rank {rank}: the steps' bytes do not add up to the total"
+        if name.startswith("periodic"):
+            averages = sum((s + 1) % COMPOSITES[name]().every == 0 for s in range(4))
+            assert collective == averages * round(2 * 3 / 4 * result["bucket_bytes"])
+        else:
+            assert collective == 0
+
+
+def compressed_after_setup(comm, factory) -> tuple[int, list[str]]:
+    algorithm = factory()
+    algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), buckets_of(comm.rank))
+    return algorithm.matrix_rank, [matrix.entry.name for matrix in algorithm.matrices]
+
+
+def test_adaptive_powergossip_chooses_its_matrices_for_the_top_rung_and_starts_at_the_bottom_one():
+    """The compressed matrices must fit every rung of the ladder, so they are chosen for the top one
+    (``largest_matrix_rank``: at rank 2, out.weight (2 x 6) compresses 12 / 16 < 1), while the rank in use is
+    the bottom rung; a plain rank-1 PowerGossip compresses both matrices."""
+    adaptive = lambda: AdaptivePowerGossip(ladder=(1, 2), every=2, min_compression=1)  # noqa: E731
+    plain = lambda: PowerGossip(rank=1, min_compression=1)  # noqa: E731
+    assert gossip.simulate(2, compressed_after_setup, adaptive)[0] == (1, ["fc.weight"])
+    assert gossip.simulate(2, compressed_after_setup, plain)[0] == (1, ["fc.weight", "out.weight"])

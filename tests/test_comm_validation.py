@@ -83,3 +83,22 @@ def test_receive_posted_before_the_send_still_completes():
         return got
 
     assert torch.equal(gossip.simulate(2, run, timeout=5.0)[0], torch.full((3,), 7.0))
+
+
+def test_receives_are_matched_in_posting_order_whichever_handle_is_waited_for_first():
+    """As on MPI and Gloo: the k-th message from a peer fills the k-th receive posted for it. Waiting for the
+    second exchange first must not hand it the first exchange's message (the two share a seq, as PowerGossip's
+    round and the adaptive controller's sketch do)."""
+
+    def run(comm):
+        peer = 1 - comm.rank
+        first, second = torch.empty(2), torch.empty(3)
+        one = comm.exchange([(peer, torch.full((2,), 1.0 + comm.rank))], [(peer, first)], seq=5)
+        two = comm.exchange([(peer, torch.full((3,), 10.0 + comm.rank))], [(peer, second)], seq=5)
+        two.wait()
+        one.wait()
+        return first.tolist(), second.tolist()
+
+    results = gossip.simulate(2, run, timeout=5.0)
+    assert results[0] == ([2.0, 2.0], [11.0, 11.0, 11.0])
+    assert results[1] == ([1.0, 1.0], [10.0, 10.0, 10.0])

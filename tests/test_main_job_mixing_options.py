@@ -40,7 +40,7 @@ def test_average_every_wraps_the_algorithm_with_its_settings():
     algorithm = make_algorithm(config)
     assert isinstance(algorithm, gossip.PeriodicAverage) and algorithm.every == 16
     assert isinstance(algorithm.inner, gossip.PowerGossip)
-    assert (algorithm.inner.rank, algorithm.inner.num_iterations) == (4, 2)
+    assert (algorithm.inner.matrix_rank, algorithm.inner.num_iterations) == (4, 2)
     assert describe_mixing(config) == (
         "powergossip on one_peer_hypercube (rank 4, 2 power iterations), exact average every 16 steps"
     )
@@ -88,5 +88,5 @@ def test_time_to_loss_periodic_average_methods_are_valid_main_job_commands(metho
     assert f"pga{algorithm.every}" in method
     assert (config.optimizer == "adamw") == method.endswith("-adamw")
     if method.startswith("pg"):
-        assert method.startswith(f"pg{algorithm.inner.rank}-")
+        assert method.startswith(f"pg{algorithm.inner.matrix_rank}-")
         assert ("-it4-" in method) == (algorithm.inner.num_iterations == 4)

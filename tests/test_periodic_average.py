@@ -338,7 +338,7 @@ def test_adaptive_powergossip_inside_decides_on_its_own_steps_with_identical_fac
             for bucket in buckets:
                 bucket.buffer.add_(torch.randn(bucket.buffer.shape, generator=update), alpha=0.1)
             algorithm.step(step)
-        return {"history": [h["step"] for h in inner.history], "rank": inner.rank, "edges": inner.edges}
+        return {"history": [h["step"] for h in inner.history], "rank": inner.matrix_rank, "edges": inner.edges}
 
     results = gossip.simulate(4, run)
     assert results[0]["history"] == [2, 4]  # after its own steps 1 and 3

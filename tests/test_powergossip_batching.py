@@ -127,9 +127,9 @@ def messages_of_first_step(comm: gossip.Communicator, algorithm: PowerGossip) ->
     counts: list[int] = []
     exchange = comm.exchange
 
-    def counting(sends, recvs, *, seq):
+    def counting(sends, recvs, **keywords):
         counts.append(len(sends))
-        return exchange(sends, recvs, seq=seq)
+        return exchange(sends, recvs, **keywords)
 
     comm.exchange = counting
     algorithm.step(0)

@@ -131,12 +131,12 @@ class AdaptivePowerGossip(PowerGossip):
         self._reset_window()
 
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
-        self.rank = self.search.ladder[-1]  # choose the compressed matrices so that every rung fits them
-        try:
-            super().setup(comm, schedule, buckets)
-        finally:
-            self.rank = self.search.rank
+        super().setup(comm, schedule, buckets)
         self._last_start: float | None = None
+
+    def largest_matrix_rank(self) -> int:
+        """The ladder's top rung: the compressed matrices are chosen so that every rung fits them."""
+        return self.search.ladder[-1]
 
     def _reset_window(self) -> None:
         self._numerator = self._denominator = None
@@ -153,7 +153,7 @@ class AdaptivePowerGossip(PowerGossip):
                     f"rank {self.comm.rank}: set_rank({new_rank}): parameter {matrix.entry.name!r} of shape "
                     f"{tuple(matrix.entry.shape)} allows at most rank {min(matrix.m, matrix.k)}"
                 )
-        extra = new_rank - self.rank
+        extra = new_rank - self.matrix_rank
         for key in sorted(self.edges):
             edge = self.edges[key]
             p, q = edge.p, edge.q
@@ -165,7 +165,7 @@ class AdaptivePowerGossip(PowerGossip):
                 else:
                     p[i], q[i] = p[i][:, :new_rank], q[i][:, :new_rank]
             edge.set_factors(p, q)
-        self.rank = new_rank
+        self.matrix_rank = new_rank
 
     def reopen(self) -> None:
         """Ask for a new search from the bottom rung at the next decision (any one rank asking is enough)."""
@@ -202,17 +202,11 @@ class AdaptivePowerGossip(PowerGossip):
         self._counts = [idx.numel() for idx in coords]
         sketch = self._sketch(coords)
         received = [torch.empty_like(sketch) for _ in peers]
-        nbytes = sketch.numel() * sketch.element_size()
-        for peer in peers:
-            self.traffic.record(peer, nbytes, nbytes)
-        handle = self.comm.exchange(
-            [(p, sketch) for p in peers], list(zip(peers, received, strict=True)), seq=round_.seq
-        )
+        handle = self._exchange([(p, sketch) for p in peers], list(zip(peers, received, strict=True)), round_.seq)
         return _Pending(step, round_, peers, sketch, received, handle)
 
     def finish(self, pending: _Pending) -> None:
         if pending.handle is not None:
-            pending.round.handle.wait()  # in posting order: the simulator hands out messages first come first served
             self._wait(pending.handle)
         super().finish(pending.round)
         if pending.handle is not None:
@@ -253,7 +247,7 @@ class AdaptivePowerGossip(PowerGossip):
         reopen = any(g[6] for g in gathered) or (
             self.distance_target is not None and not self.search.searching and distance > self.distance_target
         )
-        rank = self.rank
+        rank = self.matrix_rank
         new_rank = self.search.record(gain, throughput)
         if reopen:
             self.search.reopen()
@@ -262,7 +256,7 @@ class AdaptivePowerGossip(PowerGossip):
             {"step": step + 1, "rank": rank, "gain": gain, "throughput": throughput, "ct": gain * throughput,
              "pair_distance": distance, "reopened": reopen, "next_rank": new_rank, "searching": self.search.searching}
         )  # fmt: skip
-        if new_rank != self.rank:
+        if new_rank != self.matrix_rank:
             self.set_rank(new_rank)
         self._reopen_requested = False
         self._reset_window()
@@ -274,11 +268,11 @@ class AdaptivePowerGossip(PowerGossip):
                 "omega": self.search.omega, "sketch_size": self.sketch_size, "alpha": self.alpha}  # fmt: skip
 
     def state_dict(self) -> dict:
-        search = {"rank": self.rank, "searching": self.search.searching, "measured": dict(self.search.measured)}
+        search = {"rank": self.matrix_rank, "searching": self.search.searching, "measured": dict(self.search.measured)}
         return {**super().state_dict(), "search": search}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         search = state["search"]
-        self.rank = self.search.rank = search["rank"]
+        self.matrix_rank = self.search.rank = search["rank"]
         self.search.searching, self.search.measured = search["searching"], dict(search["measured"])

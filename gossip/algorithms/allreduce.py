@@ -1,7 +1,8 @@
 """All-Reduce baseline behind the gossip interface: exact global averaging, x_i <- x_i + gamma (xbar - x_i).
 
 The average is computed on a copy, so the parameters stay readable by forward and backward while the
-all-reduce runs. Bytes are accounted as a ring all-reduce moves them: 2 (n-1)/n * M sent and received per rank.
+all-reduce runs. Bytes are accounted as a ring all-reduce moves them: 2 (n-1)/n * M sent and received per rank
+(per bucket, rounded to a byte: :func:`gossip.backends.base.ring_all_reduce_bytes`).
 The torch DDP baseline of the experiments averages gradients instead; this one mixes parameters, i.e. gossip
 on the complete graph, which is what a schedule-free comparison inside the same loop needs.
 """
@@ -12,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from gossip.algorithms.base import Algorithm
+from gossip.algorithms.base import COLLECTIVE, Algorithm
 from gossip.backends.base import Handle
 
-COLLECTIVE = -1  # the peer key under which collective traffic is recorded
+__all__ = ["COLLECTIVE", "AllReduce"]
 
 
 @dataclass
@@ -35,13 +36,9 @@ class AllReduce(Algorithm):
         self.gamma = float(gamma)
 
     def start(self, step: int) -> _Pending:
-        copies = [bucket.buffer.clone() for bucket in self.buckets]
-        handles = [self.comm.all_reduce(copy, "avg", async_op=True) for copy in copies]
         self._begin_step()
-        n = self.comm.size
-        nbytes = round(2 * (n - 1) / n * sum(bucket.nbytes for bucket in self.buckets))
-        self.traffic.record(COLLECTIVE, nbytes, nbytes)
-        return _Pending(copies, handles)
+        copies = [bucket.buffer.clone() for bucket in self.buckets]
+        return _Pending(copies, [self._all_reduce(copy) for copy in copies])
 
     def finish(self, pending: _Pending) -> None:
         for bucket, copy, handle in zip(self.buckets, pending.copies, pending.handles, strict=True):

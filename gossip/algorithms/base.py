@@ -29,41 +29,17 @@ from __future__ import annotations
 
 import abc
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from gossip.backends.base import Communicator, Handle
+from gossip.backends.base import COLLECTIVE, Communicator, Handle, Traffic
 from gossip.buckets import Bucket
 from gossip.errors import NonFiniteError, NonFiniteWarning
 from topologies import Schedule
 
-
-@dataclass
-class Traffic:
-    """Payload bytes this rank sent to and received from each peer: cumulative and for the last step."""
-
-    sent: dict[int, int] = field(default_factory=dict)
-    received: dict[int, int] = field(default_factory=dict)
-    last_sent: dict[int, int] = field(default_factory=dict)
-    last_received: dict[int, int] = field(default_factory=dict)
-
-    def new_step(self) -> None:
-        self.last_sent, self.last_received = {}, {}
-
-    def record(self, peer: int, sent: int, received: int) -> None:
-        for total, last, nbytes in ((self.sent, self.last_sent, sent), (self.received, self.last_received, received)):
-            total[peer] = total.get(peer, 0) + nbytes
-            last[peer] = last.get(peer, 0) + nbytes
-
-    @property
-    def total_sent(self) -> int:
-        return sum(self.sent.values())
-
-    @property
-    def total_received(self) -> int:
-        return sum(self.received.values())
+__all__ = ["COLLECTIVE", "Algorithm", "Traffic", "check_nonfinite_policy"]
 
 
 NONFINITE_POLICIES = ("raise", "drop")
@@ -81,7 +57,14 @@ def check_nonfinite_policy(owner: str, policy: str) -> str:
 
 class Algorithm(abc.ABC):
     """Base class: holds the binding (communicator, schedule, buckets) and the accounting of one step: bytes per
-    peer (``traffic``) and seconds blocked waiting for the exchange (``wait_seconds``, exposed communication)."""
+    peer (``traffic``) and seconds blocked waiting for the exchange (``wait_seconds``, exposed communication).
+
+    The accounting is done here, once: an algorithm communicates through :meth:`_exchange` and :meth:`_all_reduce`,
+    which hand ``traffic`` to the communicator, and so count what the communicator was given to move; and it waits
+    through :meth:`_wait`, which adds the time blocked. A part that a composite binds with :meth:`setup_part`
+    books into the composite's account (the same ``traffic``; its waits add to the composite's ``wait_seconds``),
+    so a composite's step reports everything its parts moved without copying their numbers.
+    """
 
     name: str = "algorithm"
     needs_symmetric_schedule: bool = False
@@ -91,6 +74,8 @@ class Algorithm(abc.ABC):
     buckets: list[Bucket]
     #: Set while a composite binds this algorithm to one level of its own schedule (see :meth:`setup_part`).
     _part_of: Algorithm | None = None
+    #: The algorithm whose step account this one books into: itself, or the composite that bound it as a part.
+    _account: Algorithm | None = None
 
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
         """Bind to ``comm``, ``schedule`` and ``buckets``; refuse a schedule this algorithm cannot run."""
@@ -107,7 +92,9 @@ class Algorithm(abc.ABC):
                 # disconnected graph are refused here, naming the step, the ranks and the property.
                 schedule.validate(symmetric=self.needs_symmetric_schedule)
         self.comm, self.schedule, self.buckets = comm, schedule, buckets
-        self.traffic = Traffic()
+        owner = self._part_of
+        self._account = self if owner is None else owner._account
+        self.traffic = Traffic() if owner is None else owner.traffic
         self.wait_seconds = 0.0
         self.deferred_nonfinite_check = any(bucket.buffer.is_cuda for bucket in buckets)
         self._unchecked: list[tuple[int, list[int], torch.Tensor, Any]] = []  # step, peers, flags, CUDA event
@@ -118,7 +105,8 @@ class Algorithm(abc.ABC):
         Call it from the composite's :meth:`setup` after ``super().setup``: the composite's schedule has been
         validated as a whole, and ``level`` is the part of it that ``part`` runs, which need not be a valid
         schedule on its own (e.g. the inter-node pairs of hierarchical gossip, disconnected on purpose). So
-        ``level`` is checked for its size only; ``part`` binds to this composite's communicator.
+        ``level`` is checked for its size only; ``part`` binds to this composite's communicator, and books its
+        bytes and waits into this composite's step account.
         """
         part._part_of = self
         try:
@@ -128,10 +116,21 @@ class Algorithm(abc.ABC):
 
     def _begin_step(self) -> None:
         """Reset the per-step accounting and raise for non-finite values a deferred check found; every ``start``
-        calls it."""
+        calls it first. (A part leaves the account alone: its composite reset it when its own step began.)"""
         self.check_deferred()
-        self.traffic.new_step()
-        self.wait_seconds = 0.0
+        if self._account is self:
+            self.traffic.new_step()
+            self.wait_seconds = 0.0
+
+    def _exchange(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], seq: int
+    ) -> Handle:
+        """:meth:`Communicator.exchange`, its payload bytes booked to this step's ``traffic`` per peer."""
+        return self.comm.exchange(sends, recvs, seq=seq, traffic=self.traffic)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str = "avg") -> Handle:
+        """A non-blocking :meth:`Communicator.all_reduce`, booked to ``traffic`` as a ring all-reduce."""
+        return self.comm.all_reduce(tensor, op, async_op=True, traffic=self.traffic)
 
     def check_deferred(self) -> None:
         """Raise :class:`NonFiniteError` if a deferred check found non-finite values from a peer (see the module
@@ -169,8 +168,10 @@ class Algorithm(abc.ABC):
 
     def _wait(self, handle: Handle) -> None:
         """Wait for ``handle``, adding the time blocked to ``wait_seconds`` (the step's exposed communication)."""
+        before = handle.wait_seconds
         handle.wait()
-        self.wait_seconds += handle.wait_seconds
+        account = self._account if self._account is not None else self
+        account.wait_seconds += handle.wait_seconds - before
 
     def _nonfinite_peers(self, step: int, policy: str, received: list[tuple[int, list[torch.Tensor]]]) -> set[int]:
         """The peers among ``(peer, tensors it sent)`` whose tensors hold NaN or Inf, under ``policy``.

@@ -53,12 +53,7 @@ class ExactGossip(Algorithm):
             (peer, buffer) for (peer, _), buffers in zip(view.in_peers, received, strict=True) for buffer in buffers
         ]
         self._begin_step()
-        nbytes = sum(bucket.nbytes for bucket in self.buckets)
-        for peer, _ in view.out_peers:
-            self.traffic.record(peer, nbytes, 0)
-        for peer, _ in view.in_peers:
-            self.traffic.record(peer, 0, nbytes)
-        return _Pending(step, view, self.comm.exchange(sends, recvs, seq=step), received)
+        return _Pending(step, view, self._exchange(sends, recvs, step), received)
 
     def finish(self, pending: _Pending) -> None:
         self._wait(pending.handle)

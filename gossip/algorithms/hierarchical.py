@@ -208,11 +208,7 @@ class HierarchicalGossip(Algorithm):
     def _swap(self, step: int, phase: int, sends: list, recvs: list) -> Handle:
         sends = [(p, t) for p, t in sends if t.numel()]
         recvs = [(p, t) for p, t in recvs if t.numel()]
-        for peer, tensor in sends:
-            self.traffic.record(peer, tensor.numel() * tensor.element_size(), 0)
-        for peer, tensor in recvs:
-            self.traffic.record(peer, 0, tensor.numel() * tensor.element_size())
-        return self.comm.exchange(sends, recvs, seq=PHASES * step + phase)
+        return self._exchange(sends, recvs, PHASES * step + phase)
 
     def _reduce_scatter(self, step: int, pieces: list[list[torch.Tensor]]) -> list[torch.Tensor]:
         """``pieces[b][j]`` goes to local rank j; return, per b, the mean over the node of this rank's piece.
@@ -285,9 +281,6 @@ class HierarchicalGossip(Algorithm):
     def _finish_compressed(self, pending: _Pending) -> None:
         if self.inner is not None:
             self.inner.finish(pending.inner)
-            for peer, nbytes in self.inner.traffic.last_sent.items():
-                self.traffic.record(peer, nbytes, self.inner.traffic.last_received.get(peer, 0))
-            self.wait_seconds += self.inner.wait_seconds
         mine = self.inner_buckets[0].buffer if self.inner_buckets else self.buckets[0].buffer.new_empty(0)
         gathered = [mine if j == self.local else mine.new_empty(self.owned_numel[j]) for j in range(self.per_node)]
         self._all_gather(pending.step, [mine], [gathered])

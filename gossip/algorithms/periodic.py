@@ -48,7 +48,6 @@ from typing import Any
 
 import torch
 
-from gossip.algorithms.allreduce import COLLECTIVE
 from gossip.algorithms.base import Algorithm
 from gossip.backends.base import Communicator, Handle
 from gossip.buckets import Bucket
@@ -139,20 +138,12 @@ class PeriodicAverage(Algorithm):
             with self._naming_training_step(step):
                 return _Gossip(step, self.inner.start(self.inner_step(step)))
         copies = [bucket.buffer.clone() for bucket in self.buckets]
-        handles = [self.comm.all_reduce(copy, "avg", async_op=True) for copy in copies]
-        n = self.comm.size
-        nbytes = round(2 * (n - 1) / n * sum(bucket.nbytes for bucket in self.buckets))
-        self.traffic.record(COLLECTIVE, nbytes, nbytes)
-        return _Averaging(step, copies, handles)
+        return _Averaging(step, copies, [self._all_reduce(copy) for copy in copies])
 
     def finish(self, pending: _Averaging | _Gossip) -> None:
         if isinstance(pending, _Gossip):
             with self._naming_training_step(pending.step):
                 self.inner.finish(pending.inner)
-            traffic = self.inner.traffic
-            for peer in sorted(traffic.last_sent.keys() | traffic.last_received.keys()):
-                self.traffic.record(peer, traffic.last_sent.get(peer, 0), traffic.last_received.get(peer, 0))
-            self.wait_seconds += self.inner.wait_seconds
             return
         for handle in pending.handles:
             self._wait(handle)

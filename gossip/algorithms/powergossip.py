@@ -269,7 +269,11 @@ class _Round:
 
 
 class PowerGossip(Algorithm):
-    """Low-rank gossip of model differences with warm-started, per-edge shared projections."""
+    """Low-rank gossip of model differences with warm-started, per-edge shared projections.
+
+    ``rank`` (the constructor keyword, and the ``"rank"`` of :meth:`config`) is the rank r of the projection; the
+    instance keeps it as ``matrix_rank``, so that it is never confused with the process rank ``comm.rank``.
+    """
 
     name = "powergossip"
     needs_symmetric_schedule = True
@@ -301,7 +305,7 @@ class PowerGossip(Algorithm):
             raise ValueError(f"PowerGossip: gamma must be positive, got {gamma}")
         if not min_compression >= 1:
             raise ValueError(f"PowerGossip: min_compression must be >= 1 (a ratio), got {min_compression}")
-        self.rank, self.num_iterations, self.gamma = rank, num_iterations, float(gamma)
+        self.matrix_rank, self.num_iterations, self.gamma = rank, num_iterations, float(gamma)
         self.warm_start, self.min_compression, self.policy, self.seed = warm_start, min_compression, policy, seed
         self.nonfinite = check_nonfinite_policy("PowerGossip", nonfinite)
         self.orthonormalize_dtype = orthonormalize_dtype
@@ -320,15 +324,22 @@ class PowerGossip(Algorithm):
             if len(shape) < 2:
                 return False
             m, k = shape[0], shape.numel() // shape[0]
-            return m * k / (self.rank * (m + k)) >= self.min_compression
+            return m * k / (self.largest_matrix_rank() * (m + k)) >= self.min_compression
         if choice and len(shape) < 2:
             raise ValueError(f"PowerGossip policy: parameter {entry.name!r} of shape {tuple(shape)} is not a matrix")
-        if choice and min(shape[0], shape.numel() // shape[0]) < self.rank:
+        largest = self.largest_matrix_rank()
+        if choice and min(shape[0], shape.numel() // shape[0]) < largest:
             raise ValueError(
-                f"PowerGossip: rank {self.rank} is larger than parameter {entry.name!r} of shape {tuple(shape)} "
+                f"PowerGossip: rank {largest} is larger than parameter {entry.name!r} of shape {tuple(shape)} "
                 f"allows (at most {min(shape[0], shape.numel() // shape[0])})"
             )
         return bool(choice)
+
+    def largest_matrix_rank(self) -> int:
+        """The largest projection rank this instance will use; :meth:`setup` compresses only the matrices that
+        allow it at ``min_compression``. A subclass that changes the rank while training overrides it (its ladder's
+        top rung), so that the set of compressed matrices never changes."""
+        return self.matrix_rank
 
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
         if schedule is None:
@@ -392,7 +403,7 @@ class PowerGossip(Algorithm):
             dtype = self.buckets[0].buffer.dtype if self.buckets else torch.float32
             device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
             seed = self.seed * n * n + lo * n + hi
-            self.edges[key] = EdgeState.fresh(seed, self.matrices, self.groups, self.rank, device, dtype)
+            self.edges[key] = EdgeState.fresh(seed, self.matrices, self.groups, self.matrix_rank, device, dtype)
         return self.edges[key]
 
     def _matrix(self, matrix: _Matrix) -> torch.Tensor:
@@ -417,7 +428,7 @@ class PowerGossip(Algorithm):
         if all(stack.shape[-2] == rows for stack in stacks):
             together = torch.cat(stacks)
         else:
-            together = stacks[0].new_zeros(sum(counts), rows, self.rank)
+            together = stacks[0].new_zeros(sum(counts), rows, self.matrix_rank)
             for stack, part in zip(stacks, together.split(counts), strict=True):
                 part[:, : stack.shape[-2]].copy_(stack)
         together = orthonormalize(together, dtype=self.orthonormalize_dtype)
@@ -426,7 +437,7 @@ class PowerGossip(Algorithm):
 
     def _sizes(self, right: bool) -> list[int]:
         """Elements of each group's products in a message: count x (m or k) x r."""
-        return [len(g.members) * (g.m if right else g.k) * self.rank for g in self.groups]
+        return [len(g.members) * (g.m if right else g.k) * self.matrix_rank for g in self.groups]
 
     def _post(self, step: int, iteration: int) -> _Round:
         view = self.schedule.peers(self.comm.rank, step)
@@ -441,13 +452,13 @@ class PowerGossip(Algorithm):
             if not self.warm_start:
                 for g, group in enumerate(self.groups):
                     rows = group.k if right else group.m
-                    draws = [edge.draw(rows, self.rank, self._device, self._dtype) for _ in group.members]
+                    draws = [edge.draw(rows, self.matrix_rank, self._device, self._dtype) for _ in group.members]
                     factors[g] = torch.stack(draws)
             for rows, members in self._row_classes[right]:
                 self._orthonormalize_class(factors, rows, members)
             parts = message.split(sizes)
             for g, group in enumerate(self.groups):
-                out = parts[g].view(len(group.members), -1, self.rank)
+                out = parts[g].view(len(group.members), -1, self.matrix_rank)
                 operands = [x for _, x in self._views[g]] if right else self._transposed[g]
                 for x, factor, product in zip(operands, self._runs(g, factors[g]), self._runs(g, out), strict=True):
                     torch.bmm(x, factor, out=product)
@@ -458,10 +469,8 @@ class PowerGossip(Algorithm):
             sent.append(message)
             received.append(incoming)
             received_exact.append(exact_in)
-            nbytes = message.numel() * message.element_size() + sum(t.numel() * t.element_size() for t in exact_in)
-            self.traffic.record(peer, nbytes, nbytes)
         seq = step * self.num_iterations + iteration
-        handle = self.comm.exchange(sends, recvs, seq=seq)
+        handle = self._exchange(sends, recvs, seq)
         return _Round(step, seq, peers, sent, received, exact_out, received_exact, handle)
 
     def _apply(self, round_: _Round) -> None:
@@ -496,7 +505,7 @@ class PowerGossip(Algorithm):
             # a_hi - a_lo on both ends, for all groups at once (elementwise: equal to the per-group differences)
             differences = (theirs - own if lo else own - theirs).split(self._sizes(right))
             for g, group in enumerate(self.groups):
-                difference = differences[g].view(len(group.members), -1, self.rank)
+                difference = differences[g].view(len(group.members), -1, self.matrix_rank)
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
                 if right:
                     p, q = difference, edge.q_stacks[g]
@@ -548,7 +557,7 @@ class PowerGossip(Algorithm):
 
     def config(self) -> dict:
         return {
-            "rank": self.rank,
+            "rank": self.matrix_rank,
             "num_iterations": self.num_iterations,
             "gamma": self.gamma,
             "warm_start": self.warm_start,

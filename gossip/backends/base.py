@@ -183,6 +183,47 @@ def plan_transfers(
     return transfers
 
 
+#: The peer key under which collective traffic (all-reduce) is recorded in a :class:`Traffic`.
+COLLECTIVE = -1
+
+
+def ring_all_reduce_bytes(nbytes: int, size: int) -> int:
+    """Bytes each rank sends (and receives) in a ring all-reduce of ``nbytes`` over ``size`` ranks:
+    2 (n - 1) / n * M (reduce-scatter, then all-gather; Patarasuk and Yuan, JPDC 2009), rounded to a byte."""
+    return round(2 * (size - 1) / size * nbytes)
+
+
+@dataclass
+class Traffic:
+    """Payload bytes one rank sent to and received from each peer: cumulative and for the last step.
+
+    Filled by the communicator itself (:meth:`Communicator.exchange` and :meth:`Communicator.all_reduce` given a
+    ``traffic``) from the tensors it was handed, so what is counted is what travelled: point-to-point payloads per
+    peer (not the protocol's headers), and a collective under :data:`COLLECTIVE` as a ring all-reduce moves it.
+    """
+
+    sent: dict[int, int] = field(default_factory=dict)
+    received: dict[int, int] = field(default_factory=dict)
+    last_sent: dict[int, int] = field(default_factory=dict)
+    last_received: dict[int, int] = field(default_factory=dict)
+
+    def new_step(self) -> None:
+        self.last_sent, self.last_received = {}, {}
+
+    def record(self, peer: int, sent: int, received: int) -> None:
+        for total, last, nbytes in ((self.sent, self.last_sent, sent), (self.received, self.last_received, received)):
+            total[peer] = total.get(peer, 0) + nbytes
+            last[peer] = last.get(peer, 0) + nbytes
+
+    @property
+    def total_sent(self) -> int:
+        return sum(self.sent.values())
+
+    @property
+    def total_received(self) -> int:
+        return sum(self.received.values())
+
+
 @dataclass
 class Progress:
     """What an operation still waits for, kept up to date so that a timeout can name the missing peers."""
@@ -340,27 +381,41 @@ class Communicator(abc.ABC):
         recvs: Sequence[tuple[int, torch.Tensor]],
         *,
         seq: int = 0,
+        traffic: Traffic | None = None,
     ) -> Handle:
-        """Start sending ``sends`` and receiving into ``recvs``; ``seq`` (e.g. the step) must match the peers'."""
+        """Start sending ``sends`` and receiving into ``recvs``; ``seq`` (e.g. the step) must match the peers'.
+
+        The payload bytes per peer are added to this communicator's ``bytes_sent`` / ``bytes_received`` and, when
+        given, to ``traffic`` (an algorithm's per-step account)."""
         outgoing = plan_transfers(sends, "send to", self.rank, self.size, self.device)
         incoming = plan_transfers(recvs, "receive from", self.rank, self.size, self.device)
         for transfer in outgoing:
             self.bytes_sent[transfer.peer] = self.bytes_sent.get(transfer.peer, 0) + transfer.nbytes
+            if traffic is not None:
+                traffic.record(transfer.peer, transfer.nbytes, 0)
         for transfer in incoming:
             self.bytes_received[transfer.peer] = self.bytes_received.get(transfer.peer, 0) + transfer.nbytes
+            if traffic is not None:
+                traffic.record(transfer.peer, 0, transfer.nbytes)
         return self._start_exchange(outgoing, incoming, seq)
 
     @abc.abstractmethod
     def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle: ...
 
     # -- collectives ----------------------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False) -> Handle | None:
-        """Sum (or average) ``tensor`` over all ranks, in place."""
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, traffic: Traffic | None = None
+    ) -> Handle | None:
+        """Sum (or average) ``tensor`` over all ranks, in place; when given, ``traffic`` records the bytes under
+        :data:`COLLECTIVE` as a ring all-reduce moves them (:func:`ring_all_reduce_bytes`)."""
         if op not in REDUCE_OPS:
             raise ValueError(f"rank {self.rank}: all_reduce op {op!r} is not one of {REDUCE_OPS}")
         buffer = _check_tensor(tensor, f"rank {self.rank}: all_reduce tensor", self.device)
         if op == "avg" and not buffer.is_floating_point():
             raise TypeError(f"rank {self.rank}: all_reduce 'avg' needs a floating-point tensor, got {buffer.dtype}")
+        if traffic is not None:
+            nbytes = ring_all_reduce_bytes(buffer.numel() * buffer.element_size(), self.size)
+            traffic.record(COLLECTIVE, nbytes, nbytes)
         handle = self._all_reduce(buffer, op)
         return handle if async_op else handle.wait()
 

@@ -3,7 +3,9 @@
 ``simulate(n, fn)`` runs ``fn(comm)`` on ``n`` threads, each with its own :class:`SimulatorCommunicator`, and
 returns the ``n`` results in rank order. The primitives behave as on a real backend -- same validation, same
 headers, same errors, same timeouts -- and the numbers are deterministic: a message is copied when it is sent,
-an all-reduce sums in rank order, so nothing depends on how the threads interleave. When one rank raises, the
+an all-reduce sums in rank order, so nothing depends on how the threads interleave. Messages from one rank to
+another are matched to receives in the order both were posted, as MPI and Gloo match them: the k-th message
+from a peer fills the k-th receive posted for that peer, whichever handle is waited for first. When one rank raises, the
 others stop waiting at once with :class:`PeerFailedError` and ``simulate`` re-raises the first root cause.
 """
 
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,11 @@ class _World:
     def __init__(self, size: int):
         self.size = size
         self.cond = threading.Condition()
-        self.mail: dict[tuple[int, int], deque] = {}
+        # (source, destination) -> {message number: (header, payload)}; numbered as sent, and receives take a
+        # number as they are posted, so the n-th receive gets the n-th message.
+        self.mail: dict[tuple[int, int], dict[int, tuple[list[int], torch.Tensor]]] = {}
+        self.sent: dict[tuple[int, int], int] = {}
+        self.posted: dict[tuple[int, int], int] = {}
         self.rounds: dict[int, dict[int, tuple[str, Any]]] = {}
         self.results: dict[int, list[Any]] = {}
         self.readers: dict[int, int] = {}
@@ -60,15 +65,14 @@ class _World:
 
 
 class _ExchangeHandle(Handle):
-    def __init__(self, comm: SimulatorCommunicator, recvs: list[Transfer], seq: int):
-        self._comm, self._recvs, self._seq, self._done = comm, recvs, seq, not recvs
+    def __init__(self, comm: SimulatorCommunicator, recvs: list[Transfer], tickets: list[int], seq: int):
+        self._comm, self._recvs, self._tickets, self._seq, self._done = comm, recvs, tickets, seq, not recvs
+
+    def _has(self, transfer: Transfer, ticket: int) -> bool:
+        return ticket in self._comm._world.mail.get((transfer.peer, self._comm.rank), {})
 
     def _arrived(self) -> bool:
-        world, rank = self._comm._world, self._comm.rank
-        need: dict[int, int] = {}
-        for transfer in self._recvs:
-            need[transfer.peer] = need.get(transfer.peer, 0) + 1
-        return all(len(world.mail.get((peer, rank), ())) >= k for peer, k in need.items())
+        return all(self._has(t, k) for t, k in zip(self._recvs, self._tickets, strict=True))
 
     def done(self) -> bool:
         with self._comm._world.cond:
@@ -81,20 +85,16 @@ class _ExchangeHandle(Handle):
         start = time.perf_counter()
 
         def missing() -> str:
-            queued: dict[int, int] = {}
-            parts = []
-            for transfer in self._recvs:
-                queued[transfer.peer] = queued.get(transfer.peer, 0) + 1
-                if len(world.mail.get((transfer.peer, comm.rank), ())) < queued[transfer.peer]:
-                    parts.append(transfer.describe("receive from"))
-            return ", ".join(parts)
+            pairs = zip(self._recvs, self._tickets, strict=True)
+            return ", ".join(t.describe("receive from") for t, k in pairs if not self._has(t, k))
 
         peers = sorted({t.peer for t in self._recvs})
         operation = f"exchange {self._seq} with peer(s) {peers}"
         try:
             world.wait_for(comm.rank, self._arrived, comm.timeout if timeout is None else timeout, operation, missing)
             with world.cond:
-                messages = [world.mail[(t.peer, comm.rank)].popleft() for t in self._recvs]
+                pairs = zip(self._recvs, self._tickets, strict=True)
+                messages = [world.mail[(t.peer, comm.rank)].pop(k) for t, k in pairs]
             for transfer, (header, payload) in zip(self._recvs, messages, strict=True):
                 check_header(header, transfer, self._seq, comm.rank)
                 transfer.tensor.copy_(payload)
@@ -145,11 +145,17 @@ class SimulatorCommunicator(Communicator):
         with world.cond:
             world._raise_if_failed(self.rank)
             for transfer in sends:
-                world.mail.setdefault((self.rank, transfer.peer), deque()).append(
-                    (transfer.header(seq), transfer.tensor.clone())
-                )
+                channel = (self.rank, transfer.peer)
+                number = world.sent.get(channel, 0)
+                world.sent[channel] = number + 1
+                world.mail.setdefault(channel, {})[number] = (transfer.header(seq), transfer.tensor.clone())
+            tickets = []
+            for transfer in recvs:
+                channel = (transfer.peer, self.rank)
+                tickets.append(world.posted.get(channel, 0))
+                world.posted[channel] = tickets[-1] + 1
             world.cond.notify_all()
-        return _ExchangeHandle(self, recvs, seq)
+        return _ExchangeHandle(self, recvs, tickets, seq)
 
     def _collective(self, kind: str, payload: Any, combine: Callable[[list[Any]], Any]) -> Any:
         """Rendezvous of all ranks on their k-th collective; ``combine`` sees the payloads in rank order."""
