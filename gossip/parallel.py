@@ -218,7 +218,7 @@ class DecentralizedDataParallel(nn.Module):
             "consensus_samples": int(consensus_samples),
             "seed": int(seed),
             # the algorithm's non-finite policy (one rank dropping what another raises on would split the run)
-            "nonfinite": getattr(algorithm, "nonfinite", None),
+            "nonfinite": algorithm.nonfinite,
         }
         self.signature = check_replicas(module, comm, schedule, algorithm, settings)
         self.buckets = bucket_parameters(module, bucket_bytes)
@@ -575,7 +575,7 @@ class DecentralizedDataParallel(nn.Module):
         ranks = sorted(culprits)
         first = culprits[ranks[0]][0]
         where = f"rank {self.comm.rank}"  # the error is prefixed with the step by _naming_step
-        if getattr(self.algorithm, "nonfinite", "raise") != "drop":
+        if self.algorithm.nonfinite != "drop":
             raise NonFiniteError(
                 f"{where}: buffer '{first}' of rank(s) {ranks} holds non-finite values (NaN or Inf); "
                 'buffers="average" would spread them to every rank. Fix the divergence, or use '

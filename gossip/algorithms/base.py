@@ -68,6 +68,9 @@ class Algorithm(abc.ABC):
 
     name: str = "algorithm"
     needs_symmetric_schedule: bool = False
+    #: What NaN or Inf received from a peer does: "raise" or "drop" (module docstring); fixed for algorithms that
+    #: have no choice (All-Reduce), a constructor argument of those that do.
+    nonfinite: str = "raise"
 
     comm: Communicator
     schedule: Schedule | None

@@ -96,7 +96,7 @@ class PeriodicAverage(Algorithm):
     @property
     def nonfinite(self) -> str:
         """The inner algorithm's policy for NaN or Inf ("raise" or "drop"); the averaging steps follow it."""
-        return getattr(self.inner, "nonfinite", "raise")
+        return self.inner.nonfinite
 
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
         """Bind this wrapper and the inner algorithm to ``comm``, ``schedule`` and ``buckets`` (the schedule is
