@@ -1,5 +1,5 @@
-"""The learning-per-step study's own pieces: CHOCO-Gossip, the spectrum measurement and the report's aggregation
-(experiments/learning_per_step.py, experiments/learning_per_step_report.py)."""
+"""The learning-per-step study's own pieces: CHOCO-Gossip, the noise-debiased AdamW, the spectrum measurement and the
+report's aggregation (experiments/learning_per_step.py, experiments/learning_per_step_report.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 import gossip
 import topologies
-from experiments.learning_per_step import ChocoTopK, RunConfig, capture_shares, spectrum_rows
+from experiments.learning_per_step import ChocoTopK, NoiseDebiasedAdamW, RunConfig, capture_shares, spectrum_rows
 from experiments.learning_per_step_report import config_table, steps_to_target
 from gossip.buckets import pack
 
@@ -104,3 +104,43 @@ def test_report_pairs_gaps_by_seed_and_counts_steps_to_ddp_final_loss():
     assert pg["to_target"] == (1, 2, 20.0)  # target = mean of DDP's final losses, 1.5
     assert pg["late_consensus"] == 0.3  # the records after step 15 of the 30
     assert math.isnan(steps_to_target([(10, 2.0)], 1.5))
+
+
+def _trajectory(make, gradients: list[torch.Tensor]) -> torch.Tensor:
+    weight = torch.nn.Parameter(torch.ones(64, dtype=torch.float64))
+    optimizer = make([{"params": [weight], "weight_decay": 0.1}])
+    for gradient in gradients:
+        weight.grad = gradient.clone()
+        optimizer.step()
+    return weight.detach()
+
+
+def test_noise_debiased_adamw_for_one_worker_is_adamw():
+    generator = torch.Generator().manual_seed(0)
+    gradients = [torch.randn(64, generator=generator, dtype=torch.float64) + 0.3 for _ in range(40)]
+    ours = _trajectory(lambda g: NoiseDebiasedAdamW(g, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, workers=1), gradients)
+    adamw = _trajectory(lambda g: torch.optim.AdamW(g, lr=1e-2, betas=(0.9, 0.95), eps=1e-8), gradients)
+    torch.testing.assert_close(ours, adamw, rtol=0, atol=1e-12)
+
+
+def test_noise_debiased_adamw_divides_pure_noise_by_the_mean_gradients_second_moment():
+    """Zero-mean noise of variance s^2: AdamW divides by ~s, DDP's Adam (mean over n) by ~s / sqrt(n); the
+    debiased estimate lands near the latter, so the step on noise is ~sqrt(n) times AdamW's (bounded by the floor
+    v / n, which is exactly sqrt(n))."""
+    generator = torch.Generator().manual_seed(1)
+    n, scale = 8, 0.5
+    gradients = [scale * torch.randn(4096, generator=generator, dtype=torch.float64) for _ in range(200)]
+    states = {}
+    for name, make in {
+        "debiased": lambda g: NoiseDebiasedAdamW(g, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, workers=n),
+        "adamw": lambda g: NoiseDebiasedAdamW(g, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, workers=1),
+    }.items():
+        weight = torch.nn.Parameter(torch.zeros(4096, dtype=torch.float64))
+        optimizer = make([{"params": [weight]}])
+        for gradient in gradients:
+            weight.grad = gradient.clone()
+            before = weight.detach().clone()
+            optimizer.step()
+        states[name] = (weight.detach() - before).abs().mean().item()
+    ratio = states["debiased"] / states["adamw"]
+    assert math.sqrt(n) * 0.8 < ratio <= math.sqrt(n) * 1.0001, ratio
