@@ -91,6 +91,7 @@ class RunConfig:
     optimizer: str = "adamw"  # adamw | accum-adamw | debiased-adamw | sgd
     beta2: float = 0.95
     accum_iter: int = 1
+    average_moments: str = ""  # "m", "v" or "mv": the AdamW moments averaged over all ranks after every step
     lr: float = 3e-3
     warmup: int = 30
     workers: int = 8
@@ -357,6 +358,23 @@ def _averaged_validation(module: torch.nn.Module, comm: gossip.Communicator, bat
     return float(totals[0] / totals[1])
 
 
+MOMENT_KEYS = {"m": "beta1_exp_avg", "v": "beta2_exp_avg_sq"}
+
+
+def _average_moments(optimizer: torch.optim.Optimizer, which: str, comm: gossip.Communicator) -> None:
+    """Replace AccumAdamW's moments named in ``which`` ("m", "v") by their mean over all ranks (one all-reduce):
+    a diagnostic of how much of the gap to DDP the workers' local optimizer state makes, not a method."""
+    tensors = [
+        state[MOMENT_KEYS[key]] for key in which for group in optimizer.param_groups for p in group["params"]
+        if (state := optimizer.state.get(p))
+    ]  # fmt: skip
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    comm.all_reduce(flat, "avg")
+    torch._foreach_copy_(
+        tensors, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
+    )
+
+
 def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
     """Train ``config`` with ``seed``; return its ``steps``, ``summary`` and ``spectrum`` rows."""
     model_config = GPTConfig()
@@ -394,6 +412,8 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
             if ddp:
                 _average_gradients(module, comm)
             optimizer.step()
+            if config.average_moments:
+                _average_moments(optimizer, config.average_moments, comm)
             optimizer.zero_grad(set_to_none=True)
             losses.append(loss.item())
             if not math.isfinite(losses[-1]):
@@ -486,6 +506,7 @@ def suite(name: str) -> list[RunConfig]:
         c("ddp-accum2", algorithm="ddp", optimizer="accum-adamw", accum_iter=2, beta2=0.99, **d),
         c("pg1-avg32-wu100", average_every=32, warmup=100, **d),
         c("pg1-it4-avg64", iterations=4, average_every=64, **d),
+        c("pg4-it2", rank=4, iterations=2, **d),
         c("pg4-avg32", rank=4, average_every=32, **d),
         c("pg4-sgd", rank=4, optimizer="sgd", lr=0.1, spectrum=True, **short),
         c("pg1-avg64", average_every=64, **d),
@@ -498,6 +519,10 @@ def suite(name: str) -> list[RunConfig]:
         c("avg1-lr8.5e-3", algorithm="none", average_every=1, lr=8.5e-3, **d),
         # AccumAdamW where its paper expects it to pay: n = 8, accum n or n/2, beta2 as before or raised (its
         # moments advance A x less often)
+        # how much of the gap the local optimizer state makes: parameters and moments averaged every step
+        c("avg1-mv", algorithm="none", average_every=1, average_moments="mv", **d),
+        c("avg1-m", algorithm="none", average_every=1, average_moments="m", **d),
+        c("avg1-debiased", algorithm="none", average_every=1, optimizer="debiased-adamw", **d),
         c("exact-accum8", algorithm="exact", optimizer="accum-adamw", accum_iter=8, beta2=0.99, **d),
         # AdamW with the second moment of the mean gradient estimated locally (NoiseDebiasedAdamW)
         c("exact-debiased", algorithm="exact", optimizer="debiased-adamw", **d),
