@@ -496,6 +496,7 @@ def suite(name: str) -> list[RunConfig]:
         c("mj-exact-accum2", algorithm="exact", optimizer="accum-adamw", accum_iter=2, beta2=0.99, **main_job),
         c("mj-exact-lr6e-3", algorithm="exact", lr=6e-3, **main_job),
         c("mj-pg1-it4", iterations=4, spectrum=True, **main_job),
+        c("mj-pg4-it2", rank=4, iterations=2, **main_job),
         c("none-adamw", algorithm="none", spectrum=True, **short),
         c("none-sgd", algorithm="none", optimizer="sgd", lr=0.1, spectrum=True, **short),
         c("pg1-sgd", optimizer="sgd", lr=0.1, spectrum=True, **short),

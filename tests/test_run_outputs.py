@@ -66,10 +66,11 @@ def test_without_the_tensorboard_package_only_the_json_lines_are_written(tmp_pat
 
 def test_plot_title_names_the_configuration():
     config, _ = resolve(
-        TrainConfig(algorithm="powergossip", rank=2, optimizer="accum-adamw", steps=300, seed=7), world_size=4
+        TrainConfig(algorithm="powergossip", rank=2, power_iterations=3, optimizer="accum-adamw", steps=300, seed=7),
+        world_size=4,
     )
     assert plot_title(config) == (
-        "powergossip on one_peer_hypercube (rank 2, 4 power iterations), 4 workers, accum-adamw lr 0.003, "
+        "powergossip on one_peer_hypercube (rank 2, 3 power iterations), 4 workers, accum-adamw lr 0.003, "
         "300 steps x 16, iid, seed 7"
     )
 
