@@ -93,6 +93,8 @@ def powergossip(rank: int) -> tuple[str, ...]:
 
 PG1_IT4_OPTIONS = ("--algorithm", "powergossip", "--rank", "1", "--power-iterations", "4", "--schedule",
                    "one_peer_hypercube", "--optimizer", "adamw")  # fmt: skip
+PG4_IT2_OPTIONS = ("--algorithm", "powergossip", "--rank", "4", "--power-iterations", "2", "--schedule",
+                   "one_peer_hypercube", "--optimizer", "adamw")  # fmt: skip
 
 
 def _pga(name: str, *, rank: int, iterations: int, every: int, adamw: bool) -> Method:
@@ -152,6 +154,11 @@ METHODS = {
             "pg1-it4-adamw",
             "PowerGossip r=1, 4 iterations, one-peer hypercube, AdamW",
             _gossip_train(*PG1_IT4_OPTIONS),
+        ),
+        Method(
+            "pg4-it2-adamw",
+            "PowerGossip r=4, 2 iterations, one-peer hypercube, AdamW (the main job's defaults)",
+            _gossip_train(*PG4_IT2_OPTIONS),
         ),
         _pga("pg4-pga16-adamw", rank=4, iterations=1, every=16, adamw=True),
         _pga("pg4-pga16", rank=4, iterations=1, every=16, adamw=False),
