@@ -508,6 +508,7 @@ def suite(name: str) -> list[RunConfig]:
         c("pg1-avg32-wu100", average_every=32, warmup=100, **d),
         c("pg1-it4-avg64", iterations=4, average_every=64, **d),
         c("pg4-it2", rank=4, iterations=2, **d),
+        c("pg4-it2-wu100", rank=4, iterations=2, warmup=100, **d),
         c("pg4-avg32", rank=4, average_every=32, **d),
         c("pg4-sgd", rank=4, optimizer="sgd", lr=0.1, spectrum=True, **short),
         c("pg1-avg64", average_every=64, **d),
