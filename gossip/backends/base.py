@@ -371,8 +371,17 @@ class Communicator(abc.ABC):
     timeout: float
 
     def __init__(self) -> None:
-        self.bytes_sent: dict[int, int] = {}
-        self.bytes_received: dict[int, int] = {}
+        self._lifetime_traffic = Traffic()  # every exchange's payload bytes per peer, over its lifetime
+
+    @property
+    def bytes_sent(self) -> dict[int, int]:
+        """Payload bytes sent to each peer by :meth:`exchange` since this communicator was created."""
+        return self._lifetime_traffic.sent
+
+    @property
+    def bytes_received(self) -> dict[int, int]:
+        """Payload bytes received from each peer by :meth:`exchange` since this communicator was created."""
+        return self._lifetime_traffic.received
 
     # -- point to point -------------------------------------------------------------------------------------
     def exchange(
@@ -389,14 +398,12 @@ class Communicator(abc.ABC):
         given, to ``traffic`` (an algorithm's per-step account)."""
         outgoing = plan_transfers(sends, "send to", self.rank, self.size, self.device)
         incoming = plan_transfers(recvs, "receive from", self.rank, self.size, self.device)
-        for transfer in outgoing:
-            self.bytes_sent[transfer.peer] = self.bytes_sent.get(transfer.peer, 0) + transfer.nbytes
-            if traffic is not None:
-                traffic.record(transfer.peer, transfer.nbytes, 0)
-        for transfer in incoming:
-            self.bytes_received[transfer.peer] = self.bytes_received.get(transfer.peer, 0) + transfer.nbytes
-            if traffic is not None:
-                traffic.record(transfer.peer, 0, transfer.nbytes)
+        for ledger in (self._lifetime_traffic, traffic):
+            if ledger is not None:
+                for transfer in outgoing:
+                    ledger.record(transfer.peer, transfer.nbytes, 0)
+                for transfer in incoming:
+                    ledger.record(transfer.peer, 0, transfer.nbytes)
         return self._start_exchange(outgoing, incoming, seq)
 
     @abc.abstractmethod
