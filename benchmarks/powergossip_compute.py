@@ -43,6 +43,7 @@ from baseline_revision import module_at_revision  # noqa: E402
 
 import topologies  # noqa: E402
 from gossip.app.gpt import GPT, GPTConfig  # noqa: E402
+from gossip.app.train import DEFAULTS  # noqa: E402
 from gossip.backends.base import Communicator, Handle, Transfer  # noqa: E402
 from gossip.buckets import DEFAULT_BUCKET_BYTES, Bucket, bucket_parameters  # noqa: E402
 
@@ -161,6 +162,12 @@ def operations(run: Callable[[], None], steps: int = 2) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="PowerGossip ranks to measure")
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=DEFAULTS.power_iterations,
+        help=f"power iterations per step (default: the main job's, {DEFAULTS.power_iterations})",
+    )
     parser.add_argument("--rounds", type=int, default=30, help="measured rounds (each: one step of everything)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--baseline", default=BASELINE_REVISION, help="git revision of the old implementation")
@@ -196,22 +203,25 @@ def main(argv: list[str] | None = None) -> None:
         _, buckets = model_buckets(config, device, 0, args.bucket_bytes)
         print(
             f"model: GPT {args.layers} layers x {args.embd}, vocab {args.vocab}, block {args.block}; {len(buckets)} "
-            f"bucket(s) of at most {args.bucket_bytes} bytes; baseline revision {args.baseline}"
+            f"bucket(s) of at most {args.bucket_bytes} bytes; {args.iterations} power iteration(s) per step; "
+            f"baseline revision {args.baseline}"
         )
         print(f"{'rank':>4} {'variant':>10} {'ops/step':>9}")
         for rank in args.ranks:
             pad_4 = partial(PowerGossip, pad_ratio=PAD_RATIO)  # CUDA's default: similar rows share a Gram-Schmidt
             for label, make in (("old", Old), ("new", PowerGossip), ("new pad 4", pad_4)):
-                step = bound_step(make(rank=rank), buckets, device)
+                step = bound_step(make(rank=rank, num_iterations=args.iterations), buckets, device)
                 step(), step()  # the first steps create the edge's state
                 print(f"{rank:>4} {label:>10} {operations(step):9.0f}")
         return
     model, _ = model_buckets(config, device, 0)
     jobs: dict[str, Callable[[], None]] = {"forward+backward": forward_backward(model, config, args.batch, device)}
     variants: dict[str, Callable[[int], Any]] = {
-        "old": lambda rank: Old(rank=rank),
-        "new": lambda rank: PowerGossip(rank=rank),
-        "new fp32": lambda rank: PowerGossip(rank=rank, orthonormalize_dtype=torch.float32),
+        "old": lambda rank: Old(rank=rank, num_iterations=args.iterations),
+        "new": lambda rank: PowerGossip(rank=rank, num_iterations=args.iterations),
+        "new fp32": lambda rank: PowerGossip(
+            rank=rank, num_iterations=args.iterations, orthonormalize_dtype=torch.float32
+        ),
     }
     for rank in args.ranks:
         for label, make in variants.items():
@@ -230,7 +240,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"model: GPT {args.layers} layers x {args.embd}, {parameters / 1e6:.2f} M parameters; batch {args.batch} x "
         f"{args.block} tokens; device {device}; {args.threads} thread(s); {len(buckets)} bucket(s) of at most "
-        f"{args.bucket_bytes} bytes; baseline revision {args.baseline}; {args.rounds} rounds, medians"
+        f"{args.bucket_bytes} bytes; {args.iterations} power iteration(s) per step; baseline revision {args.baseline}; "
+        f"{args.rounds} rounds, medians"
     )
     print(f"forward+backward: {base * 1e3:.2f} ms")
     print("PowerGossip's own computation per step (orthonormalisation in float64 unless marked fp32):")

@@ -21,13 +21,19 @@ machine's conditions. From each run's ``metrics.csv``:
 steps), so a method slower per step than DDP in loss can still reach DDP's final loss and the ratio is defined; the
 final-loss gap is then at unequal steps (column ``steps``).
 
-``--from-runs DIR`` re-analyses finished run directories (named ``<stamp>-<rate>-r<repeat>-<method>``) without
-training.
+``--seeds S ...`` trains every method once per seed (model initialisation and batches; ``--seed`` of the main
+job), so a ratio comes with its spread over seeds; ``--repeats`` repeats the passes with the same seeds (timing
+noise only).
 
-    python -m experiments.time_to_loss --hosts 8 --rates 100mbit 1gbit --steps 300 --batch-size 8
+``--from-runs DIR`` re-analyses finished run directories (named ``<stamp>-<rate>-r<repeat>-s<seed>-<method>``;
+without ``-s<seed>``: seed 0) without training.
 
-Writes ``<results>/time_to_loss.csv`` (one row per rate, repeat and method; ``--csv`` renames it) and, per rate
-and repeat, ``<csv stem>_<rate>_<stamp>_r<repeat>.png`` (smoothed loss against wall clock). Needs root (netem)
+    python -m experiments.time_to_loss --hosts 8 --rates 100mbit 1gbit --steps 300 --batch-size 8 --seeds 0 1 2
+
+Writes ``<results>/time_to_loss.csv`` (one row per rate, repeat, seed and method; ``--csv`` renames it),
+``<csv stem>_seeds.csv`` (per rate and method: mean and standard deviation over the runs of the ratio to DDP's time
+and of the final-loss gap) and, per run, ``<csv stem>_<rate>_<stamp>_r<repeat>[_s<seed>].png`` (smoothed loss
+against wall clock). Needs root (netem)
 and, for ``decentdp``, decent-dp 0.2.3 (see ``experiments.decentdp_runner``).
 """
 
@@ -58,24 +64,28 @@ class BenchmarkError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """A way to train the task: ``argv(steps, batch_size, out)`` is one worker's command line."""
+    """A way to train the task: ``argv(steps, batch_size, out, seed)`` is one worker's command line."""
 
     name: str
     label: str
-    argv: Callable[[int, int, str], list[str]]
+    argv: Callable[[int, int, str, int], list[str]]
 
 
-def _gossip_train(*options: str) -> Callable[[int, int, str], list[str]]:
-    def argv(steps: int, batch_size: int, out: str) -> list[str]:
-        common = ["--steps", str(steps), "--batch-size", str(batch_size), "--eval-every", str(steps)]
+def _common(steps: int, batch_size: int, seed: int) -> list[str]:
+    return ["--steps", str(steps), "--batch-size", str(batch_size), "--eval-every", str(steps), "--seed", str(seed)]
+
+
+def _gossip_train(*options: str) -> Callable[[int, int, str, int], list[str]]:
+    def argv(steps: int, batch_size: int, out: str, seed: int = 0) -> list[str]:
+        common = _common(steps, batch_size, seed)
         return [sys.executable, "-m", "gossip", *options, *common, "--log-every", str(steps), "--out", out]
 
     return argv
 
 
-def _decent_dp(topology: str) -> Callable[[int, int, str], list[str]]:
-    def argv(steps: int, batch_size: int, out: str) -> list[str]:
-        common = ["--steps", str(steps), "--batch-size", str(batch_size), "--eval-every", str(steps)]
+def _decent_dp(topology: str) -> Callable[[int, int, str, int], list[str]]:
+    def argv(steps: int, batch_size: int, out: str, seed: int = 0) -> list[str]:
+        common = _common(steps, batch_size, seed)
         return [sys.executable, "-m", "experiments.decentdp_runner", "--topology", topology, *common, "--out", out]
 
     return argv
@@ -175,7 +185,9 @@ METHODS = {
     )
 }
 BASELINE = "ddp"
-RUN_NAME = re.compile(r"(?P<stamp>\d{8}-\d{6})-(?P<rate>[0-9.]+[a-z]+)-r(?P<repeat>\d+)-(?P<method>[a-z0-9-]+)")
+RUN_NAME = re.compile(
+    r"(?P<stamp>\d{8}-\d{6})-(?P<rate>[0-9.]+[a-z]+)-r(?P<repeat>\d+)(?:-s(?P<seed>\d+))?-(?P<method>[a-z0-9-]+)"
+)  # runs without "-s<seed>" predate --seeds and used the main job's default seed, 0
 
 
 def smoothed(losses: Sequence[float], window: int = FINAL_WINDOW) -> np.ndarray:
@@ -290,14 +302,16 @@ def step_budget(method: str, steps: int, gossip_steps: int | None) -> int:
     return steps if method == BASELINE or gossip_steps is None else gossip_steps
 
 
-def run_method(net, method: Method, steps: int, batch_size: int, out: Path, port: int, log: Path) -> float:
+def run_method(
+    net, method: Method, steps: int, batch_size: int, out: Path, port: int, log: Path, seed: int = 0
+) -> float:
     """Run ``method`` on every host of ``net`` (Gloo, OMP_NUM_THREADS=1); output to ``log``; wall seconds."""
     from experiments.netem.launch import run_gloo
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
     with open(log, "w") as sink:
-        code = run_gloo(net, method.argv(steps, batch_size, str(out)), port, 3600, env, sink.write)
+        code = run_gloo(net, method.argv(steps, batch_size, str(out), seed), port, 3600, env, sink.write)
     if code != 0:
         raise RuntimeError(f"{method.name}: exit code {code}; see {log}")
     return time.perf_counter() - started
@@ -325,7 +339,7 @@ def plot(curves: Sequence[Curve], title: str, path: Path) -> None:
     plt.close(figure)
 
 
-FIELDS = ("rate", "delay_ms", "hosts", "repeat", "method", "steps", "target_loss", "final_train_loss",
+FIELDS = ("rate", "delay_ms", "hosts", "repeat", "seed", "method", "steps", "target_loss", "final_train_loss",
           "final_val_loss", "loss_gap", "step_to_target", "seconds_to_target", "ratio_to_ddp", "common_loss",
           "step_to_common", "seconds_to_common", "common_ratio_to_ddp", "best_gossip_loss",
           "seconds_to_best_gossip", "best_gossip_ratio_to_ddp", "mean_step_ms", "total_seconds",
@@ -341,19 +355,57 @@ def analyze(curves: Sequence[Curve], setting: dict, title: str, plot_path: Path)
     return rows
 
 
-def plot_name(csv_name: str, rate: str, stamp: str, repeat: int) -> str:
-    """``<csv stem>_<rate>_<stamp>_r<repeat>.png``: one file per run, never overwritten by another run."""
-    return f"{Path(csv_name).stem}_{rate}_{stamp}_r{repeat}.png"
+def plot_name(csv_name: str, rate: str, stamp: str, repeat: int, seed: int = 0) -> str:
+    """``<csv stem>_<rate>_<stamp>_r<repeat>[_s<seed>].png``: one file per run, never overwritten by another run."""
+    return f"{Path(csv_name).stem}_{rate}_{stamp}_r{repeat}" + (f"_s{seed}" if seed else "") + ".png"
 
 
-def finished_runs(root: Path) -> dict[tuple[str, str, str], list[tuple[str, Path]]]:
-    """Run directories under ``root`` grouped by (stamp, rate, repeat): [(method, path), ...] in name order."""
-    groups: dict[tuple[str, str, str], list[tuple[str, Path]]] = {}
+def finished_runs(root: Path) -> dict[tuple[str, str, int, int], list[tuple[str, Path]]]:
+    """Run directories under ``root`` grouped by (stamp, rate, repeat, seed): [(method, path), ...] in name order."""
+    groups: dict[tuple[str, str, int, int], list[tuple[str, Path]]] = {}
     for path in sorted(p for p in Path(root).iterdir() if (p / "metrics.csv").exists()):
         match = RUN_NAME.fullmatch(path.name)
         if match and match["method"] in METHODS:
-            groups.setdefault((match["stamp"], match["rate"], match["repeat"]), []).append((match["method"], path))
+            key = (match["stamp"], match["rate"], int(match["repeat"]), int(match["seed"] or 0))
+            groups.setdefault(key, []).append((match["method"], path))
     return groups
+
+
+SUMMARY_FIELDS = ("rate", "method", "runs", "seeds", "ratio_to_ddp_mean", "ratio_to_ddp_std", "runs_reaching_target",
+                  "loss_gap_mean", "loss_gap_std", "final_train_loss_mean", "mean_step_ms", "bytes_per_step",
+                  "bytes_vs_ddp")  # fmt: skip
+
+
+def across_seeds(table: Sequence[dict]) -> list[dict]:
+    """Per (rate, method): mean and sample standard deviation over the runs (seeds, repeats) of the ratio to DDP's
+    time and of the final-loss gap; ``runs_reaching_target`` counts the runs with a ratio (the mean is over those)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in table:
+        groups.setdefault((row["rate"], row["method"]), []).append(row)
+    summary = []
+    for (rate, method), rows in groups.items():
+        ratios = [r["ratio_to_ddp"] for r in rows if math.isfinite(r["ratio_to_ddp"])]
+        gaps = [r["loss_gap"] for r in rows]
+        ddp_bytes = [r["bytes_per_step"] for r in table if r["rate"] == rate and r["method"] == BASELINE]
+        bytes_per_step = float(np.mean([r["bytes_per_step"] for r in rows]))
+        summary.append(
+            {
+                "rate": rate,
+                "method": method,
+                "runs": len(rows),
+                "seeds": " ".join(str(s) for s in sorted({r["seed"] for r in rows})),
+                "ratio_to_ddp_mean": float(np.mean(ratios)) if ratios else math.nan,
+                "ratio_to_ddp_std": float(np.std(ratios, ddof=1)) if len(ratios) > 1 else math.nan,
+                "runs_reaching_target": len(ratios),
+                "loss_gap_mean": float(np.mean(gaps)),
+                "loss_gap_std": float(np.std(gaps, ddof=1)) if len(gaps) > 1 else math.nan,
+                "final_train_loss_mean": float(np.mean([r["final_train_loss"] for r in rows])),
+                "mean_step_ms": float(np.mean([r["mean_step_ms"] for r in rows])),
+                "bytes_per_step": bytes_per_step,
+                "bytes_vs_ddp": bytes_per_step / float(np.mean(ddp_bytes)) if ddp_bytes else math.nan,
+            }
+        )
+    return summary
 
 
 def train_all(args: argparse.Namespace, results: Path) -> list[dict]:
@@ -362,32 +414,35 @@ def train_all(args: argparse.Namespace, results: Path) -> list[dict]:
     stamp, table, port = time.strftime("%Y%m%d-%H%M%S"), [], 29600
     for rate in args.rates:
         with EmulatedNetwork(hosts=args.hosts, rate=rate, delay_ms=args.delay_ms) as net:
-            for repeat in range(args.repeats):
+            for repeat, seed in ((r, s) for r in range(args.repeats) for s in args.seeds):
                 curves = []
                 for name in args.methods:
-                    out = Path(args.runs) / f"{stamp}-{rate}-r{repeat}-{name}"
+                    out = Path(args.runs) / f"{stamp}-{rate}-r{repeat}-s{seed}-{name}"
                     out.parent.mkdir(parents=True, exist_ok=True)
                     port += 1
                     steps = step_budget(name, args.steps, args.gossip_steps)
-                    wall = run_method(net, METHODS[name], steps, args.batch_size, out, port, Path(f"{out}.log"))
+                    log = Path(f"{out}.log")
+                    wall = run_method(net, METHODS[name], steps, args.batch_size, out, port, log, seed)
                     curves.append(read_curve(name, out))
-                    print(f"{rate} repeat {repeat} {name}: {wall:.0f} s wall, run dir {out}", flush=True)
-                setting = {"rate": rate, "delay_ms": args.delay_ms, "hosts": args.hosts, "repeat": repeat}
+                    print(f"{rate} repeat {repeat} seed {seed} {name}: {wall:.0f} s wall, run dir {out}", flush=True)
+                setting = {"rate": rate, "delay_ms": args.delay_ms, "hosts": args.hosts, "repeat": repeat, "seed": seed}
                 budget = f"{args.steps} steps" + (f" ({args.gossip_steps} for gossip)" if args.gossip_steps else "")
-                title = f"{args.hosts} hosts, {rate}, delay {args.delay_ms:g} ms, {budget}, repeat {repeat}"
-                table += analyze(curves, setting, title, results / plot_name(args.csv, rate, stamp, repeat))
+                title = (
+                    f"{args.hosts} hosts, {rate}, delay {args.delay_ms:g} ms, {budget}, seed {seed}, repeat {repeat}"
+                )
+                table += analyze(curves, setting, title, results / plot_name(args.csv, rate, stamp, repeat, seed))
     return table
 
 
 def reanalyze(args: argparse.Namespace, results: Path) -> list[dict]:
     table = []
-    for (stamp, rate, repeat), members in finished_runs(Path(args.from_runs)).items():
+    for (stamp, rate, repeat, seed), members in finished_runs(Path(args.from_runs)).items():
         chosen = sorted((m, path) for m, path in members if m in args.methods)
         curves = [read_curve(m, path) for m, path in sorted(chosen, key=lambda item: list(METHODS).index(item[0]))]
-        setting = {"rate": rate, "delay_ms": args.delay_ms, "hosts": args.hosts, "repeat": int(repeat)}
+        setting = {"rate": rate, "delay_ms": args.delay_ms, "hosts": args.hosts, "repeat": repeat, "seed": seed}
         budgets = "/".join(str(steps) for steps in sorted({len(curve.losses) for curve in curves}))
-        title = f"{args.hosts} hosts, {rate}, {budgets} steps, run {stamp} r{repeat}"
-        table += analyze(curves, setting, title, results / plot_name(args.csv, rate, stamp, int(repeat)))
+        title = f"{args.hosts} hosts, {rate}, {budgets} steps, run {stamp} r{repeat} seed {seed}"
+        table += analyze(curves, setting, title, results / plot_name(args.csv, rate, stamp, repeat, seed))
     return table
 
 
@@ -403,6 +458,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--methods", nargs="+", default=["ddp", "exact", "pg1", "pg4", "decentdp"])
     parser.add_argument("--repeats", type=int, default=1, help="passes over all methods, interleaved")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="seeds (model init, batches); each is a pass over all methods"
+    )
     parser.add_argument("--runs", default="runs/time_to_loss", help="where the run directories go")
     parser.add_argument("--from-runs", default=None, help="re-analyse the finished runs in this directory")
     parser.add_argument("--results", default=str(RESULTS), help="where the CSV and plots go")
@@ -418,13 +476,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         writer = csv.DictWriter(file, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(table)
-    print(f"wrote {results / args.csv}")
+    summary = across_seeds(table)
+    summary_path = results / f"{Path(args.csv).stem}_seeds.csv"
+    with open(summary_path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=SUMMARY_FIELDS)
+        writer.writeheader()
+        writer.writerows(summary)
+    for row in summary:
+        print(
+            f"  {row['rate']:>8} {row['method']:<13} over {row['runs']} run(s) (seeds {row['seeds']}): "
+            f"x{row['ratio_to_ddp_mean']:.2f} ± {row['ratio_to_ddp_std']:.2f} of DDP's time "
+            f"({row['runs_reaching_target']} reached its loss), gap {row['loss_gap_mean']:+.3f} ± "
+            f"{row['loss_gap_std']:.3f}, {row['bytes_vs_ddp']:.3f} of DDP's bytes"
+        )
+    print(f"wrote {results / args.csv} and {summary_path}")
     return 0
 
 
 def _format(row: dict) -> str:
     return (
-        f"  {row['rate']:>8} r{row['repeat']} {row['method']:<13} final {row['final_train_loss']:.3f} "
+        f"  {row['rate']:>8} r{row['repeat']} s{row['seed']} {row['method']:<13} final {row['final_train_loss']:.3f} "
         f"(gap {row['loss_gap']:+.3f}, val {row['final_val_loss']:.3f}) "
         f"to target {row['seconds_to_target']:.1f} s (x{row['ratio_to_ddp']:.2f} of DDP), to the common loss "
         f"{row['common_loss']:.3f} {row['seconds_to_common']:.1f} s (x{row['common_ratio_to_ddp']:.2f}), to the best "

@@ -13,10 +13,13 @@ from hypothesis import strategies as st
 from experiments.time_to_loss import (
     BASELINE,
     CLOCK_START_STEP,
+    METHODS,
     BenchmarkError,
     Curve,
+    across_seeds,
     compare,
     final_loss,
+    finished_runs,
     main,
     plot_name,
     read_curve,
@@ -129,3 +132,42 @@ def test_plots_of_different_runs_get_different_names():
     names = {plot_name(csv_name, rate, stamp, 0) for csv_name in ("a.csv", "b.csv") for rate in ("1gbit", "100mbit")
              for stamp in ("20261121-100000", "20261121-110000")}  # fmt: skip
     assert len(names) == 8
+    assert plot_name("a.csv", "1gbit", "20261121-100000", 0, seed=0) != plot_name(
+        "a.csv", "1gbit", "20261121-100000", 0, seed=1
+    )
+
+
+@pytest.mark.parametrize("method", ["ddp", "pg4-it2-adamw", "decentdp"])
+def test_every_method_trains_with_the_seed_it_is_given(method):
+    argv = METHODS[method].argv(300, 8, "out", 2)
+    assert argv[argv.index("--seed") + 1] == "2"
+
+
+def test_finished_runs_read_the_seed_from_the_name_and_seed_0_from_runs_named_before_seeds(tmp_path):
+    for name in ("20261122-100000-1gbit-r0-ddp", "20261122-110000-100mbit-r1-s2-pg4-it2-adamw", "notes"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.csv").write_text("step\n")
+    groups = finished_runs(tmp_path)
+    assert groups == {
+        ("20261122-100000", "1gbit", 0, 0): [("ddp", tmp_path / "20261122-100000-1gbit-r0-ddp")],
+        ("20261122-110000", "100mbit", 1, 2): [
+            ("pg4-it2-adamw", tmp_path / "20261122-110000-100mbit-r1-s2-pg4-it2-adamw")
+        ],
+    }
+
+
+def test_across_seeds_gives_the_mean_and_sample_spread_of_the_ratios_and_counts_runs_that_miss_the_target():
+    def row(seed, method, ratio, gap, sent):
+        return {"rate": "1gbit", "seed": seed, "method": method, "ratio_to_ddp": ratio, "loss_gap": gap,
+                "final_train_loss": 2.0 + gap, "mean_step_ms": 100.0, "bytes_per_step": sent}  # fmt: skip
+
+    table = [row(s, BASELINE, 1.0, 0.0, 3000.0) for s in range(3)]
+    table += [row(0, "exact", 0.5, 0.1, 100.0), row(1, "exact", 0.7, 0.3, 100.0), row(2, "exact", math.nan, 0.5, 100.0)]
+    got = {r["method"]: r for r in across_seeds(table)}
+    assert got["exact"]["runs"] == 3 and got["exact"]["seeds"] == "0 1 2"
+    assert got["exact"]["runs_reaching_target"] == 2
+    assert got["exact"]["ratio_to_ddp_mean"] == pytest.approx(0.6)
+    assert got["exact"]["ratio_to_ddp_std"] == pytest.approx(math.sqrt(0.02))
+    assert got["exact"]["loss_gap_mean"] == pytest.approx(0.3) and got["exact"]["loss_gap_std"] == pytest.approx(0.2)
+    assert got["exact"]["bytes_vs_ddp"] == pytest.approx(1 / 30)
+    assert got[BASELINE]["ratio_to_ddp_std"] == 0.0
