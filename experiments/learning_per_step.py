@@ -19,6 +19,10 @@ Mixing rules (the order of one step is :class:`gossip.DecentralizedDataParallel`
 * ``ddp``: All-Reduce of the gradients (mean over ranks, summed in rank order) before one AdamW step on every rank,
   so the replicas stay identical; :math:`2\frac{n-1}{n} M` bytes per worker per step (ring all-reduce, M = model
   bytes).
+* ``atc``: each rank's own AdamW step, then an exact average of the parameters over all ranks (All-Reduce,
+  adapt-then-combine): replicas identical at every forward, as under DDP, but each rank's optimizer sees only its
+  own gradient; the diagnostic that separates per-rank Adam from the overlap order (where the gradient is taken
+  at the rank's own, not yet mixed, parameters).
 * ``none``: no communication at all (each rank trains alone from the same initial model): the drift that mixing
   must remove.
 * ``exact``, ``powergossip``: the library's :class:`gossip.ExactGossip` and :class:`gossip.PowerGossip` on the
@@ -82,15 +86,16 @@ class RunConfig:
     """One configuration of the study; ``name`` identifies it in the CSVs."""
 
     name: str
-    algorithm: str = "powergossip"  # ddp | none | exact | powergossip | choco
+    algorithm: str = "powergossip"  # ddp | atc | none | exact | powergossip | choco
     rank: int = 1
     iterations: int = 1
     gamma: float = 1.0
     average_every: int = 0  # exact global average every K steps, replacing the inner mixing (0: never)
     topk: float = 0.01  # choco: share of coordinates sent per step
-    optimizer: str = "adamw"  # adamw | accum-adamw | debiased-adamw | sgd
+    optimizer: str = "adamw"  # adamw | accum-adamw | debiased-adamw | smoothed-v-adamw | sgd
     beta2: float = 0.95
     accum_iter: int = 1
+    v_beta: float = -1.0  # smoothed-v-adamw: EMA rate of the gradients whose square v tracks (-1: (n-1)/(n+1))
     average_moments: str = ""  # "m", "v" or "mv": the AdamW moments averaged over all ranks after every step
     lr: float = 3e-3
     warmup: int = 30
@@ -245,12 +250,56 @@ class NoiseDebiasedAdamW(torch.optim.Optimizer):
                 p.addcdiv_(m, debiased.sqrt_().add_(group["eps"]), value=-group["lr"] / (1 - beta1**t))
 
 
+class SmoothedSecondMomentAdamW(torch.optim.Optimizer):
+    r"""AdamW whose second moment is taken of a short EMA of the local gradients rather than of the gradient itself
+    (harness-level, for the study).
+
+    A worker's gradient :math:`g_i = g + \xi_i` (iid noise of variance :math:`\sigma^2` per coordinate and step)
+    makes :math:`E[g_i^2] = g^2 + \sigma^2`, while DDP's Adam, fed the mean of n workers' gradients, sees
+    :math:`E[\bar g^2] = g^2 + \sigma^2/n`. An EMA :math:`u \leftarrow \beta_u u + (1-\beta_u) g_i` has stationary
+    noise variance :math:`\frac{1-\beta_u}{1+\beta_u}\sigma^2`, which equals :math:`\sigma^2/n` at
+    :math:`\beta_u = \frac{n-1}{n+1}`: averaging over time stands in for averaging over workers (the idea of
+    AccumAdam, Wang et al., ICLR 2025, Sec. 3, without freezing the moments between rounds). Then
+    :math:`v \leftarrow \beta_2 v + (1-\beta_2)\hat u^2` with :math:`\hat u = u/(1-\beta_u^t)`, and the update is
+    AdamW's :math:`-\mathrm{lr}\,\hat m/(\sqrt{\hat v}+\epsilon)`. ``v_beta = β1`` gives AdaMomentum's
+    :math:`v = \mathrm{EMA}(m^2)` (Wang et al., "Rethinking Adam", 2021).
+    """
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, v_beta: float) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        self.v_beta = v_beta
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["m"], state["v"], state["u"] = (torch.zeros_like(p) for _ in range(3))
+                state["step"] += 1
+                t, g, m, v, u = state["step"], p.grad, state["m"], state["v"], state["u"]
+                m.lerp_(g, 1 - beta1)
+                u.lerp_(g, 1 - self.v_beta)
+                smoothed = u / (1 - self.v_beta**t)
+                v.mul_(beta2).addcmul_(smoothed, smoothed, value=1 - beta2)
+                denominator = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.addcdiv_(m, denominator, value=-group["lr"] / (1 - beta1**t))
+
+
 def make_optimizer(config: RunConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
     groups = optim.param_groups(module, 0.1)
     if config.optimizer == "sgd":
         return optim.SGD(groups, lr=config.lr, momentum=0.9, nesterov=True)
     if config.optimizer == "debiased-adamw":
         return NoiseDebiasedAdamW(groups, lr=config.lr, betas=(0.9, config.beta2), eps=1e-8, workers=config.workers)
+    if config.optimizer == "smoothed-v-adamw":
+        v_beta = config.v_beta if config.v_beta >= 0 else (config.workers - 1) / (config.workers + 1)
+        return SmoothedSecondMomentAdamW(groups, lr=config.lr, betas=(0.9, config.beta2), eps=1e-8, v_beta=v_beta)
     accum = config.accum_iter if config.optimizer == "accum-adamw" else 1
     return optim.AccumAdamW(groups, lr=config.lr, betas=(0.9, config.beta2), eps=1e-8, accum_iter=accum)
 
@@ -326,14 +375,21 @@ def spectrum_rows(
     return rows
 
 
-def _average_gradients(module: torch.nn.Module, comm: gossip.Communicator) -> None:
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+def _average_in_place(tensors: list[torch.Tensor], comm: gossip.Communicator) -> None:
+    flat = torch.cat([t.reshape(-1) for t in tensors])
     comm.all_reduce(flat, "avg")
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    torch._foreach_copy_(
+        tensors, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
+    )
+
+
+def _average_gradients(module: torch.nn.Module, comm: gossip.Communicator) -> None:
+    _average_in_place([p.grad for p in module.parameters() if p.grad is not None], comm)
+
+
+@torch.no_grad()
+def _average_parameters(module: torch.nn.Module, comm: gossip.Communicator) -> None:
+    _average_in_place([p.data for p in module.parameters()], comm)
 
 
 @torch.no_grad()
@@ -368,11 +424,7 @@ def _average_moments(optimizer: torch.optim.Optimizer, which: str, comm: gossip.
         state[MOMENT_KEYS[key]] for key in which for group in optimizer.param_groups for p in group["params"]
         if (state := optimizer.state.get(p))
     ]  # fmt: skip
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    comm.all_reduce(flat, "avg")
-    torch._foreach_copy_(
-        tensors, [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)]
-    )
+    _average_in_place(tensors, comm)
 
 
 def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
@@ -391,7 +443,7 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
             torch.manual_seed(seed)
             module = GPT(model_config)
         model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        ddp = config.algorithm == "ddp"
+        ddp = config.algorithm in ("ddp", "atc")  # both keep identical replicas by an all-reduce, no wrapper
         algorithm = None if ddp else make_algorithm(config)
         if ddp:
             wrapped: torch.nn.Module = module
@@ -409,9 +461,11 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
             x, y = batches.batch(step)
             _, loss = wrapped(x, y)
             loss.backward()
-            if ddp:
+            if config.algorithm == "ddp":
                 _average_gradients(module, comm)
             optimizer.step()
+            if config.algorithm == "atc":
+                _average_parameters(module, comm)
             if config.average_moments:
                 _average_moments(optimizer, config.average_moments, comm)
             optimizer.zero_grad(set_to_none=True)
@@ -530,6 +584,16 @@ def suite(name: str) -> list[RunConfig]:
         c("exact-debiased", algorithm="exact", optimizer="debiased-adamw", **d),
         c("exact-accum8-b0.95", algorithm="exact", optimizer="accum-adamw", accum_iter=8, **d),
         c("exact-accum4", algorithm="exact", optimizer="accum-adamw", accum_iter=4, beta2=0.99, **d),
+        # the second moment of a short EMA of the local gradients, matched to the mean of n workers' noise
+        # Adapt-then-combine: the parameters averaged right AFTER every local AdamW step, so every rank computes
+        # its gradient at the same point (as DDP does), vs avg1-*: averaged at the step, gradient at the local point
+        c("atc-avg1", algorithm="atc", **d),
+        c("atc-avg1-mv", algorithm="atc", average_moments="mv", **d),
+        c("avg1-smoothv", algorithm="none", average_every=1, optimizer="smoothed-v-adamw", **d),
+        c("exact-smoothv", algorithm="exact", optimizer="smoothed-v-adamw", **d),
+        c("pg4-it2-smoothv", rank=4, iterations=2, optimizer="smoothed-v-adamw", **d),
+        c("exact-vm", algorithm="exact", optimizer="smoothed-v-adamw", v_beta=0.9, **d),
+        c("ddp-smoothv", algorithm="ddp", optimizer="smoothed-v-adamw", **d),
         c("pg4-avg32-accum4", rank=4, average_every=32, optimizer="accum-adamw", accum_iter=4, beta2=0.99, **d),
     ]
 

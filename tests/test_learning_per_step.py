@@ -1,5 +1,6 @@
-"""The learning-per-step study's own pieces: CHOCO-Gossip, the noise-debiased AdamW, the spectrum measurement and the
-report's aggregation (experiments/learning_per_step.py, experiments/learning_per_step_report.py)."""
+"""The learning-per-step study's own pieces: CHOCO-Gossip, the noise-debiased and smoothed-second-moment AdamWs, the
+adapt-then-combine diagnostic, the spectrum measurement and the report's aggregation (experiments/learning_per_step.py,
+experiments/learning_per_step_report.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,15 @@ import torch
 
 import gossip
 import topologies
-from experiments.learning_per_step import ChocoTopK, NoiseDebiasedAdamW, RunConfig, capture_shares, spectrum_rows
+from experiments.learning_per_step import (
+    ChocoTopK,
+    NoiseDebiasedAdamW,
+    RunConfig,
+    SmoothedSecondMomentAdamW,
+    capture_shares,
+    spectrum_rows,
+    train_run,
+)
 from experiments.learning_per_step_report import config_table, steps_to_target
 from gossip.buckets import pack
 
@@ -144,3 +153,35 @@ def test_noise_debiased_adamw_divides_pure_noise_by_the_mean_gradients_second_mo
         states[name] = (weight.detach() - before).abs().mean().item()
     ratio = states["debiased"] / states["adamw"]
     assert math.sqrt(n) * 0.8 < ratio <= math.sqrt(n) * 1.0001, ratio
+
+
+def test_smoothed_second_moment_adamw_without_smoothing_is_adamw():
+    generator = torch.Generator().manual_seed(0)
+    gradients = [torch.randn(64, generator=generator, dtype=torch.float64) + 0.3 for _ in range(40)]
+    ours = _trajectory(
+        lambda g: SmoothedSecondMomentAdamW(g, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, v_beta=0.0), gradients
+    )
+    adamw = _trajectory(lambda g: torch.optim.AdamW(g, lr=1e-2, betas=(0.9, 0.95), eps=1e-8), gradients)
+    torch.testing.assert_close(ours, adamw, rtol=0, atol=1e-12)
+
+
+def test_smoothed_second_moment_of_pure_noise_is_that_of_the_mean_of_n_workers():
+    """v_beta = (n-1)/(n+1): the EMA's stationary noise variance is s^2 / n, the variance of the mean of n workers'
+    gradients, so v settles near s^2 / n where AdamW's settles near s^2."""
+    generator = torch.Generator().manual_seed(2)
+    n, scale = 8, 0.5
+    weight = torch.nn.Parameter(torch.zeros(4096, dtype=torch.float64))
+    optimizer = SmoothedSecondMomentAdamW([weight], lr=0.0, betas=(0.9, 0.95), eps=1e-8, v_beta=(n - 1) / (n + 1))
+    for _ in range(400):
+        weight.grad = scale * torch.randn(4096, generator=generator, dtype=torch.float64)
+        optimizer.step()
+    v = optimizer.state[weight]["v"].mean().item()
+    assert v == pytest.approx(scale**2 / n, rel=0.1)
+
+
+def test_adapt_then_combine_keeps_the_replicas_identical_at_ddps_bytes():
+    config = RunConfig("atc", algorithm="atc", workers=2, batch=2, steps=3, warmup=1)
+    summary = train_run(config, seed=0)["summary"][0]
+    assert summary["final_consensus"] == 0.0
+    assert summary["bytes_per_worker_per_step"] == summary["ddp_bytes_per_worker_per_step"]
+    assert math.isfinite(summary["final_train_loss"])
