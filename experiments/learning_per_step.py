@@ -594,6 +594,12 @@ def suite(name: str) -> list[RunConfig]:
         c("pg4-it2-smoothv", rank=4, iterations=2, optimizer="smoothed-v-adamw", **d),
         c("exact-vm", algorithm="exact", optimizer="smoothed-v-adamw", v_beta=0.9, **d),
         c("ddp-smoothv", algorithm="ddp", optimizer="smoothed-v-adamw", **d),
+        # step budgets for the time to DDP's final loss: DDP 300 steps (time_to_loss's DDP run) against the default
+        # PowerGossip with its own, shorter-than-1000 schedules; warm-up as gossip-train's (steps // 10, at most 100)
+        c("ddp-s300", algorithm="ddp", steps=300, warmup=30),
+        c("pg4-it2-s400", rank=4, iterations=2, steps=400, warmup=40),
+        c("pg4-it2-s500", rank=4, iterations=2, steps=500, warmup=50),
+        c("pg4-it2-s600", rank=4, iterations=2, steps=600, warmup=60),
         c("pg4-avg32-accum4", rank=4, average_every=32, optimizer="accum-adamw", accum_iter=4, beta2=0.99, **d),
     ]
 

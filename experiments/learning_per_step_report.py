@@ -50,10 +50,10 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def reference_of(config: str, summary: list[dict]) -> str | None:
-    """The DDP configuration of the same number of workers and steps (``ddp`` or ``mj-ddp``), if it ran."""
+def reference_of(config: str, summary: list[dict], candidates: Sequence[str] = ("ddp", "mj-ddp")) -> str | None:
+    """The DDP configuration of the same number of workers and steps among ``candidates``, if it ran."""
     mine = next(r for r in summary if r["config"] == config)
-    for name in ("ddp", "mj-ddp"):
+    for name in candidates:
         ref = [r for r in summary if r["config"] == name]
         if ref and ref[0]["workers"] == mine["workers"] and ref[0]["steps"] == mine["steps"]:
             return name
@@ -65,8 +65,13 @@ def steps_to_target(curve: Sequence[tuple[float, float]], target: float) -> floa
     return next((step for step, loss in curve if loss <= target), math.nan)
 
 
-def config_table(summary: list[dict], steps: list[dict]) -> list[dict]:
-    """One aggregated row per configuration, in the order the configurations first appear."""
+def config_table(summary: list[dict], steps: list[dict], reference: str | None = None) -> list[dict]:
+    """One aggregated row per configuration, in the order the configurations first appear.
+
+    Gaps and steps to the target are against the DDP run of the same workers and steps, or, with ``reference``,
+    against that configuration for every configuration of its number of workers, whatever their step budgets
+    (the time-to-loss question: a budget of its own for each method, DDP's final loss as the target).
+    """
     by_config: dict[str, list[dict]] = defaultdict(list)
     for row in summary:
         by_config[row["config"]].append(row)
@@ -78,9 +83,15 @@ def config_table(summary: list[dict], steps: list[dict]) -> list[dict]:
     for row in steps:
         if row["config"] in length and row["step"] > length[row["config"]] / 2:
             late_consensus[row["config"]].append(row["consensus"])
+    reference_name = reference
+
+    def forced(config: str) -> str | None:
+        workers = {r["config"]: r["workers"] for r in summary}
+        return reference_name if workers.get(reference_name) == workers[config] else None
+
     table = []
     for config, runs in by_config.items():
-        reference = reference_of(config, summary)
+        reference = reference_of(config, summary) if reference_name is None else forced(config)
         ref_runs = {r["seed"]: r for r in by_config.get(reference, [])}
         gaps = [r["final_train_loss"] - ref_runs[r["seed"]]["final_train_loss"] for r in runs if r["seed"] in ref_runs]
         target = statistics.fmean(r["final_train_loss"] for r in ref_runs.values()) if ref_runs else math.nan
@@ -183,12 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=RESULTS)
     parser.add_argument("--plot", nargs="*", default=None, help="configurations to plot (default: the n = 8 ones)")
+    parser.add_argument(
+        "--reference", default=None, help="compare every configuration with this one (default: DDP of equal steps)"
+    )
     args = parser.parse_args(argv)
     summary, steps = read_rows(args.dir / "summary.csv"), read_rows(args.dir / "steps.csv")
     spectrum = read_rows(args.dir / "spectrum.csv")
     if not summary:
         parser.error(f"no summary.csv in {args.dir}")
-    print(markdown_configs(config_table(summary, steps)))
+    print(markdown_configs(config_table(summary, steps, args.reference)))
     for kind in ("pair", "to_mean", "next_edge"):
         if any(r["kind"] == kind for r in spectrum):
             print(f"\nSpectrum of the replica difference ({kind}):\n")

@@ -115,6 +115,24 @@ def test_report_pairs_gaps_by_seed_and_counts_steps_to_ddp_final_loss():
     assert math.isnan(steps_to_target([(10, 2.0)], 1.5))
 
 
+def test_report_against_a_named_reference_compares_unequal_step_budgets():
+    def run(config, seed, steps, loss):
+        return {"config": config, "seed": seed, "workers": 8, "steps": steps, "final_train_loss": loss,
+                "val_loss_averaged": 1.0, "final_consensus": 0.0, "bytes_per_worker_per_step": 10.0,
+                "ddp_bytes_per_worker_per_step": 10.0, "settings": ""}  # fmt: skip
+
+    summary = [run("ddp-s300", 0, 300, 2.0), run("pg-s500", 0, 500, 1.8), run("mj", 0, 300, 2.5)]
+    summary[2]["workers"] = 4
+    steps = [{"config": "pg-s500", "seed": 0, "step": t, "train_loss": 2.4 - t / 1000, "consensus": 0.1}
+             for t in range(10, 501, 10)]  # fmt: skip
+    by_config = {r["config"]: r for r in config_table(summary, steps, reference="ddp-s300")}
+    assert by_config["pg-s500"]["reference"] == "ddp-s300"
+    assert by_config["pg-s500"]["gap"][0] == pytest.approx(-0.2)
+    assert by_config["pg-s500"]["to_target"] == (1, 1, 400)  # first record with loss <= 2.0
+    assert by_config["mj"]["reference"] is None  # another number of workers: no reference
+    assert config_table(summary, steps)[1]["reference"] is None  # by default only DDP of equal steps
+
+
 def _trajectory(make, gradients: list[torch.Tensor]) -> torch.Tensor:
     weight = torch.nn.Parameter(torch.ones(64, dtype=torch.float64))
     optimizer = make([{"params": [weight], "weight_decay": 0.1}])
