@@ -208,7 +208,40 @@ def make_schedule(config: RunConfig) -> topologies.Schedule:
     return topologies.one_peer_hypercube(config.workers)
 
 
-class NoiseDebiasedAdamW(torch.optim.Optimizer):
+class _StudyAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, per-tensor loop) whose bias-corrected second moment :meth:`second_moment`
+    gives; state m, v and one more buffer, ``extra``, per parameter. For the study's variants."""
+
+    extra = "s"
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+
+    def second_moment(self, state: dict, g: torch.Tensor, beta2: float) -> torch.Tensor:
+        """Advance the second-moment state with gradient ``g`` (before m moves) and return its estimate."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["m"], state["v"], state[self.extra] = (torch.zeros_like(p) for _ in range(3))
+                state["step"] += 1
+                estimate = self.second_moment(state, p.grad, beta2)
+                state["m"].lerp_(p.grad, 1 - beta1)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.addcdiv_(
+                    state["m"], estimate.sqrt_().add_(group["eps"]), value=-group["lr"] / (1 - beta1 ** state["step"])
+                )
+
+
+class NoiseDebiasedAdamW(_StudyAdamW):
     r"""AdamW whose second moment estimates that of the mean gradient over ``workers``, from local statistics only
     (harness-level, for the study).
 
@@ -225,32 +258,18 @@ class NoiseDebiasedAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, workers: int) -> None:
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        super().__init__(params, lr, betas, eps)
         self.workers = workers
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
+    def second_moment(self, state: dict, g: torch.Tensor, beta2: float) -> torch.Tensor:
+        m, v, s = state["m"], state["v"], state["s"]
+        s.mul_(beta2).addcmul_(g - m, g - m, value=1 - beta2)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         shrink = 1.0 - 1.0 / self.workers
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["m"], state["v"], state["s"] = (torch.zeros_like(p) for _ in range(3))
-                state["step"] += 1
-                t, g, m, v, s = state["step"], p.grad, state["m"], state["v"], state["s"]
-                s.mul_(beta2).addcmul_(g - m, g - m, value=1 - beta2)
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                debiased = torch.maximum(v - shrink * s, v / self.workers).div_(1 - beta2**t)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.addcdiv_(m, debiased.sqrt_().add_(group["eps"]), value=-group["lr"] / (1 - beta1**t))
+        return torch.maximum(v - shrink * s, v / self.workers).div_(1 - beta2 ** state["step"])
 
 
-class SmoothedSecondMomentAdamW(torch.optim.Optimizer):
+class SmoothedSecondMomentAdamW(_StudyAdamW):
     r"""AdamW whose second moment is taken of a short EMA of the local gradients rather than of the gradient itself
     (harness-level, for the study).
 
@@ -265,30 +284,18 @@ class SmoothedSecondMomentAdamW(torch.optim.Optimizer):
     :math:`v = \mathrm{EMA}(m^2)` (Wang et al., "Rethinking Adam", 2021).
     """
 
+    extra = "u"
+
     def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, v_beta: float) -> None:
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        super().__init__(params, lr, betas, eps)
         self.v_beta = v_beta
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["m"], state["v"], state["u"] = (torch.zeros_like(p) for _ in range(3))
-                state["step"] += 1
-                t, g, m, v, u = state["step"], p.grad, state["m"], state["v"], state["u"]
-                m.lerp_(g, 1 - beta1)
-                u.lerp_(g, 1 - self.v_beta)
-                smoothed = u / (1 - self.v_beta**t)
-                v.mul_(beta2).addcmul_(smoothed, smoothed, value=1 - beta2)
-                denominator = (v / (1 - beta2**t)).sqrt_().add_(group["eps"])
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.addcdiv_(m, denominator, value=-group["lr"] / (1 - beta1**t))
+    def second_moment(self, state: dict, g: torch.Tensor, beta2: float) -> torch.Tensor:
+        t, v, u = state["step"], state["v"], state["u"]
+        u.lerp_(g, 1 - self.v_beta)
+        smoothed = u / (1 - self.v_beta**t)
+        v.mul_(beta2).addcmul_(smoothed, smoothed, value=1 - beta2)
+        return v / (1 - beta2**t)
 
 
 def make_optimizer(config: RunConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
