@@ -31,7 +31,7 @@ without ``-s<seed>``: seed 0) without training.
     python -m experiments.time_to_loss --hosts 8 --rates 100mbit 1gbit --steps 300 --batch-size 8 --seeds 0 1 2
 
 Writes ``<results>/time_to_loss.csv`` (one row per rate, repeat, seed and method; ``--csv`` renames it),
-``<csv stem>_seeds.csv`` (per rate and method: mean and standard deviation over the runs of the ratio to DDP's time
+``<csv stem>_summary.csv`` (per rate and method: mean and standard deviation over the runs of the ratio to DDP's time
 and of the final-loss gap) and, per run, ``<csv stem>_<rate>_<stamp>_r<repeat>[_s<seed>].png`` (smoothed loss
 against wall clock). Needs root (netem)
 and, for ``decentdp``, decent-dp 0.2.3 (see ``experiments.decentdp_runner``).
@@ -477,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         writer.writeheader()
         writer.writerows(table)
     summary = across_seeds(table)
-    summary_path = results / f"{Path(args.csv).stem}_seeds.csv"
+    summary_path = results / f"{Path(args.csv).stem}_summary.csv"
     with open(summary_path, "w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=SUMMARY_FIELDS)
         writer.writeheader()
