@@ -607,6 +607,10 @@ def suite(name: str) -> list[RunConfig]:
         c("pg4-it2-s400", rank=4, iterations=2, steps=400, warmup=40),
         c("pg4-it2-s500", rank=4, iterations=2, steps=500, warmup=50),
         c("pg4-it2-s600", rank=4, iterations=2, steps=600, warmup=60),
+        # the consensus target (3x exact gossip's) against the byte budget (1/20 of DDP's): the defaults with a
+        # periodic exact average, every 64 steps (1/20 of DDP's bytes in all) or 32 (1/15)
+        c("pg4-it2-avg64", rank=4, iterations=2, average_every=64, **d),
+        c("pg4-it2-avg32", rank=4, iterations=2, average_every=32, **d),
         c("pg4-avg32-accum4", rank=4, average_every=32, optimizer="accum-adamw", accum_iter=4, beta2=0.99, **d),
     ]
 
