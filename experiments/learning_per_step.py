@@ -591,16 +591,13 @@ def suite(name: str) -> list[RunConfig]:
         c("exact-debiased", algorithm="exact", optimizer="debiased-adamw", **d),
         c("exact-accum8-b0.95", algorithm="exact", optimizer="accum-adamw", accum_iter=8, **d),
         c("exact-accum4", algorithm="exact", optimizer="accum-adamw", accum_iter=4, beta2=0.99, **d),
-        # the second moment of a short EMA of the local gradients, matched to the mean of n workers' noise
         # Adapt-then-combine: the parameters averaged right AFTER every local AdamW step, so every rank computes
         # its gradient at the same point (as DDP does), vs avg1-*: averaged at the step, gradient at the local point
         c("atc-avg1", algorithm="atc", **d),
         c("atc-avg1-mv", algorithm="atc", average_moments="mv", **d),
+        # the second moment of a short EMA of the local gradients, matched to the mean of n workers' noise
         c("avg1-smoothv", algorithm="none", average_every=1, optimizer="smoothed-v-adamw", **d),
         c("exact-smoothv", algorithm="exact", optimizer="smoothed-v-adamw", **d),
-        c("pg4-it2-smoothv", rank=4, iterations=2, optimizer="smoothed-v-adamw", **d),
-        c("exact-vm", algorithm="exact", optimizer="smoothed-v-adamw", v_beta=0.9, **d),
-        c("ddp-smoothv", algorithm="ddp", optimizer="smoothed-v-adamw", **d),
         # step budgets for the time to DDP's final loss: DDP 300 steps (time_to_loss's DDP run) against the default
         # PowerGossip with its own, shorter-than-1000 schedules; warm-up as gossip-train's (steps // 10, at most 100)
         c("ddp-s300", algorithm="ddp", steps=300, warmup=30),

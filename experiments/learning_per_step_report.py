@@ -50,10 +50,13 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def reference_of(config: str, summary: list[dict], candidates: Sequence[str] = ("ddp", "mj-ddp")) -> str | None:
-    """The DDP configuration of the same number of workers and steps among ``candidates``, if it ran."""
+def reference_of(config: str, summary: list[dict], named: str | None = None) -> str | None:
+    """The configuration ``config`` is compared with: ``named`` if given and run with as many workers, else the DDP
+    configuration of the same number of workers and steps (``ddp`` or ``mj-ddp``), if it ran."""
     mine = next(r for r in summary if r["config"] == config)
-    for name in candidates:
+    if named is not None:
+        return named if any(r["config"] == named and r["workers"] == mine["workers"] for r in summary) else None
+    for name in ("ddp", "mj-ddp"):
         ref = [r for r in summary if r["config"] == name]
         if ref and ref[0]["workers"] == mine["workers"] and ref[0]["steps"] == mine["steps"]:
             return name
@@ -83,16 +86,10 @@ def config_table(summary: list[dict], steps: list[dict], reference: str | None =
     for row in steps:
         if row["config"] in length and row["step"] > length[row["config"]] / 2:
             late_consensus[row["config"]].append(row["consensus"])
-    reference_name = reference
-
-    def forced(config: str) -> str | None:
-        workers = {r["config"]: r["workers"] for r in summary}
-        return reference_name if workers.get(reference_name) == workers[config] else None
-
     table = []
     for config, runs in by_config.items():
-        reference = reference_of(config, summary) if reference_name is None else forced(config)
-        ref_runs = {r["seed"]: r for r in by_config.get(reference, [])}
+        compared_with = reference_of(config, summary, reference)
+        ref_runs = {r["seed"]: r for r in by_config.get(compared_with, [])}
         gaps = [r["final_train_loss"] - ref_runs[r["seed"]]["final_train_loss"] for r in runs if r["seed"] in ref_runs]
         target = statistics.fmean(r["final_train_loss"] for r in ref_runs.values()) if ref_runs else math.nan
         reached = [steps_to_target(sorted(curves[(config, r["seed"])]), target) for r in runs]
@@ -114,7 +111,7 @@ def config_table(summary: list[dict], steps: list[dict], reference: str | None =
                 "bytes": bytes_per_step,
                 "ddp_over_bytes": ddp_bytes / bytes_per_step if bytes_per_step else math.inf,
                 "to_target": (len(hits), len(runs), statistics.fmean(hits) if hits else math.nan),
-                "reference": reference,
+                "reference": compared_with,
             }
         )  # fmt: skip
     return table
