@@ -95,23 +95,16 @@ def _decent_dp(topology: str) -> Callable[[int, int, str, int], list[str]]:
 EXACT = ("--algorithm", "exact", "--schedule", "one_peer_hypercube")
 
 
-def powergossip(rank: int) -> tuple[str, ...]:
-    """PowerGossip at ``rank``, one power iteration per step, on the one-peer hypercube."""
-    return ("--algorithm", "powergossip", "--rank", str(rank), "--power-iterations", "1", "--schedule",
+def powergossip(rank: int, iterations: int = 1) -> tuple[str, ...]:
+    """PowerGossip at ``rank``, ``iterations`` power iterations per step, on the one-peer hypercube."""
+    return ("--algorithm", "powergossip", "--rank", str(rank), "--power-iterations", str(iterations), "--schedule",
             "one_peer_hypercube")  # fmt: skip
-
-
-PG1_IT4_OPTIONS = ("--algorithm", "powergossip", "--rank", "1", "--power-iterations", "4", "--schedule",
-                   "one_peer_hypercube", "--optimizer", "adamw")  # fmt: skip
-PG4_IT2_OPTIONS = ("--algorithm", "powergossip", "--rank", "4", "--power-iterations", "2", "--schedule",
-                   "one_peer_hypercube", "--optimizer", "adamw")  # fmt: skip
 
 
 def _pga(name: str, *, rank: int, iterations: int, every: int, adamw: bool) -> Method:
     """PowerGossip (``rank``, ``iterations`` per step) with an exact global average every ``every`` steps."""
     label = f"PowerGossip r={rank}, {iterations} iteration(s), one-peer hypercube, exact average every {every} steps"
-    options = ["--algorithm", "powergossip", "--rank", str(rank), "--power-iterations", str(iterations)]
-    options += ["--schedule", "one_peer_hypercube", "--average-every", str(every)]
+    options = [*powergossip(rank, iterations), "--average-every", str(every)]
     if adamw:
         label = f"{label}, AdamW"
     return Method(name, label, _gossip_train(*options, "--optimizer", "adamw" if adamw else "accum-adamw"))
@@ -163,12 +156,12 @@ METHODS = {
         Method(
             "pg1-it4-adamw",
             "PowerGossip r=1, 4 iterations, one-peer hypercube, AdamW",
-            _gossip_train(*PG1_IT4_OPTIONS),
+            _gossip_train(*powergossip(1, 4), "--optimizer", "adamw"),
         ),
         Method(
             "pg4-it2-adamw",
             "PowerGossip r=4, 2 iterations, one-peer hypercube, AdamW (the main job's defaults)",
-            _gossip_train(*PG4_IT2_OPTIONS),
+            _gossip_train(*powergossip(4, 2), "--optimizer", "adamw"),
         ),
         _pga("pg4-pga16-adamw", rank=4, iterations=1, every=16, adamw=True),
         _pga("pg4-pga16", rank=4, iterations=1, every=16, adamw=False),
