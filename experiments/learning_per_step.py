@@ -198,7 +198,7 @@ def make_algorithm(config: RunConfig) -> Algorithm:
     elif config.algorithm == "choco":
         inner = ChocoTopK(config.topk, config.gamma)
     else:
-        raise ValueError(f"unknown algorithm {config.algorithm!r} (ddp is run without a mixing algorithm)")
+        raise ValueError(f"unknown algorithm {config.algorithm!r} (ddp and atc run without a mixing algorithm)")
     return gossip.PeriodicAverage(inner, config.average_every) if config.average_every else inner
 
 
@@ -450,9 +450,9 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
             torch.manual_seed(seed)
             module = GPT(model_config)
         model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-        ddp = config.algorithm in ("ddp", "atc")  # both keep identical replicas by an all-reduce, no wrapper
-        algorithm = None if ddp else make_algorithm(config)
-        if ddp:
+        all_reduce_run = config.algorithm in ("ddp", "atc")  # identical replicas by an all-reduce, no wrapper
+        algorithm = None if all_reduce_run else make_algorithm(config)
+        if all_reduce_run:
             wrapped: torch.nn.Module = module
             parameters = list(module.parameters())
         else:
@@ -483,7 +483,7 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
             if (step + 1) % RECORD_EVERY == 0 or step + 1 == config.steps:
                 block = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
                 comm.all_reduce(block, "avg")
-                sent = ring_bytes * (step + 1) if ddp else float(algorithm.traffic.total_sent)
+                sent = ring_bytes * (step + 1) if all_reduce_run else float(algorithm.traffic.total_sent)
                 total_sent = torch.tensor([sent], dtype=torch.float64)
                 comm.all_reduce(total_sent, "avg")
                 consensus = math.sqrt(exact_consensus_sq(parameters, comm))
@@ -498,7 +498,7 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
                 if comm.rank == 0:
                     spectrum += spectrum_rows(config, seed, step + 1, replicas, algorithm)
         val = _averaged_validation(module, comm, held_out)
-        if not ddp:
+        if not all_reduce_run:
             wrapped.close()
         return {"steps": steps, "spectrum": spectrum, "val": val}
 
