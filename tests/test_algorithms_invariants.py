@@ -204,9 +204,13 @@ def test_an_edge_first_used_on_identical_replicas_keeps_mixing(schedule, rank):
 def test_keep_direction_replaces_only_all_zero_columns():
     from gossip.algorithms.powergossip import keep_direction
 
-    product = torch.tensor([[0.0, 1.0], [0.0, -2.0]])
-    previous = torch.tensor([[3.0, 4.0], [5.0, 6.0]])
-    assert torch.equal(keep_direction(product, previous), torch.tensor([[3.0, 1.0], [5.0, -2.0]]))
+    # Two factors laid out as in a message, transposed (r = 2 columns, each a contiguous segment): a 2-row one
+    # whose first column is zero, a 3-row one whose second column is zero; a zero element alone changes nothing.
+    product = torch.tensor([0.0, 0.0, 1.0, -2.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    previous = torch.arange(10.0) + 10
+    owner = torch.tensor([0, 0, 1, 1, 2, 2, 2, 3, 3, 3])
+    expected = torch.tensor([10.0, 11.0, 1.0, -2.0, 1.0, 0.0, 0.0, 17.0, 18.0, 19.0])
+    assert torch.equal(keep_direction(product, previous, owner, 4), expected)
 
 
 @pytest.mark.parametrize("algorithm", ["powergossip-r1", "powergossip-r2-2it"])

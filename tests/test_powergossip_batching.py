@@ -122,30 +122,18 @@ def test_an_orthonormalize_dtype_other_than_float32_or_float64_is_refused():
         PowerGossip(orthonormalize_dtype=torch.float16)
 
 
-def messages_of_first_step(comm: gossip.Communicator, algorithm: PowerGossip) -> int:
-    """How many tensors ``algorithm``'s first step sends to its peer (the communicator's exchange, counted)."""
-    counts: list[int] = []
+def messages_of_first_step(comm: gossip.Communicator, algorithm: PowerGossip) -> list[int]:
+    """The sizes of the tensors ``algorithm``'s first step sends to its peer (the communicator's exchange)."""
+    sizes: list[list[int]] = []
     exchange = comm.exchange
 
     def counting(sends, recvs, **keywords):
-        counts.append(len(sends))
+        sizes.append([tensor.numel() for _, tensor in sends])
         return exchange(sends, recvs, **keywords)
 
     comm.exchange = counting
     algorithm.step(0)
-    return counts[0]
-
-
-def count_messages(comm: gossip.Communicator) -> list[int]:
-    algorithm = bound(comm)
-    messages = messages_of_first_step(comm, algorithm)
-    return [messages, len({index for index, _ in algorithm.exact}), len(algorithm.exact)]
-
-
-def test_uncompressed_tensors_travel_as_one_message_per_bucket():
-    messages, buckets_with_exact, exact_tensors = gossip.simulate(2, count_messages)[0]
-    assert exact_tensors > 10  # biases and norms of three layers
-    assert messages == 1 + buckets_with_exact
+    return sizes[0]
 
 
 def resume(comm: gossip.Communicator) -> list:
@@ -171,16 +159,20 @@ def test_grouped_state_dict_resumes_bit_identically():
     assert all(result[0] for result in gossip.simulate(4, resume))
 
 
-def messages_and_buckets(comm: gossip.Communicator) -> list[int]:
+def messages_and_buckets(comm: gossip.Communicator) -> list:
     algorithm = PowerGossip(rank=2, min_compression=1)
     algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), gpt_buckets(comm.rank, 4096))
-    return [messages_of_first_step(comm, algorithm), len({index for index, _ in algorithm.exact})]
+    # Step 0 is an edge's first iteration, a left multiplication: X^T p, k x r per matrix.
+    products = algorithm.matrix_rank * sum(m.k for m in algorithm.matrices)
+    exact = sum(entry.numel for _, entry in algorithm.exact)
+    buckets_with_exact = len({index for index, _ in algorithm.exact})
+    return [messages_of_first_step(comm, algorithm), products + exact, buckets_with_exact, len(algorithm.exact)]
 
 
-def test_uncompressed_tensors_of_all_buckets_travel_as_one_message():
-    messages, buckets_with_exact = gossip.simulate(2, messages_and_buckets)[0]
-    assert buckets_with_exact > 2  # small buckets: the biases and norms are spread over several
-    assert messages == 2  # the products, and every uncompressed tensor packed into one
+def test_products_and_the_uncompressed_tensors_of_all_buckets_travel_as_one_message():
+    sizes, expected, buckets_with_exact, exact_tensors = gossip.simulate(2, messages_and_buckets)[0]
+    assert exact_tensors > 10 and buckets_with_exact > 2  # small buckets: the biases and norms spread over several
+    assert sizes == [expected]  # one message: the products of every group, then every uncompressed tensor
 
 
 class CountOps(torch.utils._python_dispatch.TorchDispatchMode):

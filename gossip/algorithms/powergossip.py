@@ -74,13 +74,21 @@ def exclude_names(*patterns: str) -> Policy:
 
 
 def orthonormalize(matrix: torch.Tensor, eps: float = 1e-8, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Modified Gram-Schmidt on the columns of ``matrix`` (rows x r, or a batch ... x rows x r), computed in
-    ``dtype`` and returned in ``matrix.dtype``; a new tensor, ``matrix`` is left alone.
+    """Orthonormal columns spanning those of ``matrix`` (rows x r, or a batch ... x rows x r), computed in ``dtype``
+    and returned in ``matrix.dtype``; a new tensor, ``matrix`` is left alone.
 
-    Column c is divided by its norm (+ ``eps``, so a zero column stays finite), then removed from columns c+1..:
-    r steps of a few kernels, each over the whole batch. Deterministic: equal inputs on the same device give
-    equal outputs, which is what keeps both ends of an edge bit-identical.
+    As PyTorch's PowerSGD communication hook chooses (``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.
+    _orthogonalize``): for r <= 2 modified Gram-Schmidt -- column c divided by its norm (+ ``eps``, so a zero column
+    stays zero and finite), then removed from the columns after it: a few kernels per column --, above that one
+    batched Householder QR (``torch.linalg.qr``: LAPACK on the CPU, cuSOLVER on CUDA), whose cost hardly grows
+    with r (at r = 4 about 5x cheaper than Gram-Schmidt's column loop on the CPU, see benchmarks/README.md). QR's
+    columns are orthonormal even where the input's are zero or dependent (Householder completes the basis); its
+    signs may differ from Gram-Schmidt's, which does not matter to PowerGossip (p and q flip together).
+    Deterministic: equal inputs on the same device and thread count give equal outputs, which is what keeps both
+    ends of an edge bit-identical.
     """
+    if matrix.shape[-1] > 2:
+        return torch.linalg.qr(matrix.to(dtype)).Q.to(matrix.dtype)
     work = matrix.to(dtype, copy=True)
     columns = work.shape[-1]
     for c in range(columns):
@@ -92,17 +100,21 @@ def orthonormalize(matrix: torch.Tensor, eps: float = 1e-8, dtype: torch.dtype =
     return work.to(matrix.dtype)
 
 
-def keep_direction(product: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-    """The new warm factor: ``product``, except that an all-zero column keeps ``previous``'s column.
+def keep_direction(product: torch.Tensor, previous: torch.Tensor, owner: torch.Tensor, columns: int) -> torch.Tensor:
+    """The new warm factors: ``product``, except that a factor column that is zero throughout keeps ``previous``'s.
 
-    A zero column of R = a_hi - a_lo means the two models did not differ along the projection (identical
-    replicas: the first step after the initial broadcast, or right after a global average). Taken as the next
-    projection it would orthonormalise to zero, and the edge would send zeros for that column forever; the
-    previous factor still spans a useful direction. Both ends hold the same R and the same previous factor, so
-    they choose alike; the choice is made on the device (no host sync).
+    ``product`` and ``previous`` are flat, laid out as a message: factors stored transposed (r x rows), one after
+    the other, so each factor column is a contiguous segment; ``owner[i]`` is the segment (0 .. ``columns`` - 1)
+    that element i belongs to. A zero column of R = a_hi - a_lo means the two models did not differ along the
+    projection (identical replicas: the first step after the initial broadcast, or right after a global average).
+    Taken as the next projection it would orthonormalise to a direction that knows nothing of the models (zero
+    under Gram-Schmidt, silencing that column of the edge for good); the previous factor still spans a useful
+    direction. Both ends hold the same R and the same previous factors, so they choose alike; the choice is made
+    on the device (no host sync), for the factors of every group at once: one ``scatter_reduce_`` finds each
+    column's largest magnitude, one ``where`` selects.
     """
-    nonzero = product.abs().amax(dim=-2, keepdim=True) > 0  # per column (of each matrix in a stack)
-    return torch.where(nonzero, product, previous)
+    largest = product.new_zeros(columns).scatter_reduce_(0, owner, product.abs(), "amax")
+    return torch.where((largest > 0).index_select(0, owner), product, previous)
 
 
 @dataclass(frozen=True)
@@ -198,11 +210,14 @@ def row_classes(rows: list[int], pad_ratio: int = PAD_RATIO) -> list[tuple[int, 
 class EdgeState:
     """Warm factors and the parity counter of one unordered pair, identical on both of its ends.
 
-    The factors are stored per group, stacked: ``p_stacks[g]`` is (count, m, r) for group g. ``p`` and ``q``
-    give them per matrix (views, in matrix order) for inspection and checkpoints.
+    The factors are stored per group, stacked and transposed: ``pt_stacks[g]`` is (count, r, m) for group g, p^T
+    of each of its matrices, contiguous (so the products are q^T X^T and p^T X, whose small dimension r comes
+    first: on the CPU about 2.5-4x faster than X q and X^T p, see benchmarks/README.md; and a column of p is a
+    contiguous row). ``p`` and ``q`` give them per matrix as m x r and k x r (views, in matrix order) for
+    inspection and checkpoints.
     """
 
-    __slots__ = ("generator", "iteration", "members", "p_stacks", "q_stacks", "slots")
+    __slots__ = ("generator", "iteration", "members", "pt_stacks", "qt_stacks", "slots")
 
     def __init__(
         self,
@@ -241,19 +256,29 @@ class EdgeState:
 
     def set_factors(self, p: list[torch.Tensor], q: list[torch.Tensor]) -> None:
         """Replace the factors from per-matrix lists (matrix order)."""
-        self.p_stacks = [torch.stack([p[i] for i in members]) for members in self.members]
-        self.q_stacks = [torch.stack([q[i] for i in members]) for members in self.members]
+        self.pt_stacks = [torch.stack([p[i].mT for i in members]) for members in self.members]
+        self.qt_stacks = [torch.stack([q[i].mT for i in members]) for members in self.members]
 
     def _unstack(self, stacks: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [stacks[g][s] for g, s in self.slots]
+        return [stacks[g][s].mT for g, s in self.slots]
 
     @property
     def p(self) -> list[torch.Tensor]:
-        return self._unstack(self.p_stacks)
+        return self._unstack(self.pt_stacks)
 
     @property
     def q(self) -> list[torch.Tensor]:
-        return self._unstack(self.q_stacks)
+        return self._unstack(self.qt_stacks)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The products part of a message for one side (right or left multiplication) at one rank r."""
+
+    sizes: list[int]  # elements of each group's products: count x r x (m or k)
+    products: int  # their sum; the uncompressed tensors follow
+    owner: torch.Tensor  # for keep_direction: the factor column each element belongs to
+    columns: int  # the number of factor columns (r per matrix)
 
 
 @dataclass
@@ -261,10 +286,8 @@ class _Round:
     step: int
     seq: int
     peers: list[tuple[int, float, EdgeState, bool]]  # peer, weight, edge, right multiplication?
-    sent: list[torch.Tensor]  # per peer: the packed products
+    sent: list[torch.Tensor]  # per peer: the message (products, then the uncompressed tensors packed)
     received: list[torch.Tensor]
-    sent_exact: list[torch.Tensor]  # the uncompressed tensors of all buckets, packed (sent to every peer); or []
-    received_exact: list[list[torch.Tensor]]  # per peer: its pack, or []
     handle: Handle
 
 
@@ -363,11 +386,12 @@ class PowerGossip(Algorithm):
                 else:
                     self.exact.append((index, entry))
         self.groups = group_matrices(self.matrices)
-        # The uncompressed tensors of all buckets travel packed into one message (the entries are small: biases,
-        # norms), so a step sends 2 messages per peer (1 without such tensors), not one per tensor or bucket.
-        # Their flat views are taken once here: packing is one ``cat``, unpacking one ``_foreach_copy_``.
+        # The uncompressed tensors of all buckets travel packed behind the products (the entries are small:
+        # biases, norms), so an iteration sends one message per peer, not one per tensor or bucket. Their flat
+        # views are taken once here: packing is one ``cat``, unpacking one ``_foreach_copy_``.
         self._exact_views = [self._exact(index, entry) for index, entry in self.exact]
         self._exact_sizes = [entry.numel for _, entry in self.exact]
+        self._exact_numel = sum(self._exact_sizes)
         self._views: list[list[tuple[slice, torch.Tensor]]] = []  # per group: (its members' slice, (count, m, k))
         self._run_counts: list[list[int]] = []  # per group: matrices per run, to split its stacks in one call
         for group in self.groups:
@@ -381,6 +405,7 @@ class PowerGossip(Algorithm):
             self._views.append(views)
             self._run_counts.append([run.count for run in group.runs])
         self._transposed = [[x.mT for _, x in views] for views in self._views]  # X^T of each run, a view
+        self._layouts: dict[tuple[bool, int], _Layout] = {}
         # Groups whose factors have similar rows are orthonormalised together, zero-padded (see row_classes):
         # right multiplications orthonormalise q (k rows), left ones p (m rows).
         on_cuda = any(bucket.buffer.is_cuda for bucket in buckets)
@@ -418,104 +443,113 @@ class PowerGossip(Algorithm):
 
     # -- one power iteration --------------------------------------------------------------------------------
     def _orthonormalize_class(self, factors: list[torch.Tensor], rows: int, members: list[int]) -> None:
-        """Orthonormalise ``factors[g]`` for the groups ``members`` in one batched Gram-Schmidt, the smaller
-        ones zero-padded to ``rows``; each ``factors[g]`` becomes a view of the result."""
+        """Orthonormalise the factors ``factors[g]`` (stored transposed, count x r x rows) of the groups
+        ``members`` in one batched call, the smaller ones zero-padded to ``rows``; each ``factors[g]`` becomes a
+        contiguous (count, r, rows) stack (a view of the result)."""
+        dtype = self.orthonormalize_dtype
         if len(members) == 1:
-            factors[members[0]] = orthonormalize(factors[members[0]], dtype=self.orthonormalize_dtype)
+            factors[members[0]] = orthonormalize(factors[members[0]].mT, dtype=dtype).mT.contiguous()
             return
         stacks = [factors[g] for g in members]
         counts = [len(stack) for stack in stacks]
-        if all(stack.shape[-2] == rows for stack in stacks):
+        if all(stack.shape[-1] == rows for stack in stacks):
             together = torch.cat(stacks)
         else:
-            together = stacks[0].new_zeros(sum(counts), rows, self.matrix_rank)
+            together = stacks[0].new_zeros(sum(counts), self.matrix_rank, rows)
             for stack, part in zip(stacks, together.split(counts), strict=True):
-                part[:, : stack.shape[-2]].copy_(stack)
-        together = orthonormalize(together, dtype=self.orthonormalize_dtype)
+                part[..., : stack.shape[-1]].copy_(stack)
+        together = orthonormalize(together.mT, dtype=dtype).mT.contiguous()
         for g, stack, part in zip(members, stacks, together.split(counts), strict=True):
-            factors[g] = part[:, : stack.shape[-2]]
+            factors[g] = part if part.shape[-1] == stack.shape[-1] else part[..., : stack.shape[-1]].contiguous()
 
-    def _sizes(self, right: bool) -> list[int]:
-        """Elements of each group's products in a message: count x (m or k) x r."""
-        return [len(g.members) * (g.m if right else g.k) * self.matrix_rank for g in self.groups]
+    def _layout(self, right: bool) -> _Layout:
+        """The message of a right (or left) multiplication at the current rank; built once per side and rank (a
+        subclass may change the rank while training)."""
+        key = (right, self.matrix_rank)
+        if key not in self._layouts:
+            r = self.matrix_rank
+            sizes = [len(g.members) * (g.m if right else g.k) * r for g in self.groups]
+            columns = [g.m if right else g.k for g in self.groups for _ in g.members for _ in range(r)]
+            owner = torch.repeat_interleave(torch.arange(len(columns)), torch.tensor(columns, dtype=torch.long))
+            self._layouts[key] = _Layout(sizes, sum(sizes), owner.to(self._device), len(columns))
+        return self._layouts[key]
 
     def _post(self, step: int, iteration: int) -> _Round:
         view = self.schedule.peers(self.comm.rank, step)
-        peers, sent, received, received_exact, sends, recvs = [], [], [], [], [], []
-        exact_out = [torch.cat(self._exact_views)] if view.in_peers and self._exact_views else []
+        peers, sent, received, sends, recvs = [], [], [], [], []
+        exact_numel = self._exact_numel
         for peer, weight in view.in_peers:
             edge = self.edge(peer)
             right = edge.iteration % 2 == 1
-            sizes = self._sizes(right)
-            message = torch.empty(sum(sizes), dtype=self._dtype, device=self._device)
-            factors = edge.q_stacks if right else edge.p_stacks
+            layout = self._layout(right)
+            # One message per peer: the products of every group, then the uncompressed tensors packed.
+            message = torch.empty(layout.products + exact_numel, dtype=self._dtype, device=self._device)
+            factors = edge.qt_stacks if right else edge.pt_stacks
             if not self.warm_start:
                 for g, group in enumerate(self.groups):
                     rows = group.k if right else group.m
                     draws = [edge.draw(rows, self.matrix_rank, self._device, self._dtype) for _ in group.members]
-                    factors[g] = torch.stack(draws)
+                    factors[g] = torch.stack([draw.mT for draw in draws])
             for rows, members in self._row_classes[right]:
                 self._orthonormalize_class(factors, rows, members)
-            parts = message.split(sizes)
+            parts = message.split([*layout.sizes, exact_numel])
             for g, group in enumerate(self.groups):
-                out = parts[g].view(len(group.members), -1, self.matrix_rank)
-                operands = [x for _, x in self._views[g]] if right else self._transposed[g]
+                # (X q)^T = q^T X^T and (X^T p)^T = p^T X: count x r x (m or k), written into the message
+                out = parts[g].view(len(group.members), self.matrix_rank, -1)
+                operands = self._transposed[g] if right else [x for _, x in self._views[g]]
                 for x, factor, product in zip(operands, self._runs(g, factors[g]), self._runs(g, out), strict=True):
-                    torch.bmm(x, factor, out=product)
-            exact_in = [torch.empty_like(t) for t in exact_out]
-            sends += [(peer, message)] + [(peer, t) for t in exact_out]
-            recvs += [(peer, incoming := torch.empty_like(message))] + [(peer, t) for t in exact_in]
+                    torch.bmm(factor, x, out=product)
+            if exact_numel:
+                torch.cat(self._exact_views, out=parts[-1])
+            sends.append((peer, message))
+            recvs.append((peer, incoming := torch.empty_like(message)))
             peers.append((peer, weight, edge, right))
             sent.append(message)
             received.append(incoming)
-            received_exact.append(exact_in)
         seq = step * self.num_iterations + iteration
         handle = self._exchange(sends, recvs, seq)
-        return _Round(step, seq, peers, sent, received, exact_out, received_exact, handle)
+        return _Round(step, seq, peers, sent, received, handle)
 
     def _apply(self, round_: _Round) -> None:
         self._wait(round_.handle)
-        me, gamma = self.comm.rank, self.gamma
-        received = [
-            (peer, [message, *exact])
-            for (peer, _, _, _), message, exact in zip(
-                round_.peers, round_.received, round_.received_exact, strict=True
-            )
-        ]
+        me, gamma, exact_numel = self.comm.rank, self.gamma, self._exact_numel
+        received = [(peer, [message]) for (peer, _, _, _), message in zip(round_.peers, round_.received, strict=True)]
         dropped = self._nonfinite_peers(round_.step, self.nonfinite, received)
-        # Uncompressed tensors: exact gossip, from the values at the start of the iteration.
-        kept = [
-            (w, incoming)
-            for (p, w, _, _), incoming in zip(round_.peers, round_.received_exact, strict=True)
-            if p not in dropped
-        ]
-        keep = 1.0 - gamma * sum(weight for weight, _ in kept)
-        for slot, own in enumerate(round_.sent_exact):  # nothing was packed on a step without peers
-            own.mul_(keep)  # the sent copy of the start-of-iteration values; the send is complete
+        # Uncompressed tensors: exact gossip, from the values at the start of the iteration (the packed tail of
+        # every message sent; the sends are complete, so the first one's tail is mixed in place and copied back).
+        if exact_numel and round_.peers:
+            kept = [
+                (w, message[-exact_numel:])
+                for (p, w, _, _), message in zip(round_.peers, round_.received, strict=True)
+                if p not in dropped
+            ]
+            own = round_.sent[0][-exact_numel:].mul_(1.0 - gamma * sum(weight for weight, _ in kept))
             for weight, incoming in kept:
-                own.add_(incoming[slot], alpha=gamma * weight)
+                own.add_(incoming, alpha=gamma * weight)
             torch._foreach_copy_(self._exact_views, list(own.split(self._exact_sizes)))
         # Matrices: equal and opposite low-rank corrections on the two ends of every edge, one batch per group.
         for (peer, weight, edge, right), own, theirs in zip(round_.peers, round_.sent, round_.received, strict=True):
-            if peer in dropped:
+            if peer in dropped or not self.groups:
                 edge.iteration += 1  # keep the parity in step with the peer's; p and q stay as they were
                 continue
-            lo = me < peer
-            alpha = (1.0 if lo else -1.0) * gamma * weight
+            layout, r = self._layout(right), self.matrix_rank
+            own, theirs = own[: layout.products], theirs[: layout.products]
+            alpha = (1.0 if me < peer else -1.0) * gamma * weight
             # a_hi - a_lo on both ends, for all groups at once (elementwise: equal to the per-group differences)
-            differences = (theirs - own if lo else own - theirs).split(self._sizes(right))
-            for g, group in enumerate(self.groups):
-                difference = differences[g].view(len(group.members), -1, self.matrix_rank)
+            difference = theirs - own if me < peer else own - theirs  # R^T of every matrix, in the message's layout
+            warm = edge.pt_stacks if right else edge.qt_stacks  # the side R replaces
+            previous = torch.cat([stack.reshape(-1) for stack in warm])
+            kept_factors = keep_direction(difference, previous, layout.owner, layout.columns)
+            for g, (group, part, kept_part) in enumerate(
+                zip(self.groups, difference.split(layout.sizes), kept_factors.split(layout.sizes), strict=True)
+            ):
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
-                if right:
-                    p, q = difference, edge.q_stacks[g]
-                    edge.p_stacks[g] = keep_direction(difference, edge.p_stacks[g])
-                else:
-                    p, q = edge.p_stacks[g], difference
-                    edge.q_stacks[g] = keep_direction(difference, edge.q_stacks[g])
-                runs = zip(self._views[g], self._runs(g, p), self._runs(g, q.mT), strict=True)
-                for (_, x), p_run, q_run_t in runs:
-                    x.baddbmm_(p_run, q_run_t, alpha=alpha)
+                stack = part.view(len(group.members), r, -1)
+                warm[g] = kept_part.view(stack.shape)
+                pt, qt = (stack, edge.qt_stacks[g]) if right else (edge.pt_stacks[g], stack)
+                runs = zip(self._views[g], self._runs(g, pt), self._runs(g, qt), strict=True)
+                for (_, x), pt_run, qt_run in runs:
+                    x.baddbmm_(pt_run.mT, qt_run, alpha=alpha)  # X += alpha p q^T
             edge.iteration += 1
 
     # -- the Algorithm interface ----------------------------------------------------------------------------
