@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     one_bucket = model_buckets(config, device, 0, args.one_bucket_bytes)[1] if args.one_bucket_bytes else None
     for rank in args.ranks:
         variants[f"powergossip r={rank}"] = (lambda rank=rank: PowerGossip(rank=rank), buckets)
-        variants[f"powergossip r={rank}, fp32 orthonormalisation"] = (
-            lambda rank=rank: PowerGossip(rank=rank, orthonormalize_dtype=torch.float32),
+        variants[f"powergossip r={rank}, fp64 orthonormalisation"] = (
+            lambda rank=rank: PowerGossip(rank=rank, orthonormalize_dtype=torch.float64),
             buckets,
         )
         if Old is not None:

@@ -7,6 +7,13 @@ world of 2 whose exchange completes at once, handing back half of what it sent a
 shapes and realistic magnitudes, no network). The same process times forward + backward of the model on the
 main job's batch, so the share is a ratio of two times measured side by side.
 
+Two positions are timed each round. **In a step**, the one that counts: as in training, ``start`` (iteration 0
+posted) runs, then forward + backward, then ``finish`` (iteration 0 applied, the further iterations posted and
+applied); the own computation is start + finish, and the share is its ratio to that round's forward + backward
+(median over rounds). After forward + backward the CPU's caches hold the model's activations and other code, so
+each of PowerGossip's small operations costs more than back to back. **Isolated**: one more step right after,
+warm, as earlier versions of this benchmark measured it (a lower bound).
+
 Old vs new in one run: ``--baseline REV`` loads ``gossip/algorithms/powergossip.py`` as it was at git revision
 ``REV`` (default: the last revision before matrices were batched) into a separate module, and the two
 implementations run interleaved, round by round, on two copies of the same model. The ratio old / new is the
@@ -131,6 +138,24 @@ def forward_backward(model: GPT, config: GPTConfig, batch: int, device: torch.de
     return run
 
 
+def in_a_step(
+    algorithm: Any, forward_backward: Callable[[], None], step: int, device: torch.device
+) -> tuple[float, float]:
+    """Seconds of ``algorithm``'s own computation in training position (start, forward + backward, finish) and of
+    the forward + backward between."""
+    synchronize(device)
+    begin = time.perf_counter()
+    pending = algorithm.start(step)
+    synchronize(device)
+    started = time.perf_counter()
+    forward_backward()
+    synchronize(device)
+    computed = time.perf_counter()
+    algorithm.finish(pending)
+    synchronize(device)
+    return (started - begin) + (time.perf_counter() - computed), computed - started
+
+
 def bound_step(algorithm: Any, buckets: list[Bucket], device: torch.device) -> Callable[[], None]:
     """``algorithm`` set up on a loopback rank 0 of 2; the callable runs one step (start + finish)."""
     algorithm.setup(LoopbackCommunicator(2, device), topologies.one_peer_hypercube(2), buckets)
@@ -215,27 +240,35 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{rank:>4} {label:>10} {operations(step):9.0f}")
         return
     model, _ = model_buckets(config, device, 0)
-    jobs: dict[str, Callable[[], None]] = {"forward+backward": forward_backward(model, config, args.batch, device)}
+    fwd_bwd = forward_backward(model, config, args.batch, device)
     variants: dict[str, Callable[[int], Any]] = {
         "old": lambda rank: Old(rank=rank, num_iterations=args.iterations),
         "new": lambda rank: PowerGossip(rank=rank, num_iterations=args.iterations),
-        "new fp32": lambda rank: PowerGossip(
-            rank=rank, num_iterations=args.iterations, orthonormalize_dtype=torch.float32
+        "new fp64": lambda rank: PowerGossip(
+            rank=rank, num_iterations=args.iterations, orthonormalize_dtype=torch.float64
         ),
     }
+    algorithms: dict[str, Any] = {}
     for rank in args.ranks:
         for label, make in variants.items():
             _, buckets = model_buckets(config, device, 0, args.bucket_bytes)
-            jobs[f"{label} r={rank}"] = bound_step(make(rank), buckets, device)
-    times: dict[str, list[float]] = {name: [] for name in jobs}
+            algorithm = algorithms[f"{label} r={rank}"] = make(rank)
+            algorithm.setup(LoopbackCommunicator(2, device), topologies.one_peer_hypercube(2), buckets)
+    shares: dict[str, list[float]] = {name: [] for name in algorithms}
+    in_step: dict[str, list[float]] = {name: [] for name in algorithms}
+    isolated: dict[str, list[float]] = {name: [] for name in algorithms}
+    compute: list[float] = []
     for round_ in range(args.warmup + args.rounds):
-        order = list(jobs.items())
-        for name, job in order if round_ % 2 == 0 else order[::-1]:  # interleaved, alternating who goes first
-            elapsed = seconds(job, device)
+        order = list(algorithms.items())
+        for name, algorithm in order if round_ % 2 == 0 else order[::-1]:  # alternating who goes first
+            own, base = in_a_step(algorithm, fwd_bwd, 2 * round_, device)
+            alone = seconds(partial(algorithm.step, 2 * round_ + 1), device)
             if round_ >= args.warmup:
-                times[name].append(elapsed)
-    median = {name: statistics.median(values) for name, values in times.items()}
-    base = median["forward+backward"]
+                shares[name].append(own / base)
+                in_step[name].append(own)
+                isolated[name].append(alone)
+                compute.append(base)
+    median = {name: statistics.median(values) for name, values in in_step.items()}
     parameters = sum(p.numel() for p in model.parameters())
     print(
         f"model: GPT {args.layers} layers x {args.embd}, {parameters / 1e6:.2f} M parameters; batch {args.batch} x "
@@ -243,15 +276,21 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.bucket_bytes} bytes; {args.iterations} power iteration(s) per step; baseline revision {args.baseline}; "
         f"{args.rounds} rounds, medians"
     )
-    print(f"forward+backward: {base * 1e3:.2f} ms")
-    print("PowerGossip's own computation per step (orthonormalisation in float64 unless marked fp32):")
-    print(f"{'rank':>4} {'variant':>9} {'ms/step':>8} {'% fwd+bwd':>10} {'old / this':>11} {'ops/step':>9}")
+    print(f"forward+backward: {statistics.median(compute) * 1e3:.2f} ms")
+    print("PowerGossip's own computation per step (orthonormalisation in float32, the default, unless marked fp64):")
+    print(
+        f"{'rank':>4} {'variant':>9} {'in a step ms':>13} {'% fwd+bwd':>10} {'old / this':>11} {'isolated ms':>12} "
+        f"{'ops/step':>9}"
+    )
     for rank in args.ranks:
         for label in variants:
-            this = median[f"{label} r={rank}"]
-            old = median[f"old r={rank}"]
-            ops = operations(jobs[f"{label} r={rank}"])
-            print(f"{rank:>4} {label:>9} {this * 1e3:8.3f} {100 * this / base:9.2f}% {old / this:11.2f} {ops:9.0f}")
+            name = f"{label} r={rank}"
+            this, old = median[name], median[f"old r={rank}"]
+            share = 100 * statistics.median(shares[name])
+            alone = statistics.median(isolated[name]) * 1e3
+            later = iter(range(2 * (args.warmup + args.rounds), 10**9))  # steps after the timed ones
+            ops = operations(lambda algorithm=algorithms[name], later=later: algorithm.step(next(later)))
+            print(f"{rank:>4} {label:>9} {this * 1e3:13.3f} {share:9.2f}% {old / this:11.2f} {alone:12.3f} {ops:9.0f}")
 
 
 if __name__ == "__main__":

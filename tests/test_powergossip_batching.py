@@ -81,7 +81,7 @@ def steps_and_factors(comm: gossip.Communicator, steps: int, options: dict) -> d
     }
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [None, torch.float64, torch.float32])
 def test_batched_groups_keep_both_ends_bit_identical_and_the_sum(dtype):
     initial = sum(torch.cat([b.buffer.double() for b in gpt_buckets(rank)]) for rank in range(4))
     results = gossip.simulate(4, steps_and_factors, 5, {"orthonormalize_dtype": dtype})
@@ -118,7 +118,8 @@ def test_batched_orthonormalize_equals_the_per_matrix_one_and_is_orthonormal():
 
 
 def test_an_orthonormalize_dtype_other_than_float32_or_float64_is_refused():
-    with pytest.raises(ValueError, match=r"orthonormalize_dtype must be torch.float32 or torch.float64, got torch.f"):
+    message = r"orthonormalize_dtype must be None, torch.float32 or torch.float64, got torch.f"
+    with pytest.raises(ValueError, match=message):
         PowerGossip(orthonormalize_dtype=torch.float16)
 
 

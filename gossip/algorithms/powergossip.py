@@ -34,9 +34,12 @@ one message, packed with one ``cat`` of views taken at setup and unpacked with o
 operations of a step -- on a GPU, kernel launches, whose fixed cost dominates at these sizes -- do not grow with
 the number of layers or of uncompressed tensors, except for the runs (keep the layers in few buckets). No value
 is read back to the host on the hot path: the non-finite check is deferred on CUDA (see gossip.algorithms.base).
-Precision: ``orthonormalize_dtype`` (default float64, which keeps Gram-Schmidt accurate at large r; float32 is
-cheaper on GPUs with slow float64). Either way both ends run the same kernel on the same input, so they agree bit
-for bit; the choice is part of ``config()`` and so of checkpoints.
+Precision: ``orthonormalize_dtype`` (default None: float32, or float64 for float64 parameters). Householder QR is
+backward stable, so float32 factors are orthonormal to about 1e-6 whatever their conditioning, and the precision
+of the basis only shapes how well the projection captures X_hi - X_lo, never the invariants (both ends apply the
+same correction with opposite signs); float64 costs two conversions per orthonormalisation. Either way both ends
+run the same kernel on the same input, so they agree bit for bit; the choice is part of ``config()`` and so of
+checkpoints.
 
 Factors of an idle edge are kept, so warm starts survive time-varying schedules that revisit pairs (A.8).
 Tensors with fewer than two dimensions and matrices whose compression ratio m k / (r (m + k)) is below
@@ -312,12 +315,12 @@ class PowerGossip(Algorithm):
         policy: Policy | None = None,
         seed: int = 0,
         nonfinite: str = "raise",
-        orthonormalize_dtype: torch.dtype = torch.float64,
+        orthonormalize_dtype: torch.dtype | None = None,
         pad_ratio: int | None = None,
     ):
-        if orthonormalize_dtype not in (torch.float32, torch.float64):
+        if orthonormalize_dtype not in (None, torch.float32, torch.float64):
             raise ValueError(
-                "PowerGossip: orthonormalize_dtype must be torch.float32 or torch.float64, "
+                "PowerGossip: orthonormalize_dtype must be None, torch.float32 or torch.float64, "
                 f"got {orthonormalize_dtype!r}"
             )
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -446,7 +449,7 @@ class PowerGossip(Algorithm):
         """Orthonormalise the factors ``factors[g]`` (stored transposed, count x r x rows) of the groups
         ``members`` in one batched call, the smaller ones zero-padded to ``rows``; each ``factors[g]`` becomes a
         contiguous (count, r, rows) stack (a view of the result)."""
-        dtype = self.orthonormalize_dtype
+        dtype = self.orthonormalize_dtype or (torch.float64 if self._dtype == torch.float64 else torch.float32)
         if len(members) == 1:
             factors[members[0]] = orthonormalize(factors[members[0]].mT, dtype=dtype).mT.contiguous()
             return
