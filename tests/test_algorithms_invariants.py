@@ -201,8 +201,8 @@ def test_an_edge_first_used_on_identical_replicas_keeps_mixing(schedule, rank):
         assert not dead, f"rank {rank_index}: factors {dead} hold an all-zero column"
 
 
-def test_keep_direction_replaces_only_all_zero_columns():
-    from gossip.algorithms.powergossip import keep_direction
+def test_the_warm_start_rule_replaces_only_all_zero_columns():
+    from gossip.algorithms.powergossip import nonzero_columns
 
     # Two factors laid out as in a message, transposed (r = 2 columns, each a contiguous segment): a 2-row one
     # whose first column is zero, a 3-row one whose second column is zero; a zero element alone changes nothing.
@@ -210,7 +210,7 @@ def test_keep_direction_replaces_only_all_zero_columns():
     previous = torch.arange(10.0) + 10
     owner = torch.tensor([0, 0, 1, 1, 2, 2, 2, 3, 3, 3])
     expected = torch.tensor([10.0, 11.0, 1.0, -2.0, 1.0, 0.0, 0.0, 17.0, 18.0, 19.0])
-    assert torch.equal(keep_direction(product, previous, owner, 4), expected)
+    assert torch.equal(torch.where(nonzero_columns(product, owner, 4), product, previous), expected)
 
 
 @pytest.mark.parametrize("algorithm", ["powergossip-r1", "powergossip-r2-2it"])

@@ -154,6 +154,7 @@ class AdaptivePowerGossip(PowerGossip):
                     f"{tuple(matrix.entry.shape)} allows at most rank {min(matrix.m, matrix.k)}"
                 )
         extra = new_rank - self.matrix_rank
+        self.matrix_rank = new_rank
         for key in sorted(self.edges):
             edge = self.edges[key]
             p, q = edge.p, edge.q
@@ -164,8 +165,7 @@ class AdaptivePowerGossip(PowerGossip):
                     p[i], q[i] = torch.cat([p[i], p_new], 1), torch.cat([q[i], q_new], 1)
                 else:
                     p[i], q[i] = p[i][:, :new_rank], q[i][:, :new_rank]
-            edge.set_factors(p, q)
-        self.matrix_rank = new_rank
+            edge.set_factors(self.groups, self._layout(), p, q, self._dtype, self._device)
 
     def reopen(self) -> None:
         """Ask for a new search from the bottom rung at the next decision (any one rank asking is enough)."""

@@ -103,21 +103,22 @@ def orthonormalize(matrix: torch.Tensor, eps: float = 1e-8, dtype: torch.dtype =
     return work.to(matrix.dtype)
 
 
-def keep_direction(product: torch.Tensor, previous: torch.Tensor, owner: torch.Tensor, columns: int) -> torch.Tensor:
-    """The new warm factors: ``product``, except that a factor column that is zero throughout keeps ``previous``'s.
+def nonzero_columns(product: torch.Tensor, owner: torch.Tensor, columns: int) -> torch.Tensor:
+    """Per element of ``product``: whether the factor column it lies in holds a nonzero element.
 
-    ``product`` and ``previous`` are flat, laid out as a message: factors stored transposed (r x rows), one after
-    the other, so each factor column is a contiguous segment; ``owner[i]`` is the segment (0 .. ``columns`` - 1)
-    that element i belongs to. A zero column of R = a_hi - a_lo means the two models did not differ along the
-    projection (identical replicas: the first step after the initial broadcast, or right after a global average).
-    Taken as the next projection it would orthonormalise to a direction that knows nothing of the models (zero
-    under Gram-Schmidt, silencing that column of the edge for good); the previous factor still spans a useful
-    direction. Both ends hold the same R and the same previous factors, so they choose alike; the choice is made
-    on the device (no host sync), for the factors of every group at once: one ``scatter_reduce_`` finds each
-    column's largest magnitude, one ``where`` selects.
+    ``product`` is flat, laid out as a message: factors stored transposed (r x rows), one after the other, so each
+    factor column is a contiguous segment; ``owner[i]`` is the segment (0 .. ``columns`` - 1) of element i. It
+    serves the warm-start rule (step 4 above): ``where(nonzero_columns(R, ...), R, previous)`` takes R as the
+    next factor except in the columns where R is zero throughout. Such a column means the two models did not
+    differ along the projection (identical replicas: the first step after the initial broadcast, or right after a
+    global average); taken as the next projection it would orthonormalise to a direction that knows nothing of
+    the models (zero under Gram-Schmidt, silencing that column of the edge for good), while the previous factor
+    still spans a useful one. Both ends hold the same R and the same previous factors, so they choose alike; the
+    choice is made on the device (no host sync), for the factors of every group at once: one ``scatter_reduce_``
+    finds each column's largest magnitude.
     """
     largest = product.new_zeros(columns).scatter_reduce_(0, owner, product.abs(), "amax")
-    return torch.where((largest > 0).index_select(0, owner), product, previous)
+    return (largest > 0).index_select(0, owner)
 
 
 @dataclass(frozen=True)
@@ -210,31 +211,91 @@ def row_classes(rows: list[int], pad_ratio: int = PAD_RATIO) -> list[tuple[int, 
     return [(top, sorted(members)) for top, members in classes]
 
 
+@dataclass(frozen=True)
+class _Class:
+    """Groups whose factors one batched call orthonormalises: elements ``start:stop`` of a factor buffer."""
+
+    rows: int  # the largest factor's rows; smaller ones are zero-padded to it for the call
+    members: tuple[int, ...]  # group indices, in buffer order
+    start: int
+    stop: int
+    padded: bool
+
+
+@dataclass(frozen=True)
+class _Side:
+    """Where each group's factors lie in the flat buffer of one side (p: m rows a factor, or q: k rows) at rank r.
+
+    The groups are ordered class by class (:func:`row_classes`), so that the factors one call orthonormalises
+    are contiguous. A message has the layout of the side its difference R replaces: a left multiplication sends
+    (X^T p)^T, k rows a matrix, which becomes the next q^T; a right one sends (X q)^T, the next p^T.
+    """
+
+    rows: list[int]  # per group: m or k
+    offsets: list[int]  # per group: the start of its (count, r, rows) block
+    numel: int
+    classes: list[_Class]
+    owner: torch.Tensor  # per element: the factor column it belongs to (for keep_direction)
+    columns: int
+
+    @classmethod
+    def build(cls, groups: list[_Group], rows: list[int], rank: int, pad_ratio: int, device: torch.device) -> _Side:
+        offsets, classes, columns, position = [0] * len(groups), [], [], 0
+        for top, members in row_classes(rows, pad_ratio):
+            start = position
+            for g in members:
+                offsets[g] = position
+                position += len(groups[g].members) * rank * rows[g]
+                columns += [rows[g]] * (len(groups[g].members) * rank)
+            classes.append(_Class(top, tuple(members), start, position, any(rows[g] != top for g in members)))
+        owner = torch.repeat_interleave(torch.arange(len(columns)), torch.tensor(columns, dtype=torch.long))
+        return cls(rows, offsets, position, classes, owner.to(device), len(columns))
+
+    def stacks(self, flat: torch.Tensor, groups: list[_Group], rank: int) -> list[torch.Tensor]:
+        """Each group's (count, r, rows) block of ``flat`` (laid out as this side), a view."""
+        return [
+            flat[offset : offset + len(group.members) * rank * rows].view(len(group.members), rank, rows)
+            for group, offset, rows in zip(groups, self.offsets, self.rows, strict=True)
+        ]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Both sides' layouts at rank r."""
+
+    rank: int
+    p: _Side
+    q: _Side
+
+
 class EdgeState:
     """Warm factors and the parity counter of one unordered pair, identical on both of its ends.
 
-    The factors are stored per group, stacked and transposed: ``pt_stacks[g]`` is (count, r, m) for group g, p^T
-    of each of its matrices, contiguous (so the products are q^T X^T and p^T X, whose small dimension r comes
-    first: on the CPU about 2.5-4x faster than X q and X^T p, see benchmarks/README.md; and a column of p is a
-    contiguous row). ``p`` and ``q`` give them per matrix as m x r and k x r (views, in matrix order) for
-    inspection and checkpoints.
+    The factors are stored transposed, in one flat buffer per side laid out as :class:`_Side` says:
+    ``pt_stacks[g]`` is the (count, r, m) view of group g's p^T, contiguous (so the products are q^T X^T and
+    p^T X, whose small dimension r comes first: on the CPU 2.5-4x faster than X q and X^T p, see
+    benchmarks/README.md; and a column of p is a contiguous row). They change in place, so these views and the
+    plans built on them (``plans``, see :class:`_Plan`) stay valid from step to step. ``p`` and ``q`` give the
+    factors per matrix as m x r and k x r (views, in matrix order) for inspection and checkpoints.
     """
 
-    __slots__ = ("generator", "iteration", "members", "pt_stacks", "qt_stacks", "slots")
+    __slots__ = ("generator", "iteration", "p_flat", "plans", "pt_stacks", "q_flat", "qt_stacks", "slots")
 
     def __init__(
         self,
         groups: list[_Group],
+        layout: _Layout,
         generator: torch.Generator,
         iteration: int,
         p: list[torch.Tensor],
         q: list[torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
     ):
         self.generator, self.iteration = generator, iteration
-        self.members = [group.members for group in groups]
-        where = {i: (g, s) for g, members in enumerate(self.members) for s, i in enumerate(members)}
+        where = {i: (g, s) for g, group in enumerate(groups) for s, i in enumerate(group.members)}
         self.slots = [where[i] for i in range(len(where))]  # matrix index -> (group, position in the group)
-        self.set_factors(p, q)
+        self.set_factors(groups, layout, p, q, dtype, device)
 
     @classmethod
     def fresh(
@@ -242,7 +303,7 @@ class EdgeState:
         seed: int,
         matrices: list[_Matrix],
         groups: list[_Group],
-        rank: int,
+        layout: _Layout,
         device: torch.device,
         dtype: torch.dtype,
     ) -> EdgeState:
@@ -250,17 +311,31 @@ class EdgeState:
         generator = torch.Generator().manual_seed(seed)
         p, q = [], []
         for matrix in matrices:
-            p.append(torch.randn(matrix.m, rank, generator=generator, dtype=dtype).to(device))
-            q.append(torch.randn(matrix.k, rank, generator=generator, dtype=dtype).to(device))
-        return cls(groups, generator, 0, p, q)
+            p.append(torch.randn(matrix.m, layout.rank, generator=generator, dtype=dtype).to(device))
+            q.append(torch.randn(matrix.k, layout.rank, generator=generator, dtype=dtype).to(device))
+        return cls(groups, layout, generator, 0, p, q, dtype, device)
 
     def draw(self, rows: int, rank: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         return torch.randn(rows, rank, generator=self.generator, dtype=dtype).to(device)
 
-    def set_factors(self, p: list[torch.Tensor], q: list[torch.Tensor]) -> None:
-        """Replace the factors from per-matrix lists (matrix order)."""
-        self.pt_stacks = [torch.stack([p[i].mT for i in members]) for members in self.members]
-        self.qt_stacks = [torch.stack([q[i].mT for i in members]) for members in self.members]
+    def set_factors(
+        self,
+        groups: list[_Group],
+        layout: _Layout,
+        p: list[torch.Tensor],
+        q: list[torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """Replace the factors from per-matrix lists (matrix order; m x r and k x r), laid out as ``layout``."""
+        self.p_flat = torch.empty(layout.p.numel, dtype=dtype, device=device)
+        self.q_flat = torch.empty(layout.q.numel, dtype=dtype, device=device)
+        self.pt_stacks = layout.p.stacks(self.p_flat, groups, layout.rank)
+        self.qt_stacks = layout.q.stacks(self.q_flat, groups, layout.rank)
+        for i, (g, s) in enumerate(self.slots):
+            self.pt_stacks[g][s].copy_(p[i].mT)
+            self.qt_stacks[g][s].copy_(q[i].mT)
+        self.plans: dict[bool, _Plan] = {}  # per side (right multiplication?): built on first use
 
     def _unstack(self, stacks: list[torch.Tensor]) -> list[torch.Tensor]:
         return [stacks[g][s].mT for g, s in self.slots]
@@ -275,22 +350,36 @@ class EdgeState:
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """The products part of a message for one side (right or left multiplication) at one rank r."""
+class _Plan:
+    """One side of one edge's power iteration, built once: its messages and the views every operation reads, so
+    that an iteration runs its kernels without cutting a tensor (on a GPU each view would be an operation too).
 
-    sizes: list[int]  # elements of each group's products: count x r x (m or k)
-    products: int  # their sum; the uncompressed tensors follow
-    owner: torch.Tensor  # for keep_direction: the factor column each element belongs to
-    columns: int  # the number of factor columns (r per matrix)
+    A right multiplication orthonormalises q and sends (X q)^T = q^T X^T; R replaces p. A left one
+    orthonormalises p and sends (X^T p)^T = p^T X; R replaces q. The message is the products in the layout of
+    the side R replaces, then the uncompressed tensors packed; the difference R is computed into the received
+    message in place.
+    """
+
+    sent: torch.Tensor
+    received: torch.Tensor
+    numel: int  # elements of the products; the uncompressed tensors follow
+    sent_exact: torch.Tensor  # views of sent[numel:]: the pack, and each tensor in it
+    sent_exact_parts: list[torch.Tensor]
+    received_exact: torch.Tensor
+    products: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per run: (factor^T, X^T or X, out)
+    updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per run: (X, p, q^T) for X += alpha p q^T
+    # The factor this side orthonormalises: its group views (count, r, rows) and, per class, the (count, rows, r)
+    # view of its contiguous block (None when zero-padded), its groups' views and its rows.
+    factor: list[torch.Tensor]
+    classes: list[tuple[torch.Tensor | None, list[torch.Tensor], int]]
+    replaced: tuple[torch.Tensor, _Side]  # the factor R replaces (flat), and its layout
 
 
 @dataclass
 class _Round:
     step: int
     seq: int
-    peers: list[tuple[int, float, EdgeState, bool]]  # peer, weight, edge, right multiplication?
-    sent: list[torch.Tensor]  # per peer: the message (products, then the uncompressed tensors packed)
-    received: list[torch.Tensor]
+    peers: list[tuple[int, float, EdgeState, _Plan]]  # peer, weight, edge, its plan for this iteration's side
     handle: Handle
 
 
@@ -396,7 +485,6 @@ class PowerGossip(Algorithm):
         self._exact_sizes = [entry.numel for _, entry in self.exact]
         self._exact_numel = sum(self._exact_sizes)
         self._views: list[list[tuple[slice, torch.Tensor]]] = []  # per group: (its members' slice, (count, m, k))
-        self._run_counts: list[list[int]] = []  # per group: matrices per run, to split its stacks in one call
         for group in self.groups:
             views, start = [], 0
             for run in group.runs:
@@ -406,16 +494,9 @@ class PowerGossip(Algorithm):
                 views.append((slice(start, start + run.count), view))
                 start += run.count
             self._views.append(views)
-            self._run_counts.append([run.count for run in group.runs])
-        self._transposed = [[x.mT for _, x in views] for views in self._views]  # X^T of each run, a view
-        self._layouts: dict[tuple[bool, int], _Layout] = {}
-        # Groups whose factors have similar rows are orthonormalised together, zero-padded (see row_classes):
-        # right multiplications orthonormalise q (k rows), left ones p (m rows).
         on_cuda = any(bucket.buffer.is_cuda for bucket in buckets)
-        pad_ratio = self.pad_ratio if self.pad_ratio is not None else PAD_RATIO if on_cuda else 1
-        self._row_classes = {
-            right: row_classes([g.k if right else g.m for g in self.groups], pad_ratio) for right in (False, True)
-        }
+        self._pad_ratio = self.pad_ratio if self.pad_ratio is not None else PAD_RATIO if on_cuda else 1
+        self._layouts: dict[int, _Layout] = {}  # per rank r
 
     def describe(self) -> dict[str, list[str]]:
         """Which parameters are compressed and which travel exactly."""
@@ -431,7 +512,7 @@ class PowerGossip(Algorithm):
             dtype = self.buckets[0].buffer.dtype if self.buckets else torch.float32
             device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
             seed = self.seed * n * n + lo * n + hi
-            self.edges[key] = EdgeState.fresh(seed, self.matrices, self.groups, self.matrix_rank, device, dtype)
+            self.edges[key] = EdgeState.fresh(seed, self.matrices, self.groups, self._layout(), device, dtype)
         return self.edges[key]
 
     def _matrix(self, matrix: _Matrix) -> torch.Tensor:
@@ -440,120 +521,131 @@ class PowerGossip(Algorithm):
     def _exact(self, index: int, entry: Entry) -> torch.Tensor:
         return self.buckets[index].buffer[entry.offset : entry.offset + entry.numel]
 
-    def _runs(self, g: int, stack: torch.Tensor) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
-        """``stack`` (group g's matrices along dim 0) cut into its runs: views, one call for all runs."""
-        return [stack] if len(self._run_counts[g]) == 1 else stack.split(self._run_counts[g])
-
     # -- one power iteration --------------------------------------------------------------------------------
-    def _orthonormalize_class(self, factors: list[torch.Tensor], rows: int, members: list[int]) -> None:
-        """Orthonormalise the factors ``factors[g]`` (stored transposed, count x r x rows) of the groups
-        ``members`` in one batched call, the smaller ones zero-padded to ``rows``; each ``factors[g]`` becomes a
-        contiguous (count, r, rows) stack (a view of the result)."""
-        dtype = self.orthonormalize_dtype or (torch.float64 if self._dtype == torch.float64 else torch.float32)
-        if len(members) == 1:
-            factors[members[0]] = orthonormalize(factors[members[0]].mT, dtype=dtype).mT.contiguous()
-            return
-        stacks = [factors[g] for g in members]
-        counts = [len(stack) for stack in stacks]
-        if all(stack.shape[-1] == rows for stack in stacks):
-            together = torch.cat(stacks)
-        else:
-            together = stacks[0].new_zeros(sum(counts), self.matrix_rank, rows)
-            for stack, part in zip(stacks, together.split(counts), strict=True):
-                part[..., : stack.shape[-1]].copy_(stack)
-        together = orthonormalize(together.mT, dtype=dtype).mT.contiguous()
-        for g, stack, part in zip(members, stacks, together.split(counts), strict=True):
-            factors[g] = part if part.shape[-1] == stack.shape[-1] else part[..., : stack.shape[-1]].contiguous()
+    def _layout(self) -> _Layout:
+        """Both sides' layouts at the current rank; built once per rank (a subclass may change it while
+        training). Factors of similar rows are orthonormalised together, zero-padded (see row_classes)."""
+        if self.matrix_rank not in self._layouts:
+            r, groups, pad_ratio, device = self.matrix_rank, self.groups, self._pad_ratio, self._device
+            p = _Side.build(groups, [g.m for g in groups], r, pad_ratio, device)
+            q = _Side.build(groups, [g.k for g in groups], r, pad_ratio, device)
+            self._layouts[r] = _Layout(r, p, q)
+        return self._layouts[self.matrix_rank]
 
-    def _layout(self, right: bool) -> _Layout:
-        """The message of a right (or left) multiplication at the current rank; built once per side and rank (a
-        subclass may change the rank while training)."""
-        key = (right, self.matrix_rank)
-        if key not in self._layouts:
-            r = self.matrix_rank
-            sizes = [len(g.members) * (g.m if right else g.k) * r for g in self.groups]
-            columns = [g.m if right else g.k for g in self.groups for _ in g.members for _ in range(r)]
-            owner = torch.repeat_interleave(torch.arange(len(columns)), torch.tensor(columns, dtype=torch.long))
-            self._layouts[key] = _Layout(sizes, sum(sizes), owner.to(self._device), len(columns))
-        return self._layouts[key]
+    def _plan(self, edge: EdgeState, right: bool) -> _Plan:
+        """``edge``'s plan for a right (or left) multiplication at the current rank, built on first use."""
+        plan = edge.plans.get(right)
+        if plan is not None:
+            return plan
+        layout, r = self._layout(), self.matrix_rank
+        out = layout.p if right else layout.q  # the layout of the side R replaces
+        sent = torch.empty(out.numel + self._exact_numel, dtype=self._dtype, device=self._device)
+        received = torch.empty_like(sent)
+        sent_blocks = out.stacks(sent[: out.numel], self.groups, r)
+        received_blocks = out.stacks(received[: out.numel], self.groups, r)
+        products, updates = [], []
+        for g, views in enumerate(self._views):
+            for members, x in views:
+                if right:  # (X q)^T = q^T X^T; R is p^T: X += R^T^T q^T
+                    products.append((edge.qt_stacks[g][members], x.mT, sent_blocks[g][members]))
+                    updates.append((x, received_blocks[g][members].mT, edge.qt_stacks[g][members]))
+                else:  # (X^T p)^T = p^T X; R is q^T
+                    products.append((edge.pt_stacks[g][members], x, sent_blocks[g][members]))
+                    updates.append((x, edge.pt_stacks[g][members].mT, received_blocks[g][members]))
+        sent_exact = sent[out.numel :]
+        flat, side, stacks = (
+            (edge.q_flat, layout.q, edge.qt_stacks) if right else (edge.p_flat, layout.p, edge.pt_stacks)
+        )
+        plan = edge.plans[right] = _Plan(
+            sent,
+            received,
+            out.numel,
+            sent_exact,
+            list(sent_exact.split(self._exact_sizes)),
+            received[out.numel :],
+            products,
+            updates,
+            stacks,
+            [
+                (
+                    None if c.padded else flat[c.start : c.stop].view(-1, r, c.rows).mT,
+                    [stacks[g] for g in c.members],
+                    c.rows,
+                )
+                for c in side.classes
+            ],
+            (edge.p_flat, layout.p) if right else (edge.q_flat, layout.q),
+        )
+        return plan
+
+    def _orthonormalize(self, plan: _Plan) -> None:
+        """Orthonormalise the factor ``plan`` multiplies with, in place: one batched call per class, on a
+        contiguous block of its buffer unless the class is zero-padded."""
+        dtype = self.orthonormalize_dtype or (torch.float64 if self._dtype == torch.float64 else torch.float32)
+        for block, parts, rows in plan.classes:
+            if block is not None:
+                block.copy_(orthonormalize(block, dtype=dtype))
+                continue
+            counts = [len(part) for part in parts]
+            together = parts[0].new_zeros(sum(counts), self.matrix_rank, rows)
+            for part, padded in zip(parts, together.split(counts), strict=True):
+                padded[..., : part.shape[-1]].copy_(part)
+            together = orthonormalize(together.mT, dtype=dtype).mT
+            for part, padded in zip(parts, together.split(counts), strict=True):
+                part.copy_(padded[..., : part.shape[-1]])
 
     def _post(self, step: int, iteration: int) -> _Round:
         view = self.schedule.peers(self.comm.rank, step)
-        peers, sent, received, sends, recvs = [], [], [], [], []
-        exact_numel = self._exact_numel
+        peers, sends, recvs = [], [], []
         for peer, weight in view.in_peers:
             edge = self.edge(peer)
-            right = edge.iteration % 2 == 1
-            layout = self._layout(right)
-            # One message per peer: the products of every group, then the uncompressed tensors packed.
-            message = torch.empty(layout.products + exact_numel, dtype=self._dtype, device=self._device)
-            factors = edge.qt_stacks if right else edge.pt_stacks
+            plan = self._plan(edge, edge.iteration % 2 == 1)
             if not self.warm_start:
-                for g, group in enumerate(self.groups):
-                    rows = group.k if right else group.m
-                    draws = [edge.draw(rows, self.matrix_rank, self._device, self._dtype) for _ in group.members]
-                    factors[g] = torch.stack([draw.mT for draw in draws])
-            for rows, members in self._row_classes[right]:
-                self._orthonormalize_class(factors, rows, members)
-            parts = message.split([*layout.sizes, exact_numel])
-            for g, group in enumerate(self.groups):
-                # (X q)^T = q^T X^T and (X^T p)^T = p^T X: count x r x (m or k), written into the message
-                out = parts[g].view(len(group.members), self.matrix_rank, -1)
-                operands = self._transposed[g] if right else [x for _, x in self._views[g]]
-                for x, factor, product in zip(operands, self._runs(g, factors[g]), self._runs(g, out), strict=True):
-                    torch.bmm(factor, x, out=product)
-            if exact_numel:
-                torch.cat(self._exact_views, out=parts[-1])
-            sends.append((peer, message))
-            recvs.append((peer, incoming := torch.empty_like(message)))
-            peers.append((peer, weight, edge, right))
-            sent.append(message)
-            received.append(incoming)
+                for stack in plan.factor:
+                    for factor in stack:
+                        factor.copy_(edge.draw(factor.shape[-1], self.matrix_rank, self._device, self._dtype).mT)
+            self._orthonormalize(plan)
+            for factor, x, out in plan.products:
+                torch.bmm(factor, x, out=out)
+            if self._exact_numel:
+                torch.cat(self._exact_views, out=plan.sent_exact)
+            sends.append((peer, plan.sent))
+            recvs.append((peer, plan.received))
+            peers.append((peer, weight, edge, plan))
         seq = step * self.num_iterations + iteration
-        handle = self._exchange(sends, recvs, seq)
-        return _Round(step, seq, peers, sent, received, handle)
+        return _Round(step, seq, peers, self._exchange(sends, recvs, seq))
 
     def _apply(self, round_: _Round) -> None:
         self._wait(round_.handle)
-        me, gamma, exact_numel = self.comm.rank, self.gamma, self._exact_numel
-        received = [(peer, [message]) for (peer, _, _, _), message in zip(round_.peers, round_.received, strict=True)]
+        me, gamma = self.comm.rank, self.gamma
+        received = [(peer, [plan.received]) for peer, _, _, plan in round_.peers]
         dropped = self._nonfinite_peers(round_.step, self.nonfinite, received)
         # Uncompressed tensors: exact gossip, from the values at the start of the iteration (the packed tail of
         # every message sent; the sends are complete, so the first one's tail is mixed in place and copied back).
-        if exact_numel and round_.peers:
-            kept = [
-                (w, message[-exact_numel:])
-                for (p, w, _, _), message in zip(round_.peers, round_.received, strict=True)
-                if p not in dropped
-            ]
-            own = round_.sent[0][-exact_numel:].mul_(1.0 - gamma * sum(weight for weight, _ in kept))
+        if self._exact_numel and round_.peers:
+            kept = [(weight, plan.received_exact) for peer, weight, _, plan in round_.peers if peer not in dropped]
+            own = round_.peers[0][3]
+            own.sent_exact.mul_(1.0 - gamma * sum(weight for weight, _ in kept))
             for weight, incoming in kept:
-                own.add_(incoming, alpha=gamma * weight)
-            torch._foreach_copy_(self._exact_views, list(own.split(self._exact_sizes)))
-        # Matrices: equal and opposite low-rank corrections on the two ends of every edge, one batch per group.
-        for (peer, weight, edge, right), own, theirs in zip(round_.peers, round_.sent, round_.received, strict=True):
-            if peer in dropped or not self.groups:
-                edge.iteration += 1  # keep the parity in step with the peer's; p and q stay as they were
-                continue
-            layout, r = self._layout(right), self.matrix_rank
-            own, theirs = own[: layout.products], theirs[: layout.products]
-            alpha = (1.0 if me < peer else -1.0) * gamma * weight
-            # a_hi - a_lo on both ends, for all groups at once (elementwise: equal to the per-group differences)
-            difference = theirs - own if me < peer else own - theirs  # R^T of every matrix, in the message's layout
-            warm = edge.pt_stacks if right else edge.qt_stacks  # the side R replaces
-            previous = torch.cat([stack.reshape(-1) for stack in warm])
-            kept_factors = keep_direction(difference, previous, layout.owner, layout.columns)
-            for g, (group, part, kept_part) in enumerate(
-                zip(self.groups, difference.split(layout.sizes), kept_factors.split(layout.sizes), strict=True)
-            ):
+                own.sent_exact.add_(incoming, alpha=gamma * weight)
+            torch._foreach_copy_(self._exact_views, own.sent_exact_parts)
+        # Matrices: equal and opposite low-rank corrections on the two ends of every edge, one batch per run.
+        for peer, weight, edge, plan in round_.peers:
+            if peer not in dropped and self.groups:
+                own, theirs = plan.sent[: plan.numel], plan.received[: plan.numel]
+                # R = a_hi - a_lo on both ends from the same two operands (so bit-identical), for every group at
+                # once, written over the received products.
+                if me < peer:
+                    torch.sub(theirs, own, out=theirs)
+                else:
+                    torch.sub(own, theirs, out=theirs)
+                alpha = (1.0 if me < peer else -1.0) * gamma * weight
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
-                stack = part.view(len(group.members), r, -1)
-                warm[g] = kept_part.view(stack.shape)
-                pt, qt = (stack, edge.qt_stacks[g]) if right else (edge.pt_stacks[g], stack)
-                runs = zip(self._views[g], self._runs(g, pt), self._runs(g, qt), strict=True)
-                for (_, x), pt_run, qt_run in runs:
-                    x.baddbmm_(pt_run.mT, qt_run, alpha=alpha)  # X += alpha p q^T
-            edge.iteration += 1
+                for x, p, qt in plan.updates:
+                    x.baddbmm_(p, qt, alpha=alpha)
+                factor, side = plan.replaced
+                torch.where(nonzero_columns(theirs, side.owner, side.columns), theirs, factor, out=factor)
+            edge.iteration += 1  # a dropped peer: p and q stay as they were, the parity keeps step with the peer's
 
     # -- the Algorithm interface ----------------------------------------------------------------------------
     @property
@@ -577,7 +669,12 @@ class PowerGossip(Algorithm):
         return {
             "config": self.config(),
             "edges": {
-                key: {"iteration": e.iteration, "p": e.p, "q": e.q, "generator": e.generator.get_state()}
+                key: {
+                    "iteration": e.iteration,
+                    "p": [t.clone() for t in e.p],  # copies: the factors change in place as training goes on
+                    "q": [t.clone() for t in e.q],
+                    "generator": e.generator.get_state(),
+                }
                 for key, e in self.edges.items()
             },
         }
@@ -590,7 +687,9 @@ class PowerGossip(Algorithm):
             generator = torch.Generator()
             generator.set_state(saved["generator"])
             p, q = ([t.to(self._device) for t in saved[side]] for side in ("p", "q"))
-            self.edges[tuple(key)] = EdgeState(self.groups, generator, saved["iteration"], p, q)
+            self.edges[tuple(key)] = EdgeState(
+                self.groups, self._layout(), generator, saved["iteration"], p, q, self._dtype, self._device
+            )
 
     def config(self) -> dict:
         return {
