@@ -497,6 +497,8 @@ class PowerGossip(Algorithm):
         on_cuda = any(bucket.buffer.is_cuda for bucket in buckets)
         self._pad_ratio = self.pad_ratio if self.pad_ratio is not None else PAD_RATIO if on_cuda else 1
         self._layouts: dict[int, _Layout] = {}  # per rank r
+        for edge in self.edges.values():  # bound again: plans hold views of the previous binding's buckets
+            edge.plans.clear()
 
     def describe(self) -> dict[str, list[str]]:
         """Which parameters are compressed and which travel exactly."""
