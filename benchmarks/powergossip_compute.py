@@ -27,6 +27,12 @@ Usage::
     python benchmarks/powergossip_compute.py                       # the main job's GPT, CPU, ranks 1 and 4
     python benchmarks/powergossip_compute.py --layers 12 --embd 768 --block 1024 --batch 8 --device cuda
     python benchmarks/powergossip_compute.py --layers 12 --bucket-bytes 900000 --baseline 5689234  # 2 buckets a layer
+    python benchmarks/powergossip_compute.py --kernels             # the kernels behind two design choices
+
+``--kernels`` times, warm and back to back, the two choices the implementation rests on, for every group of the
+model's matrices: orthonormalising its stacked factors by Gram-Schmidt's column loop against one batched
+Householder QR, and computing the products as X q and X^T p (factors stored rows x r) against q^T X^T and p^T X
+(factors stored transposed, as PowerGossip keeps them).
 """
 
 from __future__ import annotations
@@ -184,6 +190,43 @@ def operations(run: Callable[[], None], steps: int = 2) -> float:
     return counter.count / steps
 
 
+def median_seconds(run: Callable[[], Any], device: torch.device, repeats: int = 200) -> float:
+    for _ in range(10):
+        run()
+    return statistics.median(seconds(run, device) for _ in range(repeats))
+
+
+def kernels(config: GPTConfig, ranks: list[int], device: torch.device) -> None:
+    """Print, per group of the model's matrices and rank: Gram-Schmidt vs QR on its factors, and the products
+    with the factors stored rows x r vs transposed (microseconds, warm medians)."""
+    from gossip.algorithms.powergossip import PowerGossip, gram_schmidt, orthonormalize
+
+    _, buckets = model_buckets(config, device, 0)
+    print(
+        f"{'group (count x m x k)':>24} {'r':>3} {'GS us':>8} {'QR us':>8} {'GS/QR':>6} "
+        f"{'Xq us':>7} {'q^TX^T':>7} {'ratio':>6} {'X^Tp us':>8} {'p^TX':>7} {'ratio':>6}"
+    )
+    for rank in ranks:
+        algorithm = PowerGossip(rank=rank)
+        algorithm.setup(LoopbackCommunicator(2, device), topologies.one_peer_hypercube(2), buckets)
+        for views in algorithm._views:
+            x = views[0][1]  # the group's first run: (count, m, k)
+            count, m, k = x.shape
+            q, p = torch.randn(count, k, rank, device=device), torch.randn(count, m, rank, device=device)
+            qt, pt = q.mT.contiguous(), p.mT.contiguous()
+            factor = torch.randn(count, rank, m, device=device).mT  # p as PowerGossip stores it
+            gs = median_seconds(lambda f=factor: gram_schmidt(f, dtype=f.dtype), device)
+            qr = median_seconds(lambda f=factor: orthonormalize(f, dtype=f.dtype, method="qr"), device)
+            xq = median_seconds(lambda x=x, q=q: torch.bmm(x, q), device)
+            qtxt = median_seconds(lambda x=x, qt=qt: torch.bmm(qt, x.mT), device)
+            xtp = median_seconds(lambda x=x, p=p: torch.bmm(x.mT, p), device)
+            ptx = median_seconds(lambda x=x, pt=pt: torch.bmm(pt, x), device)
+            print(
+                f"{f'{count} x {m} x {k}':>24} {rank:>3} {gs * 1e6:8.1f} {qr * 1e6:8.1f} {gs / qr:6.2f} "
+                f"{xq * 1e6:7.1f} {qtxt * 1e6:7.1f} {xq / qtxt:6.2f} {xtp * 1e6:8.1f} {ptx * 1e6:7.1f} {xtp / ptx:6.2f}"
+            )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="PowerGossip ranks to measure")
@@ -212,6 +255,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--vocab", type=int, default=GPTConfig.vocab_size)
     parser.add_argument(
+        "--kernels", action="store_true", help="time Gram-Schmidt vs QR and the product layouts per group, and stop"
+    )
+    parser.add_argument(
         "--ops-only", action="store_true", help="only count the operations per step (no timing; any model size)"
     )
     args = parser.parse_args(argv)
@@ -223,6 +269,10 @@ def main(argv: list[str] | None = None) -> None:
     config = GPTConfig(
         block_size=args.block, vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, n_embd=args.embd
     )
+    if args.kernels:
+        print(f"model: GPT {args.layers} layers x {args.embd}; device {device}; {args.threads} thread(s); warm medians")
+        kernels(config, args.ranks, device)
+        return
     Old = load_baseline(args.baseline)
     if args.ops_only:
         _, buckets = model_buckets(config, device, 0, args.bucket_bytes)
@@ -233,8 +283,9 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(f"{'rank':>4} {'variant':>10} {'ops/step':>9}")
         for rank in args.ranks:
-            pad_4 = partial(PowerGossip, pad_ratio=PAD_RATIO)  # CUDA's default: similar rows share a Gram-Schmidt
-            for label, make in (("old", Old), ("new", PowerGossip), ("new pad 4", pad_4)):
+            # CUDA's defaults: Gram-Schmidt, and factors of similar rows share one call (pad_ratio)
+            as_on_cuda = partial(PowerGossip, pad_ratio=PAD_RATIO, orthonormalization="gram-schmidt")
+            for label, make in (("old", Old), ("new", PowerGossip), ("new CUDA", as_on_cuda)):
                 step = bound_step(make(rank=rank, num_iterations=args.iterations), buckets, device)
                 step(), step()  # the first steps create the edge's state
                 print(f"{rank:>4} {label:>10} {operations(step):9.0f}")

@@ -41,6 +41,7 @@ ALGORITHMS = {
     "powergossip-r1": lambda: gossip.PowerGossip(rank=1, min_compression=1),
     "powergossip-r2-2it": lambda: gossip.PowerGossip(rank=2, num_iterations=2, min_compression=1),
     "powergossip-r2-fp32": lambda: gossip.PowerGossip(rank=2, min_compression=1, orthonormalize_dtype=torch.float32),
+    "powergossip-r4-qr": lambda: gossip.PowerGossip(rank=4, min_compression=1, orthonormalization="qr"),
     "adaptive-powergossip": lambda: gossip.AdaptivePowerGossip(ladder=(1, 2), every=3, min_compression=1),
     "allreduce": lambda: gossip.AllReduce(),
     "hierarchical": lambda: gossip.HierarchicalGossip(local_size=2),

@@ -1,4 +1,4 @@
-"""PowerGossip batches equal-shape matrices: one bmm per group, one batched Gram-Schmidt, packed exact tensors."""
+"""PowerGossip batches equal-shape matrices: one bmm per group, one orthonormalisation per class, one message."""
 
 from __future__ import annotations
 
@@ -81,15 +81,30 @@ def steps_and_factors(comm: gossip.Communicator, steps: int, options: dict) -> d
     }
 
 
-@pytest.mark.parametrize("dtype", [None, torch.float64, torch.float32])
-def test_batched_groups_keep_both_ends_bit_identical_and_the_sum(dtype):
+def simulate_and_check_ends_and_sum(options: dict) -> list[dict]:
+    """Five steps of 4 ranks: both ends of every edge hold bit-identical factors, and the sum is preserved."""
     initial = sum(torch.cat([b.buffer.double() for b in gpt_buckets(rank)]) for rank in range(4))
-    results = gossip.simulate(4, steps_and_factors, 5, {"orthonormalize_dtype": dtype})
+    results = gossip.simulate(4, steps_and_factors, 5, options)
     for rank, result in enumerate(results):
         for (lo, hi), factors in result["factors"].items():
             theirs = results[hi if rank == lo else lo]["factors"][(lo, hi)]
             assert all(torch.equal(a, b) for a, b in zip(factors, theirs, strict=True)), (rank, lo, hi)
     torch.testing.assert_close(results[0]["sum"], initial, rtol=0, atol=1e-5)
+    return results
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"orthonormalize_dtype": None},
+        {"orthonormalize_dtype": torch.float64},
+        {"orthonormalize_dtype": torch.float32},
+        {"rank": 4, "orthonormalization": "qr"},
+        {"rank": 4, "orthonormalization": "gram-schmidt"},
+    ],
+)
+def test_batched_groups_keep_both_ends_bit_identical_and_the_sum(options):
+    simulate_and_check_ends_and_sum(options)
 
 
 def test_batching_computes_what_the_matrix_by_matrix_path_computes(monkeypatch):
@@ -115,6 +130,25 @@ def test_batched_orthonormalize_equals_the_per_matrix_one_and_is_orthonormal():
         torch.testing.assert_close(together[i], orthonormalize(batch[i]), rtol=0, atol=1e-6)
         torch.testing.assert_close(together[i].T @ together[i], torch.eye(4), rtol=0, atol=1e-5)
     assert torch.equal(batch, torch.randn(5, 30, 4, generator=torch.Generator().manual_seed(0)))  # input untouched
+
+
+def test_orthonormalize_runs_qr_on_the_cpu_above_rank_2_and_gram_schmidt_otherwise():
+    generator = torch.Generator().manual_seed(0)
+    for r, method in ((1, "gram-schmidt"), (2, "gram-schmidt"), (4, "qr")):
+        batch = torch.randn(3, 20, r, generator=generator)
+        default = orthonormalize(batch)
+        assert torch.equal(default, orthonormalize(batch, method=method)), r
+        other = orthonormalize(batch, method="qr" if method == "gram-schmidt" else "gram-schmidt")
+        # the same span, columns equal up to sign
+        torch.testing.assert_close(default.abs(), other.abs(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(default.mT @ default, torch.eye(r).expand(3, r, r), rtol=0, atol=1e-5)
+
+
+def test_an_orthonormalization_other_than_qr_or_gram_schmidt_is_refused():
+    with pytest.raises(
+        ValueError, match=r"orthonormalization must be None or one of \('qr', 'gram-schmidt'\), got 'svd'"
+    ):
+        PowerGossip(orthonormalization="svd")
 
 
 def test_an_orthonormalize_dtype_other_than_float32_or_float64_is_refused():
@@ -236,15 +270,10 @@ def test_one_gram_schmidt_per_class_of_row_counts_not_per_group(monkeypatch, opt
     assert sorted(seen) == sorted(2 * calls)  # on each of the 2 ranks
 
 
-def test_padded_classes_keep_both_ends_bit_identical_and_the_sum():
-    initial = sum(torch.cat([b.buffer.double() for b in gpt_buckets(rank)]) for rank in range(4))
-    results = gossip.simulate(4, steps_and_factors, 5, {"pad_ratio": 4})
-    for rank, result in enumerate(results):
-        for (lo, hi), factors in result["factors"].items():
-            theirs = results[hi if rank == lo else lo]["factors"][(lo, hi)]
-            assert all(torch.equal(a, b) for a, b in zip(factors, theirs, strict=True)), (rank, lo, hi)
-    torch.testing.assert_close(results[0]["sum"], initial, rtol=0, atol=1e-5)
-    equal_rows = gossip.simulate(4, steps_and_factors, 5, {})
+@pytest.mark.parametrize("matrix_rank", [2, 4])  # Gram-Schmidt, Householder QR
+def test_padded_classes_keep_both_ends_bit_identical_and_the_sum(matrix_rank):
+    results = simulate_and_check_ends_and_sum({"pad_ratio": 4, "rank": matrix_rank})
+    equal_rows = gossip.simulate(4, steps_and_factors, 5, {"rank": matrix_rank})
     for a, b in zip(results, equal_rows, strict=True):  # padding changes only the rounding
         for x, y in zip(a["buffers"], b["buffers"], strict=True):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
@@ -257,7 +286,8 @@ def test_a_pad_ratio_other_than_a_positive_integer_is_refused(pad_ratio):
 
 
 def test_zero_padding_leaves_the_factors_orthonormal_and_their_padding_out():
-    """The padded Gram-Schmidt gives the unpadded one's factors (up to rounding) and zero in the padding."""
+    """The padded orthonormalisation (Householder QR at r = 4) gives the unpadded one's factors (up to rounding)
+    and zero in the padding."""
     generator = torch.Generator().manual_seed(0)
     small, large = torch.randn(3, 10, 4, generator=generator), torch.randn(2, 30, 4, generator=generator)
     padded = torch.zeros(5, 30, 4)

@@ -25,21 +25,28 @@ Batching (as PyTorch's PowerSGD communication hook batches its matrices): matric
 (``blocks.#.mlp.fc.weight``) -- the layers of a transformer -- are one group with stacked factors. The products
 and the update run as one ``bmm`` / ``baddbmm_`` per run of the group's layers lying at equal distances in one
 bucket, a (count, m, k) strided view of the bucket without a copy (one run per bucket the layers span). Factors
-of equal rows are orthonormalised together, and on CUDA also those within a factor ``pad_ratio`` (default
-``PAD_RATIO``), the smaller ones zero-padded: one batched Gram-Schmidt per class (on a GPT on a GPU, every q in one
-call), not per group. On the CPU, where the arithmetic rather than the launches dominates, padding would add work
-(rows x r^2 per factor), so the default there is 1. The difference of the two ends'
-products is one subtraction over the whole message. The uncompressed tensors of all buckets travel packed into
-one message, packed with one ``cat`` of views taken at setup and unpacked with one ``_foreach_copy_``. So the
-operations of a step -- on a GPU, kernel launches, whose fixed cost dominates at these sizes -- do not grow with
-the number of layers or of uncompressed tensors, except for the runs (keep the layers in few buckets). No value
-is read back to the host on the hot path: the non-finite check is deferred on CUDA (see gossip.algorithms.base).
-Precision: ``orthonormalize_dtype`` (default None: float32, or float64 for float64 parameters). Householder QR is
-backward stable, so float32 factors are orthonormal to about 1e-6 whatever their conditioning, and the precision
-of the basis only shapes how well the projection captures X_hi - X_lo, never the invariants (both ends apply the
-same correction with opposite signs); float64 costs two conversions per orthonormalisation. Either way both ends
-run the same kernel on the same input, so they agree bit for bit; the choice is part of ``config()`` and so of
-checkpoints.
+are stored transposed (r x rows), so the products are q^T X^T and p^T X, small dimension first (on the CPU
+several times faster than X q and X^T p: ``benchmarks/powergossip_compute.py --kernels``). Factors of equal rows
+are orthonormalised together, and on CUDA also those within a factor ``pad_ratio`` (default ``PAD_RATIO``), the
+smaller ones zero-padded: one batched call per class (on a GPT on a GPU, every q in one call), not per group. On
+the CPU, where the arithmetic rather than the launches dominates, padding would add work (rows x r^2 per factor),
+so the default there is 1. Each edge keeps its factors in one flat
+buffer per side, ordered class by class, and plans each side's iteration once (:class:`_Plan`): its message, the
+products, updates and orthonormalisations as views of the buffers and of the buckets. One message per peer and
+iteration carries the products of every group, then the uncompressed tensors of all buckets packed (one ``cat``
+of views taken at setup, unpacked with one ``_foreach_copy_``); the difference of the two ends' products is one
+subtraction written over the received message, the warm-start rule of step 4 one ``where`` over all factors. So
+an iteration's operations -- on a GPU, kernel launches, whose fixed cost dominates at these sizes -- do not grow
+with the number of layers or of uncompressed tensors, except for the runs (keep the layers in few buckets), and
+no tensor is cut or allocated on the way. No value is read back to the host on the hot path: the non-finite
+check is deferred on CUDA (see gossip.algorithms.base).
+Orthonormalisation (:func:`orthonormalize`): by default Householder QR on the CPU for r > 2, Gram-Schmidt
+otherwise (on CUDA, batched QR costs a cuSOLVER call per matrix); ``orthonormalization`` ("qr", "gram-schmidt")
+chooses. Precision: ``orthonormalize_dtype`` (default None: float64 for Gram-Schmidt, the parameters' dtype and at
+least float32 for QR, which is backward stable). The precision of the basis only shapes how well the projection
+captures X_hi - X_lo, never the invariants (both ends apply the same correction with opposite signs). Either way
+both ends run the same kernel on the same input, so they agree bit for bit; both choices are part of ``config()``
+and so of checkpoints.
 
 Factors of an idle edge are kept, so warm starts survive time-varying schedules that revisit pairs (A.8).
 Tensors with fewer than two dimensions and matrices whose compression ratio m k / (r (m + k)) is below
@@ -76,22 +83,10 @@ def exclude_names(*patterns: str) -> Policy:
     return lambda name, shape: False if any(p.search(name) for p in compiled) else None
 
 
-def orthonormalize(matrix: torch.Tensor, eps: float = 1e-8, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Orthonormal columns spanning those of ``matrix`` (rows x r, or a batch ... x rows x r), computed in ``dtype``
-    and returned in ``matrix.dtype``; a new tensor, ``matrix`` is left alone.
-
-    As PyTorch's PowerSGD communication hook chooses (``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.
-    _orthogonalize``): for r <= 2 modified Gram-Schmidt -- column c divided by its norm (+ ``eps``, so a zero column
-    stays zero and finite), then removed from the columns after it: a few kernels per column --, above that one
-    batched Householder QR (``torch.linalg.qr``: LAPACK on the CPU, cuSOLVER on CUDA), whose cost hardly grows
-    with r (at r = 4 about 5x cheaper than Gram-Schmidt's column loop on the CPU, see benchmarks/README.md). QR's
-    columns are orthonormal even where the input's are zero or dependent (Householder completes the basis); its
-    signs may differ from Gram-Schmidt's, which does not matter to PowerGossip (p and q flip together).
-    Deterministic: equal inputs on the same device and thread count give equal outputs, which is what keeps both
-    ends of an edge bit-identical.
-    """
-    if matrix.shape[-1] > 2:
-        return torch.linalg.qr(matrix.to(dtype)).Q.to(matrix.dtype)
+def gram_schmidt(matrix: torch.Tensor, eps: float = 1e-8, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Modified Gram-Schmidt on the columns of ``matrix`` (rows x r, or a batch ... x rows x r), computed in
+    ``dtype`` and returned in ``matrix.dtype``; a new tensor. Column c is divided by its norm (+ ``eps``, so a zero
+    column stays zero and finite), then removed from the columns after it: a few kernels per column."""
     work = matrix.to(dtype, copy=True)
     columns = work.shape[-1]
     for c in range(columns):
@@ -101,6 +96,36 @@ def orthonormalize(matrix: torch.Tensor, eps: float = 1e-8, dtype: torch.dtype =
             rest = work[..., c + 1 :]
             rest.sub_(column * (column.mT @ rest))
     return work.to(matrix.dtype)
+
+
+METHODS = ("qr", "gram-schmidt")
+
+
+def orthonormalize(
+    matrix: torch.Tensor, eps: float = 1e-8, dtype: torch.dtype | None = None, method: str | None = None
+) -> torch.Tensor:
+    """Orthonormal columns spanning those of ``matrix`` (rows x r, or a batch ... x rows x r), computed in ``dtype``
+    and returned in ``matrix.dtype``; a new tensor, ``matrix`` is left alone.
+
+    ``method``: ``"qr"``, one batched Householder QR (``torch.linalg.qr``), or ``"gram-schmidt"``
+    (:func:`gram_schmidt`). By default QR on the CPU for r > 2, where LAPACK factors a batch of thin matrices in
+    one call whose cost hardly grows with r (``python benchmarks/powergossip_compute.py --kernels`` times both on
+    a model's factors), and Gram-Schmidt otherwise, as PyTorch's PowerSGD hook does for r <= 2: on CUDA,
+    ``torch.linalg.qr`` forms Q with one cuSOLVER call per matrix of the batch (pytorch/pytorch#143281), while
+    Gram-Schmidt's few kernels per column cover the whole batch. ``dtype`` by default: float64 for Gram-Schmidt,
+    whose loss of orthogonality grows with the conditioning of ``matrix``; for QR, which is backward stable
+    (orthonormal to about the unit round-off whatever the conditioning), ``matrix``'s dtype, at least float32.
+    QR's columns are orthonormal even where the input's are zero or dependent (Householder completes the basis),
+    Gram-Schmidt's zero columns stay zero (``eps`` keeps them finite); the two may differ in sign, which does not
+    matter to PowerGossip (p and q flip together). Deterministic: equal inputs on the same device and thread count
+    give equal outputs, which is what keeps both ends of an edge bit-identical.
+    """
+    if method is None:
+        method = "qr" if matrix.device.type == "cpu" and matrix.shape[-1] > 2 else "gram-schmidt"
+    if method == "gram-schmidt":
+        return gram_schmidt(matrix, eps, dtype or torch.float64)
+    work = matrix.to(dtype or (torch.float64 if matrix.dtype == torch.float64 else torch.float32))
+    return torch.linalg.qr(work).Q.to(matrix.dtype)
 
 
 def nonzero_columns(product: torch.Tensor, owner: torch.Tensor, columns: int) -> torch.Tensor:
@@ -143,7 +168,7 @@ class _Run:
 
 @dataclass(frozen=True)
 class _Group:
-    """Matrices of one shape (m, k) and one role, batched: one batched Gram-Schmidt for their factors.
+    """Matrices of one shape (m, k) and one role, batched: their factors are orthonormalised in one call.
 
     ``members`` are indices into the algorithm's matrix list, in (bucket, offset) order; ``runs`` cover them in
     the same order, each a zero-copy (count, m, k) view of one bucket, so the products and the update take one
@@ -193,14 +218,15 @@ PAD_RATIO = 4  # the default pad_ratio on CUDA
 
 
 def row_classes(rows: list[int], pad_ratio: int = PAD_RATIO) -> list[tuple[int, list[int]]]:
-    """Groups whose factors (``rows[i]`` x r each) one batched Gram-Schmidt orthonormalises together:
+    """Groups whose factors (``rows[i]`` x r each) one batched call orthonormalises together:
     ``(padded rows, group indices)`` per class.
 
     A class starts at the largest row count not yet taken and takes every group with at least 1/``pad_ratio`` of
-    its rows; the smaller factors are zero-padded to the class's rows. Zero rows change neither a column's norm nor
-    an inner product, and stay zero, so the padded Gram-Schmidt computes the same factors (up to the rounding of
-    the longer sums) with one kernel sequence per class instead of one per group; ``pad_ratio`` bounds the work
-    spent on the zeros. Deterministic in ``rows``, so both ends of an edge build the same classes.
+    its rows; the smaller factors are zero-padded to the class's rows. Zero rows below the data change neither a
+    column's norm nor an inner product, and stay zero (in Gram-Schmidt, and in Householder QR, whose reflectors
+    are zero there), so the padded call computes the same factors (up to the rounding of the longer sums) with one
+    kernel sequence per class instead of one per group; ``pad_ratio`` bounds the work spent on the zeros.
+    Deterministic in ``rows``, so both ends of an edge build the same classes.
     """
     classes: list[tuple[int, list[int]]] = []
     for index in sorted(range(len(rows)), key=lambda i: (-rows[i], i)):
@@ -273,10 +299,10 @@ class EdgeState:
 
     The factors are stored transposed, in one flat buffer per side laid out as :class:`_Side` says:
     ``pt_stacks[g]`` is the (count, r, m) view of group g's p^T, contiguous (so the products are q^T X^T and
-    p^T X, whose small dimension r comes first: on the CPU 2.5-4x faster than X q and X^T p, see
-    benchmarks/README.md; and a column of p is a contiguous row). They change in place, so these views and the
-    plans built on them (``plans``, see :class:`_Plan`) stay valid from step to step. ``p`` and ``q`` give the
-    factors per matrix as m x r and k x r (views, in matrix order) for inspection and checkpoints.
+    p^T X, whose small dimension r comes first, see the module docstring; and a column of p is a contiguous row).
+    They change in place, so these views and the plans built on them (``plans``, see :class:`_Plan`) stay valid
+    from step to step. ``p`` and ``q`` give the factors per matrix as m x r and k x r (views, in matrix order)
+    for inspection and checkpoints.
     """
 
     __slots__ = ("generator", "iteration", "p_flat", "plans", "pt_stacks", "q_flat", "qt_stacks", "slots")
@@ -405,12 +431,17 @@ class PowerGossip(Algorithm):
         seed: int = 0,
         nonfinite: str = "raise",
         orthonormalize_dtype: torch.dtype | None = None,
+        orthonormalization: str | None = None,
         pad_ratio: int | None = None,
     ):
         if orthonormalize_dtype not in (None, torch.float32, torch.float64):
             raise ValueError(
                 "PowerGossip: orthonormalize_dtype must be None, torch.float32 or torch.float64, "
                 f"got {orthonormalize_dtype!r}"
+            )
+        if orthonormalization not in (None, *METHODS):
+            raise ValueError(
+                f"PowerGossip: orthonormalization must be None or one of {METHODS}, got {orthonormalization!r}"
             )
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"PowerGossip: rank must be an integer >= 1, got {rank!r}")
@@ -423,7 +454,7 @@ class PowerGossip(Algorithm):
         self.matrix_rank, self.num_iterations, self.gamma = rank, num_iterations, float(gamma)
         self.warm_start, self.min_compression, self.policy, self.seed = warm_start, min_compression, policy, seed
         self.nonfinite = check_nonfinite_policy("PowerGossip", nonfinite)
-        self.orthonormalize_dtype = orthonormalize_dtype
+        self.orthonormalize_dtype, self.orthonormalization = orthonormalize_dtype, orthonormalization
         if pad_ratio is not None and (isinstance(pad_ratio, bool) or not isinstance(pad_ratio, int) or pad_ratio < 1):
             raise ValueError(f"PowerGossip: pad_ratio must be None or an integer >= 1, got {pad_ratio!r}")
         self.pad_ratio = pad_ratio
@@ -583,16 +614,16 @@ class PowerGossip(Algorithm):
     def _orthonormalize(self, plan: _Plan) -> None:
         """Orthonormalise the factor ``plan`` multiplies with, in place: one batched call per class, on a
         contiguous block of its buffer unless the class is zero-padded."""
-        dtype = self.orthonormalize_dtype or (torch.float64 if self._dtype == torch.float64 else torch.float32)
+        dtype, method = self.orthonormalize_dtype, self.orthonormalization
         for block, parts, rows in plan.classes:
             if block is not None:
-                block.copy_(orthonormalize(block, dtype=dtype))
+                block.copy_(orthonormalize(block, dtype=dtype, method=method))
                 continue
             counts = [len(part) for part in parts]
             together = parts[0].new_zeros(sum(counts), self.matrix_rank, rows)
             for part, padded in zip(parts, together.split(counts), strict=True):
                 padded[..., : part.shape[-1]].copy_(part)
-            together = orthonormalize(together.mT, dtype=dtype).mT
+            together = orthonormalize(together.mT, dtype=dtype, method=method).mT
             for part, padded in zip(parts, together.split(counts), strict=True):
                 part.copy_(padded[..., : part.shape[-1]])
 
@@ -702,4 +733,5 @@ class PowerGossip(Algorithm):
             "min_compression": self.min_compression,
             "seed": self.seed,
             "orthonormalize_dtype": str(self.orthonormalize_dtype),
+            "orthonormalization": str(self.orthonormalization),
         }
