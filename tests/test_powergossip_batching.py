@@ -132,13 +132,13 @@ def test_batched_orthonormalize_equals_the_per_matrix_one_and_is_orthonormal():
     assert torch.equal(batch, torch.randn(5, 30, 4, generator=torch.Generator().manual_seed(0)))  # input untouched
 
 
-def test_orthonormalize_runs_qr_on_the_cpu_above_rank_2_and_gram_schmidt_otherwise():
+def test_orthonormalize_runs_qr_on_the_cpu_and_agrees_with_gram_schmidt_up_to_signs():
     generator = torch.Generator().manual_seed(0)
-    for r, method in ((1, "gram-schmidt"), (2, "gram-schmidt"), (4, "qr")):
+    for r in (1, 2, 4):
         batch = torch.randn(3, 20, r, generator=generator)
         default = orthonormalize(batch)
-        assert torch.equal(default, orthonormalize(batch, method=method)), r
-        other = orthonormalize(batch, method="qr" if method == "gram-schmidt" else "gram-schmidt")
+        assert torch.equal(default, orthonormalize(batch, method="qr")), r
+        other = orthonormalize(batch, method="gram-schmidt")
         # the same span, columns equal up to sign
         torch.testing.assert_close(default.abs(), other.abs(), rtol=0, atol=1e-5)
         torch.testing.assert_close(default.mT @ default, torch.eye(r).expand(3, r, r), rtol=0, atol=1e-5)

@@ -40,10 +40,11 @@ an iteration's operations -- on a GPU, kernel launches, whose fixed cost dominat
 with the number of layers or of uncompressed tensors, except for the runs (keep the layers in few buckets), and
 no tensor is cut or allocated on the way. No value is read back to the host on the hot path: the non-finite
 check is deferred on CUDA (see gossip.algorithms.base).
-Orthonormalisation (:func:`orthonormalize`): by default Householder QR on the CPU for r > 2, Gram-Schmidt
-otherwise (on CUDA, batched QR costs a cuSOLVER call per matrix); ``orthonormalization`` ("qr", "gram-schmidt")
-chooses. Precision: ``orthonormalize_dtype`` (default None: float64 for Gram-Schmidt, the parameters' dtype and at
-least float32 for QR, which is backward stable). The precision of the basis only shapes how well the projection
+
+Orthonormalisation (:func:`orthonormalize`): by default Householder QR on the CPU, Gram-Schmidt elsewhere (on
+CUDA, batched QR costs a cuSOLVER call per matrix); ``orthonormalization`` ("qr", "gram-schmidt") chooses.
+Precision: ``orthonormalize_dtype`` (default None: float64 for Gram-Schmidt, the parameters' dtype and at least
+float32 for QR, which is backward stable). The precision of the basis only shapes how well the projection
 captures X_hi - X_lo, never the invariants (both ends apply the same correction with opposite signs). Either way
 both ends run the same kernel on the same input, so they agree bit for bit; both choices are part of ``config()``
 and so of checkpoints.
@@ -108,11 +109,12 @@ def orthonormalize(
     and returned in ``matrix.dtype``; a new tensor, ``matrix`` is left alone.
 
     ``method``: ``"qr"``, one batched Householder QR (``torch.linalg.qr``), or ``"gram-schmidt"``
-    (:func:`gram_schmidt`). By default QR on the CPU for r > 2, where LAPACK factors a batch of thin matrices in
-    one call whose cost hardly grows with r (``python benchmarks/powergossip_compute.py --kernels`` times both on
-    a model's factors), and Gram-Schmidt otherwise, as PyTorch's PowerSGD hook does for r <= 2: on CUDA,
-    ``torch.linalg.qr`` forms Q with one cuSOLVER call per matrix of the batch (pytorch/pytorch#143281), while
-    Gram-Schmidt's few kernels per column cover the whole batch. ``dtype`` by default: float64 for Gram-Schmidt,
+    (:func:`gram_schmidt`). By default QR on the CPU, where LAPACK factors a batch of thin matrices in one call
+    whose cost hardly grows with r (``python benchmarks/powergossip_compute.py --kernels`` times both on a model's
+    factors: QR is 1.2-1.5x cheaper at r = 1 and 5-7x at r = 4, benchmarks/README.md), and Gram-Schmidt elsewhere:
+    on CUDA ``torch.linalg.qr`` forms Q with one cuSOLVER call per matrix of the batch (pytorch/pytorch#143281),
+    while Gram-Schmidt's few kernels per column cover the whole batch (PyTorch's PowerSGD hook, which takes QR
+    above r = 2, keeps Gram-Schmidt at r <= 2 for the same reason). ``dtype`` by default: float64 for Gram-Schmidt,
     whose loss of orthogonality grows with the conditioning of ``matrix``; for QR, which is backward stable
     (orthonormal to about the unit round-off whatever the conditioning), ``matrix``'s dtype, at least float32.
     QR's columns are orthonormal even where the input's are zero or dependent (Householder completes the basis),
@@ -121,7 +123,7 @@ def orthonormalize(
     give equal outputs, which is what keeps both ends of an edge bit-identical.
     """
     if method is None:
-        method = "qr" if matrix.device.type == "cpu" and matrix.shape[-1] > 2 else "gram-schmidt"
+        method = "qr" if matrix.device.type == "cpu" else "gram-schmidt"
     if method == "gram-schmidt":
         return gram_schmidt(matrix, eps, dtype or torch.float64)
     work = matrix.to(dtype or (torch.float64 if matrix.dtype == torch.float64 else torch.float32))
