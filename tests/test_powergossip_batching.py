@@ -101,6 +101,7 @@ def simulate_and_check_ends_and_sum(options: dict) -> list[dict]:
         {"orthonormalize_dtype": torch.float32},
         {"rank": 4, "orthonormalization": "qr"},
         {"rank": 4, "orthonormalization": "gram-schmidt"},
+        {"rank": 4, "orthonormalization": "gram-schmidt", "pad_ratio": 4},  # CUDA's defaults
     ],
 )
 def test_batched_groups_keep_both_ends_bit_identical_and_the_sum(options):
