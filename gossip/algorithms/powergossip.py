@@ -679,7 +679,10 @@ class PowerGossip(Algorithm):
                 for x, p, qt in plan.updates:
                     x.baddbmm_(p, qt, alpha=alpha)
                 factor, side = plan.replaced
-                torch.where(nonzero_columns(theirs, side.owner, side.columns), theirs, factor, out=factor)
+                if theirs.device.type == "cpu" and int(torch.count_nonzero(theirs)) == theirs.numel():
+                    factor.copy_(theirs)  # no zero element, so no zero column (a host read: on the CPU only)
+                else:
+                    torch.where(nonzero_columns(theirs, side.owner, side.columns), theirs, factor, out=factor)
             edge.iteration += 1  # a dropped peer: p and q stay as they were, the parity keeps step with the peer's
 
     # -- the Algorithm interface ----------------------------------------------------------------------------
