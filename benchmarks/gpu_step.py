@@ -6,7 +6,8 @@ Measured side by side in one run, medians over ``--rounds`` (each timed between 
 * PowerGossip's own computation per step at each ``--ranks`` (one rank's work: orthonormalisation, products,
   update, packing, the non-finite check; no network -- :class:`LoopbackCommunicator`), new vs the previous
   implementation when ``--baseline-file`` or a git checkout provides it (run with the immediate non-finite check,
-  a host sync per step, as it was), and the new one on a second copy of the model in one bucket
+  a host sync per step, as it was), with float64 orthonormalisation, with the other orthonormalisation method
+  (batched QR on CUDA, where Gram-Schmidt is the default), and on a second copy of the model in one bucket
   (``--one-bucket-bytes``: each group of layers one strided view, one ``bmm`` per group); and its share of
   forward + backward;
 * exact gossip's mixing per step (same loopback);
@@ -168,6 +169,12 @@ def main(argv: list[str] | None = None) -> None:
         variants[f"powergossip r={rank}"] = (lambda rank=rank: PowerGossip(rank=rank), buckets)
         variants[f"powergossip r={rank}, fp64 orthonormalisation"] = (
             lambda rank=rank: PowerGossip(rank=rank, orthonormalize_dtype=torch.float64),
+            buckets,
+        )
+        # the other orthonormalisation: batched QR (the CPU's default; CUDA's default is Gram-Schmidt)
+        other = "gram-schmidt" if device.type == "cpu" else "qr"
+        variants[f"powergossip r={rank}, {other}"] = (
+            lambda rank=rank, other=other: PowerGossip(rank=rank, orthonormalization=other),
             buckets,
         )
         if Old is not None:

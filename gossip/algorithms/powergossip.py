@@ -263,7 +263,7 @@ class _Side:
     offsets: list[int]  # per group: the start of its (count, r, rows) block
     numel: int
     classes: list[_Class]
-    owner: torch.Tensor  # per element: the factor column it belongs to (for keep_direction)
+    owner: torch.Tensor  # per element: the factor column it belongs to (for nonzero_columns)
     columns: int
 
     @classmethod
