@@ -609,6 +609,10 @@ def suite(name: str) -> list[RunConfig]:
         c("pg4-it2-avg64", rank=4, iterations=2, average_every=64, **d),
         c("pg4-it2-avg32", rank=4, iterations=2, average_every=32, **d),
         c("pg4-avg32-accum4", rank=4, average_every=32, optimizer="accum-adamw", accum_iter=4, beta2=0.99, **d),
+        # consensus per byte from more power iterations: rank 4 x 3 (1.5x the defaults' bytes, 1/20 of DDP's) and
+        # rank 2 x 4 (the defaults' bytes)
+        c("pg4-it3", rank=4, iterations=3, **d),
+        c("pg2-it4", rank=2, iterations=4, **d),
     ]
 
 
