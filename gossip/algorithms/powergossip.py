@@ -390,7 +390,8 @@ class _Plan:
 
     sent: torch.Tensor
     received: torch.Tensor
-    numel: int  # elements of the products; the uncompressed tensors follow
+    sent_products: torch.Tensor  # views of the first elements: the products; the uncompressed tensors follow
+    received_products: torch.Tensor
     sent_exact: torch.Tensor  # views of sent[numel:]: the pack, and each tensor in it
     sent_exact_parts: list[torch.Tensor]
     received_exact: torch.Tensor
@@ -581,10 +582,10 @@ class PowerGossip(Algorithm):
         products, updates = [], []
         for g, views in enumerate(self._views):
             for members, x in views:
-                if right:  # (X q)^T = q^T X^T; R is p^T: X += R^T^T q^T
+                if right:  # sends (X q)^T = q^T X^T; R is the next p^T, and X += p q^T = (R^T) (q^T)
                     products.append((edge.qt_stacks[g][members], x.mT, sent_blocks[g][members]))
                     updates.append((x, received_blocks[g][members].mT, edge.qt_stacks[g][members]))
-                else:  # (X^T p)^T = p^T X; R is q^T
+                else:  # sends (X^T p)^T = p^T X; R is the next q^T, and X += p q^T = (p^T)^T R
                     products.append((edge.pt_stacks[g][members], x, sent_blocks[g][members]))
                     updates.append((x, edge.pt_stacks[g][members].mT, received_blocks[g][members]))
         sent_exact = sent[out.numel :]
@@ -594,7 +595,8 @@ class PowerGossip(Algorithm):
         plan = edge.plans[right] = _Plan(
             sent,
             received,
-            out.numel,
+            sent[: out.numel],
+            received[: out.numel],
             sent_exact,
             list(sent_exact.split(self._exact_sizes)),
             received[out.numel :],
@@ -659,15 +661,15 @@ class PowerGossip(Algorithm):
         # every message sent; the sends are complete, so the first one's tail is mixed in place and copied back).
         if self._exact_numel and round_.peers:
             kept = [(weight, plan.received_exact) for peer, weight, _, plan in round_.peers if peer not in dropped]
-            own = round_.peers[0][3]
-            own.sent_exact.mul_(1.0 - gamma * sum(weight for weight, _ in kept))
+            first = round_.peers[0][3]
+            first.sent_exact.mul_(1.0 - gamma * sum(weight for weight, _ in kept))
             for weight, incoming in kept:
-                own.sent_exact.add_(incoming, alpha=gamma * weight)
-            torch._foreach_copy_(self._exact_views, own.sent_exact_parts)
+                first.sent_exact.add_(incoming, alpha=gamma * weight)
+            torch._foreach_copy_(self._exact_views, first.sent_exact_parts)
         # Matrices: equal and opposite low-rank corrections on the two ends of every edge, one batch per run.
         for peer, weight, edge, plan in round_.peers:
             if peer not in dropped and self.groups:
-                own, theirs = plan.sent[: plan.numel], plan.received[: plan.numel]
+                own, theirs = plan.sent_products, plan.received_products
                 # R = a_hi - a_lo on both ends from the same two operands (so bit-identical), for every group at
                 # once, written over the received products.
                 if me < peer:
