@@ -8,7 +8,8 @@ import torch
 import gossip
 import topologies
 from gossip.algorithms import powergossip
-from gossip.algorithms.powergossip import PowerGossip, _Matrix, group_matrices, orthonormalize
+from gossip.algorithms.powergossip import PowerGossip, orthonormalize
+from gossip.algorithms.powergossip_layout import Group, Matrix, Run, group_matrices, row_classes
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.buckets import Entry, bucket_parameters
 
@@ -58,9 +59,9 @@ def test_the_layers_of_a_gpt_form_one_group_per_role_viewed_without_copies(bucke
 
 def test_a_run_ends_where_the_bucket_or_the_spacing_between_equal_matrices_changes():
     shape = torch.Size((4, 3))
-    matrices = [_Matrix(0, Entry(f"layer.{i}.w", offset, shape), 4, 3) for i, offset in enumerate((0, 20, 40, 70))]
-    matrices.append(_Matrix(1, Entry("layer.4.w", 90, shape), 4, 3))
-    matrices.append(_Matrix(1, Entry("other.w", 200, shape), 4, 3))  # another role: another group
+    matrices = [Matrix(0, Entry(f"layer.{i}.w", offset, shape), 4, 3) for i, offset in enumerate((0, 20, 40, 70))]
+    matrices.append(Matrix(1, Entry("layer.4.w", 90, shape), 4, 3))
+    matrices.append(Matrix(1, Entry("other.w", 200, shape), 4, 3))  # another role: another group
     groups = group_matrices(matrices)
     assert [(g.members, [(r.bucket, r.offset, r.stride, r.count) for r in g.runs]) for g in groups] == [
         ((0, 1, 2, 3, 4), [(0, 0, 20, 3), (0, 70, 12, 1), (1, 90, 12, 1)]),
@@ -114,8 +115,7 @@ def test_batching_computes_what_the_matrix_by_matrix_path_computes(monkeypatch):
         powergossip,
         "group_matrices",
         lambda matrices: [
-            powergossip._Group(m.m, m.k, (i,), (powergossip._Run(m.bucket, m.entry.offset, m.m * m.k, 1),))
-            for i, m in enumerate(matrices)
+            Group(m.m, m.k, (i,), (Run(m.bucket, m.entry.offset, m.m * m.k, 1),)) for i, m in enumerate(matrices)
         ],
     )
     one_by_one = gossip.simulate(4, steps_and_factors, 5, {})
@@ -300,8 +300,8 @@ def test_zero_padding_leaves_the_factors_orthonormal_and_their_padding_out():
 
 
 def test_row_classes_take_the_groups_within_the_pad_ratio_of_the_largest():
-    assert powergossip.row_classes([768, 3072, 2304, 50257, 1024, 768], pad_ratio=4) == [
+    assert row_classes([768, 3072, 2304, 50257, 1024, 768], pad_ratio=4) == [
         (50257, [3]),
         (3072, [0, 1, 2, 4, 5]),
     ]
-    assert powergossip.row_classes([100, 24, 25], pad_ratio=4) == [(100, [0, 2]), (24, [1])]
+    assert row_classes([100, 24, 25], pad_ratio=4) == [(100, [0, 2]), (24, [1])]

@@ -30,9 +30,9 @@ several times faster than X q and X^T p: ``benchmarks/powergossip_compute.py --k
 are orthonormalised together, and on CUDA also those within a factor ``pad_ratio`` (default ``PAD_RATIO``), the
 smaller ones zero-padded: one batched call per class (on a GPT on a GPU, every q in one call), not per group. On
 the CPU, where the arithmetic rather than the launches dominates, padding would add work (rows x r^2 per factor),
-so the default there is 1. Each edge keeps its factors in one flat
-buffer per side, ordered class by class, and plans each side's iteration once (:class:`_Plan`): its message, the
-products, updates and orthonormalisations as views of the buffers and of the buckets. One message per peer and
+so the default there is 1. Each edge keeps its factors in one flat buffer per side, ordered class by class, and
+plans each side's iteration once (both in :mod:`gossip.algorithms.powergossip_layout`): its message, the products,
+updates and orthonormalisations as views of the buffers and of the buckets. One message per peer and
 iteration carries the products of every group, then the uncompressed tensors of all buckets packed (one ``cat``
 of views taken at setup, unpacked with one ``_foreach_copy_``); the difference of the two ends' products is one
 subtraction written over the received message, the warm-start rule of step 4 one ``where`` over all factors. So
@@ -71,6 +71,15 @@ from dataclasses import dataclass
 import torch
 
 from gossip.algorithms.base import Algorithm, check_nonfinite_policy
+from gossip.algorithms.powergossip_layout import (
+    PAD_RATIO,
+    EdgeState,
+    Layout,
+    Matrix,
+    Plan,
+    Side,
+    group_matrices,
+)
 from gossip.backends.base import Communicator, Handle
 from gossip.buckets import Bucket, Entry
 from topologies import Schedule
@@ -148,267 +157,11 @@ def nonzero_columns(product: torch.Tensor, owner: torch.Tensor, columns: int) ->
     return (largest > 0).index_select(0, owner)
 
 
-@dataclass(frozen=True)
-class _Matrix:
-    """A compressed parameter: bucket index, entry, and its matrix shape (m, k)."""
-
-    bucket: int
-    entry: Entry
-    m: int
-    k: int
-
-
-@dataclass(frozen=True)
-class _Run:
-    """``count`` matrices of one shape at ``offset``, ``offset + stride``, ... of one bucket: one strided view."""
-
-    bucket: int
-    offset: int
-    stride: int
-    count: int
-
-
-@dataclass(frozen=True)
-class _Group:
-    """Matrices of one shape (m, k) and one role, batched: their factors are orthonormalised in one call.
-
-    ``members`` are indices into the algorithm's matrix list, in (bucket, offset) order; ``runs`` cover them in
-    the same order, each a zero-copy (count, m, k) view of one bucket, so the products and the update take one
-    ``bmm`` / ``baddbmm_`` per run (one per group when the layers share a bucket).
-    """
-
-    m: int
-    k: int
-    members: tuple[int, ...]
-    runs: tuple[_Run, ...]
-
-
-def group_matrices(matrices: list[_Matrix]) -> list[_Group]:
-    """Batch ``matrices`` into groups of one shape and one role, without copying them.
-
-    The role is the parameter name with its digits replaced (``blocks.3.mlp.fc.weight`` -> ``blocks.#.mlp.fc.
-    weight``): in a stack of identical layers the same role sits at the same distance from one layer to the next,
-    so the layers of a bucket form one run. A change of bucket or of spacing starts a new run of the same group.
-    Groups are ordered by their first matrix, so every rank builds the same groups from the same model.
-    """
-    roles: dict[tuple, list[int]] = {}
-    for index, matrix in enumerate(matrices):
-        roles.setdefault((matrix.m, matrix.k, re.sub(r"\d+", "#", matrix.entry.name)), []).append(index)
-    groups: list[_Group] = []
-    for (m, k, _), members in roles.items():
-        members = sorted(members, key=lambda i: (matrices[i].bucket, matrices[i].entry.offset))
-        runs: list[list[int]] = []
-        for index in members:
-            run = runs[-1] if runs else []
-            offsets = [matrices[i].entry.offset for i in run]
-            fits = run and matrices[run[0]].bucket == matrices[index].bucket
-            fits = fits and (len(run) == 1 or matrices[index].entry.offset - offsets[-1] == offsets[1] - offsets[0])
-            if fits:
-                run.append(index)
-            else:
-                runs.append([index])
-        described = []
-        for run in runs:
-            offsets = [matrices[i].entry.offset for i in run]
-            stride = offsets[1] - offsets[0] if len(run) > 1 else m * k
-            described.append(_Run(matrices[run[0]].bucket, offsets[0], stride, len(run)))
-        groups.append(_Group(m, k, tuple(members), tuple(described)))
-    return sorted(groups, key=lambda g: min(g.members))
-
-
-PAD_RATIO = 4  # the default pad_ratio on CUDA
-
-
-def row_classes(rows: list[int], pad_ratio: int = PAD_RATIO) -> list[tuple[int, list[int]]]:
-    """Groups whose factors (``rows[i]`` x r each) one batched call orthonormalises together:
-    ``(padded rows, group indices)`` per class.
-
-    A class starts at the largest row count not yet taken and takes every group with at least 1/``pad_ratio`` of
-    its rows; the smaller factors are zero-padded to the class's rows. Zero rows below the data change neither a
-    column's norm nor an inner product, and stay zero (in Gram-Schmidt, and in Householder QR, whose reflectors
-    are zero there), so the padded call computes the same factors (up to the rounding of the longer sums) with one
-    kernel sequence per class instead of one per group; ``pad_ratio`` bounds the work spent on the zeros.
-    Deterministic in ``rows``, so both ends of an edge build the same classes.
-    """
-    classes: list[tuple[int, list[int]]] = []
-    for index in sorted(range(len(rows)), key=lambda i: (-rows[i], i)):
-        if classes and rows[index] * pad_ratio >= classes[-1][0]:
-            classes[-1][1].append(index)
-        else:
-            classes.append((rows[index], [index]))
-    return [(top, sorted(members)) for top, members in classes]
-
-
-@dataclass(frozen=True)
-class _Class:
-    """Groups whose factors one batched call orthonormalises: elements ``start:stop`` of a factor buffer."""
-
-    rows: int  # the largest factor's rows; smaller ones are zero-padded to it for the call
-    members: tuple[int, ...]  # group indices, in buffer order
-    start: int
-    stop: int
-    padded: bool
-
-
-@dataclass(frozen=True)
-class _Side:
-    """Where each group's factors lie in the flat buffer of one side (p: m rows a factor, or q: k rows) at rank r.
-
-    The groups are ordered class by class (:func:`row_classes`), so that the factors one call orthonormalises
-    are contiguous. A message has the layout of the side its difference R replaces: a left multiplication sends
-    (X^T p)^T, k rows a matrix, which becomes the next q^T; a right one sends (X q)^T, the next p^T.
-    """
-
-    rows: list[int]  # per group: m or k
-    offsets: list[int]  # per group: the start of its (count, r, rows) block
-    numel: int
-    classes: list[_Class]
-    owner: torch.Tensor  # per element: the factor column it belongs to (for nonzero_columns)
-    columns: int
-
-    @classmethod
-    def build(cls, groups: list[_Group], rows: list[int], rank: int, pad_ratio: int, device: torch.device) -> _Side:
-        offsets, classes, columns, position = [0] * len(groups), [], [], 0
-        for top, members in row_classes(rows, pad_ratio):
-            start = position
-            for g in members:
-                offsets[g] = position
-                position += len(groups[g].members) * rank * rows[g]
-                columns += [rows[g]] * (len(groups[g].members) * rank)
-            classes.append(_Class(top, tuple(members), start, position, any(rows[g] != top for g in members)))
-        owner = torch.repeat_interleave(torch.arange(len(columns)), torch.tensor(columns, dtype=torch.long))
-        return cls(rows, offsets, position, classes, owner.to(device), len(columns))
-
-    def stacks(self, flat: torch.Tensor, groups: list[_Group], rank: int) -> list[torch.Tensor]:
-        """Each group's (count, r, rows) block of ``flat`` (laid out as this side), a view."""
-        return [
-            flat[offset : offset + len(group.members) * rank * rows].view(len(group.members), rank, rows)
-            for group, offset, rows in zip(groups, self.offsets, self.rows, strict=True)
-        ]
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """Both sides' layouts at rank r."""
-
-    rank: int
-    p: _Side
-    q: _Side
-
-
-class EdgeState:
-    """Warm factors and the parity counter of one unordered pair, identical on both of its ends.
-
-    The factors are stored transposed, in one flat buffer per side laid out as :class:`_Side` says:
-    ``pt_stacks[g]`` is the (count, r, m) view of group g's p^T, contiguous (so the products are q^T X^T and
-    p^T X, whose small dimension r comes first, see the module docstring; and a column of p is a contiguous row).
-    They change in place, so these views and the plans built on them (``plans``, see :class:`_Plan`) stay valid
-    from step to step. ``p`` and ``q`` give the factors per matrix as m x r and k x r (views, in matrix order)
-    for inspection and checkpoints.
-    """
-
-    __slots__ = ("generator", "iteration", "p_flat", "plans", "pt_stacks", "q_flat", "qt_stacks", "slots")
-
-    def __init__(
-        self,
-        groups: list[_Group],
-        layout: _Layout,
-        generator: torch.Generator,
-        iteration: int,
-        p: list[torch.Tensor],
-        q: list[torch.Tensor],
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        self.generator, self.iteration = generator, iteration
-        where = {i: (g, s) for g, group in enumerate(groups) for s, i in enumerate(group.members)}
-        self.slots = [where[i] for i in range(len(where))]  # matrix index -> (group, position in the group)
-        self.set_factors(groups, layout, p, q, dtype, device)
-
-    @classmethod
-    def fresh(
-        cls,
-        seed: int,
-        matrices: list[_Matrix],
-        groups: list[_Group],
-        layout: _Layout,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> EdgeState:
-        """Factors drawn from the pair-seeded generator: p then q, matrix by matrix (part of the protocol)."""
-        generator = torch.Generator().manual_seed(seed)
-        p, q = [], []
-        for matrix in matrices:
-            p.append(torch.randn(matrix.m, layout.rank, generator=generator, dtype=dtype).to(device))
-            q.append(torch.randn(matrix.k, layout.rank, generator=generator, dtype=dtype).to(device))
-        return cls(groups, layout, generator, 0, p, q, dtype, device)
-
-    def draw(self, rows: int, rank: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        return torch.randn(rows, rank, generator=self.generator, dtype=dtype).to(device)
-
-    def set_factors(
-        self,
-        groups: list[_Group],
-        layout: _Layout,
-        p: list[torch.Tensor],
-        q: list[torch.Tensor],
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        """Replace the factors from per-matrix lists (matrix order; m x r and k x r), laid out as ``layout``."""
-        self.p_flat = torch.empty(layout.p.numel, dtype=dtype, device=device)
-        self.q_flat = torch.empty(layout.q.numel, dtype=dtype, device=device)
-        self.pt_stacks = layout.p.stacks(self.p_flat, groups, layout.rank)
-        self.qt_stacks = layout.q.stacks(self.q_flat, groups, layout.rank)
-        for i, (g, s) in enumerate(self.slots):
-            self.pt_stacks[g][s].copy_(p[i].mT)
-            self.qt_stacks[g][s].copy_(q[i].mT)
-        self.plans: dict[bool, _Plan] = {}  # per side (right multiplication?): built on first use
-
-    def _unstack(self, stacks: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [stacks[g][s].mT for g, s in self.slots]
-
-    @property
-    def p(self) -> list[torch.Tensor]:
-        return self._unstack(self.pt_stacks)
-
-    @property
-    def q(self) -> list[torch.Tensor]:
-        return self._unstack(self.qt_stacks)
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """One side of one edge's power iteration, built once: its messages and the views every operation reads, so
-    that an iteration runs its kernels without cutting a tensor (on a GPU each view would be an operation too).
-
-    A right multiplication orthonormalises q and sends (X q)^T = q^T X^T; R replaces p. A left one
-    orthonormalises p and sends (X^T p)^T = p^T X; R replaces q. The message is the products in the layout of
-    the side R replaces, then the uncompressed tensors packed; the difference R is computed into the received
-    message in place.
-    """
-
-    sent: torch.Tensor
-    received: torch.Tensor
-    sent_products: torch.Tensor  # views of the first elements: the products; the uncompressed tensors follow
-    received_products: torch.Tensor
-    sent_exact: torch.Tensor  # views of sent[numel:]: the pack, and each tensor in it
-    sent_exact_parts: list[torch.Tensor]
-    received_exact: torch.Tensor
-    products: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per run: (factor^T, X^T or X, out)
-    updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per run: (X, p, q^T) for X += alpha p q^T
-    # The factor this side orthonormalises: its group views (count, r, rows) and, per class, the (count, rows, r)
-    # view of its contiguous block (None when zero-padded), its groups' views and its rows.
-    factor: list[torch.Tensor]
-    classes: list[tuple[torch.Tensor | None, list[torch.Tensor], int]]
-    replaced: tuple[torch.Tensor, _Side]  # the factor R replaces (flat), and its layout
-
-
 @dataclass
 class _Round:
     step: int
     seq: int
-    peers: list[tuple[int, float, EdgeState, _Plan]]  # peer, weight, edge, its plan for this iteration's side
+    peers: list[tuple[int, float, EdgeState, Plan]]  # peer, weight, edge, its plan for this iteration's side
     handle: Handle
 
 
@@ -501,14 +254,14 @@ class PowerGossip(Algorithm):
                 f"parameters have dtypes {sorted(dtypes)}: convert the model to one dtype before wrapping "
                 "(e.g. model.float()), or use ExactGossip, which mixes every dtype"
             )
-        self.matrices: list[_Matrix] = []
+        self.matrices: list[Matrix] = []
         self.exact: list[tuple[int, Entry]] = []
         for index, bucket in enumerate(buckets):
             if not bucket.buffer.is_floating_point():
                 raise TypeError(f"PowerGossip: bucket {index} holds {bucket.buffer.dtype}; parameters must be floats")
             for entry in bucket.entries:
                 if self._compress(entry):
-                    self.matrices.append(_Matrix(index, entry, entry.shape[0], entry.numel // entry.shape[0]))
+                    self.matrices.append(Matrix(index, entry, entry.shape[0], entry.numel // entry.shape[0]))
                 else:
                     self.exact.append((index, entry))
         self.groups = group_matrices(self.matrices)
@@ -530,7 +283,7 @@ class PowerGossip(Algorithm):
             self._views.append(views)
         on_cuda = any(bucket.buffer.is_cuda for bucket in buckets)
         self._pad_ratio = self.pad_ratio if self.pad_ratio is not None else PAD_RATIO if on_cuda else 1
-        self._layouts: dict[int, _Layout] = {}  # per rank r
+        self._layouts: dict[int, Layout] = {}  # per rank r
         for edge in self.edges.values():  # bound again: plans hold views of the previous binding's buckets
             edge.plans.clear()
 
@@ -551,24 +304,25 @@ class PowerGossip(Algorithm):
             self.edges[key] = EdgeState.fresh(seed, self.matrices, self.groups, self._layout(), device, dtype)
         return self.edges[key]
 
-    def _matrix(self, matrix: _Matrix) -> torch.Tensor:
+    def _matrix(self, matrix: Matrix) -> torch.Tensor:
         return self.buckets[matrix.bucket].view(matrix.entry).reshape(matrix.m, matrix.k)
 
     def _exact(self, index: int, entry: Entry) -> torch.Tensor:
         return self.buckets[index].buffer[entry.offset : entry.offset + entry.numel]
 
     # -- one power iteration --------------------------------------------------------------------------------
-    def _layout(self) -> _Layout:
+    def _layout(self) -> Layout:
         """Both sides' layouts at the current rank; built once per rank (a subclass may change it while
-        training). Factors of similar rows are orthonormalised together, zero-padded (see row_classes)."""
+        training). Factors of similar rows are orthonormalised together, zero-padded (see
+        :func:`gossip.algorithms.powergossip_layout.row_classes`)."""
         if self.matrix_rank not in self._layouts:
             r, groups, pad_ratio, device = self.matrix_rank, self.groups, self._pad_ratio, self._device
-            p = _Side.build(groups, [g.m for g in groups], r, pad_ratio, device)
-            q = _Side.build(groups, [g.k for g in groups], r, pad_ratio, device)
-            self._layouts[r] = _Layout(r, p, q)
+            p = Side.build(groups, [g.m for g in groups], r, pad_ratio, device)
+            q = Side.build(groups, [g.k for g in groups], r, pad_ratio, device)
+            self._layouts[r] = Layout(r, p, q)
         return self._layouts[self.matrix_rank]
 
-    def _plan(self, edge: EdgeState, right: bool) -> _Plan:
+    def _plan(self, edge: EdgeState, right: bool) -> Plan:
         """``edge``'s plan for a right (or left) multiplication at the current rank, built on first use."""
         plan = edge.plans.get(right)
         if plan is not None:
@@ -592,7 +346,7 @@ class PowerGossip(Algorithm):
         flat, side, stacks = (
             (edge.q_flat, layout.q, edge.qt_stacks) if right else (edge.p_flat, layout.p, edge.pt_stacks)
         )
-        plan = edge.plans[right] = _Plan(
+        plan = edge.plans[right] = Plan(
             sent,
             received,
             sent[: out.numel],
@@ -615,7 +369,7 @@ class PowerGossip(Algorithm):
         )
         return plan
 
-    def _orthonormalize(self, plan: _Plan) -> None:
+    def _orthonormalize(self, plan: Plan) -> None:
         """Orthonormalise the factor ``plan`` multiplies with, in place: one batched call per class, on a
         contiguous block of its buffer unless the class is zero-padded."""
         dtype, method = self.orthonormalize_dtype, self.orthonormalization

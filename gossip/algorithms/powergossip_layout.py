@@ -1,0 +1,270 @@
+"""How PowerGossip lays out its work: the matrices it compresses, batched into groups of equal shape and role
+(runs of strided views of the buckets), the classes of groups whose factors one call orthonormalises, each
+edge's factors in one flat buffer per side (:class:`EdgeState`), and each edge's plan of one power iteration
+(:class:`Plan`). The algorithm itself is in :mod:`gossip.algorithms.powergossip`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from gossip.buckets import Entry
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """A compressed parameter: bucket index, entry, and its matrix shape (m, k)."""
+
+    bucket: int
+    entry: Entry
+    m: int
+    k: int
+
+
+@dataclass(frozen=True)
+class Run:
+    """``count`` matrices of one shape at ``offset``, ``offset + stride``, ... of one bucket: one strided view."""
+
+    bucket: int
+    offset: int
+    stride: int
+    count: int
+
+
+@dataclass(frozen=True)
+class Group:
+    """Matrices of one shape (m, k) and one role, batched: their factors are orthonormalised in one call.
+
+    ``members`` are indices into the algorithm's matrix list, in (bucket, offset) order; ``runs`` cover them in
+    the same order, each a zero-copy (count, m, k) view of one bucket, so the products and the update take one
+    ``bmm`` / ``baddbmm_`` per run (one per group when the layers share a bucket).
+    """
+
+    m: int
+    k: int
+    members: tuple[int, ...]
+    runs: tuple[Run, ...]
+
+
+def group_matrices(matrices: list[Matrix]) -> list[Group]:
+    """Batch ``matrices`` into groups of one shape and one role, without copying them.
+
+    The role is the parameter name with its digits replaced (``blocks.3.mlp.fc.weight`` -> ``blocks.#.mlp.fc.
+    weight``): in a stack of identical layers the same role sits at the same distance from one layer to the next,
+    so the layers of a bucket form one run. A change of bucket or of spacing starts a new run of the same group.
+    Groups are ordered by their first matrix, so every rank builds the same groups from the same model.
+    """
+    roles: dict[tuple, list[int]] = {}
+    for index, matrix in enumerate(matrices):
+        roles.setdefault((matrix.m, matrix.k, re.sub(r"\d+", "#", matrix.entry.name)), []).append(index)
+    groups: list[Group] = []
+    for (m, k, _), members in roles.items():
+        members = sorted(members, key=lambda i: (matrices[i].bucket, matrices[i].entry.offset))
+        runs: list[list[int]] = []
+        for index in members:
+            run = runs[-1] if runs else []
+            offsets = [matrices[i].entry.offset for i in run]
+            fits = run and matrices[run[0]].bucket == matrices[index].bucket
+            fits = fits and (len(run) == 1 or matrices[index].entry.offset - offsets[-1] == offsets[1] - offsets[0])
+            if fits:
+                run.append(index)
+            else:
+                runs.append([index])
+        described = []
+        for run in runs:
+            offsets = [matrices[i].entry.offset for i in run]
+            stride = offsets[1] - offsets[0] if len(run) > 1 else m * k
+            described.append(Run(matrices[run[0]].bucket, offsets[0], stride, len(run)))
+        groups.append(Group(m, k, tuple(members), tuple(described)))
+    return sorted(groups, key=lambda g: min(g.members))
+
+
+PAD_RATIO = 4  # the default pad_ratio on CUDA
+
+
+def row_classes(rows: list[int], pad_ratio: int = PAD_RATIO) -> list[tuple[int, list[int]]]:
+    """Groups whose factors (``rows[i]`` x r each) one batched call orthonormalises together:
+    ``(padded rows, group indices)`` per class.
+
+    A class starts at the largest row count not yet taken and takes every group with at least 1/``pad_ratio`` of
+    its rows; the smaller factors are zero-padded to the class's rows. Zero rows below the data change neither a
+    column's norm nor an inner product, and stay zero (in Gram-Schmidt, and in Householder QR, whose reflectors
+    are zero there), so the padded call computes the same factors (up to the rounding of the longer sums) with one
+    kernel sequence per class instead of one per group; ``pad_ratio`` bounds the work spent on the zeros.
+    Deterministic in ``rows``, so both ends of an edge build the same classes.
+    """
+    classes: list[tuple[int, list[int]]] = []
+    for index in sorted(range(len(rows)), key=lambda i: (-rows[i], i)):
+        if classes and rows[index] * pad_ratio >= classes[-1][0]:
+            classes[-1][1].append(index)
+        else:
+            classes.append((rows[index], [index]))
+    return [(top, sorted(members)) for top, members in classes]
+
+
+@dataclass(frozen=True)
+class RowClass:
+    """Groups whose factors one batched call orthonormalises: elements ``start:stop`` of a factor buffer."""
+
+    rows: int  # the largest factor's rows; smaller ones are zero-padded to it for the call
+    members: tuple[int, ...]  # group indices, in buffer order
+    start: int
+    stop: int
+    padded: bool
+
+
+@dataclass(frozen=True)
+class Side:
+    """Where each group's factors lie in the flat buffer of one side (p: m rows a factor, or q: k rows) at rank r.
+
+    The groups are ordered class by class (:func:`row_classes`), so that the factors one call orthonormalises
+    are contiguous. A message has the layout of the side its difference R replaces: a left multiplication sends
+    (X^T p)^T, k rows a matrix, which becomes the next q^T; a right one sends (X q)^T, the next p^T.
+    """
+
+    rows: list[int]  # per group: m or k
+    offsets: list[int]  # per group: the start of its (count, r, rows) block
+    numel: int
+    classes: list[RowClass]
+    owner: torch.Tensor  # per element: the factor column it belongs to (for nonzero_columns)
+    columns: int
+
+    @classmethod
+    def build(cls, groups: list[Group], rows: list[int], rank: int, pad_ratio: int, device: torch.device) -> Side:
+        offsets, classes, columns, position = [0] * len(groups), [], [], 0
+        for top, members in row_classes(rows, pad_ratio):
+            start = position
+            for g in members:
+                offsets[g] = position
+                position += len(groups[g].members) * rank * rows[g]
+                columns += [rows[g]] * (len(groups[g].members) * rank)
+            classes.append(RowClass(top, tuple(members), start, position, any(rows[g] != top for g in members)))
+        owner = torch.repeat_interleave(torch.arange(len(columns)), torch.tensor(columns, dtype=torch.long))
+        return cls(rows, offsets, position, classes, owner.to(device), len(columns))
+
+    def stacks(self, flat: torch.Tensor, groups: list[Group], rank: int) -> list[torch.Tensor]:
+        """Each group's (count, r, rows) block of ``flat`` (laid out as this side), a view."""
+        return [
+            flat[offset : offset + len(group.members) * rank * rows].view(len(group.members), rank, rows)
+            for group, offset, rows in zip(groups, self.offsets, self.rows, strict=True)
+        ]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Both sides' layouts at rank r."""
+
+    rank: int
+    p: Side
+    q: Side
+
+
+class EdgeState:
+    """Warm factors and the parity counter of one unordered pair, identical on both of its ends.
+
+    The factors are stored transposed, in one flat buffer per side laid out as :class:`Side` says:
+    ``pt_stacks[g]`` is the (count, r, m) view of group g's p^T, contiguous (so the products are q^T X^T and
+    p^T X, whose small dimension r comes first, see the module docstring; and a column of p is a contiguous row).
+    They change in place, so these views and the plans built on them (``plans``, see :class:`Plan`) stay valid
+    from step to step. ``p`` and ``q`` give the factors per matrix as m x r and k x r (views, in matrix order)
+    for inspection and checkpoints.
+    """
+
+    __slots__ = ("generator", "iteration", "p_flat", "plans", "pt_stacks", "q_flat", "qt_stacks", "slots")
+
+    def __init__(
+        self,
+        groups: list[Group],
+        layout: Layout,
+        generator: torch.Generator,
+        iteration: int,
+        p: list[torch.Tensor],
+        q: list[torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.generator, self.iteration = generator, iteration
+        where = {i: (g, s) for g, group in enumerate(groups) for s, i in enumerate(group.members)}
+        self.slots = [where[i] for i in range(len(where))]  # matrix index -> (group, position in the group)
+        self.set_factors(groups, layout, p, q, dtype, device)
+
+    @classmethod
+    def fresh(
+        cls,
+        seed: int,
+        matrices: list[Matrix],
+        groups: list[Group],
+        layout: Layout,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> EdgeState:
+        """Factors drawn from the pair-seeded generator: p then q, matrix by matrix (part of the protocol)."""
+        generator = torch.Generator().manual_seed(seed)
+        p, q = [], []
+        for matrix in matrices:
+            p.append(torch.randn(matrix.m, layout.rank, generator=generator, dtype=dtype).to(device))
+            q.append(torch.randn(matrix.k, layout.rank, generator=generator, dtype=dtype).to(device))
+        return cls(groups, layout, generator, 0, p, q, dtype, device)
+
+    def draw(self, rows: int, rank: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randn(rows, rank, generator=self.generator, dtype=dtype).to(device)
+
+    def set_factors(
+        self,
+        groups: list[Group],
+        layout: Layout,
+        p: list[torch.Tensor],
+        q: list[torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        """Replace the factors from per-matrix lists (matrix order; m x r and k x r), laid out as ``layout``."""
+        self.p_flat = torch.empty(layout.p.numel, dtype=dtype, device=device)
+        self.q_flat = torch.empty(layout.q.numel, dtype=dtype, device=device)
+        self.pt_stacks = layout.p.stacks(self.p_flat, groups, layout.rank)
+        self.qt_stacks = layout.q.stacks(self.q_flat, groups, layout.rank)
+        for i, (g, s) in enumerate(self.slots):
+            self.pt_stacks[g][s].copy_(p[i].mT)
+            self.qt_stacks[g][s].copy_(q[i].mT)
+        self.plans: dict[bool, Plan] = {}  # per side (right multiplication?): built on first use
+
+    def _unstack(self, stacks: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [stacks[g][s].mT for g, s in self.slots]
+
+    @property
+    def p(self) -> list[torch.Tensor]:
+        return self._unstack(self.pt_stacks)
+
+    @property
+    def q(self) -> list[torch.Tensor]:
+        return self._unstack(self.qt_stacks)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One side of one edge's power iteration, built once: its messages and the views every operation reads, so
+    that an iteration runs its kernels without cutting a tensor (on a GPU each view would be an operation too).
+
+    A right multiplication orthonormalises q and sends (X q)^T = q^T X^T; R replaces p. A left one
+    orthonormalises p and sends (X^T p)^T = p^T X; R replaces q. The message is the products in the layout of
+    the side R replaces, then the uncompressed tensors packed; the difference R is computed into the received
+    message in place.
+    """
+
+    sent: torch.Tensor
+    received: torch.Tensor
+    sent_products: torch.Tensor  # views of the first elements: the products; the uncompressed tensors follow
+    received_products: torch.Tensor
+    sent_exact: torch.Tensor  # views of sent[numel:]: the pack, and each tensor in it
+    sent_exact_parts: list[torch.Tensor]
+    received_exact: torch.Tensor
+    products: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per run: (factor^T, X^T or X, out)
+    updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per run: (X, p, q^T) for X += alpha p q^T
+    # The factor this side orthonormalises: its group views (count, r, rows) and, per class, the (count, rows, r)
+    # view of its contiguous block (None when zero-padded), its groups' views and its rows.
+    factor: list[torch.Tensor]
+    classes: list[tuple[torch.Tensor | None, list[torch.Tensor], int]]
+    replaced: tuple[torch.Tensor, Side]  # the factor R replaces (flat), and its layout
