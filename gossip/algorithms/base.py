@@ -61,8 +61,7 @@ def extremes(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
     They are finite exactly when the tensors are: a NaN anywhere makes both the minimum and the maximum NaN (as
     documented for ``torch.aminmax``), an Inf is itself the minimum or the maximum. One ``aminmax`` reads each
-    tensor once and writes two numbers, where ``isfinite(t).all()`` first writes a bool tensor as large as ``t``
-    (on the CPU about 3 us against 23 us for 10^4 floats).
+    tensor once and writes two numbers, where ``isfinite(t).all()`` first writes a bool tensor as large as ``t``.
     """
     checked = [t for t in tensors if t.numel() and t.is_floating_point()]
     return torch.stack([value for t in checked for value in torch.aminmax(t)]) if checked else None
