@@ -121,9 +121,9 @@ def orthonormalize(
     (:func:`gram_schmidt`). By default QR on the CPU, where LAPACK factors a batch of thin matrices in one call
     whose cost hardly grows with r (``python benchmarks/powergossip_compute.py --kernels`` times both on a model's
     factors: QR is 1.2-1.5x cheaper at r = 1 and 5-7x at r = 4, benchmarks/README.md), and Gram-Schmidt elsewhere:
-    on CUDA ``torch.linalg.qr`` forms Q with one cuSOLVER call per matrix of the batch (pytorch/pytorch#143281),
-    while Gram-Schmidt's few kernels per column cover the whole batch (PyTorch's PowerSGD hook, which takes QR
-    above r = 2, keeps Gram-Schmidt at r <= 2 for the same reason). ``dtype`` by default: float64 for Gram-Schmidt,
+    on CUDA ``torch.linalg.qr`` forms Q with one cuSOLVER call per matrix of the batch (cuSOLVER has no batched
+    ``orgqr``), while Gram-Schmidt's few kernels per column cover the whole batch (PyTorch's PowerSGD hook takes
+    QR only above r = 2, where it found QR usually faster). ``dtype`` by default: float64 for Gram-Schmidt,
     whose loss of orthogonality grows with the conditioning of ``matrix``; for QR, which is backward stable
     (orthonormal to about the unit round-off whatever the conditioning), ``matrix``'s dtype, at least float32.
     QR's columns are orthonormal even where the input's are zero or dependent (Householder completes the basis),
