@@ -44,8 +44,8 @@ from powergossip_compute import (
     BASELINE_REVISION,
     bound_step,
     load_baseline,
+    median_seconds,
     model_buckets,
-    seconds,
     synchronize,
 )
 
@@ -54,12 +54,6 @@ import topologies
 from gossip import ExactGossip, PowerGossip, simulate
 from gossip.app.gpt import GPTConfig
 from gossip.buckets import Bucket
-
-
-def median_seconds(run: Callable[[], None], device: torch.device, warmup: int, rounds: int) -> float:
-    for _ in range(warmup):
-        run()
-    return statistics.median(seconds(run, device) for _ in range(rounds))
 
 
 def peak_bytes(device: torch.device) -> int:

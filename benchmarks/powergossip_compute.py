@@ -190,10 +190,11 @@ def operations(run: Callable[[], None], steps: int = 2) -> float:
     return counter.count / steps
 
 
-def median_seconds(run: Callable[[], Any], device: torch.device, repeats: int = 200) -> float:
-    for _ in range(10):
+def median_seconds(run: Callable[[], Any], device: torch.device, warmup: int = 10, rounds: int = 200) -> float:
+    """The median of ``rounds`` timings of ``run`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
         run()
-    return statistics.median(seconds(run, device) for _ in range(repeats))
+    return statistics.median(seconds(run, device) for _ in range(rounds))
 
 
 def kernels(config: GPTConfig, ranks: list[int], device: torch.device) -> None:
