@@ -398,8 +398,11 @@ class PowerGossip(Algorithm):
             self._orthonormalize(plan)
             for factor, x, out in plan.products:
                 torch.bmm(factor, x, out=out)
-            if self._exact_numel:
-                torch.cat(self._exact_views, out=plan.sent_exact)
+            if self._exact_numel:  # packed once per iteration; further peers' messages copy the first pack
+                if peers:
+                    plan.sent_exact.copy_(peers[0][3].sent_exact)
+                else:
+                    torch.cat(self._exact_views, out=plan.sent_exact)
             sends.append((peer, plan.sent))
             recvs.append((peer, plan.received))
             peers.append((peer, weight, edge, plan))
