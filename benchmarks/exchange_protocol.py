@@ -2,8 +2,11 @@
 
 Before (git revision ``--baseline``, default the last one with the old protocol): every exchange sends one header
 per tensor, waits for the peer's headers, reads them on the host, then posts the payload receives and sends.
-After (this checkout): per-tensor headers only at the first exchange with a peer and when the tensors change;
-otherwise one steady header per peer, posted in one ``batch_isend_irecv`` with every payload.
+After (this checkout): per-tensor headers only at the first exchange with a peer and when the tensors are not laid
+out as the pair's earlier exchanges predict (a cycle of layouts, like PowerGossip's alternating left and right
+products, settles once it has repeated); otherwise one steady header per peer, posted in one ``batch_isend_irecv``
+with every payload. ``--baseline 09336fd`` compares with the first "check once" protocol, which re-checked every
+change of layout, so every exchange of an alternating message.
 
 Both run on the same process group: the old ``_start_exchange`` is loaded from the baseline revision and bound to
 the communicator of this checkout, and the two alternate exchange by exchange (every rank in the same order; which
@@ -40,18 +43,21 @@ import gossip  # noqa: E402
 import topologies  # noqa: E402
 
 BASELINE_REVISION = "40b881d"  # the last revision with a header round trip on every exchange
-# name -> tensor sizes (float32 elements) sent to the step's peer
+# name -> the layouts, each a list of tensor sizes (float32 elements) sent to the step's peer, taken in turn by each
+# protocol's exchanges with that peer
 SHAPES = {
-    "PowerGossip message (2 tensors, 40 KB)": [9_000, 1_000],
-    "exact gossip, main job (1 tensor, 1.7 MB)": [440_000],
-    "20 small tensors (20 x 4 KB)": [1_024] * 20,
-    "one bucket (1 tensor, 25 MB)": [6_553_600],
+    "PowerGossip message (2 tensors, 40 KB)": [[9_000, 1_000]],
+    "PowerGossip, left/right alternating (1 tensor, 42/33 KB)": [[10_500], [8_200]],
+    "exact gossip, main job (1 tensor, 1.7 MB)": [[440_000]],
+    "20 small tensors (20 x 4 KB)": [[1_024] * 20],
+    "one bucket (1 tensor, 25 MB)": [[6_553_600]],
 }
 
 
 def old_exchange(comm: gossip.Communicator, revision: str) -> types.MethodType:
     """The baseline revision's ``TorchDistCommunicator._start_exchange``, bound to ``comm``."""
     module = module_at_revision("gossip/backends/torch_dist.py", revision, "torch_dist_baseline")
+    comm._agreed = {}  # the state of the revisions that re-checked every change of layout (before 2026-11-23)
     return types.MethodType(module.TorchDistCommunicator._start_exchange, comm)
 
 
@@ -63,11 +69,14 @@ def run(args: argparse.Namespace) -> None:
     times: dict[tuple[str, str], list[float]] = {}
     seq = 0
     shapes = {name: sizes for name, sizes in SHAPES.items() if args.only in name}
-    for name, sizes in shapes.items():
+    for name, layouts in shapes.items():
+        met: dict[tuple[str, int], int] = {}  # exchanges so far per (protocol, peer)
         for round_ in range(args.warmup + args.rounds):
             order = list(protocols.items())
             for label, start in order if round_ % 2 == 0 else order[::-1]:  # who goes first alternates
                 (peer, _), *_ = schedule.peers(comm.rank, seq).in_peers
+                count = met[label, peer] = met.get((label, peer), -1) + 1
+                sizes = layouts[count % len(layouts)]
                 sends = [(peer, torch.full((n,), float(comm.rank))) for n in sizes]
                 recvs = [(peer, torch.empty(n)) for n in sizes]
                 plan = gossip.backends.base.plan_transfers
@@ -85,7 +94,7 @@ def run(args: argparse.Namespace) -> None:
     if comm.rank == 0:
         print(f"Gloo, {comm.size} processes on loopback, one-peer hypercube; median over {args.rounds} exchanges "
               f"of the slowest rank; baseline revision {args.baseline}")  # fmt: skip
-        print(f"{'message':<44} {'old ms':>8} {'new ms':>8} {'old / new':>10} {'paired':>7}")
+        print(f"{'message':<58} {'old ms':>8} {'new ms':>8} {'old / new':>10} {'paired':>7}")
         for name in shapes:
             slowest = {
                 label: [max(values) for values in zip(*(g[(name, label)] for g in gathered), strict=True)]
@@ -93,7 +102,7 @@ def run(args: argparse.Namespace) -> None:
             }
             median = {label: statistics.median(values) for label, values in slowest.items()}
             paired = statistics.median(o / n for o, n in zip(slowest["old"], slowest["new"], strict=True))
-            print(f"{name:<44} {median['old'] * 1e3:8.3f} {median['new'] * 1e3:8.3f} "
+            print(f"{name:<58} {median['old'] * 1e3:8.3f} {median['new'] * 1e3:8.3f} "
                   f"{median['old'] / median['new']:10.2f} {paired:7.2f}")  # fmt: skip
     comm.close()
 

@@ -78,3 +78,15 @@ def test_periodic_average_leaves_bit_identical_replicas_and_edge_factors(real, c
                 assert iteration == other[0] and all(
                     torch.equal(a, b) for a, b in zip(p + q, other[1] + other[2], strict=True)
                 ), f"{backend} {case} step {step}: edge {(lo, hi)} differs between its ends"
+
+
+@pytest.mark.parametrize("real", ["gloo"], indirect=True)  # MPI checks every header: no header rounds to count
+@pytest.mark.parametrize("case", ["powergossip-r1/ring", "powergossip-r2-2it/hypercube"])
+def test_powergossip_alternating_messages_settle_into_steady_exchanges_on_gloo(real, case):
+    """PowerGossip's messages alternate between the left and right products, two sizes: once the alternation has
+    repeated with a peer (4 exchanges), the per-tensor headers stop (no header round trip, under NCCL no host
+    sync). Here every peer is met with two exchanges per step on both schedules, so steps 4 and 5 are steady."""
+    _, results = real
+    for rank in range(N):
+        handshakes = results[rank][case]["handshakes"]
+        assert handshakes[:2] != [0, 0] and handshakes[-2:] == [0, 0], f"rank {rank}: {handshakes}"

@@ -16,9 +16,11 @@ only after its header matched. Messages between one pair of ranks are delivered 
 guarantee this per tag), so headers and payloads travel on two tags.
 
 Checked once, then trusted (torch.distributed): the per-tensor headers travel only at the first exchange with a
-peer and again when what this rank sends to or expects from that peer changes (its :func:`signature`). Every
-other exchange sends one *steady* header per peer, ``[MAGIC, seq, STEADY, count, digest of what it sends, digest
-of what it expects]``, posted together with the payloads: a peer at another step, or one whose tensors changed
+peer and again when what this rank sends to or expects from that peer (its :func:`signature`) is not what the
+pair's earlier exchanges predict (:class:`LayoutHistory`: the same as last time, or, for messages that cycle
+through a few layouts like PowerGossip's left and right products, the next layout of the cycle). Every other
+exchange sends one *steady* header per peer, ``[MAGIC, seq, STEADY, count, digest of what it sends, digest of
+what it expects]``, posted together with the payloads: a peer at another step, or one whose tensors changed
 while this rank's did not, is still named (:func:`check_steady_header`) without a header round trip.
 
 Send buffers must not be modified until the handle's ``wait`` returns. Receive buffers hold the peer's data
@@ -119,6 +121,42 @@ def signature(transfers: Sequence[Transfer]) -> tuple[tuple[int, int], ...]:
 def digest(sig: tuple[tuple[int, int], ...]) -> int:
     """A digest of a :func:`signature`, equal on every process (CRC-32 of its text)."""
     return zlib.crc32(repr(sig).encode())
+
+
+class LayoutHistory:
+    """Which layout (a pair of :func:`signature` each: what this rank sends a peer, what it expects from it) the next
+    exchange with one peer is predicted to carry; an exchange that matches the prediction is *steady* (no
+    per-tensor headers), any other re-checks its tensors.
+
+    The prediction: the layout of ``p`` exchanges ago, for the shortest period ``p`` (up to ``MAX_PERIOD``) over
+    which the last ``2 p`` exchanges repeat; without one, the last layout. An unchanged layout is steady from its
+    second exchange, and a cycle of a few layouts -- PowerGossip's products alternate between the left and the
+    right side (two sizes), and with the uncompressed tensors in a step's first message only, an odd number of
+    power iterations makes a cycle of 2 x iterations -- once it has been seen twice, where "the same as last time"
+    would re-check every exchange (under NCCL a host sync each). Safe because both ends of a pair make every
+    exchange together, so they hold the same history and predict the same layout: both go steady only when both
+    carry the predicted (so each other's) layout, and an end that does not re-checks, which names the
+    disagreement. (Trusting every layout checked before would not be: two ends on different such layouts would
+    both go steady, and a Gloo receive posted for fewer bytes than arrive aborts the process.)
+    """
+
+    MAX_PERIOD = 16
+
+    def __init__(self) -> None:
+        self.recent: list[tuple] = []  # the last 2 x MAX_PERIOD layouts, oldest first
+
+    def predicted(self) -> tuple | None:
+        """The layout a steady exchange carries next; None before the first exchange."""
+        recent = self.recent
+        for period in range(1, len(recent) // 2 + 1):
+            if recent[-period:] == recent[-2 * period : -period]:
+                return recent[-period]
+        return recent[-1] if recent else None
+
+    def record(self, layout: tuple) -> None:
+        """``layout`` was exchanged (checked now or steady)."""
+        self.recent.append(layout)
+        del self.recent[: -2 * self.MAX_PERIOD]
 
 
 def steady_header(seq: int, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> list[int]:

@@ -41,6 +41,7 @@ from gossip.backends.base import (
     CommThread,
     Communicator,
     Handle,
+    LayoutHistory,
     Progress,
     Transfer,
     check_header,
@@ -96,8 +97,9 @@ class TorchDistCommunicator(Communicator):
             )
         self._thread = CommThread(f"gossip-{backend}-rank{self.rank}", self.rank, timeout)
         self._closed = False
-        # per peer: (what this rank sends it, what it receives from it), checked by a per-tensor header exchange
-        self._agreed: dict[int, tuple] = {}
+        # per peer: the layouts exchanged so far (what this rank sends it, what it receives from it), which predict
+        # the next steady one; any other is checked by a per-tensor header exchange
+        self._layouts: dict[int, LayoutHistory] = {}
         self._pending: list[tuple] = []  # NCCL exchanges posted, not yet known to be complete and checked
         watch(self)
 
@@ -164,7 +166,7 @@ class TorchDistCommunicator(Communicator):
         """Per-tensor headers with ``peers``, each checked against its receive buffer before any payload moves.
 
         A host read of every header: under NCCL a synchronisation, paid only here (first exchange with a peer, or
-        changed tensors), never on a steady step.
+        tensors not as predicted), never on a steady step.
         """
         ops: list[dist.P2POp] = []
         headers = []
@@ -200,11 +202,14 @@ class TorchDistCommunicator(Communicator):
             self._check_pending()
             for transfer, direction, _ in payloads:
                 progress.add(transfer.describe(direction))
-            # 1. peers met for the first time, or whose tensors changed: per-tensor headers, checked one by one.
-            fresh = [peer for peer in peers if self._agreed.get(peer) != keys[peer]]
+            # 1. peers met for the first time, or whose tensors are not as predicted: per-tensor headers, checked one
+            #    by one.
+            histories = {peer: self._layouts.setdefault(peer, LayoutHistory()) for peer in peers}
+            fresh = [peer for peer in peers if histories[peer].predicted() != keys[peer]]
             if fresh:
                 self._handshake(fresh, to, frm, seq, progress)
-                self._agreed.update({peer: keys[peer] for peer in fresh})
+            for peer in peers:
+                histories[peer].record(keys[peer])
             # 2. one batch: a steady header to and from every other peer, every payload receive, every payload send.
             ops, steady = [], []
             for peer in peers:

@@ -39,19 +39,23 @@ def make_schedule(name: str, n: int) -> topologies.Schedule:
 
 
 def run_steps(comm: gossip.Communicator, algorithm: str, schedule: str, steps: int = 6) -> dict[str, Any]:
-    """Mix for ``steps`` steps; record every step's sum over ranks, the final tensors, factors and traffic."""
+    """Mix for ``steps`` steps; record every step's sum over ranks, the final tensors, factors and traffic, and on
+    a communicator that counts them (``handshakes``, set by algorithm_worker.py on torch.distributed) its
+    per-tensor header rounds per step."""
     buckets = local_model(comm.rank)
     before = (dict(comm.bytes_sent), dict(comm.bytes_received))
     algo = make_algorithm(algorithm)
     algo.setup(comm, make_schedule(schedule, comm.size), buckets)
-    sums, factors = [], []
+    sums, factors, handshakes = [], [], []
     for step in range(steps + 1):
         total = torch.cat([b.buffer.to(torch.float64) for b in buckets])
         comm.all_reduce(total)
         sums.append(total)
         if step == steps:
             break
+        counted = getattr(comm, "handshakes", 0)
         algo.step(step)
+        handshakes.append(getattr(comm, "handshakes", 0) - counted)
         inner = algo.inner if isinstance(algo, gossip.PeriodicAverage) else algo
         if isinstance(inner, gossip.PowerGossip):
             factors.append(
@@ -64,6 +68,7 @@ def run_steps(comm: gossip.Communicator, algorithm: str, schedule: str, steps: i
         "buffers": [b.buffer.clone() for b in buckets],
         "sums": sums,
         "factors": factors,
+        "handshakes": handshakes,
         "sent": dict(algo.traffic.sent),
         "received": dict(algo.traffic.received),
         "comm_sent": {p: b - before[0].get(p, 0) for p, b in comm.bytes_sent.items() if b != before[0].get(p, 0)},

@@ -47,10 +47,18 @@ def main() -> None:
     model.close()
     comm.close()
     # What still runs after close: the clean-exit test requires that no Gloo thread lives into interpreter teardown.
-    tasks = Path("/proc/self/task")
-    (out_dir / f"rank{comm.rank}.threads").write_text(
-        "\n".join((task / "comm").read_text().strip() for task in tasks.iterdir())
-    )
+    (out_dir / f"rank{comm.rank}.threads").write_text("\n".join(thread_names()))
+
+
+def thread_names() -> list[str]:
+    """The names of this process's threads that are alive; one that ends while they are listed is left out."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except FileNotFoundError:  # the thread ended between the listing and the read
+            continue
+    return names
 
 
 if __name__ == "__main__":
