@@ -12,7 +12,7 @@ from gossip.app.gpt import GPT, GPTConfig
 from gossip.buckets import pack
 
 SYMMETRIC = ["hypercube", "ring"]
-ALGORITHMS = ["exact", "exact-overrelaxed", "powergossip-r1", "powergossip-r2-2it"]
+ALGORITHMS = ["exact", "exact-overrelaxed", "powergossip-r1", "powergossip-r2-2it", "powergossip-r2-2it-every"]
 
 
 @pytest.mark.parametrize(("n", "schedule"), [(n, s) for n in (2, 4, 8, 16) for s in SYMMETRIC if (s, n) != ("ring", 2)])
@@ -26,7 +26,7 @@ def test_sum_over_ranks_is_preserved_after_every_step(n, schedule, algorithm):
 
 
 @pytest.mark.parametrize("n", [2, 4, 8, 16])
-@pytest.mark.parametrize("algorithm", ["powergossip-r1", "powergossip-r2-2it"])
+@pytest.mark.parametrize("algorithm", ["powergossip-r1", "powergossip-r2-2it", "powergossip-r2-2it-every"])
 def test_both_ends_of_every_edge_hold_bit_identical_factors(n, algorithm):
     results = gossip.simulate(n, run_steps, algorithm, "hypercube", steps=6)
     for step in range(6):
@@ -79,15 +79,16 @@ class SmallCNN(torch.nn.Module):
 
 
 @pytest.mark.parametrize("model", ["cnn", "transformer"])
-@pytest.mark.parametrize("rank", [1, 2])
-def test_bytes_per_step_match_the_formula_of_section_a9(model, rank):
+@pytest.mark.parametrize(("rank", "iterations"), [(1, 1), (2, 1), (2, 2), (1, 3)])
+def test_bytes_per_step_match_the_formula_of_section_a9(model, rank, iterations):
+    """Products every power iteration, the uncompressed tensors once per step."""
     module = SmallCNN() if model == "cnn" else GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16))
     shapes = [tuple(p.shape) for p in module.parameters()]
     schedule = topologies.one_peer_hypercube(4)
 
     def run(comm):
         buckets = pack([(name, p.detach()) for name, p in module.named_parameters()])
-        algo = gossip.PowerGossip(rank=rank, min_compression=1)
+        algo = gossip.PowerGossip(rank=rank, num_iterations=iterations, min_compression=1)
         algo.setup(comm, schedule, buckets)
         steps = 4 * schedule.period  # every edge used in both parities
         for step in range(steps):
@@ -96,7 +97,9 @@ def test_bytes_per_step_match_the_formula_of_section_a9(model, rank):
 
     per_step, described = gossip.simulate(4, run)[0]
     assert len(described["compressed"]) == sum(len(s) >= 2 for s in shapes)
-    assert per_step == pytest.approx(topologies.bytes_per_step(schedule, shapes, "powergossip", rank=rank, rank_id=0))
+    assert per_step == pytest.approx(
+        topologies.bytes_per_step(schedule, shapes, "powergossip", rank=rank, rank_id=0, iterations=iterations)
+    )
     uncompressed = topologies.bytes_per_step(schedule, shapes, "exact", rank_id=0)
     print(f"{model} rank {rank}: PowerGossip {per_step:.0f} B/step vs exact gossip {uncompressed:.0f} B/step")
 
@@ -233,3 +236,47 @@ def test_identical_replicas_stay_identical_under_powergossip(algorithm):
         assert all(unchanged), (
             f"rank {rank}: identical replicas moved at steps {[i for i, u in enumerate(unchanged) if not u]}"
         )
+
+
+def uncompressed_mixing(schedule: str) -> dict[bool, list[dict]]:
+    """Four ranks, two power iterations per step, the uncompressed tensors mixed once per step or every iteration."""
+    runs = {}
+    for every in (False, True):
+
+        def run(comm, every=every):
+            buckets = local_model(comm.rank)
+            algo = gossip.PowerGossip(rank=2, num_iterations=2, min_compression=1, uncompressed_every_iteration=every)
+            algo.setup(
+                comm, {"hypercube": topologies.one_peer_hypercube, "ring": topologies.ring}[schedule](4), buckets
+            )
+            for step in range(6):
+                algo.step(step)
+            bias = next(b.view(e) for b in buckets for e in b.entries if e.name == "fc.bias").clone()
+            return {"buffers": [b.buffer.clone() for b in buckets], "sent": algo.traffic.total_sent, "bias": bias}
+
+        runs[every] = gossip.simulate(4, run)
+    return runs
+
+
+def test_one_peer_and_gamma_1_the_uncompressed_tensors_mixed_once_per_step_give_the_same_models_for_fewer_bytes():
+    """On the one-peer hypercube with gamma = 1 both ends hold the pair's average after the first iteration, so a
+    second exact mixing changes nothing: the same bits, and the uncompressed tensors' bytes saved once per step."""
+    runs = uncompressed_mixing("hypercube")
+    uncompressed_bytes = 4 * sum(torch.Size(shape).numel() for shape in SHAPES.values() if len(shape) < 2)
+    for once, every in zip(runs[False], runs[True], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(once["buffers"], every["buffers"], strict=True))
+        assert every["sent"] - once["sent"] == 6 * uncompressed_bytes  # one peer, 6 steps, one message saved each
+
+
+def test_with_several_peers_mixing_the_uncompressed_tensors_every_iteration_averages_them_further():
+    """On the ring (two peers, weights 1/3) a second exact mixing is a second averaging round: the uncompressed
+    tensors end closer to their mean over ranks (the mean itself is preserved either way)."""
+    runs = uncompressed_mixing("ring")
+    spread = {}
+    for every, results in runs.items():
+        biases = torch.stack([result["bias"] for result in results])
+        spread[every] = (biases - biases.mean(0)).norm()
+    torch.testing.assert_close(
+        torch.stack([r["bias"] for r in runs[False]]).mean(0), torch.stack([r["bias"] for r in runs[True]]).mean(0)
+    )
+    assert spread[True] < 0.5 * spread[False], spread

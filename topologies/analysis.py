@@ -147,7 +147,7 @@ def steps_to_consensus(schedule: Schedule, tol: float = 1e-6, *, max_steps: int 
     return None
 
 
-def _message_elements(param_shapes: Iterable[Sequence[int]], algorithm: str, rank: int) -> float:
+def _message_elements(param_shapes: Iterable[Sequence[int]], algorithm: str, rank: int, iterations: int = 1) -> float:
     """Elements one rank sends to one peer in one step (per direction, per edge)."""
     full = compressed_odd = compressed_even = uncompressed = 0
     for shape in param_shapes:
@@ -165,7 +165,7 @@ def _message_elements(param_shapes: Iterable[Sequence[int]], algorithm: str, ran
             compressed_even += r * k
     if algorithm == "exact":
         return float(full)
-    return (compressed_odd + compressed_even) / 2 + uncompressed
+    return iterations * (compressed_odd + compressed_even) / 2 + uncompressed
 
 
 def bytes_per_step(
@@ -175,20 +175,24 @@ def bytes_per_step(
     rank: int = 1,
     bytes_per_element: int = 4,
     rank_id: int | None = None,
+    iterations: int = 1,
 ) -> float:
     """Bytes one rank sends per step, averaged over one period (and over ranks when rank_id is None).
 
     - ``exact``: every out-peer gets the full model, M = sum_l prod(shape_l) elements.
-    - ``powergossip`` (A.9, one power iteration per step): per edge per direction sum_l r m_l elements on
-      odd and sum_l r k_l on even iterations, averaged, where each tensor is reshaped to
-      (m_l, k_l) = (shape[0], -1) and r = min(m_l, k_l, rank); tensors with ndim < 2 are sent
-      uncompressed on top. Needs a symmetric schedule.
+    - ``powergossip`` (A.9): per edge per direction and power iteration sum_l r m_l elements on odd and
+      sum_l r k_l on even iterations, averaged, where each tensor is reshaped to (m_l, k_l) = (shape[0], -1)
+      and r = min(m_l, k_l, rank), times ``iterations`` per step; tensors with ndim < 2 are sent uncompressed on
+      top, once per step (PowerGossip's default: with the first iteration). Needs a symmetric schedule.
     - ``allreduce``: ring all-reduce, 2 (n - 1) / n * M per rank, independent of the schedule's edges.
     """
     if algorithm not in ALGORITHMS:
         raise ScheduleError(f"unknown algorithm={algorithm!r}; expected one of {ALGORITHMS}")
-    if rank < 1 or bytes_per_element <= 0:
-        raise ScheduleError(f"need rank >= 1 and bytes_per_element > 0, got rank={rank}, {bytes_per_element=}")
+    if rank < 1 or bytes_per_element <= 0 or iterations < 1:
+        raise ScheduleError(
+            f"need rank >= 1, bytes_per_element > 0 and iterations >= 1, got rank={rank}, {bytes_per_element=}, "
+            f"{iterations=}"
+        )
     shapes = list(param_shapes)
     if algorithm == "allreduce":
         n = schedule.n
@@ -202,4 +206,4 @@ def bytes_per_step(
     steps = schedule.check_steps
     sends = sum(len(schedule.peers(r, t).out_peers) for r in ranks for t in steps)
     mean_out_degree = sends / (len(ranks) * len(steps))
-    return mean_out_degree * _message_elements(shapes, algorithm, rank) * bytes_per_element
+    return mean_out_degree * _message_elements(shapes, algorithm, rank, iterations) * bytes_per_element

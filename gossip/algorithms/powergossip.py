@@ -32,14 +32,14 @@ smaller ones zero-padded: one batched call per class (on a GPT on a GPU, every q
 the CPU, where the arithmetic rather than the launches dominates, padding would add work (rows x r^2 per factor),
 so the default there is 1. Each edge keeps its factors in one flat buffer per side, ordered class by class, and
 plans each side's iteration once (both in :mod:`gossip.algorithms.powergossip_layout`): its message, the products,
-updates and orthonormalisations as views of the buffers and of the buckets. One message per peer and
-iteration carries the products of every group, then the uncompressed tensors of all buckets packed (one ``cat``
-of views taken at setup, unpacked with one ``_foreach_copy_``); the difference of the two ends' products is one
-subtraction written over the received message, the warm-start rule of step 4 one ``where`` over all factors. So
-an iteration's operations -- on a GPU, kernel launches, whose fixed cost dominates at these sizes -- do not grow
-with the number of layers or of uncompressed tensors, except for the runs (keep the layers in few buckets), and
-no tensor is cut or allocated on the way. No value is read back to the host on the hot path: the non-finite
-check is deferred on CUDA (see gossip.algorithms.base).
+updates and orthonormalisations as views of the buffers and of the buckets. One message per peer and iteration
+carries the products of every group, then (in the step's first iteration, see below) the uncompressed tensors of all
+buckets packed (one ``cat`` of views taken at setup, unpacked with one ``_foreach_copy_``); the difference of the
+two ends' products is one subtraction written over the received message, the warm-start rule of step 4 one ``where``
+over all factors. So an iteration's operations -- on a GPU, kernel launches, whose fixed cost dominates at these
+sizes -- do not grow with the number of layers or of uncompressed tensors, except for the runs (keep the layers in
+few buckets), and no tensor is cut or allocated on the way. No value is read back to the host on the hot path:
+the non-finite check is deferred on CUDA (see gossip.algorithms.base).
 
 Orthonormalisation (:func:`orthonormalize`): by default Householder QR on the CPU, Gram-Schmidt elsewhere (on
 CUDA, batched QR costs a cuSOLVER call per matrix); ``orthonormalization`` ("qr", "gram-schmidt") chooses.
@@ -52,7 +52,13 @@ and so of checkpoints.
 Factors of an idle edge are kept, so warm starts survive time-varying schedules that revisit pairs (A.8).
 Tensors with fewer than two dimensions and matrices whose compression ratio m k / (r (m + k)) is below
 ``min_compression`` travel uncompressed, mixed as exact gossip (A.5, D.3); ``policy`` overrides the choice per
-parameter name. Parameters with 0 elements travel as nothing.
+parameter name. Parameters with 0 elements travel as nothing. The uncompressed tensors are mixed once per step,
+in the message of the first power iteration (posted before forward and backward, so it overlaps them); the
+further iterations carry the products only. With one peer per step and gamma = 1 (the one-peer schedules) a
+second exact mixing would change nothing -- both ends already hold the pair's average -- and would cost the
+uncompressed tensors' bytes again (on the main job's GPT 14 kB of a 52 kB message at rank 4).
+``uncompressed_every_iteration=True`` mixes them with every iteration, which repeats the averaging where the
+step has several peers or gamma < 1.
 
 ``nonfinite="drop"``: when a peer's products or uncompressed tensors hold NaN or Inf, this end skips that
 edge's correction for the step (its uncompressed tensors' weight goes back to the self weight, so that row stays
@@ -163,6 +169,7 @@ class _Round:
     seq: int
     peers: list[tuple[int, float, EdgeState, Plan]]  # peer, weight, edge, its plan for this iteration's side
     handle: Handle
+    exact: bool  # whether the messages carry the uncompressed tensors
 
 
 class PowerGossip(Algorithm):
@@ -189,6 +196,7 @@ class PowerGossip(Algorithm):
         orthonormalize_dtype: torch.dtype | None = None,
         orthonormalization: str | None = None,
         pad_ratio: int | None = None,
+        uncompressed_every_iteration: bool = False,
     ):
         if orthonormalize_dtype not in (None, torch.float32, torch.float64):
             raise ValueError(
@@ -214,6 +222,7 @@ class PowerGossip(Algorithm):
         if pad_ratio is not None and (isinstance(pad_ratio, bool) or not isinstance(pad_ratio, int) or pad_ratio < 1):
             raise ValueError(f"PowerGossip: pad_ratio must be None or an integer >= 1, got {pad_ratio!r}")
         self.pad_ratio = pad_ratio
+        self.uncompressed_every_iteration = bool(uncompressed_every_iteration)
         self.edges: dict[tuple[int, int], EdgeState] = {}
 
     # -- binding --------------------------------------------------------------------------------------------
@@ -322,14 +331,16 @@ class PowerGossip(Algorithm):
             self._layouts[r] = Layout(r, p, q)
         return self._layouts[self.matrix_rank]
 
-    def _plan(self, edge: EdgeState, right: bool) -> Plan:
-        """``edge``'s plan for a right (or left) multiplication at the current rank, built on first use."""
-        plan = edge.plans.get(right)
+    def _plan(self, edge: EdgeState, right: bool, exact: bool) -> Plan:
+        """``edge``'s plan for a right (or left) multiplication at the current rank, its message carrying the
+        uncompressed tensors or not (``exact``), built on first use."""
+        plan = edge.plans.get((right, exact))
         if plan is not None:
             return plan
         layout, r = self._layout(), self.matrix_rank
         out = layout.p if right else layout.q  # the layout of the side R replaces
-        sent = torch.empty(out.numel + self._exact_numel, dtype=self._dtype, device=self._device)
+        exact_numel = self._exact_numel if exact else 0
+        sent = torch.empty(out.numel + exact_numel, dtype=self._dtype, device=self._device)
         received = torch.empty_like(sent)
         sent_blocks = out.stacks(sent[: out.numel], self.groups, r)
         received_blocks = out.stacks(received[: out.numel], self.groups, r)
@@ -346,13 +357,13 @@ class PowerGossip(Algorithm):
         flat, side, stacks = (
             (edge.q_flat, layout.q, edge.qt_stacks) if right else (edge.p_flat, layout.p, edge.pt_stacks)
         )
-        plan = edge.plans[right] = Plan(
+        plan = edge.plans[right, exact] = Plan(
             sent,
             received,
             sent[: out.numel],
             received[: out.numel],
             sent_exact,
-            list(sent_exact.split(self._exact_sizes)),
+            list(sent_exact.split(self._exact_sizes)) if exact else [],
             received[out.numel :],
             products,
             updates,
@@ -387,10 +398,11 @@ class PowerGossip(Algorithm):
 
     def _post(self, step: int, iteration: int) -> _Round:
         view = self.schedule.peers(self.comm.rank, step)
+        exact = bool(self._exact_numel) and (iteration == 0 or self.uncompressed_every_iteration)
         peers, sends, recvs = [], [], []
         for peer, weight in view.in_peers:
             edge = self.edge(peer)
-            plan = self._plan(edge, edge.iteration % 2 == 1)
+            plan = self._plan(edge, edge.iteration % 2 == 1, exact)
             if not self.warm_start:
                 for stack in plan.factor:
                     for factor in stack:
@@ -398,7 +410,7 @@ class PowerGossip(Algorithm):
             self._orthonormalize(plan)
             for factor, x, out in plan.products:
                 torch.bmm(factor, x, out=out)
-            if self._exact_numel:  # packed once per iteration; further peers' messages copy the first pack
+            if exact:  # packed once per iteration; further peers' messages copy the first pack
                 if peers:
                     plan.sent_exact.copy_(peers[0][3].sent_exact)
                 else:
@@ -407,7 +419,7 @@ class PowerGossip(Algorithm):
             recvs.append((peer, plan.received))
             peers.append((peer, weight, edge, plan))
         seq = step * self.num_iterations + iteration
-        return _Round(step, seq, peers, self._exchange(sends, recvs, seq))
+        return _Round(step, seq, peers, self._exchange(sends, recvs, seq), exact)
 
     def _apply(self, round_: _Round) -> None:
         self._wait(round_.handle)
@@ -416,7 +428,7 @@ class PowerGossip(Algorithm):
         dropped = self._nonfinite_peers(round_.step, self.nonfinite, received)
         # Uncompressed tensors: exact gossip, from the values at the start of the iteration (the packed tail of
         # every message sent; the sends are complete, so the first one's tail is mixed in place and copied back).
-        if self._exact_numel and round_.peers:
+        if round_.exact and round_.peers:
             kept = [(weight, plan.received_exact) for peer, weight, _, plan in round_.peers if peer not in dropped]
             first = round_.peers[0][3]
             first.sent_exact.mul_(1.0 - gamma * sum(weight for weight, _ in kept))
@@ -498,4 +510,5 @@ class PowerGossip(Algorithm):
             "seed": self.seed,
             "orthonormalize_dtype": str(self.orthonormalize_dtype),
             "orthonormalization": str(self.orthonormalization),
+            "uncompressed_every_iteration": self.uncompressed_every_iteration,
         }

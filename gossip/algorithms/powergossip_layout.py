@@ -229,7 +229,8 @@ class EdgeState:
         for i, (g, s) in enumerate(self.slots):
             self.pt_stacks[g][s].copy_(p[i].mT)
             self.qt_stacks[g][s].copy_(q[i].mT)
-        self.plans: dict[bool, Plan] = {}  # per side (right multiplication?): built on first use
+        # per (right multiplication?, carries the uncompressed tensors?): built on first use
+        self.plans: dict[tuple[bool, bool], Plan] = {}
 
     def _unstack(self, stacks: list[torch.Tensor]) -> list[torch.Tensor]:
         return [stacks[g][s].mT for g, s in self.slots]
@@ -250,8 +251,8 @@ class Plan:
 
     A right multiplication orthonormalises q and sends (X q)^T = q^T X^T; R replaces p. A left one
     orthonormalises p and sends (X^T p)^T = p^T X; R replaces q. The message is the products in the layout of
-    the side R replaces, then the uncompressed tensors packed; the difference R is computed into the received
-    message in place.
+    the side R replaces, then, in a plan that carries them, the uncompressed tensors packed (else ``sent_exact``
+    and ``received_exact`` are empty); the difference R is computed into the received message in place.
     """
 
     sent: torch.Tensor

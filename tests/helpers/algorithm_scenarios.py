@@ -30,6 +30,9 @@ def make_algorithm(name: str) -> gossip.Algorithm:
         "exact-overrelaxed": lambda: gossip.ExactGossip(gamma=1.2),
         "powergossip-r1": lambda: gossip.PowerGossip(rank=1, min_compression=1),
         "powergossip-r2-2it": lambda: gossip.PowerGossip(rank=2, num_iterations=2, min_compression=1),
+        "powergossip-r2-2it-every": lambda: gossip.PowerGossip(
+            rank=2, num_iterations=2, min_compression=1, uncompressed_every_iteration=True
+        ),
         "allreduce": lambda: gossip.AllReduce(),
     }[name]()
 
