@@ -183,3 +183,23 @@ def test_a_missing_module_or_file_in_the_architecture_page_is_reported():
         "gossip.algorithms.Nowhere",
         "gossip.nowhere",
     ]
+
+
+def readme_option_defaults() -> dict[str, str]:
+    """The main job's options table in README.md: option cell -> default cell."""
+    rows = re.findall(r"^\| (`--[^|]+?) \| ([^|]+?) \|", (REPO / "README.md").read_text(), re.MULTILINE)
+    return dict(rows)
+
+
+def test_the_readme_states_the_main_jobs_defaults():
+    from gossip.app.train import DEFAULTS, TrainConfig
+
+    table, config = readme_option_defaults(), TrainConfig()
+    assert table["`--power-iterations`"] == str(DEFAULTS.power_iterations)
+    assert table["`--average-every K`"].startswith(f"{DEFAULTS.average_every} ")
+    assert table["`--algorithm`"].startswith(
+        f"`{DEFAULTS.algorithm}` (rank {DEFAULTS.rank}, {DEFAULTS.power_iterations} power iterations)"
+    )
+    assert table["`--optimizer`"].startswith(f"`{DEFAULTS.optimizer}`")
+    steps, batch, lr, seed = table["`--steps`, `--batch-size`, `--lr`, `--seed`"].split(", ")
+    assert (int(steps), int(batch), float(lr), int(seed)) == (config.steps, config.batch_size, config.lr, config.seed)
