@@ -396,11 +396,14 @@ class PowerGossip(Algorithm):
             for part, padded in zip(parts, together.split(counts), strict=True):
                 part.copy_(padded[..., : part.shape[-1]])
 
-    def _post(self, step: int, iteration: int) -> _Round:
-        view = self.schedule.peers(self.comm.rank, step)
+    def _post(self, step: int, iteration: int, in_peers: list[tuple[int, float]] | None = None) -> _Round:
+        """Iteration ``iteration`` of step ``step`` with ``in_peers`` (the schedule's, looked up when not given: a
+        step's further iterations reuse its first's)."""
+        if in_peers is None:
+            in_peers = self.schedule.peers(self.comm.rank, step).in_peers
         exact = bool(self._exact_numel) and (iteration == 0 or self.uncompressed_every_iteration)
         peers, sends, recvs = [], [], []
-        for peer, weight in view.in_peers:
+        for peer, weight in in_peers:
             edge = self.edge(peer)
             plan = self._plan(edge, edge.iteration % 2 == 1, exact)
             if not self.warm_start:
@@ -471,8 +474,9 @@ class PowerGossip(Algorithm):
 
     def finish(self, pending: _Round) -> None:
         self._apply(pending)
+        in_peers = [(peer, weight) for peer, weight, _, _ in pending.peers]
         for iteration in range(1, self.num_iterations):
-            self._apply(self._post(pending.step, iteration))
+            self._apply(self._post(pending.step, iteration, in_peers))
 
     def state_dict(self) -> dict:
         return {
