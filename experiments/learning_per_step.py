@@ -90,6 +90,7 @@ class RunConfig:
     rank: int = 1
     iterations: int = 1
     gamma: float = 1.0
+    message_dtype: str = ""  # powergossip: "float16" or "bfloat16" messages ("": the parameters' float32)
     average_every: int = 0  # exact global average every K steps, replacing the inner mixing (0: never)
     topk: float = 0.01  # choco: share of coordinates sent per step
     optimizer: str = "adamw"  # adamw | accum-adamw | debiased-adamw | smoothed-v-adamw | sgd
@@ -194,7 +195,10 @@ def make_algorithm(config: RunConfig) -> Algorithm:
     elif config.algorithm == "exact":
         inner = gossip.ExactGossip(gamma=config.gamma)
     elif config.algorithm == "powergossip":
-        inner = gossip.PowerGossip(rank=config.rank, num_iterations=config.iterations, gamma=config.gamma)
+        message_dtype = getattr(torch, config.message_dtype) if config.message_dtype else None
+        inner = gossip.PowerGossip(
+            rank=config.rank, num_iterations=config.iterations, gamma=config.gamma, message_dtype=message_dtype
+        )
     elif config.algorithm == "choco":
         inner = ChocoTopK(config.topk, config.gamma)
     else:
@@ -613,6 +617,11 @@ def suite(name: str) -> list[RunConfig]:
         # rank 2 x 4 (the defaults' bytes)
         c("pg4-it3", rank=4, iterations=3, **d),
         c("pg2-it4", rank=2, iterations=4, **d),
+        # the products in float16 (half their bytes): the defaults at half the products' bytes, and twice / three
+        # times the iterations for the defaults' bytes (1/34 of DDP's) and for 1/24 of DDP's
+        c("pg4-it2-fp16", rank=4, iterations=2, message_dtype="float16", **d),
+        c("pg4-it4-fp16", rank=4, iterations=4, message_dtype="float16", **d),
+        c("pg4-it6-fp16", rank=4, iterations=6, message_dtype="float16", **d),
     ]
 
 

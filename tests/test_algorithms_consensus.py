@@ -85,3 +85,19 @@ def test_r3_powergossip_converges_on_the_16_node_one_peer_hypercube():
     # a per-worker parity counter leaves the error where it started (spec: 3.27e3 -> 3.27e3)
     assert errors[250] < errors[0] / 3
     assert errors[500] < errors[0] / 10
+
+
+def test_powergossip_messages_in_half_precision_reach_the_consensus_of_full_precision():
+    """Products rounded to float16 or bfloat16 (half the bytes) on R1's problem, rank 4 with 2 power iterations on
+    the one-peer hypercube: both ends compute R from the same two rounded products, so the rounding only perturbs
+    the correction, equally and oppositely; the error after 200 steps (from 8725 down to 0.14) is within 10 % of
+    float32 messages'."""
+
+    def errors(message_dtype):
+        make = lambda: gossip.PowerGossip(rank=4, num_iterations=2, min_compression=1, message_dtype=message_dtype)  # noqa: E731
+        return gossip.simulate(8, _consensus, make, topologies.one_peer_hypercube(8), 200, {200})[0][200]
+
+    full = errors(None)
+    assert full < 1.0
+    for message_dtype in (torch.float16, torch.bfloat16):
+        assert errors(message_dtype) == pytest.approx(full, rel=0.1), message_dtype

@@ -12,7 +12,14 @@ from gossip.app.gpt import GPT, GPTConfig
 from gossip.buckets import pack
 
 SYMMETRIC = ["hypercube", "ring"]
-ALGORITHMS = ["exact", "exact-overrelaxed", "powergossip-r1", "powergossip-r2-2it", "powergossip-r2-2it-every"]
+ALGORITHMS = [
+    "exact",
+    "exact-overrelaxed",
+    "powergossip-r1",
+    "powergossip-r2-2it",
+    "powergossip-r2-2it-every",
+    "powergossip-r2-2it-fp16",
+]
 
 
 @pytest.mark.parametrize(("n", "schedule"), [(n, s) for n in (2, 4, 8, 16) for s in SYMMETRIC if (s, n) != ("ring", 2)])
@@ -26,7 +33,9 @@ def test_sum_over_ranks_is_preserved_after_every_step(n, schedule, algorithm):
 
 
 @pytest.mark.parametrize("n", [2, 4, 8, 16])
-@pytest.mark.parametrize("algorithm", ["powergossip-r1", "powergossip-r2-2it", "powergossip-r2-2it-every"])
+@pytest.mark.parametrize(
+    "algorithm", ["powergossip-r1", "powergossip-r2-2it", "powergossip-r2-2it-every", "powergossip-r2-2it-fp16"]
+)
 def test_both_ends_of_every_edge_hold_bit_identical_factors(n, algorithm):
     results = gossip.simulate(n, run_steps, algorithm, "hypercube", steps=6)
     for step in range(6):

@@ -202,3 +202,11 @@ def test_a_deferred_check_inside_periodic_average_names_the_training_step():
 
     with pytest.raises(NonFiniteError, match=r"^rank [02]: step 2: peer 1 sent .* \[exact step 2 is step 3 of Per"):
         gossip.simulate(N, steps_with_a_bad_peer, make, 3, float("nan"), 5)
+
+
+def test_a_float16_message_that_overflows_is_named_with_the_remedy():
+    """A finite parameter of 1e6 makes a product beyond float16's 65504: the peer receives Inf, and the error names
+    the sender and the overflow, with bfloat16 as the remedy."""
+    make = lambda: PowerGossip(rank=1, min_compression=1, message_dtype=torch.float16)  # noqa: E731
+    with pytest.raises(NonFiniteError, match=r"peer 1 sent non-finite values.*overflowed PowerGossip's float16"):
+        gossip.simulate(N, steps_with_a_bad_peer, make, 1, 1e6)

@@ -103,6 +103,8 @@ def simulate_and_check_ends_and_sum(options: dict) -> list[dict]:
         {"rank": 4, "orthonormalization": "qr"},
         {"rank": 4, "orthonormalization": "gram-schmidt"},
         {"rank": 4, "orthonormalization": "gram-schmidt", "pad_ratio": 4},  # CUDA's defaults
+        {"message_dtype": torch.float16},
+        {"message_dtype": torch.bfloat16, "num_iterations": 3},
     ],
 )
 def test_batched_groups_keep_both_ends_bit_identical_and_the_sum(options):
@@ -305,3 +307,29 @@ def test_row_classes_take_the_groups_within_the_pad_ratio_of_the_largest():
         (3072, [0, 1, 2, 4, 5]),
     ]
     assert row_classes([100, 24, 25], pad_ratio=4) == [(100, [0, 2]), (24, [1])]
+
+
+@pytest.mark.parametrize("message_dtype", [torch.float16, torch.bfloat16])
+def test_products_travel_in_the_message_dtype_and_the_uncompressed_tensors_in_the_parameters(message_dtype):
+    """With a narrower message dtype the products are one tensor of that dtype and the uncompressed tensors a second
+    one in the parameters' float32 (exact gossip of them stays exact); further iterations send the products only."""
+
+    def messages(comm):
+        algorithm = bound(comm, num_iterations=2, message_dtype=message_dtype)
+        sent = []
+        original = algorithm.comm.exchange
+        algorithm.comm.exchange = lambda sends, recvs, **kw: (
+            sent.append([(t.dtype, t.numel()) for _, t in sends]),
+            original(sends, recvs, **kw),
+        )[1]
+        algorithm.step(0)
+        return sent, algorithm._exact_numel
+
+    sent, exact_numel = gossip.simulate(2, messages)[0]
+    assert [[dtype for dtype, _ in message] for message in sent] == [[message_dtype, torch.float32], [message_dtype]]
+    assert sent[0][1][1] == exact_numel
+
+
+def test_a_message_dtype_other_than_a_float_dtype_is_refused():
+    with pytest.raises(ValueError, match="message_dtype must be None"):
+        PowerGossip(message_dtype=torch.int8)

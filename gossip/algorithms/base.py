@@ -170,7 +170,7 @@ class Algorithm(abc.ABC):
                     f"rank {self.comm.rank}: step {step}: peer {bad} sent non-finite values (NaN or Inf) to mix in; "
                     f"its replica has diverged (found one step later: on a GPU the check is read without a host "
                     f"sync, and the values were mixed in). {type(self).__name__}(nonfinite='drop') leaves such a "
-                    "contribution out instead"
+                    f"contribution out instead{self._nonfinite_hint()}"
                 )
 
     def _defer_nonfinite_check(self, step: int, received: list[tuple[int, list[torch.Tensor]]]) -> None:
@@ -197,6 +197,10 @@ class Algorithm(abc.ABC):
         account = self._account if self._account is not None else self
         account.wait_seconds += handle.wait_seconds - before
 
+    def _nonfinite_hint(self) -> str:
+        """Appended to the non-finite error: another cause this algorithm knows of (default: none)."""
+        return ""
+
     def _nonfinite_peers(self, step: int, policy: str, received: list[tuple[int, list[torch.Tensor]]]) -> set[int]:
         """The peers among ``(peer, tensors it sent)`` whose tensors hold NaN or Inf, under ``policy``.
 
@@ -216,6 +220,7 @@ class Algorithm(abc.ABC):
             raise NonFiniteError(
                 f"rank {me}: step {step}: peer {bad[0]} sent non-finite values (NaN or Inf) to mix in; its replica "
                 f"has diverged. {type(self).__name__}(nonfinite='drop') leaves such a contribution out instead"
+                f"{self._nonfinite_hint()}"
             )
         for peer in bad:
             warnings.warn(

@@ -115,6 +115,7 @@ def gram_schmidt(matrix: torch.Tensor, eps: float = 1e-8, dtype: torch.dtype = t
 
 
 METHODS = ("qr", "gram-schmidt")
+MESSAGE_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def orthonormalize(
@@ -197,7 +198,13 @@ class PowerGossip(Algorithm):
         orthonormalization: str | None = None,
         pad_ratio: int | None = None,
         uncompressed_every_iteration: bool = False,
+        message_dtype: torch.dtype | None = None,
     ):
+        if message_dtype not in MESSAGE_DTYPES:
+            raise ValueError(
+                "PowerGossip: message_dtype must be None (the parameters' dtype) or one of torch.float16, "
+                f"torch.bfloat16, torch.float32 and torch.float64, got {message_dtype!r}"
+            )
         if orthonormalize_dtype not in (None, torch.float32, torch.float64):
             raise ValueError(
                 "PowerGossip: orthonormalize_dtype must be None, torch.float32 or torch.float64, "
@@ -223,6 +230,7 @@ class PowerGossip(Algorithm):
             raise ValueError(f"PowerGossip: pad_ratio must be None or an integer >= 1, got {pad_ratio!r}")
         self.pad_ratio = pad_ratio
         self.uncompressed_every_iteration = bool(uncompressed_every_iteration)
+        self.message_dtype = message_dtype
         self.edges: dict[tuple[int, int], EdgeState] = {}
 
     # -- binding --------------------------------------------------------------------------------------------
@@ -342,26 +350,37 @@ class PowerGossip(Algorithm):
         exact_numel = self._exact_numel if exact else 0
         sent = torch.empty(out.numel + exact_numel, dtype=self._dtype, device=self._device)
         received = torch.empty_like(sent)
+        if self._message_dtype == self._dtype:  # one message; R is written over the received products
+            messages, inboxes = [sent], [received]
+            sent_products, received_products = sent[: out.numel], received[: out.numel]
+            difference = received_products
+        else:  # the products rounded into their own message; R computed into sent's head from the rounded two
+            sent_products = torch.empty(out.numel, dtype=self._message_dtype, device=self._device)
+            received_products = torch.empty_like(sent_products)
+            messages = [sent_products, *([sent[out.numel :]] if exact else [])]
+            inboxes = [received_products, *([received[out.numel :]] if exact else [])]
+            difference = sent[: out.numel]
         sent_blocks = out.stacks(sent[: out.numel], self.groups, r)
-        received_blocks = out.stacks(received[: out.numel], self.groups, r)
+        difference_blocks = out.stacks(difference, self.groups, r)
         products, updates = [], []
         for g, views in enumerate(self._views):
             for members, x in views:
                 if right:  # sends (X q)^T = q^T X^T; R is the next p^T, and X += p q^T = (R^T) (q^T)
                     products.append((edge.qt_stacks[g][members], x.mT, sent_blocks[g][members]))
-                    updates.append((x, received_blocks[g][members].mT, edge.qt_stacks[g][members]))
+                    updates.append((x, difference_blocks[g][members].mT, edge.qt_stacks[g][members]))
                 else:  # sends (X^T p)^T = p^T X; R is the next q^T, and X += p q^T = (p^T)^T R
                     products.append((edge.pt_stacks[g][members], x, sent_blocks[g][members]))
-                    updates.append((x, edge.pt_stacks[g][members].mT, received_blocks[g][members]))
+                    updates.append((x, edge.pt_stacks[g][members].mT, difference_blocks[g][members]))
         sent_exact = sent[out.numel :]
         flat, side, stacks = (
             (edge.q_flat, layout.q, edge.qt_stacks) if right else (edge.p_flat, layout.p, edge.pt_stacks)
         )
         plan = edge.plans[right, exact] = Plan(
-            sent,
-            received,
-            sent[: out.numel],
-            received[: out.numel],
+            messages,
+            inboxes,
+            sent_products,
+            received_products,
+            difference,
             sent_exact,
             list(sent_exact.split(self._exact_sizes)) if exact else [],
             received[out.numel :],
@@ -413,13 +432,15 @@ class PowerGossip(Algorithm):
             self._orthonormalize(plan)
             for factor, x, out in plan.products:
                 torch.bmm(factor, x, out=out)
+            if plan.difference is not plan.received_products:  # a narrower message dtype: round the products
+                plan.sent_products.copy_(plan.difference)
             if exact:  # packed once per iteration; further peers' messages copy the first pack
                 if peers:
                     plan.sent_exact.copy_(peers[0][3].sent_exact)
                 else:
                     torch.cat(self._exact_views, out=plan.sent_exact)
-            sends.append((peer, plan.sent))
-            recvs.append((peer, plan.received))
+            sends += [(peer, message) for message in plan.messages]
+            recvs += [(peer, inbox) for inbox in plan.inboxes]
             peers.append((peer, weight, edge, plan))
         seq = step * self.num_iterations + iteration
         return _Round(step, seq, peers, self._exchange(sends, recvs, seq), exact)
@@ -427,7 +448,7 @@ class PowerGossip(Algorithm):
     def _apply(self, round_: _Round) -> None:
         self._wait(round_.handle)
         me, gamma = self.comm.rank, self.gamma
-        received = [(peer, [plan.received]) for peer, _, _, plan in round_.peers]
+        received = [(peer, plan.inboxes) for peer, _, _, plan in round_.peers]
         dropped = self._nonfinite_peers(round_.step, self.nonfinite, received)
         # Uncompressed tensors: exact gossip, from the values at the start of the iteration (the packed tail of
         # every message sent; the sends are complete, so the first one's tail is mixed in place and copied back).
@@ -441,13 +462,19 @@ class PowerGossip(Algorithm):
         # Matrices: equal and opposite low-rank corrections on the two ends of every edge, one batch per run.
         for peer, weight, edge, plan in round_.peers:
             if peer not in dropped and self.groups:
-                own, theirs = plan.sent_products, plan.received_products
                 # R = a_hi - a_lo on both ends from the same two operands (so bit-identical), for every group at
-                # once, written over the received products.
+                # once: written over the received products, or, from products rounded to a narrower message
+                # dtype, computed in the parameters' dtype from the two exactly widened (a copy, then a subtraction
+                # whose operands type promotion widens; torch.sub of the two would subtract in the narrow dtype).
                 if me < peer:
-                    torch.sub(theirs, own, out=theirs)
+                    high, low = plan.received_products, plan.sent_products
                 else:
-                    torch.sub(own, theirs, out=theirs)
+                    high, low = plan.sent_products, plan.received_products
+                theirs = plan.difference
+                if theirs is plan.received_products:
+                    torch.sub(high, low, out=theirs)
+                else:
+                    theirs.copy_(high).sub_(low)
                 alpha = (1.0 if me < peer else -1.0) * gamma * weight
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
                 for x, p, qt in plan.updates:
@@ -467,6 +494,19 @@ class PowerGossip(Algorithm):
     @property
     def _device(self) -> torch.device:
         return self.buckets[0].buffer.device
+
+    def _nonfinite_hint(self) -> str:
+        if self.message_dtype != torch.float16:
+            return ""
+        return (
+            "; or a product overflowed PowerGossip's float16 messages (largest finite value 65504): "
+            "message_dtype=torch.bfloat16 keeps float32's range"
+        )
+
+    @property
+    def _message_dtype(self) -> torch.dtype:
+        """The dtype the products travel in: ``message_dtype``, or the parameters' when it is None."""
+        return self.message_dtype or self._dtype
 
     def start(self, step: int) -> _Round:
         self._begin_step()
@@ -515,4 +555,5 @@ class PowerGossip(Algorithm):
             "orthonormalize_dtype": str(self.orthonormalize_dtype),
             "orthonormalization": str(self.orthonormalization),
             "uncompressed_every_iteration": self.uncompressed_every_iteration,
+            "message_dtype": str(self.message_dtype),
         }

@@ -252,14 +252,19 @@ class Plan:
     A right multiplication orthonormalises q and sends (X q)^T = q^T X^T; R replaces p. A left one
     orthonormalises p and sends (X^T p)^T = p^T X; R replaces q. The message is the products in the layout of
     the side R replaces, then, in a plan that carries them, the uncompressed tensors packed (else ``sent_exact``
-    and ``received_exact`` are empty); the difference R is computed into the received message in place.
+    and ``received_exact`` are empty); the difference R is computed into the received message in place. With a
+    message dtype narrower than the parameters' (``PowerGossip(message_dtype=...)``), the products are taken in
+    the parameters' dtype into ``difference``, rounded into ``sent_products``, and travel as a tensor of their own
+    before the pack (which keeps the parameters' dtype); R is then computed from the two rounded products into
+    ``difference``.
     """
 
-    sent: torch.Tensor
-    received: torch.Tensor
-    sent_products: torch.Tensor  # views of the first elements: the products; the uncompressed tensors follow
+    messages: list[torch.Tensor]  # what is sent to the peer, and the receive buffers: one message, or with a
+    inboxes: list[torch.Tensor]  # message dtype other than the parameters', the products and the uncompressed pack
+    sent_products: torch.Tensor  # the products as sent and as received, in the message dtype
     received_products: torch.Tensor
-    sent_exact: torch.Tensor  # views of sent[numel:]: the pack, and each tensor in it
+    difference: torch.Tensor  # R = a_hi - a_lo in the parameters' dtype: received_products itself, or a buffer
+    sent_exact: torch.Tensor  # the uncompressed tensors: the pack, and each tensor in it
     sent_exact_parts: list[torch.Tensor]
     received_exact: torch.Tensor
     products: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per run: (factor^T, X^T or X, out)

@@ -30,6 +30,9 @@ def make_algorithm(name: str) -> gossip.Algorithm:
         "exact-overrelaxed": lambda: gossip.ExactGossip(gamma=1.2),
         "powergossip-r1": lambda: gossip.PowerGossip(rank=1, min_compression=1),
         "powergossip-r2-2it": lambda: gossip.PowerGossip(rank=2, num_iterations=2, min_compression=1),
+        "powergossip-r2-2it-fp16": lambda: gossip.PowerGossip(
+            rank=2, num_iterations=2, min_compression=1, message_dtype=torch.float16
+        ),
         "powergossip-r2-2it-every": lambda: gossip.PowerGossip(
             rank=2, num_iterations=2, min_compression=1, uncompressed_every_iteration=True
         ),
@@ -87,6 +90,7 @@ CASES = [
     ("powergossip-r1", "hypercube"),
     ("powergossip-r1", "ring"),
     ("powergossip-r2-2it", "hypercube"),
+    ("powergossip-r2-2it-fp16", "ring"),
     ("allreduce", "hypercube"),
     ("pga3-exact", "ring"),  # PeriodicAverage: averages at steps 2 and 5 (the last), gossips in between
     ("pga3-powergossip-r2-2it", "hypercube"),
