@@ -620,6 +620,7 @@ def suite(name: str) -> list[RunConfig]:
         # the products in float16 (half their bytes): the defaults at half the products' bytes, and twice / three
         # times the iterations for the defaults' bytes (1/34 of DDP's) and for 1/24 of DDP's
         c("pg4-it2-fp16", rank=4, iterations=2, message_dtype="float16", **d),
+        c("pg4-it2-bf16", rank=4, iterations=2, message_dtype="bfloat16", **d),
         c("pg4-it4-fp16", rank=4, iterations=4, message_dtype="float16", **d),
         c("pg4-it6-fp16", rank=4, iterations=6, message_dtype="float16", **d),
     ]

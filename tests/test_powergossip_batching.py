@@ -174,15 +174,15 @@ def messages_of_first_step(comm: gossip.Communicator, algorithm: PowerGossip) ->
     return sizes[0]
 
 
-def resume(comm: gossip.Communicator) -> list:
-    first = bound(comm)
+def resume(comm: gossip.Communicator, options: dict) -> list:
+    first = bound(comm, **options)
     for step in range(3):
         first.step(step)
     state = first.state_dict()
     buffers = [b.buffer.clone() for b in first.buckets]
     for step in range(3, 6):
         first.step(step)
-    second = PowerGossip(rank=2, min_compression=1)
+    second = PowerGossip(**{"rank": 2, "min_compression": 1, **options})
     buckets = gpt_buckets(comm.rank)
     for bucket, saved in zip(buckets, buffers, strict=True):
         bucket.buffer.copy_(saved)
@@ -193,8 +193,19 @@ def resume(comm: gossip.Communicator) -> list:
     return [all(torch.equal(a.buffer, b.buffer) for a, b in zip(first.buckets, buckets, strict=True))]
 
 
-def test_grouped_state_dict_resumes_bit_identically():
-    assert all(result[0] for result in gossip.simulate(4, resume))
+@pytest.mark.parametrize("options", [{}, {"num_iterations": 2, "message_dtype": torch.float16}])
+def test_grouped_state_dict_resumes_bit_identically(options):
+    assert all(result[0] for result in gossip.simulate(4, resume, options))
+
+
+def test_a_state_saved_with_another_message_dtype_is_refused():
+    def run(comm):
+        saved = bound(comm, message_dtype=torch.bfloat16)
+        saved.step(0)
+        bound(comm).load_state_dict(saved.state_dict())
+
+    with pytest.raises(ValueError, match=r"'message_dtype': 'torch\.bfloat16'"):
+        gossip.simulate(2, run)
 
 
 def messages_and_buckets(comm: gossip.Communicator) -> list:

@@ -49,6 +49,16 @@ captures X_hi - X_lo, never the invariants (both ends apply the same correction 
 both ends run the same kernel on the same input, so they agree bit for bit; both choices are part of ``config()``
 and so of checkpoints.
 
+Message precision (``message_dtype``): by default the products travel in the parameters' dtype. With
+torch.float16 or torch.bfloat16 each end rounds its products to that dtype before sending, and both compute
+R = a_hi - a_lo in the parameters' dtype from the two rounded products, widened exactly: the same two operands on
+both ends, so the factors stay bit-identical and the corrections equal and opposite (the sum is preserved). The
+rounding perturbs R by about 2^-11 (float16) or 2^-8 (bfloat16) of the products' magnitude; what it misses of
+X_hi - X_lo stays in the models for later iterations, like the part outside the projection. float16 keeps more
+bits but overflows above 65504 (the receiving end's non-finite error names it); bfloat16 has float32's range.
+Half-precision products halve the products' bytes, so twice the power iterations cost what one did. The
+uncompressed tensors keep the parameters' dtype (their exact gossip stays exact) in a second tensor of the message.
+
 Factors of an idle edge are kept, so warm starts survive time-varying schedules that revisit pairs (A.8).
 Tensors with fewer than two dimensions and matrices whose compression ratio m k / (r (m + k)) is below
 ``min_compression`` travel uncompressed, mixed as exact gossip (A.5, D.3); ``policy`` overrides the choice per
