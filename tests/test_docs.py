@@ -196,6 +196,7 @@ def test_the_readme_states_the_main_jobs_defaults():
 
     table, config = readme_option_defaults(), TrainConfig()
     assert table["`--power-iterations`"] == str(DEFAULTS.power_iterations)
+    assert table["`--message-dtype`"] == f"`{DEFAULTS.message_dtype}`"
     assert table["`--average-every K`"].startswith(f"{DEFAULTS.average_every} ")
     assert table["`--algorithm`"].startswith(
         f"`{DEFAULTS.algorithm}` (rank {DEFAULTS.rank}, {DEFAULTS.power_iterations} power iterations)"

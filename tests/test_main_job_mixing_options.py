@@ -6,11 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 import gossip
 from gossip.app.cli import build_parser, config_from, main
 from gossip.app.run_dir import describe_mixing
-from gossip.app.train import DEFAULTS, TrainConfig, make_algorithm, resolve
+from gossip.app.train import DEFAULTS, ConfigError, TrainConfig, make_algorithm, resolve
 
 
 def test_average_every_and_power_iterations_reach_the_config_and_its_json():
@@ -90,3 +91,15 @@ def test_time_to_loss_periodic_average_methods_are_valid_main_job_commands(metho
     if method.startswith("pg"):
         assert method.startswith(f"pg{algorithm.inner.matrix_rank}-")
         assert ("-it4-" in method) == (algorithm.inner.num_iterations == 4)
+
+
+def test_message_dtype_reaches_powergossip_and_is_refused_where_it_changes_nothing():
+    config, _ = resolve(config_from(build_parser().parse_args(["--message-dtype", "bfloat16"])), 4)
+    assert make_algorithm(config).message_dtype is torch.bfloat16 and config.to_json()["message_dtype"] == "bfloat16"
+    assert "bfloat16 messages" in describe_mixing(config)
+    config, _ = resolve(TrainConfig(message_dtype="float32"), 4)
+    assert make_algorithm(config).message_dtype is None  # the model's own float32
+    with pytest.raises(ConfigError, match=r"--message-dtype.*applies to --algorithm powergossip only"):
+        resolve(TrainConfig(algorithm="exact", message_dtype="float16"), 4)
+    with pytest.raises(ConfigError, match=r"--message-dtype.*unknown 'int8'"):
+        resolve(TrainConfig(message_dtype="int8"), 4)

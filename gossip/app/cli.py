@@ -34,7 +34,16 @@ from pathlib import Path
 
 import gossip
 import topologies
-from gossip.app.train import ALGORITHM_CHOICES, DEFAULTS, OPTIMIZERS, ConfigError, TrainConfig, resolve, train
+from gossip.app.train import (
+    ALGORITHM_CHOICES,
+    DEFAULTS,
+    MESSAGE_DTYPES,
+    OPTIMIZERS,
+    ConfigError,
+    TrainConfig,
+    resolve,
+    train,
+)
 
 ERROR_DIR_VARIABLE = "GOSSIP_TRAIN_ERROR_DIR"  # workers of --nproc write rank<r>.txt there when they fail
 LAUNCHER_OPTIONS = ("--nproc", "--out", "--backend")
@@ -96,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"PowerGossip power iterations (exchanges) per step; default: {DEFAULTS.power_iterations}",
     )
     gossip_options.add_argument(
+        "--message-dtype",
+        choices=MESSAGE_DTYPES,
+        default=None,
+        help="dtype of PowerGossip's products on the wire (float16 / bfloat16: half the bytes); "
+        f"default: {DEFAULTS.message_dtype}",
+    )
+    gossip_options.add_argument(
         "--average-every",
         type=_nonnegative_int,
         default=None,
@@ -134,6 +150,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         algorithm=args.algorithm,
         rank=args.rank,
         power_iterations=args.power_iterations,
+        message_dtype=args.message_dtype,
         average_every=args.average_every,
         schedule=args.schedule,
         split=args.split,

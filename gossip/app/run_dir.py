@@ -144,7 +144,9 @@ def describe_mixing(config: Any) -> str:
     mixing = f"{config.algorithm} on {config.schedule}"
     if config.algorithm == "powergossip":
         iterations = config.power_iterations or 1
-        mixing += f" (rank {config.rank}{f', {iterations} power iterations' if iterations > 1 else ''})"
+        wire = getattr(config, "message_dtype", None)
+        on_the_wire = f", {wire} messages" if wire not in (None, "float32") else ""
+        mixing += f" (rank {config.rank}{f', {iterations} power iterations' if iterations > 1 else ''}{on_the_wire})"
     if config.average_every:
         mixing += f", exact average every {config.average_every} steps"
     return mixing

@@ -77,12 +77,15 @@ class MixingDefaults:
     algorithm: str = "powergossip"
     rank: int = 4
     power_iterations: int = 2
+    message_dtype: str = "float32"
     average_every: int = 0
     optimizer: str = "adamw"
     lr: float = 3e-3
 
 
 DEFAULTS = MixingDefaults()
+#: ``--message-dtype``: the dtype PowerGossip's products travel in (float32: the model's own).
+MESSAGE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @dataclasses.dataclass
@@ -99,6 +102,7 @@ class TrainConfig:
     algorithm: str = DEFAULTS.algorithm
     rank: int = DEFAULTS.rank
     power_iterations: int | None = None
+    message_dtype: str | None = None
     average_every: int | None = None
     schedule: str | None = None
     split: str = "iid"
@@ -144,8 +148,8 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     """Fill the per-world-size defaults; return the resolved copy and notes on the choices made.
 
     ``accum_iter`` defaults to max(1, n // 4) (docs/design.md B.3: A ~ n/4 ... n/2); ``warmup_steps`` to
-    ``steps // 10`` capped at 100; ``power_iterations`` and ``average_every`` to :data:`DEFAULTS`' where they
-    apply (else 1 and 0). Raises :class:`ConfigError` naming the option at fault.
+    ``steps // 10`` capped at 100; ``power_iterations``, ``message_dtype`` and ``average_every`` to
+    :data:`DEFAULTS`' where they apply (else 1, float32 and 0). Raises :class:`ConfigError` naming the option at fault.
     """
     resolved = dataclasses.replace(config, world_size=world_size, model=dict(config.model))
     notes = []
@@ -166,6 +170,8 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     _check_mixing_options(config)
     if config.power_iterations is None:
         resolved.power_iterations = DEFAULTS.power_iterations if config.algorithm == "powergossip" else 1
+    if config.message_dtype is None:
+        resolved.message_dtype = DEFAULTS.message_dtype if config.algorithm == "powergossip" else "float32"
     if config.average_every is None:
         resolved.average_every = 0 if config.algorithm in AVERAGING_EVERY_STEP else DEFAULTS.average_every
     if config.data is not None and not Path(config.data).is_file():
@@ -190,6 +196,13 @@ def _check_mixing_options(config: TrainConfig) -> None:
         raise ConfigError(
             "--power-iterations",
             f"applies to --algorithm powergossip only, not {config.algorithm}; drop --power-iterations",
+        )
+    if config.message_dtype not in (None, *MESSAGE_DTYPES):
+        raise ConfigError("--message-dtype", f"unknown {config.message_dtype!r}; choose one of {list(MESSAGE_DTYPES)}")
+    if config.message_dtype not in (None, "float32") and config.algorithm != "powergossip":
+        raise ConfigError(
+            "--message-dtype",
+            f"applies to --algorithm powergossip only, not {config.algorithm}; drop --message-dtype",
         )
 
 
@@ -228,7 +241,10 @@ def make_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer) -> Lam
 def make_algorithm(config: TrainConfig) -> gossip.Algorithm:
     """The gossip algorithm of ``config``, wrapped in :class:`gossip.PeriodicAverage` when ``average_every > 0``."""
     if config.algorithm == "powergossip":
-        algorithm = gossip.PowerGossip(rank=config.rank, num_iterations=config.power_iterations)
+        message_dtype = None if config.message_dtype == "float32" else getattr(torch, config.message_dtype)
+        algorithm = gossip.PowerGossip(
+            rank=config.rank, num_iterations=config.power_iterations, message_dtype=message_dtype
+        )
     else:
         algorithm = gossip.ALGORITHMS[config.algorithm]()
     if config.average_every:
