@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> None:
         "new fp64": lambda rank: PowerGossip(
             rank=rank, num_iterations=args.iterations, orthonormalize_dtype=torch.float64
         ),
+        "new fp16 msg": lambda rank: PowerGossip(
+            rank=rank, num_iterations=args.iterations, message_dtype=torch.float16
+        ),
     }
     algorithms: dict[str, Any] = {}
     for rank in args.ranks:
@@ -329,9 +332,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.rounds} rounds, medians"
     )
     print(f"forward+backward: {statistics.median(compute) * 1e3:.2f} ms")
-    print("PowerGossip's own computation per step (orthonormalisation in float32, the default, unless marked fp64):")
     print(
-        f"{'rank':>4} {'variant':>9} {'in a step ms':>13} {'% fwd+bwd':>10} {'old / this':>11} {'isolated ms':>12} "
+        "PowerGossip's own computation per step (orthonormalisation in float32, the default, unless marked fp64; "
+        "fp16 msg: products sent in float16):"
+    )
+    print(
+        f"{'rank':>4} {'variant':>12} {'in a step ms':>13} {'% fwd+bwd':>10} {'old / this':>11} {'isolated ms':>12} "
         f"{'ops/step':>9}"
     )
     for rank in args.ranks:
@@ -342,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
             alone = statistics.median(isolated[name]) * 1e3
             later = iter(range(2 * (args.warmup + args.rounds), 10**9))  # steps after the timed ones
             ops = operations(lambda algorithm=algorithms[name], later=later: algorithm.step(next(later)))
-            print(f"{rank:>4} {label:>9} {this * 1e3:13.3f} {share:9.2f}% {old / this:11.2f} {alone:12.3f} {ops:9.0f}")
+            print(f"{rank:>4} {label:>12} {this * 1e3:13.3f} {share:9.2f}% {old / this:11.2f} {alone:12.3f} {ops:9.0f}")
 
 
 if __name__ == "__main__":
