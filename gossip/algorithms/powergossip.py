@@ -480,20 +480,20 @@ class PowerGossip(Algorithm):
                     high, low = plan.received_products, plan.sent_products
                 else:
                     high, low = plan.sent_products, plan.received_products
-                theirs = plan.difference
-                if theirs is plan.received_products:
-                    torch.sub(high, low, out=theirs)
+                difference = plan.difference
+                if difference is plan.received_products:
+                    torch.sub(high, low, out=difference)
                 else:
-                    theirs.copy_(high).sub_(low)
+                    difference.copy_(high).sub_(low)
                 alpha = (1.0 if me < peer else -1.0) * gamma * weight
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
                 for x, p, qt in plan.updates:
                     x.baddbmm_(p, qt, alpha=alpha)
                 factor, side = plan.replaced
-                if theirs.device.type == "cpu" and int(torch.count_nonzero(theirs)) == theirs.numel():
-                    factor.copy_(theirs)  # no zero element, so no zero column (a host read: on the CPU only)
+                if difference.device.type == "cpu" and int(torch.count_nonzero(difference)) == difference.numel():
+                    factor.copy_(difference)  # no zero element, so no zero column (a host read: on the CPU only)
                 else:
-                    torch.where(nonzero_columns(theirs, side.owner, side.columns), theirs, factor, out=factor)
+                    torch.where(nonzero_columns(difference, side.owner, side.columns), difference, factor, out=factor)
             edge.iteration += 1  # a dropped peer: p and q stay as they were, the parity keeps step with the peer's
 
     # -- the Algorithm interface ----------------------------------------------------------------------------
