@@ -199,7 +199,8 @@ def test_the_readme_states_the_main_jobs_defaults():
     assert table["`--message-dtype`"] == f"`{DEFAULTS.message_dtype}`"
     assert table["`--average-every K`"].startswith(f"{DEFAULTS.average_every} ")
     assert table["`--algorithm`"].startswith(
-        f"`{DEFAULTS.algorithm}` (rank {DEFAULTS.rank}, {DEFAULTS.power_iterations} power iterations)"
+        f"`{DEFAULTS.algorithm}` (rank {DEFAULTS.rank}, {DEFAULTS.power_iterations} power iterations, "
+        f"{DEFAULTS.message_dtype} messages)"
     )
     assert table["`--optimizer`"].startswith(f"`{DEFAULTS.optimizer}`")
     steps, batch, lr, seed = table["`--steps`, `--batch-size`, `--lr`, `--seed`"].split(", ")

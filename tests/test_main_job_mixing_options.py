@@ -37,7 +37,9 @@ def test_unset_mixing_options_resolve_to_what_applies_so_a_changed_default_never
 
 
 def test_average_every_wraps_the_algorithm_with_its_settings():
-    config, _ = resolve(TrainConfig(algorithm="powergossip", rank=4, power_iterations=2, average_every=16), 4)
+    config, _ = resolve(
+        TrainConfig(algorithm="powergossip", rank=4, power_iterations=2, message_dtype="float32", average_every=16), 4
+    )
     algorithm = make_algorithm(config)
     assert isinstance(algorithm, gossip.PeriodicAverage) and algorithm.every == 16
     assert isinstance(algorithm.inner, gossip.PowerGossip)

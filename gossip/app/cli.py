@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--message-dtype",
         choices=MESSAGE_DTYPES,
         default=None,
-        help="dtype of PowerGossip's products on the wire (float16 / bfloat16: half the bytes); "
+        help="dtype of PowerGossip's products on the wire (float32: the model's; float16 / bfloat16: half the "
+        "bytes); "
         f"default: {DEFAULTS.message_dtype}",
     )
     gossip_options.add_argument(
