@@ -95,10 +95,11 @@ def _decent_dp(topology: str) -> Callable[[int, int, str, int], list[str]]:
 EXACT = ("--algorithm", "exact", "--schedule", "one_peer_hypercube")
 
 
-def powergossip(rank: int, iterations: int = 1) -> tuple[str, ...]:
-    """PowerGossip at ``rank``, ``iterations`` power iterations per step, on the one-peer hypercube."""
-    return ("--algorithm", "powergossip", "--rank", str(rank), "--power-iterations", str(iterations), "--schedule",
-            "one_peer_hypercube")  # fmt: skip
+def powergossip(rank: int, iterations: int = 1, message_dtype: str = "float32") -> tuple[str, ...]:
+    """PowerGossip at ``rank``, ``iterations`` power iterations per step, products sent in ``message_dtype``, on the
+    one-peer hypercube."""
+    return ("--algorithm", "powergossip", "--rank", str(rank), "--power-iterations", str(iterations),
+            "--message-dtype", message_dtype, "--schedule", "one_peer_hypercube")  # fmt: skip
 
 
 def _pga(name: str, *, rank: int, iterations: int, every: int, adamw: bool) -> Method:
@@ -160,8 +161,18 @@ METHODS = {
         ),
         Method(
             "pg4-it2-adamw",
-            "PowerGossip r=4, 2 iterations, one-peer hypercube, AdamW (the main job's defaults)",
+            "PowerGossip r=4, 2 iterations, one-peer hypercube, AdamW",
             _gossip_train(*powergossip(4, 2), "--optimizer", "adamw"),
+        ),
+        Method(
+            "pg4-it2-fp16-adamw",
+            "PowerGossip r=4, 2 iterations, float16 messages, one-peer hypercube, AdamW (the main job's defaults)",
+            _gossip_train(*powergossip(4, 2, "float16"), "--optimizer", "adamw"),
+        ),
+        Method(
+            "pg4-it7-fp16-adamw",
+            "PowerGossip r=4, 7 iterations, float16 messages, one-peer hypercube, AdamW",
+            _gossip_train(*powergossip(4, 7, "float16"), "--optimizer", "adamw"),
         ),
         _pga("pg4-pga16-adamw", rank=4, iterations=1, every=16, adamw=True),
         _pga("pg4-pga16", rank=4, iterations=1, every=16, adamw=False),

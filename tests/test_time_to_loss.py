@@ -171,3 +171,13 @@ def test_across_seeds_gives_the_mean_and_sample_spread_of_the_ratios_and_counts_
     assert got["exact"]["loss_gap_mean"] == pytest.approx(0.3) and got["exact"]["loss_gap_std"] == pytest.approx(0.2)
     assert got["exact"]["bytes_vs_ddp"] == pytest.approx(1 / 30)
     assert got[BASELINE]["ratio_to_ddp_std"] == 0.0
+
+
+def test_every_powergossip_method_names_its_settings_so_a_changed_default_leaves_it_as_labelled():
+    for method in METHODS.values():
+        argv = method.argv(300, 8, "out", 0)
+        if "powergossip" in argv:
+            for option in ("--rank", "--power-iterations", "--message-dtype", "--optimizer"):
+                assert option in argv, (method.name, option)
+            dtype = argv[argv.index("--message-dtype") + 1]
+            assert ("fp16" in method.name) == (dtype == "float16"), method.name
