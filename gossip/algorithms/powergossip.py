@@ -51,8 +51,9 @@ and so of checkpoints.
 
 Message precision (``message_dtype``): by default the products travel in the parameters' dtype. With
 torch.float16 or torch.bfloat16 each end rounds its products to that dtype before sending, and both compute
-R = a_hi - a_lo in the parameters' dtype from the two rounded products, widened exactly: the same two operands on
-both ends, so the factors stay bit-identical and the corrections equal and opposite (the sum is preserved). The
+R = a_hi - a_lo in the parameters' dtype from the two rounded products (widened exactly for float32 or float64
+parameters): the same two operands on both ends, whatever the conversion, so the factors stay bit-identical and
+the corrections equal and opposite (the sum is preserved). The
 rounding perturbs R by about 2^-11 (float16) or 2^-8 (bfloat16) of the products' magnitude; what it misses of
 X_hi - X_lo stays in the models for later iterations, like the part outside the projection. float16 keeps more
 bits but overflows above 65504 (the receiving end's non-finite error names it); bfloat16 has float32's range.
