@@ -73,6 +73,17 @@ def test_algorithm_config_mismatch_is_refused():
     assert all("rank 3 uses algorithm {'name': 'exact', 'gamma': 0.5}" in m for m in messages)
 
 
+def test_a_rank_sending_powergossip_products_in_another_dtype_is_refused():
+    messages = gossip.simulate(
+        N,
+        build,
+        lambda r: nn.Linear(8, 8),
+        topologies.one_peer_hypercube,
+        lambda r: gossip.PowerGossip(rank=2, message_dtype=torch.float16 if r == 2 else None),
+    )
+    assert all("rank 2 uses algorithm" in m and "'message_dtype': 'torch.float16'" in m for m in messages), messages
+
+
 def test_schedule_for_another_world_size_is_refused():
     messages = gossip.simulate(N, build, lambda r: nn.Linear(3, 2), lambda n: topologies.ring(8))
     assert all("schedule 'ring' is built for n=8 ranks but the world has 4" in m for m in messages)
