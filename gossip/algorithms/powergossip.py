@@ -53,12 +53,12 @@ Message precision (``message_dtype``): by default the products travel in the par
 torch.float16 or torch.bfloat16 each end rounds its products to that dtype before sending, and both compute
 R = a_hi - a_lo in the parameters' dtype from the two rounded products (widened exactly for float32 or float64
 parameters): the same two operands on both ends, whatever the conversion, so the factors stay bit-identical and
-the corrections equal and opposite (the sum is preserved). The
-rounding perturbs R by about 2^-11 (float16) or 2^-8 (bfloat16) of the products' magnitude; what it misses of
-X_hi - X_lo stays in the models for later iterations, like the part outside the projection. float16 keeps more
-bits but overflows above 65504 (the receiving end's non-finite error names it); bfloat16 has float32's range.
-Half-precision products halve the products' bytes, so twice the power iterations cost what one did. The
-uncompressed tensors keep the parameters' dtype (their exact gossip stays exact) in a second tensor of the message.
+the corrections equal and opposite (the sum is preserved). The rounding perturbs R by about 2^-11 (float16) or
+2^-8 (bfloat16) of the products' magnitude; what it misses of X_hi - X_lo stays in the models for later iterations,
+like the part outside the projection. float16 keeps more bits but overflows above 65504 (the receiving end's
+non-finite error names it); bfloat16 has float32's range. Half-precision products halve the products' bytes, so
+twice the power iterations cost what one did. The uncompressed tensors keep the parameters' dtype (their exact
+gossip stays exact) in a second tensor of the message.
 
 Factors of an idle edge are kept, so warm starts survive time-varying schedules that revisit pairs (A.8).
 Tensors with fewer than two dimensions and matrices whose compression ratio m k / (r (m + k)) is below
@@ -443,7 +443,7 @@ class PowerGossip(Algorithm):
             self._orthonormalize(plan)
             for factor, x, out in plan.products:
                 torch.bmm(factor, x, out=out)
-            if plan.difference is not plan.received_products:  # a narrower message dtype: round the products
+            if plan.rounded:
                 plan.sent_products.copy_(plan.difference)
             if exact:  # packed once per iteration; further peers' messages copy the first pack
                 if peers:
@@ -482,10 +482,10 @@ class PowerGossip(Algorithm):
                 else:
                     high, low = plan.sent_products, plan.received_products
                 difference = plan.difference
-                if difference is plan.received_products:
-                    torch.sub(high, low, out=difference)
-                else:
+                if plan.rounded:
                     difference.copy_(high).sub_(low)
+                else:
+                    torch.sub(high, low, out=difference)
                 alpha = (1.0 if me < peer else -1.0) * gamma * weight
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
                 for x, p, qt in plan.updates:

@@ -274,3 +274,9 @@ class Plan:
     factor: list[torch.Tensor]
     classes: list[tuple[torch.Tensor | None, list[torch.Tensor], int]]
     replaced: tuple[torch.Tensor, Side]  # the factor R replaces (flat), and its layout
+
+    @property
+    def rounded(self) -> bool:
+        """Whether the products travel in a dtype other than the parameters' (rounded into ``sent_products``, R
+        computed into ``difference`` from the two rounded products) rather than written over by R on arrival."""
+        return self.difference is not self.received_products
