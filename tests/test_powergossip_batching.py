@@ -147,6 +147,21 @@ def test_orthonormalize_runs_qr_on_the_cpu_and_agrees_with_gram_schmidt_up_to_si
         torch.testing.assert_close(default.mT @ default, torch.eye(r).expand(3, r, r), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("method", "work"), [("qr", None), ("qr", torch.float64), ("gram-schmidt", None)])
+def test_orthonormalize_in_place_writes_the_bits_orthonormalize_returns(dtype, method, work):
+    """In place over a column-major batch (how PowerGossip's factors are viewed), with and without a triangle
+    buffer given: QR in the matrix's own dtype runs in place, the other cases compute aside and copy back."""
+    generator = torch.Generator().manual_seed(0)
+    for rows, r in ((30, 4), (7, 1), (512, 4)):
+        stored = torch.randn(3, r, rows, generator=generator, dtype=dtype)  # a factor stored transposed
+        expected = orthonormalize(stored.mT, dtype=work, method=method)
+        for triangle in (None, torch.empty(3, r, r, dtype=dtype)):
+            factor = stored.clone()
+            powergossip.orthonormalize_(factor.mT, dtype=work, method=method, triangle=triangle)
+            assert torch.equal(factor.mT, expected), (rows, r, triangle is None)
+
+
 def test_an_orthonormalization_other_than_qr_or_gram_schmidt_is_refused():
     with pytest.raises(
         ValueError, match=r"orthonormalization must be None or one of \('qr', 'gram-schmidt'\), got 'svd'"
@@ -260,20 +275,26 @@ def test_the_operations_per_step_do_not_grow_with_the_number_of_layers():
 # q (k rows): 16 for all but mlp.proj (64). Shapes: (matrices, rows, r).
 EQUAL_ROWS = [(1, 256, 2), (1, 8, 2), (3, 48, 2), (6, 16, 2), (3, 64, 2), (11, 16, 2), (3, 64, 2)]  # 5 p, 2 q
 PADDED_4 = [(4, 256, 2), (9, 48, 2), (1, 8, 2), (14, 64, 2)]  # p: tok_emb + fc, qkv + proj + mlp.proj, pos_emb; q
+PADDED_8 = [(7, 256, 2), (7, 16, 2), (14, 64, 2)]  # p: tok_emb + fc + qkv + mlp.proj, proj + pos_emb; q
 
 
-@pytest.mark.parametrize(("options", "calls"), [({}, EQUAL_ROWS), ({"pad_ratio": 4}, PADDED_4)], ids=["cpu", "pad4"])
-def test_one_gram_schmidt_per_class_of_row_counts_not_per_group(monkeypatch, options, calls):
-    """On the CPU (default) groups of equal rows share one orthonormalisation: 5 calls for p, 2 for q. With
-    pad_ratio=4 (the default on CUDA) groups within a factor 4 of rows share one, zero-padded: 3 for p, 1 for q."""
+@pytest.mark.parametrize(
+    ("options", "calls"),
+    [({"pad_ratio": 1}, EQUAL_ROWS), ({"pad_ratio": 4}, PADDED_4), ({}, PADDED_8)],
+    ids=["equal-rows", "pad4", "cpu-default"],
+)
+def test_one_orthonormalization_per_class_of_row_counts_not_per_group(monkeypatch, options, calls):
+    """With pad_ratio=1 groups of equal rows share one orthonormalisation: 5 calls for p, 2 for q. With
+    pad_ratio=4 (the default on CUDA) groups within a factor 4 of rows share one, zero-padded: 3 for p, 1 for q;
+    with 8 (the default on the CPU) 2 for p, 1 for q."""
     seen: list[tuple[int, ...]] = []
-    original = powergossip.orthonormalize
+    original = powergossip.orthonormalize_
 
     def counting(matrix, *args, **kwargs):
         seen.append(tuple(matrix.shape))
         return original(matrix, *args, **kwargs)
 
-    monkeypatch.setattr(powergossip, "orthonormalize", counting)
+    monkeypatch.setattr(powergossip, "orthonormalize_", counting)
 
     def two_steps(comm: gossip.Communicator) -> None:
         algorithm = bound(comm, **options)
@@ -287,10 +308,33 @@ def test_one_gram_schmidt_per_class_of_row_counts_not_per_group(monkeypatch, opt
 @pytest.mark.parametrize("matrix_rank", [2, 4])  # Gram-Schmidt, Householder QR
 def test_padded_classes_keep_both_ends_bit_identical_and_the_sum(matrix_rank):
     results = simulate_and_check_ends_and_sum({"pad_ratio": 4, "rank": matrix_rank})
-    equal_rows = gossip.simulate(4, steps_and_factors, 5, {"rank": matrix_rank})
+    equal_rows = gossip.simulate(4, steps_and_factors, 5, {"rank": matrix_rank, "pad_ratio": 1})
     for a, b in zip(results, equal_rows, strict=True):  # padding changes only the rounding
         for x, y in zip(a["buffers"], b["buffers"], strict=True):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def padding_of_the_stored_factors(comm: gossip.Communicator, options: dict) -> list[torch.Tensor]:
+    algorithm = bound(comm, **options)
+    for step in range(5):
+        algorithm.step(step)
+    layout, padding = algorithm._layout(), []
+    for edge in algorithm.edges.values():
+        for flat, side in ((edge.p_flat, layout.p), (edge.q_flat, layout.q)):
+            assert side.positions is not None  # this model's classes pad
+            outside = torch.ones(flat.numel(), dtype=torch.bool)
+            outside[side.positions] = False
+            padding.append(flat[outside])
+    return padding
+
+
+@pytest.mark.parametrize("orthonormalization", ["qr", "gram-schmidt"])
+def test_the_stored_padding_of_the_factors_stays_zero(orthonormalization):
+    """Every factor of a class is stored padded to the class's rows and orthonormalised in place with the others:
+    after five steps (both sides orthonormalised, R written in, warm starts) every padding element is still 0."""
+    options = {"rank": 4, "pad_ratio": 8, "orthonormalization": orthonormalization}
+    for padding in gossip.simulate(2, padding_of_the_stored_factors, options):
+        assert padding and all(p.numel() and torch.equal(p, torch.zeros_like(p)) for p in padding)
 
 
 @pytest.mark.parametrize("pad_ratio", [0, 1.5, True])

@@ -22,24 +22,27 @@ Both ends hold bit-identical p and q: they start from the same pair-seeded draw 
 compute R from the same two operands, and orthonormalize identical inputs with identical code.
 
 Batching (as PyTorch's PowerSGD communication hook batches its matrices): matrices of one shape and one role
-(``blocks.#.mlp.fc.weight``) -- the layers of a transformer -- are one group with stacked factors. The products
-and the update run as one ``bmm`` / ``baddbmm_`` per run of the group's layers lying at equal distances in one
-bucket, a (count, m, k) strided view of the bucket without a copy (one run per bucket the layers span). Factors
-are stored transposed (r x rows), so the products are q^T X^T and p^T X, small dimension first (on the CPU
-several times faster than X q and X^T p: ``benchmarks/powergossip_compute.py --kernels``). Factors of equal rows
-are orthonormalised together, and on CUDA also those within a factor ``pad_ratio`` (default ``PAD_RATIO``), the
-smaller ones zero-padded: one batched call per class (on a GPT on a GPU, every q in one call), not per group. On
-the CPU, where the arithmetic rather than the launches dominates, padding would add work (rows x r^2 per factor),
-so the default there is 1. Each edge keeps its factors in one flat buffer per side, ordered class by class, and
-plans each side's iteration once (both in :mod:`gossip.algorithms.powergossip_layout`): its message, the products,
-updates and orthonormalisations as views of the buffers and of the buckets. One message per peer and iteration
-carries the products of every group, then (in the step's first iteration, see below) the uncompressed tensors of all
-buckets packed (one ``cat`` of views taken at setup, unpacked with one ``_foreach_copy_``); the difference of the
-two ends' products is one subtraction written over the received message, the warm-start rule of step 4 one ``where``
-over all factors. So an iteration's operations -- on a GPU, kernel launches, whose fixed cost dominates at these
-sizes -- do not grow with the number of layers or of uncompressed tensors, except for the runs (keep the layers in
-few buckets), and no tensor is cut or allocated on the way. No value is read back to the host on the hot path:
-the non-finite check is deferred on CUDA (see gossip.algorithms.base).
+(``blocks.#.mlp.fc.weight``) -- the layers of a transformer -- are one group with stacked factors. The products and
+the update run as one ``bmm`` / ``baddbmm_`` per run of the group's layers lying at equal distances in one bucket, a
+(count, m, k) strided view of the bucket without a copy (one run per bucket the layers span). Factors are stored
+transposed (r x rows), so the products are q^T X^T and p^T X, small dimension first (on the CPU several times faster
+than X q and X^T p: ``benchmarks/powergossip_compute.py --kernels``). Factors of equal rows are orthonormalised
+together, and so are those within a factor ``pad_ratio`` of each other (default ``PAD_RATIO`` on CUDA,
+``CPU_PAD_RATIO`` on the CPU), the smaller ones zero-padded: one batched call per class (on a GPT, every q in one
+call), not per group. The padding is stored: each edge keeps its factors in one flat buffer per side, ordered class
+by class, every factor padded with zero rows to its class's rows, so that a class is one contiguous block
+orthonormalised in place, and the factors are views of it (QR and Gram-Schmidt leave zero rows zero). At these sizes
+an operation costs more than its arithmetic, on the CPU as on a GPU, so padding pays (``pad_ratio`` bounds the work
+spent on zeros). Each edge plans each side's iteration once (both in :mod:`gossip.algorithms.powergossip_layout`):
+its message, the products, updates and orthonormalisations as views of the buffers and of the buckets. One message
+per peer and iteration carries the products of every group, then (in the step's first iteration, see below) the
+uncompressed tensors of all buckets packed (one ``cat`` of views taken at setup, unpacked with one
+``_foreach_copy_``); the difference of the two ends' products is one subtraction written over the received message,
+the warm-start rule of step 4 one ``where`` over all factors. So an iteration's operations -- on a GPU, kernel
+launches, whose fixed cost dominates at these sizes -- do not grow with the number of layers or of uncompressed
+tensors, except for the runs (keep the layers in few buckets), and no tensor is cut or allocated on the way. No
+value is read back to the host on the hot path: the non-finite check is deferred on CUDA (see
+gossip.algorithms.base).
 
 Orthonormalisation (:func:`orthonormalize`): by default Householder QR on the CPU, Gram-Schmidt elsewhere (on
 CUDA, batched QR costs a cuSOLVER call per matrix); ``orthonormalization`` ("qr", "gram-schmidt") chooses.
@@ -89,6 +92,7 @@ import torch
 
 from gossip.algorithms.base import Algorithm, check_nonfinite_policy
 from gossip.algorithms.powergossip_layout import (
+    CPU_PAD_RATIO,
     PAD_RATIO,
     EdgeState,
     Layout,
@@ -155,6 +159,28 @@ def orthonormalize(
         return gram_schmidt(matrix, eps, dtype or torch.float64)
     work = matrix.to(dtype or (torch.float64 if matrix.dtype == torch.float64 else torch.float32))
     return torch.linalg.qr(work).Q.to(matrix.dtype)
+
+
+def orthonormalize_(
+    matrix: torch.Tensor,
+    eps: float = 1e-8,
+    dtype: torch.dtype | None = None,
+    method: str | None = None,
+    triangle: torch.Tensor | None = None,
+) -> None:
+    """:func:`orthonormalize` written over ``matrix``, with the same bits. QR in ``matrix``'s own dtype takes
+    ``matrix`` as its Q output and ``triangle`` (``... x r x r``, allocated when not given) as its R: LAPACK factors a
+    column-major batch in place (PowerGossip stores its factors transposed, so their ``mT`` views are column-major),
+    which saves copying a new Q back -- on the CPU at these sizes an operation costs more than its arithmetic.
+    Otherwise the result is computed aside and copied back."""
+    method = method or ("qr" if matrix.device.type == "cpu" else "gram-schmidt")
+    work_dtype = dtype or (torch.float64 if matrix.dtype == torch.float64 else torch.float32)
+    if method == "qr" and work_dtype == matrix.dtype:
+        if triangle is None:
+            triangle = matrix.new_empty(*matrix.shape[:-2], matrix.shape[-1], matrix.shape[-1])
+        torch.linalg.qr(matrix, out=(matrix, triangle))
+    else:
+        matrix.copy_(orthonormalize(matrix, eps, dtype, method))
 
 
 def nonzero_columns(product: torch.Tensor, owner: torch.Tensor, columns: int) -> torch.Tensor:
@@ -310,7 +336,7 @@ class PowerGossip(Algorithm):
                 start += run.count
             self._views.append(views)
         on_cuda = any(bucket.buffer.is_cuda for bucket in buckets)
-        self._pad_ratio = self.pad_ratio if self.pad_ratio is not None else PAD_RATIO if on_cuda else 1
+        self._pad_ratio = self.pad_ratio if self.pad_ratio is not None else PAD_RATIO if on_cuda else CPU_PAD_RATIO
         self._layouts: dict[int, Layout] = {}  # per rank r
         for edge in self.edges.values():  # bound again: plans hold views of the previous binding's buckets
             edge.plans.clear()
@@ -398,33 +424,17 @@ class PowerGossip(Algorithm):
             products,
             updates,
             stacks,
-            [
-                (
-                    None if c.padded else flat[c.start : c.stop].view(-1, r, c.rows).mT,
-                    [stacks[g] for g in c.members],
-                    c.rows,
-                )
-                for c in side.classes
-            ],
+            [(block, block.new_empty(block.shape[0], r, r)) for block in side.blocks(flat, r)],
             (edge.p_flat, layout.p) if right else (edge.q_flat, layout.q),
         )
         return plan
 
     def _orthonormalize(self, plan: Plan) -> None:
-        """Orthonormalise the factor ``plan`` multiplies with, in place: one batched call per class, on a
-        contiguous block of its buffer unless the class is zero-padded."""
+        """Orthonormalise the factor ``plan`` multiplies with, in place: one batched call per class, on its
+        contiguous block of the factor buffer (the smaller factors' zero padding stays zero)."""
         dtype, method = self.orthonormalize_dtype, self.orthonormalization
-        for block, parts, rows in plan.classes:
-            if block is not None:
-                block.copy_(orthonormalize(block, dtype=dtype, method=method))
-                continue
-            counts = [len(part) for part in parts]
-            together = parts[0].new_zeros(sum(counts), self.matrix_rank, rows)
-            for part, padded in zip(parts, together.split(counts), strict=True):
-                padded[..., : part.shape[-1]].copy_(part)
-            together = orthonormalize(together.mT, dtype=dtype, method=method).mT
-            for part, padded in zip(parts, together.split(counts), strict=True):
-                part.copy_(padded[..., : part.shape[-1]])
+        for block, triangle in plan.classes:
+            orthonormalize_(block, dtype=dtype, method=method, triangle=triangle)
 
     def _post(self, step: int, iteration: int, in_peers: list[tuple[int, float]] | None = None) -> _Round:
         """Iteration ``iteration`` of step ``step`` with ``in_peers`` (the schedule's, looked up when not given: a
@@ -492,9 +502,10 @@ class PowerGossip(Algorithm):
                     x.baddbmm_(p, qt, alpha=alpha)
                 factor, side = plan.replaced
                 if difference.device.type == "cpu" and int(torch.count_nonzero(difference)) == difference.numel():
-                    factor.copy_(difference)  # no zero element, so no zero column (a host read: on the CPU only)
+                    side.store(factor, difference)  # no zero element, so no zero column (a host read: CPU only)
                 else:
-                    torch.where(nonzero_columns(difference, side.owner, side.columns), difference, factor, out=factor)
+                    kept = nonzero_columns(difference, side.owner, side.columns)
+                    side.store(factor, torch.where(kept, difference, side.load(factor)))
             edge.iteration += 1  # a dropped peer: p and q stay as they were, the parity keeps step with the peer's
 
     # -- the Algorithm interface ----------------------------------------------------------------------------

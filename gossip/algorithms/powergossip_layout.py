@@ -83,6 +83,9 @@ def group_matrices(matrices: list[Matrix]) -> list[Group]:
 
 
 PAD_RATIO = 4  # the default pad_ratio on CUDA
+#: The default pad_ratio on the CPU: at PowerGossip's sizes one QR call costs more than its arithmetic on the
+#: zeros of factors padded up to 8x (``benchmarks/powergossip_compute.py``), and the padding is stored, not copied.
+CPU_PAD_RATIO = 8
 
 
 def row_classes(rows: list[int], pad_ratio: int = PAD_RATIO) -> list[tuple[int, list[int]]]:
@@ -107,50 +110,99 @@ def row_classes(rows: list[int], pad_ratio: int = PAD_RATIO) -> list[tuple[int, 
 
 @dataclass(frozen=True)
 class RowClass:
-    """Groups whose factors one batched call orthonormalises: elements ``start:stop`` of a factor buffer."""
+    """Groups whose factors one batched call orthonormalises: elements ``start:stop`` of a factor buffer, where
+    each of them is stored padded to ``rows``."""
 
-    rows: int  # the largest factor's rows; smaller ones are zero-padded to it for the call
+    rows: int  # the largest factor's rows; the smaller ones are stored zero-padded to it
     members: tuple[int, ...]  # group indices, in buffer order
     start: int
     stop: int
-    padded: bool
 
 
 @dataclass(frozen=True)
 class Side:
-    """Where each group's factors lie in the flat buffer of one side (p: m rows a factor, or q: k rows) at rank r.
+    """Where each group's factors lie, for one side (p: m rows a factor, or q: k rows) at rank r: in a message,
+    and in the flat buffer an edge keeps its factors in.
 
-    The groups are ordered class by class (:func:`row_classes`), so that the factors one call orthonormalises
-    are contiguous. A message has the layout of the side its difference R replaces: a left multiplication sends
-    (X^T p)^T, k rows a matrix, which becomes the next q^T; a right one sends (X q)^T, the next p^T.
+    The groups are ordered class by class (:func:`row_classes`) in both. A message holds each group's
+    (count, r, rows) block, unpadded: it has the layout of the side its difference R replaces (a left
+    multiplication sends (X^T p)^T, k rows a matrix, which becomes the next q^T; a right one sends (X q)^T, the
+    next p^T). The factor buffer stores every factor of a class padded with zero rows to the class's rows, so that
+    each class is one contiguous (count, r, class rows) block that one call orthonormalises in place; the
+    factors are the views ``[..., :rows]`` of it. ``positions`` maps a message's elements to their places in the
+    factor buffer (None when no class pads, and the two layouts are one).
     """
 
     rows: list[int]  # per group: m or k
-    offsets: list[int]  # per group: the start of its (count, r, rows) block
-    numel: int
-    classes: list[RowClass]
-    owner: torch.Tensor  # per element: the factor column it belongs to (for nonzero_columns)
+    offsets: list[int]  # per group: the start of its (count, r, rows) block in a message
+    numel: int  # of a message
+    stored_offsets: list[int]  # per group: the start of its (count, r, class rows) block in the factor buffer
+    stored_numel: int
+    classes: list[RowClass]  # start:stop in the factor buffer
+    positions: torch.Tensor | None
+    owner: torch.Tensor  # per message element: the factor column it belongs to (for nonzero_columns)
     columns: int
 
     @classmethod
     def build(cls, groups: list[Group], rows: list[int], rank: int, pad_ratio: int, device: torch.device) -> Side:
-        offsets, classes, columns, position = [0] * len(groups), [], [], 0
+        offsets, stored_offsets, classes, columns, positions = [0] * len(groups), [0] * len(groups), [], [], []
+        position = stored = 0
         for top, members in row_classes(rows, pad_ratio):
-            start = position
+            start = stored
             for g in members:
-                offsets[g] = position
-                position += len(groups[g].members) * rank * rows[g]
-                columns += [rows[g]] * (len(groups[g].members) * rank)
-            classes.append(RowClass(top, tuple(members), start, position, any(rows[g] != top for g in members)))
+                count = len(groups[g].members) * rank  # factor columns (rows of the stored transposes)
+                offsets[g], stored_offsets[g] = position, stored
+                positions.append((stored + torch.arange(count).unsqueeze(1) * top + torch.arange(rows[g])).flatten())
+                position += count * rows[g]
+                stored += count * top
+                columns += [rows[g]] * count
+            classes.append(RowClass(top, tuple(members), start, stored))
         owner = torch.repeat_interleave(torch.arange(len(columns)), torch.tensor(columns, dtype=torch.long))
-        return cls(rows, offsets, position, classes, owner.to(device), len(columns))
+        index = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
+        padded = stored != position
+        return cls(
+            rows,
+            offsets,
+            position,
+            stored_offsets,
+            stored,
+            classes,
+            index.to(device) if padded else None,
+            owner.to(device),
+            len(columns),
+        )
 
     def stacks(self, flat: torch.Tensor, groups: list[Group], rank: int) -> list[torch.Tensor]:
-        """Each group's (count, r, rows) block of ``flat`` (laid out as this side), a view."""
+        """Each group's (count, r, rows) block of the message ``flat``, a view."""
         return [
             flat[offset : offset + len(group.members) * rank * rows].view(len(group.members), rank, rows)
             for group, offset, rows in zip(groups, self.offsets, self.rows, strict=True)
         ]
+
+    def stored_stacks(self, flat: torch.Tensor, groups: list[Group], rank: int) -> list[torch.Tensor]:
+        """Each group's factors in the factor buffer ``flat``: (count, r, rows) views of its padded block."""
+        top = {g: c.rows for c in self.classes for g in c.members}
+        return [
+            flat[offset : offset + len(group.members) * rank * top[g]].view(len(group.members), rank, top[g])[
+                ..., : self.rows[g]
+            ]
+            for g, (group, offset) in enumerate(zip(groups, self.stored_offsets, strict=True))
+        ]
+
+    def store(self, flat: torch.Tensor, message: torch.Tensor) -> None:
+        """Write factors laid out as a message into the factor buffer ``flat`` (its padding untouched)."""
+        if self.positions is None:
+            flat.copy_(message)
+        else:
+            flat.index_copy_(0, self.positions, message)
+
+    def load(self, flat: torch.Tensor) -> torch.Tensor:
+        """The factors of the factor buffer ``flat`` laid out as a message (``flat`` itself when no class pads)."""
+        return flat if self.positions is None else flat.index_select(0, self.positions)
+
+    def blocks(self, flat: torch.Tensor, rank: int) -> list[torch.Tensor]:
+        """Each class's factors in the factor buffer ``flat`` as one (count, rows, r) column-major view."""
+        return [flat[c.start : c.stop].view(-1, rank, c.rows).mT for c in self.classes]
 
 
 @dataclass(frozen=True)
@@ -166,8 +218,9 @@ class EdgeState:
     """Warm factors and the parity counter of one unordered pair, identical on both of its ends.
 
     The factors are stored transposed, in one flat buffer per side laid out as :class:`Side` says:
-    ``pt_stacks[g]`` is the (count, r, m) view of group g's p^T, contiguous (so the products are q^T X^T and
-    p^T X, whose small dimension r comes first, see the module docstring; and a column of p is a contiguous row).
+    ``pt_stacks[g]`` is the (count, r, m) view of group g's p^T, rows contiguous (so the products are q^T X^T
+    and p^T X, whose small dimension r comes first, see the module docstring; and a column of p is a contiguous
+    row), padded with zeros to its class's rows.
     They change in place, so these views and the plans built on them (``plans``, see :class:`Plan`) stay valid
     from step to step. ``p`` and ``q`` give the factors per matrix as m x r and k x r (views, in matrix order)
     for inspection and checkpoints.
@@ -222,10 +275,10 @@ class EdgeState:
         device: torch.device,
     ) -> None:
         """Replace the factors from per-matrix lists (matrix order; m x r and k x r), laid out as ``layout``."""
-        self.p_flat = torch.empty(layout.p.numel, dtype=dtype, device=device)
-        self.q_flat = torch.empty(layout.q.numel, dtype=dtype, device=device)
-        self.pt_stacks = layout.p.stacks(self.p_flat, groups, layout.rank)
-        self.qt_stacks = layout.q.stacks(self.q_flat, groups, layout.rank)
+        self.p_flat = torch.zeros(layout.p.stored_numel, dtype=dtype, device=device)  # zero: the padding
+        self.q_flat = torch.zeros(layout.q.stored_numel, dtype=dtype, device=device)
+        self.pt_stacks = layout.p.stored_stacks(self.p_flat, groups, layout.rank)
+        self.qt_stacks = layout.q.stored_stacks(self.q_flat, groups, layout.rank)
         for i, (g, s) in enumerate(self.slots):
             self.pt_stacks[g][s].copy_(p[i].mT)
             self.qt_stacks[g][s].copy_(q[i].mT)
@@ -270,10 +323,10 @@ class Plan:
     products: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per run: (factor^T, X^T or X, out)
     updates: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per run: (X, p, q^T) for X += alpha p q^T
     # The factor this side orthonormalises: its group views (count, r, rows) and, per class, the (count, rows, r)
-    # view of its contiguous block (None when zero-padded), its groups' views and its rows.
+    # column-major view of its padded block and a (count, r, r) buffer for QR's triangular factor.
     factor: list[torch.Tensor]
-    classes: list[tuple[torch.Tensor | None, list[torch.Tensor], int]]
-    replaced: tuple[torch.Tensor, Side]  # the factor R replaces (flat), and its layout
+    classes: list[tuple[torch.Tensor, torch.Tensor]]
+    replaced: tuple[torch.Tensor, Side]  # the factor buffer R replaces (flat, padded), and its layout
 
     @property
     def rounded(self) -> bool:

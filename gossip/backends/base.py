@@ -216,8 +216,16 @@ def plan_transfers(
     for peer, tensor in pairs:
         index = seen.get(peer, 0)
         seen[peer] = index + 1
-        what = f"rank {rank}: tensor {index + 1}/{counts[peer]} to {direction} peer {peer}"
-        transfers.append(Transfer(peer, _check_tensor(tensor, what, device), index, counts[peer]))
+        # The common case checked inline (this runs for every message of every step); any failure is re-checked
+        # by _check_tensor, which names the tensor.
+        if not (
+            isinstance(tensor, torch.Tensor)
+            and tensor.dtype in DTYPE_CODES
+            and tensor.is_contiguous()
+            and tensor.device.type == device.type
+        ):
+            _check_tensor(tensor, f"rank {rank}: tensor {index + 1}/{counts[peer]} to {direction} peer {peer}", device)
+        transfers.append(Transfer(peer, tensor.detach() if tensor.requires_grad else tensor, index, counts[peer]))
     return transfers
 
 
