@@ -28,6 +28,7 @@ Usage::
     python benchmarks/powergossip_compute.py --layers 12 --embd 768 --block 1024 --batch 8 --device cuda
     python benchmarks/powergossip_compute.py --layers 12 --bucket-bytes 900000 --baseline 5689234  # 2 buckets a layer
     python benchmarks/powergossip_compute.py --kernels             # the kernels behind two design choices
+    python benchmarks/powergossip_compute.py --profile --ranks 4   # where a step's own computation goes
 
 ``--kernels`` times, warm and back to back, the two choices the implementation rests on, for every group of the
 model's matrices: orthonormalising its stacked factors by Gram-Schmidt's column loop against one batched
@@ -228,6 +229,40 @@ def kernels(config: GPTConfig, ranks: list[int], device: torch.device) -> None:
             )
 
 
+def profile_in_a_step(algorithm: Any, forward_backward: Callable[[], None], rounds: int, warmup: int) -> None:
+    """Print where ``algorithm``'s own computation in a step goes: torch.profiler's self CPU time of each operation
+    run inside ``start`` and ``finish`` (forward + backward between them, as in training), per step. The profiler
+    adds its own cost to every operation, so the column sums to more than the unprofiled time; the shares tell
+    what dominates."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def step(index: int) -> None:
+        with record_function("powergossip"):
+            pending = algorithm.start(index)
+        forward_backward()
+        with record_function("powergossip"):
+            algorithm.finish(pending)
+
+    for index in range(warmup):
+        step(index)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        for index in range(warmup, warmup + rounds):
+            step(index)
+    events = profiler.events()
+    spans = [(e.time_range.start, e.time_range.end) for e in events if e.name == "powergossip"]
+    totals: dict[str, list[float]] = {}
+    for event in events:
+        if event.name != "powergossip" and any(a <= event.time_range.start <= b for a, b in spans):
+            entry = totals.setdefault(event.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.self_cpu_time_total
+    wall = sum(b - a for a, b in spans)
+    print(f"profiled, per step: {wall / rounds:.0f} us inside start + finish (profiler included)")
+    print(f"{'operation':>28} {'calls':>6} {'self us':>8}")
+    for name, (calls, micros) in sorted(totals.items(), key=lambda item: -item[1][1]):
+        print(f"{name:>28} {calls / rounds:6.1f} {micros / rounds:8.1f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 4], help="PowerGossip ranks to measure")
@@ -261,6 +296,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--ops-only", action="store_true", help="only count the operations per step (no timing; any model size)"
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the defaults (float16 messages) in a training step: self CPU time per operation, and stop",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -293,6 +333,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     model, _ = model_buckets(config, device, 0)
     fwd_bwd = forward_backward(model, config, args.batch, device)
+    if args.profile:
+        for rank in args.ranks:
+            _, buckets = model_buckets(config, device, 0, args.bucket_bytes)
+            algorithm = PowerGossip(rank=rank, num_iterations=args.iterations, message_dtype=torch.float16)
+            algorithm.setup(LoopbackCommunicator(2, device), topologies.one_peer_hypercube(2), buckets)
+            print(f"rank {rank}, {args.iterations} power iteration(s), float16 messages:")
+            profile_in_a_step(algorithm, fwd_bwd, args.rounds, args.warmup)
+        return
     variants: dict[str, Callable[[int], Any]] = {
         "old": lambda rank: Old(rank=rank, num_iterations=args.iterations),
         "new": lambda rank: PowerGossip(rank=rank, num_iterations=args.iterations),

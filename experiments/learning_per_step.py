@@ -40,7 +40,10 @@ Mixing rules (the order of one step is :class:`gossip.DecentralizedDataParallel`
 
 Optimizers: ``adamw`` (:class:`optim.AccumAdamW` with ``accum_iter=1``, i.e. AdamW), ``accum-adamw`` (AccumAdamW
 with ``accum_iter``), ``debiased-adamw`` (:class:`NoiseDebiasedAdamW`, harness-level: AdamW dividing by a local
-estimate of the second moment of the *mean* gradient over the n workers) and ``sgd`` (Nesterov momentum 0.9).
+estimate of the second moment of the *mean* gradient over the n workers), ``smoothed-v-adamw``
+(:class:`SmoothedSecondMomentAdamW`), ``shared-v-adamw`` (:class:`SharedSecondMomentAdamW`: the second moment of the
+mean gradient, sampled by an all-reduce every ``v_every`` steps, the same on every rank) and ``sgd`` (Nesterov
+momentum 0.9).
 
 ``python -m experiments.learning_per_step --suite study --jobs 16`` runs every configuration of the study (each
 (configuration, seed) in its own process) and appends to ``<out>/steps.csv``, ``summary.csv`` and ``spectrum.csv``
@@ -93,11 +96,12 @@ class RunConfig:
     message_dtype: str = ""  # powergossip: "float16" or "bfloat16" messages ("": the parameters' float32)
     average_every: int = 0  # exact global average every K steps, replacing the inner mixing (0: never)
     topk: float = 0.01  # choco: share of coordinates sent per step
-    optimizer: str = "adamw"  # adamw | accum-adamw | debiased-adamw | smoothed-v-adamw | sgd
+    optimizer: str = "adamw"  # adamw | accum-adamw | debiased-adamw | smoothed-v-adamw | shared-v-adamw | sgd
     beta2: float = 0.95
     accum_iter: int = 1
     v_beta: float = -1.0  # smoothed-v-adamw: EMA rate of the gradients whose square v tracks (-1: (n-1)/(n+1))
     average_moments: str = ""  # "m", "v" or "mv": the AdamW moments averaged over all ranks after every step
+    v_every: int = 1  # shared-v-adamw: steps between two samples of the mean gradient (an all-reduce each)
     lr: float = 3e-3
     warmup: int = 30
     workers: int = 8
@@ -302,12 +306,65 @@ class SmoothedSecondMomentAdamW(_StudyAdamW):
         return v / (1 - beta2**t)
 
 
+class SharedSecondMomentAdamW(_StudyAdamW):
+    r"""AdamW whose second moment is that of the mean gradient over all workers, sampled every K steps and the same
+    on every rank; the first moment stays local (harness-level, for the study).
+
+    With one v on every rank the update :math:`-\mathrm{lr}\,\hat m_i/(\sqrt{\hat v}+\epsilon)` is linear in
+    the local first moment, so the mean of the workers' updates is the update of the mean gradient's first moment --
+    DDP's AdamW step -- where each worker dividing by its own :math:`E[g_i^2] = g^2 + \sigma^2` is not (the
+    per-worker-Adam floor of experiments/README.md). Every K-th step the harness all-reduces a copy of the
+    gradients (:meth:`sample`: :math:`2\frac{n-1}{n} M / K` bytes per worker per step on average) and the shared
+    estimate advances with the square of the mean, at the rate :math:`\beta_2^K` per sample (the same time
+    constant in steps); between samples it stays. A coordinate whose mean gradient was zero at the last sample (an
+    embedding row no batch touched) would then be divided by zero until the next, so the estimate is floored by
+    :math:`v_i / n`, the worker's own second moment (kept every step) divided by n: the mean gradient's second
+    moment where the workers' gradients are independent noise (``floor=n``; None: no floor). Bias-corrected over
+    the samples taken (the floor over the steps). Sampled every step from its own gradient, it is AdamW.
+    """
+
+    extra = "g"
+
+    def __init__(
+        self, params: Any, lr: float, betas: tuple[float, float], eps: float, every: int, floor: int | None
+    ) -> None:
+        super().__init__(params, lr, betas, eps)
+        self.every, self.floor = every, floor  # floor: n, or None for none
+
+    def sample(self, means: dict[torch.Tensor, torch.Tensor]) -> None:
+        """Take the mean gradient of each parameter (keyed by the parameter) for the next step's estimate."""
+        for p, mean in means.items():
+            state = self.state[p]
+            if not state:
+                state["step"], state["samples"] = 0, 0
+                state["m"], state["v"], state["g"] = (torch.zeros_like(p) for _ in range(3))
+            if "shared" not in state:
+                state["shared"] = torch.zeros_like(p)
+            state["shared"].mul_(beta := self.param_groups[0]["betas"][1] ** self.every).addcmul_(
+                mean, mean, value=1 - beta
+            )
+            state["samples"] += 1
+
+    def second_moment(self, state: dict, g: torch.Tensor, beta2: float) -> torch.Tensor:
+        v = state["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        if not state.get("samples"):  # no sample yet: the worker's own
+            return v / (1 - beta2 ** state["step"])
+        shared = state["shared"] / (1 - (beta2**self.every) ** state["samples"])
+        if self.floor is None:
+            return shared
+        return torch.maximum(shared, v / ((1 - beta2 ** state["step"]) * self.floor))
+
+
 def make_optimizer(config: RunConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
     groups = optim.param_groups(module, 0.1)
     if config.optimizer == "sgd":
         return optim.SGD(groups, lr=config.lr, momentum=0.9, nesterov=True)
     if config.optimizer == "debiased-adamw":
         return NoiseDebiasedAdamW(groups, lr=config.lr, betas=(0.9, config.beta2), eps=1e-8, workers=config.workers)
+    if config.optimizer == "shared-v-adamw":
+        return SharedSecondMomentAdamW(
+            groups, lr=config.lr, betas=(0.9, config.beta2), eps=1e-8, every=config.v_every, floor=config.workers
+        )
     if config.optimizer == "smoothed-v-adamw":
         v_beta = config.v_beta if config.v_beta >= 0 else (config.workers - 1) / (config.workers + 1)
         return SmoothedSecondMomentAdamW(groups, lr=config.lr, betas=(0.9, config.beta2), eps=1e-8, v_beta=v_beta)
@@ -466,6 +523,7 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
         batches = ShardedBatches(corpus.train, comm.rank, comm.size, config.batch, model_config.block_size, seed, "iid")
         ring_bytes = 2 * (comm.size - 1) / comm.size * model_bytes
         steps, spectrum, losses = [], [], []
+        sampled_bytes = 0.0  # the shared second moment's gradient all-reduces
         for step in range(config.steps):
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(schedule_config, step)
@@ -474,6 +532,11 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
             loss.backward()
             if config.algorithm == "ddp":
                 _average_gradients(module, comm)
+            if isinstance(optimizer, SharedSecondMomentAdamW) and step % config.v_every == 0:
+                grads = {p: p.grad.detach().clone() for p in module.parameters() if p.grad is not None}
+                _average_in_place(list(grads.values()), comm)
+                optimizer.sample(grads)
+                sampled_bytes += ring_bytes
             optimizer.step()
             if config.algorithm == "atc":
                 _average_parameters(module, comm)
@@ -488,6 +551,7 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
                 block = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
                 comm.all_reduce(block, "avg")
                 sent = ring_bytes * (step + 1) if all_reduce_run else float(algorithm.traffic.total_sent)
+                sent += sampled_bytes
                 total_sent = torch.tensor([sent], dtype=torch.float64)
                 comm.all_reduce(total_sent, "avg")
                 consensus = math.sqrt(exact_consensus_sq(parameters, comm))
@@ -624,6 +688,11 @@ def suite(name: str) -> list[RunConfig]:
         c("pg4-it4-fp16", rank=4, iterations=4, message_dtype="float16", **d),
         c("pg4-it6-fp16", rank=4, iterations=6, message_dtype="float16", **d),
         c("pg4-it7-fp16", rank=4, iterations=7, message_dtype="float16", **d),  # 1/21 of DDP's bytes
+        # the second moment of the mean gradient, sampled every K steps by an all-reduce and shared by all ranks
+        # (first moment local): K = 1 (an all-reduce of the gradients every step: a diagnostic) and 32 (with the
+        # defaults' PowerGossip, 1/32 + 1/59 of DDP's bytes would fit within 1/20)
+        c("exact-sharedv1", algorithm="exact", optimizer="shared-v-adamw", v_every=1, **d),
+        c("exact-sharedv32", algorithm="exact", optimizer="shared-v-adamw", v_every=32, **d),
         c("mj-pg4-it2-fp16", rank=4, iterations=2, message_dtype="float16", **main_job),
         c("mj-pg4-it2-bf16", rank=4, iterations=2, message_dtype="bfloat16", **main_job),
     ]

@@ -15,6 +15,7 @@ from experiments.learning_per_step import (
     ChocoTopK,
     NoiseDebiasedAdamW,
     RunConfig,
+    SharedSecondMomentAdamW,
     SmoothedSecondMomentAdamW,
     capture_shares,
     spectrum_rows,
@@ -195,6 +196,77 @@ def test_smoothed_second_moment_of_pure_noise_is_that_of_the_mean_of_n_workers()
         optimizer.step()
     v = optimizer.state[weight]["v"].mean().item()
     assert v == pytest.approx(scale**2 / n, rel=0.1)
+
+
+def test_shared_second_moment_sampled_every_step_from_ones_own_gradient_is_adamw():
+    generator = torch.Generator().manual_seed(0)
+    gradients = [torch.randn(64, generator=generator, dtype=torch.float64) + 0.3 for _ in range(40)]
+    weight = torch.nn.Parameter(torch.ones(64, dtype=torch.float64))
+    optimizer = SharedSecondMomentAdamW(
+        [{"params": [weight], "weight_decay": 0.1}], 1e-2, (0.9, 0.95), 1e-8, every=1, floor=1
+    )
+    for gradient in gradients:
+        weight.grad = gradient.clone()
+        optimizer.sample({weight: gradient})
+        optimizer.step()
+    adamw = _trajectory(lambda g: torch.optim.AdamW(g, lr=1e-2, betas=(0.9, 0.95), eps=1e-8), gradients)
+    torch.testing.assert_close(weight.detach(), adamw, rtol=0, atol=1e-12)
+
+
+def test_shared_second_moment_makes_the_mean_of_the_workers_steps_adamws_step_on_the_mean_gradient():
+    """n workers, each with its own gradients, v sampled from their mean every step: averaging the replicas after
+    every step follows AdamW fed the mean gradient (the update is linear in each worker's first moment); with each
+    worker's own v it does not."""
+    generator = torch.Generator().manual_seed(3)
+    n, steps = 4, 30
+    gradients = [
+        [torch.randn(64, generator=generator, dtype=torch.float64) + 0.3 for _ in range(n)] for _ in range(steps)
+    ]
+    workers = [torch.nn.Parameter(torch.ones(64, dtype=torch.float64)) for _ in range(n)]
+    shared = [
+        SharedSecondMomentAdamW([{"params": [w], "weight_decay": 0.1}], 1e-2, (0.9, 0.95), 1e-8, 1, None)
+        for w in workers
+    ]
+    local = [torch.nn.Parameter(torch.ones(64, dtype=torch.float64)) for _ in range(n)]
+    own = [
+        torch.optim.AdamW([{"params": [w], "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8) for w in local
+    ]
+    for step in gradients:
+        mean = torch.stack(step).mean(0)
+        for replicas, optimizers, sample in ((workers, shared, True), (local, own, False)):
+            for weight, optimizer, gradient in zip(replicas, optimizers, step, strict=True):
+                weight.grad = gradient.clone()
+                if sample:
+                    optimizer.sample({weight: mean})
+                optimizer.step()
+            with torch.no_grad():
+                average = torch.stack([w.detach() for w in replicas]).mean(0)
+                for weight in replicas:
+                    weight.copy_(average)
+    ddp = _trajectory(
+        lambda g: torch.optim.AdamW(g, lr=1e-2, betas=(0.9, 0.95), eps=1e-8),
+        [torch.stack(s).mean(0) for s in gradients],
+    )
+    torch.testing.assert_close(workers[0].detach(), ddp, rtol=0, atol=1e-12)
+    assert (local[0].detach() - ddp).abs().max() > 1e-4  # each worker's own v: not DDP's step
+
+
+def test_shared_second_moment_is_floored_by_the_workers_own_where_the_last_sample_was_zero():
+    """A coordinate whose mean gradient was 0 at the last sample (an embedding row no batch touched) but whose
+    local gradient is not: without the floor the step divides by eps; with it, by the local second moment / n."""
+    n = 8
+    steps = {}
+    for floor in (None, n):
+        weight = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+        optimizer = SharedSecondMomentAdamW([weight], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, every=32, floor=floor)
+        weight.grad = torch.zeros(4, dtype=torch.float64)
+        optimizer.sample({weight: torch.zeros(4, dtype=torch.float64)})
+        optimizer.step()
+        weight.grad = torch.full((4,), 0.5, dtype=torch.float64)  # the row is touched at the next step
+        optimizer.step()
+        steps[floor] = weight.detach().abs().max().item()
+    assert steps[None] > 1.0  # lr 1e-3 multiplied by about m / eps
+    assert steps[n] < 1e-3 * math.sqrt(n) * 1.5  # about lr sqrt(n): AdamW's step, sqrt(n) larger
 
 
 def test_adapt_then_combine_keeps_the_replicas_identical_at_ddps_bytes():

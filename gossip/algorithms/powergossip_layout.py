@@ -193,8 +193,8 @@ class Side:
         """Write factors laid out as a message into the factor buffer ``flat`` (its padding untouched)."""
         if self.positions is None:
             flat.copy_(message)
-        else:
-            flat.index_copy_(0, self.positions, message)
+        else:  # positions are distinct, so the scatter is deterministic (and cheaper than index_copy_ on the CPU)
+            flat.scatter_(0, self.positions, message)
 
     def load(self, flat: torch.Tensor) -> torch.Tensor:
         """The factors of the factor buffer ``flat`` laid out as a message (``flat`` itself when no class pads)."""

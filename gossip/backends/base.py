@@ -37,6 +37,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -188,16 +189,25 @@ def check_steady_header(
         )
 
 
-def _check_tensor(tensor: Any, what: str, device: torch.device) -> torch.Tensor:
+def _check_tensor(tensor: Any, what: str | Callable[[], str], device: torch.device) -> torch.Tensor:
+    """``tensor`` if this communicator can move it (detached if it has a gradient), else a named error. ``what``
+    names it in the error: a string, or a callable building one (every message of every step passes here, so the
+    name is built only for an error)."""
+    if (
+        isinstance(tensor, torch.Tensor)
+        and tensor.dtype in DTYPE_CODES
+        and tensor.is_contiguous()
+        and tensor.device.type == device.type
+    ):
+        return tensor.detach() if tensor.requires_grad else tensor
+    what = what() if callable(what) else what
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in DTYPE_CODES:
         raise TypeError(f"{what} has dtype {tensor.dtype}; supported: {', '.join(_CODE_NAMES.values())}")
     if not tensor.is_contiguous():
         raise ValueError(f"{what} is not contiguous; pass a contiguous (flat) buffer")
-    if tensor.device.type != device.type:
-        raise ValueError(f"{what} is on {tensor.device} but this communicator moves {device.type} tensors")
-    return tensor.detach()
+    raise ValueError(f"{what} is on {tensor.device} but this communicator moves {device.type} tensors")
 
 
 def plan_transfers(
@@ -216,16 +226,8 @@ def plan_transfers(
     for peer, tensor in pairs:
         index = seen.get(peer, 0)
         seen[peer] = index + 1
-        # The common case checked inline (this runs for every message of every step); any failure is re-checked
-        # by _check_tensor, which names the tensor.
-        if not (
-            isinstance(tensor, torch.Tensor)
-            and tensor.dtype in DTYPE_CODES
-            and tensor.is_contiguous()
-            and tensor.device.type == device.type
-        ):
-            _check_tensor(tensor, f"rank {rank}: tensor {index + 1}/{counts[peer]} to {direction} peer {peer}", device)
-        transfers.append(Transfer(peer, tensor.detach() if tensor.requires_grad else tensor, index, counts[peer]))
+        what = partial("rank {}: tensor {}/{} to {} peer {}".format, rank, index + 1, counts[peer], direction, peer)
+        transfers.append(Transfer(peer, _check_tensor(tensor, what, device), index, counts[peer]))
     return transfers
 
 
