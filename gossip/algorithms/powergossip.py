@@ -425,7 +425,9 @@ class PowerGossip(Algorithm):
             updates,
             stacks,
             [(block, block.new_empty(block.shape[0], r, r)) for block in side.blocks(flat, r)],
-            (edge.p_flat, layout.p) if right else (edge.q_flat, layout.q),
+            (edge.p_flat, layout.p, edge.pt_stacks, difference_blocks)
+            if right
+            else (edge.q_flat, layout.q, edge.qt_stacks, difference_blocks),
         )
         return plan
 
@@ -500,12 +502,16 @@ class PowerGossip(Algorithm):
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
                 for x, p, qt in plan.updates:
                     x.baddbmm_(p, qt, alpha=alpha)
-                factor, side = plan.replaced
-                if difference.device.type == "cpu" and int(torch.count_nonzero(difference)) == difference.numel():
-                    side.store(factor, difference)  # no zero element, so no zero column (a host read: CPU only)
-                else:
+                factor, side, stored, sources = plan.replaced
+                # no zero element, so no zero column (a host read: on the CPU only); else R's zero columns keep the
+                # previous factor's, written over R (the update has been applied)
+                if difference.device.type != "cpu" or int(torch.count_nonzero(difference)) != difference.numel():
                     kept = nonzero_columns(difference, side.owner, side.columns)
-                    side.store(factor, torch.where(kept, difference, side.load(factor)))
+                    torch.where(kept, difference, side.load(factor), out=difference)
+                if side.positions is None:
+                    factor.copy_(difference)
+                else:  # into the padded factor buffer, group by group
+                    torch._foreach_copy_(stored, sources)
             edge.iteration += 1  # a dropped peer: p and q stay as they were, the parity keeps step with the peer's
 
     # -- the Algorithm interface ----------------------------------------------------------------------------

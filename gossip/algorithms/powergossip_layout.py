@@ -189,13 +189,6 @@ class Side:
             for g, (group, offset) in enumerate(zip(groups, self.stored_offsets, strict=True))
         ]
 
-    def store(self, flat: torch.Tensor, message: torch.Tensor) -> None:
-        """Write factors laid out as a message into the factor buffer ``flat`` (its padding untouched)."""
-        if self.positions is None:
-            flat.copy_(message)
-        else:  # positions are distinct, so the scatter is deterministic (and cheaper than index_copy_ on the CPU)
-            flat.scatter_(0, self.positions, message)
-
     def load(self, flat: torch.Tensor) -> torch.Tensor:
         """The factors of the factor buffer ``flat`` laid out as a message (``flat`` itself when no class pads)."""
         return flat if self.positions is None else flat.index_select(0, self.positions)
@@ -326,7 +319,8 @@ class Plan:
     # column-major view of its padded block and a (count, r, r) buffer for QR's triangular factor.
     factor: list[torch.Tensor]
     classes: list[tuple[torch.Tensor, torch.Tensor]]
-    replaced: tuple[torch.Tensor, Side]  # the factor buffer R replaces (flat, padded), and its layout
+    # The factor R replaces: its buffer (flat, padded), its layout, and per group its views there and R's views
+    replaced: tuple[torch.Tensor, Side, list[torch.Tensor], list[torch.Tensor]]
 
     @property
     def rounded(self) -> bool:
