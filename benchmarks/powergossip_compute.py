@@ -7,12 +7,14 @@ world of 2 whose exchange completes at once, handing back half of what it sent a
 shapes and realistic magnitudes, no network). The same process times forward + backward of the model on the
 main job's batch, so the share is a ratio of two times measured side by side.
 
-Two positions are timed each round. **In a step**, the one that counts: as in training, ``start`` (iteration 0
-posted) runs, then forward + backward, then ``finish`` (iteration 0 applied, the further iterations posted and
-applied); the own computation is start + finish, and the share is its ratio to that round's forward + backward
-(median over rounds). After forward + backward the CPU's caches hold the model's activations and other code, so
-each of PowerGossip's small operations costs more than back to back. **Isolated**: one more step right after,
-warm, as earlier versions of this benchmark measured it (a lower bound).
+Two positions are timed each round. **In a step**, the one that counts: as in training, the variant's own AdamW
+step over its parameters runs (untimed; ``--before none`` leaves it out, as this benchmark did before, so that the
+previous variant's work precedes), then ``start`` (iteration 0 posted), then forward + backward, then ``finish``
+(iteration 0 applied, the further iterations posted and applied); the own computation is start + finish, and the
+share is its ratio to that round's forward + backward (median over rounds). After forward + backward the CPU's
+caches hold the model's activations and other code, so each of PowerGossip's small operations costs more than back
+to back. **Isolated**: one more step right after, warm, as earlier versions of this benchmark measured it (a
+lower bound).
 
 Old vs new in one run: ``--baseline REV`` loads ``gossip/algorithms/powergossip.py`` as it was at git revision
 ``REV`` (default: the last revision before matrices were batched) into a separate module, and the two
@@ -163,6 +165,18 @@ def in_a_step(
     return (started - begin) + (time.perf_counter() - computed), computed - started
 
 
+def optimizer_step(buckets: list[Bucket], seed: int = 0) -> Callable[[], None]:
+    """An AdamW step (torch's, foreach) over the parameters in ``buckets`` with fixed random gradients and a
+    negligible learning rate: what training runs right before PowerGossip's ``start``, reading and writing every
+    parameter (the wrapper's parameters are views of the buckets)."""
+    generator = torch.Generator().manual_seed(seed)
+    parameters = [torch.nn.Parameter(bucket.buffer) for bucket in buckets]  # the same storage
+    for parameter in parameters:
+        parameter.grad = 1e-3 * torch.randn(parameter.shape, generator=generator).to(parameter)
+    optimizer = torch.optim.AdamW(parameters, lr=1e-12, weight_decay=0.0)
+    return optimizer.step
+
+
 def bound_step(algorithm: Any, buckets: list[Bucket], device: torch.device) -> Callable[[], None]:
     """``algorithm`` set up on a loopback rank 0 of 2; the callable runs one step (start + finish)."""
     algorithm.setup(LoopbackCommunicator(2, device), topologies.one_peer_hypercube(2), buckets)
@@ -229,7 +243,13 @@ def kernels(config: GPTConfig, ranks: list[int], device: torch.device) -> None:
             )
 
 
-def profile_in_a_step(algorithm: Any, forward_backward: Callable[[], None], rounds: int, warmup: int) -> None:
+def profile_in_a_step(
+    algorithm: Any,
+    forward_backward: Callable[[], None],
+    rounds: int,
+    warmup: int,
+    before: Callable[[], Any] | None = None,
+) -> None:
     """Print where ``algorithm``'s own computation in a step goes: torch.profiler's self CPU time of each operation
     run inside ``start`` and ``finish`` (forward + backward between them, as in training), per step. The profiler
     adds its own cost to every operation, so the column sums to more than the unprofiled time; the shares tell
@@ -237,6 +257,8 @@ def profile_in_a_step(algorithm: Any, forward_backward: Callable[[], None], roun
     from torch.profiler import ProfilerActivity, profile, record_function
 
     def step(index: int) -> None:
+        if before is not None:
+            before()
         with record_function("powergossip"):
             pending = algorithm.start(index)
         forward_backward()
@@ -297,6 +319,13 @@ def main(argv: list[str] | None = None) -> None:
         "--ops-only", action="store_true", help="only count the operations per step (no timing; any model size)"
     )
     parser.add_argument(
+        "--before",
+        choices=["optimizer", "none"],
+        default="optimizer",
+        help="what runs (untimed) right before each variant's step in training position: its own AdamW step, as in "
+        "training (default), or nothing (the previous variant's step; this benchmark's protocol before)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="profile the defaults (float16 messages) in a training step: self CPU time per operation, and stop",
@@ -339,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
             algorithm = PowerGossip(rank=rank, num_iterations=args.iterations, message_dtype=torch.float16)
             algorithm.setup(LoopbackCommunicator(2, device), topologies.one_peer_hypercube(2), buckets)
             print(f"rank {rank}, {args.iterations} power iteration(s), float16 messages:")
-            profile_in_a_step(algorithm, fwd_bwd, args.rounds, args.warmup)
+            update = optimizer_step(buckets) if args.before == "optimizer" else None
+            profile_in_a_step(algorithm, fwd_bwd, args.rounds, args.warmup, update)
         return
     variants: dict[str, Callable[[int], Any]] = {
         "old": lambda rank: Old(rank=rank, num_iterations=args.iterations),
@@ -352,11 +382,14 @@ def main(argv: list[str] | None = None) -> None:
         ),
     }
     algorithms: dict[str, Any] = {}
+    before: dict[str, Callable[[], Any]] = {}  # run untimed right before each variant's step in training position
     for rank in args.ranks:
         for label, make in variants.items():
             _, buckets = model_buckets(config, device, 0, args.bucket_bytes)
-            algorithm = algorithms[f"{label} r={rank}"] = make(rank)
+            name = f"{label} r={rank}"
+            algorithm = algorithms[name] = make(rank)
             algorithm.setup(LoopbackCommunicator(2, device), topologies.one_peer_hypercube(2), buckets)
+            before[name] = optimizer_step(buckets) if args.before == "optimizer" else lambda: None
     shares: dict[str, list[float]] = {name: [] for name in algorithms}
     in_step: dict[str, list[float]] = {name: [] for name in algorithms}
     isolated: dict[str, list[float]] = {name: [] for name in algorithms}
@@ -364,6 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     for round_ in range(args.warmup + args.rounds):
         order = list(algorithms.items())
         for name, algorithm in order if round_ % 2 == 0 else order[::-1]:  # alternating who goes first
+            before[name]()
             own, base = in_a_step(algorithm, fwd_bwd, 2 * round_, device)
             alone = seconds(partial(algorithm.step, 2 * round_ + 1), device)
             if round_ >= args.warmup:
