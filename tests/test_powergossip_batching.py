@@ -341,6 +341,29 @@ def test_the_stored_padding_of_the_factors_stays_zero(orthonormalization):
         assert padding and all(p.numel() and torch.equal(p, torch.zeros_like(p)) for p in padding)
 
 
+def warm_start_on_identical_replicas(comm: gossip.Communicator) -> list[bool]:
+    algorithm = PowerGossip(rank=2, min_compression=1, pad_ratio=8)
+    algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), gpt_buckets(0))  # the same on both ranks
+    before = [b.buffer.clone() for b in algorithm.buckets]
+    edge = algorithm.edge(1 - comm.rank)
+    assert algorithm._layout().p.positions is not None and algorithm._layout().q.positions is not None  # padded
+    q_before = edge.q_flat.clone()
+    algorithm.step(0)  # left: orthonormalises p; R, zero throughout, would replace q, which keeps its values
+    q_kept = torch.equal(edge.q_flat, q_before)
+    p_after = edge.p_flat.clone()
+    algorithm.step(1)  # right: orthonormalises q; R, zero again, would replace p, which keeps step 0's
+    p_kept = torch.equal(edge.p_flat, p_after)
+    unmoved = all(torch.equal(b.buffer, s) for b, s in zip(algorithm.buckets, before, strict=True))
+    return [q_kept, p_kept, unmoved, bool(p_after.ne(0).any())]
+
+
+def test_the_warm_start_rule_keeps_the_stored_padded_factors_where_r_is_zero():
+    """Identical replicas give R = 0 everywhere: through the padded factor buffer (gathered, compared, written
+    back group by group) the factors R would replace keep their values, and the models do not move."""
+    for rank, checks in enumerate(gossip.simulate(2, warm_start_on_identical_replicas)):
+        assert all(checks), (rank, checks)  # q kept, p kept, models unmoved, p not zero
+
+
 @pytest.mark.parametrize("pad_ratio", [0, 1.5, True])
 def test_a_pad_ratio_other_than_a_positive_integer_is_refused(pad_ratio):
     with pytest.raises(ValueError, match=r"PowerGossip: pad_ratio must be None or an integer >= 1, got "):

@@ -425,9 +425,11 @@ class PowerGossip(Algorithm):
             updates,
             stacks,
             [(block, block.new_empty(block.shape[0], r, r)) for block in side.blocks(flat, r)],
-            (edge.p_flat, layout.p, edge.pt_stacks, difference_blocks)
-            if right
-            else (edge.q_flat, layout.q, edge.qt_stacks, difference_blocks),
+            (
+                *((edge.p_flat, layout.p, edge.pt_stacks) if right else (edge.q_flat, layout.q, edge.qt_stacks)),
+                difference_blocks,
+                None if out.positions is None else torch.empty_like(difference),
+            ),
         )
         return plan
 
@@ -502,12 +504,12 @@ class PowerGossip(Algorithm):
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
                 for x, p, qt in plan.updates:
                     x.baddbmm_(p, qt, alpha=alpha)
-                factor, side, stored, sources = plan.replaced
+                factor, side, stored, sources, gathered = plan.replaced
                 # no zero element, so no zero column (a host read: on the CPU only); else R's zero columns keep the
                 # previous factor's, written over R (the update has been applied)
                 if difference.device.type != "cpu" or int(torch.count_nonzero(difference)) != difference.numel():
                     kept = nonzero_columns(difference, side.owner, side.columns)
-                    torch.where(kept, difference, side.load(factor), out=difference)
+                    torch.where(kept, difference, side.load(factor, gathered), out=difference)
                 if side.positions is None:
                     factor.copy_(difference)
                 else:  # into the padded factor buffer, group by group

@@ -189,9 +189,10 @@ class Side:
             for g, (group, offset) in enumerate(zip(groups, self.stored_offsets, strict=True))
         ]
 
-    def load(self, flat: torch.Tensor) -> torch.Tensor:
-        """The factors of the factor buffer ``flat`` laid out as a message (``flat`` itself when no class pads)."""
-        return flat if self.positions is None else flat.index_select(0, self.positions)
+    def load(self, flat: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The factors of the factor buffer ``flat`` laid out as a message: ``flat`` itself when no class pads, else
+        gathered into ``out`` (message-sized)."""
+        return flat if self.positions is None else torch.index_select(flat, 0, self.positions, out=out)
 
     def blocks(self, flat: torch.Tensor, rank: int) -> list[torch.Tensor]:
         """Each class's factors in the factor buffer ``flat`` as one (count, rows, r) column-major view."""
@@ -319,8 +320,9 @@ class Plan:
     # column-major view of its padded block and a (count, r, r) buffer for QR's triangular factor.
     factor: list[torch.Tensor]
     classes: list[tuple[torch.Tensor, torch.Tensor]]
-    # The factor R replaces: its buffer (flat, padded), its layout, and per group its views there and R's views
-    replaced: tuple[torch.Tensor, Side, list[torch.Tensor], list[torch.Tensor]]
+    # The factor R replaces: its buffer (flat, padded), its layout, per group its views there and R's views, and
+    # a message-sized buffer to gather it into (None when no class pads)
+    replaced: tuple[torch.Tensor, Side, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]
 
     @property
     def rounded(self) -> bool:
