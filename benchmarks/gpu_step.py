@@ -116,6 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(
+            "gpu_step: skipped, no CUDA device here (this benchmark measures one GPU); a smoke run on the CPU: "
+            "python benchmarks/gpu_step.py --layers 2 --embd 64 --heads 2 --block 64 --vocab 256 --device cpu"
+        )
+        return
     config = GPTConfig(
         block_size=args.block, vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, n_embd=args.embd
     )

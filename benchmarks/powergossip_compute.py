@@ -336,6 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     from gossip.algorithms.powergossip import PAD_RATIO, PowerGossip
 
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("powergossip_compute: skipped, no CUDA device here; leave out --device cuda to measure on the CPU")
+        return
     config = GPTConfig(
         block_size=args.block, vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, n_embd=args.embd
     )
