@@ -323,7 +323,7 @@ class SharedSecondMomentAdamW(_StudyAdamW):
     the samples taken (the floor over the steps). Sampled every step from its own gradient, it is AdamW.
     """
 
-    extra = "g"
+    extra = "shared"  # the shared estimate: m, v (the worker's own, for the floor) and it, as _StudyAdamW makes them
 
     def __init__(
         self, params: Any, lr: float, betas: tuple[float, float], eps: float, every: int, floor: int | None
@@ -333,17 +333,17 @@ class SharedSecondMomentAdamW(_StudyAdamW):
 
     def sample(self, means: dict[torch.Tensor, torch.Tensor]) -> None:
         """Take the mean gradient of each parameter (keyed by the parameter) for the next step's estimate."""
-        for p, mean in means.items():
-            state = self.state[p]
-            if not state:
-                state["step"], state["samples"] = 0, 0
-                state["m"], state["v"], state["g"] = (torch.zeros_like(p) for _ in range(3))
-            if "shared" not in state:
-                state["shared"] = torch.zeros_like(p)
-            state["shared"].mul_(beta := self.param_groups[0]["betas"][1] ** self.every).addcmul_(
-                mean, mean, value=1 - beta
-            )
-            state["samples"] += 1
+        for group in self.param_groups:
+            rate = group["betas"][1] ** self.every
+            for p in group["params"]:
+                if p not in means:
+                    continue
+                state = self.state[p]
+                if not state:  # sampled before its first step: the state _StudyAdamW.step would make
+                    state["step"] = 0
+                    state["m"], state["v"], state["shared"] = (torch.zeros_like(p) for _ in range(3))
+                state["shared"].mul_(rate).addcmul_(means[p], means[p], value=1 - rate)
+                state["samples"] = state.get("samples", 0) + 1
 
     def second_moment(self, state: dict, g: torch.Tensor, beta2: float) -> torch.Tensor:
         v = state["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
