@@ -102,3 +102,49 @@ def test_receives_are_matched_in_posting_order_whichever_handle_is_waited_for_fi
     results = gossip.simulate(2, run, timeout=5.0)
     assert results[0] == ([2.0, 2.0], [11.0, 11.0, 11.0])
     assert results[1] == ([1.0, 1.0], [10.0, 10.0, 10.0])
+
+
+# -- planned exchanges: checked once, posted at every step ----------------------------------------------------------
+def test_a_planned_exchange_is_checked_when_it_is_planned():
+    _raises(lambda c: c.plan_exchange([(1, torch.zeros(4, 4).T)], []), ValueError, "send to peer 1 is not contiguous")
+    _raises(lambda c: c.plan_exchange([], [(0, torch.zeros(1))]), ValueError, "cannot receive from itself")
+
+
+def test_planned_exchanges_deliver_and_book_what_exchange_does_at_every_step():
+    """Three ranks, each planning its exchange with each peer once and posting the two plans joined at every step:
+    each step delivers the peers' current values, and the bytes booked per peer and step are exchange()'s."""
+
+    def run(comm):
+        peers = [peer for peer in range(comm.size) if peer != comm.rank]
+        sent = {peer: torch.zeros(3 + peer) for peer in peers}
+        received = {peer: torch.zeros(3 + comm.rank) for peer in peers}
+        plans = [comm.plan_exchange([(peer, sent[peer])], [(peer, received[peer])]) for peer in peers]
+        joined = plans[0] + plans[1]
+        ledgers, values = [], []
+        for step in range(3):
+            for peer in peers:
+                sent[peer].fill_(100 * step + 10 * comm.rank + peer)  # new values in the same buffers
+            traffic = gossip.Traffic()
+            comm.start_planned(joined, seq=step, traffic=traffic).wait()
+            ledgers.append((traffic.last_sent, traffic.last_received))
+            values.append({peer: received[peer].tolist() for peer in peers})
+        by_exchange = gossip.Traffic()
+        comm.exchange([(p, sent[p]) for p in peers], [(p, received[p]) for p in peers], seq=3, traffic=by_exchange)
+        return ledgers, values, (by_exchange.last_sent, by_exchange.last_received)
+
+    for rank, (ledgers, values, by_exchange) in enumerate(gossip.simulate(3, run, timeout=10.0)):
+        assert all(ledger == by_exchange for ledger in ledgers)
+        assert by_exchange[0] == {peer: 4 * (3 + peer) for peer in range(3) if peer != rank}
+        for step, got in enumerate(values):
+            assert got == {peer: [100.0 * step + 10 * peer + rank] * (3 + rank) for peer in got}
+
+
+def test_planned_exchanges_with_a_peer_in_common_are_not_joined():
+    def run(comm):
+        if comm.rank == 0:
+            first = comm.plan_exchange([(1, torch.zeros(2))], [])
+            second = comm.plan_exchange([(1, torch.zeros(3)), (2, torch.zeros(1))], [])
+            with pytest.raises(ValueError, match=r"share peer\(s\) \[1\]; plan each peer's once"):
+                first + second
+
+    gossip.simulate(3, run, timeout=5.0)

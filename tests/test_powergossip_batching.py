@@ -181,16 +181,23 @@ def test_an_orthonormalize_dtype_other_than_float32_or_float64_is_refused():
 
 def messages_of_first_step(comm: gossip.Communicator, algorithm: PowerGossip) -> list[int]:
     """The sizes of the tensors ``algorithm``'s first step sends to its peer (the communicator's exchange)."""
-    sizes: list[list[int]] = []
-    exchange = comm.exchange
-
-    def counting(sends, recvs, **keywords):
-        sizes.append([tensor.numel() for _, tensor in sends])
-        return exchange(sends, recvs, **keywords)
-
-    comm.exchange = counting
+    sent = recorded_sends(comm)
     algorithm.step(0)
-    return sizes[0]
+    return [numel for _, numel in sent[0]]
+
+
+def recorded_sends(comm: gossip.Communicator) -> list[list[tuple[torch.dtype, int]]]:
+    """A list that receives, at each exchange ``comm`` starts from now on (planned or not), the (dtype, numel) of
+    every tensor it sends."""
+    sent: list[list[tuple[torch.dtype, int]]] = []
+    start = comm._start_exchange
+
+    def recording(sends, recvs, seq):
+        sent.append([(transfer.tensor.dtype, transfer.tensor.numel()) for transfer in sends])
+        return start(sends, recvs, seq)
+
+    comm._start_exchange = recording
+    return sent
 
 
 def resume(comm: gossip.Communicator, options: dict) -> list:
@@ -235,6 +242,31 @@ def messages_and_buckets(comm: gossip.Communicator) -> list:
     exact = sum(entry.numel for _, entry in algorithm.exact)
     buckets_with_exact = len({index for index, _ in algorithm.exact})
     return [messages_of_first_step(comm, algorithm), products + exact, buckets_with_exact, len(algorithm.exact)]
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 30, 4096])
+def test_uncompressed_tensors_next_to_each_other_are_packed_as_one_piece_and_each_gets_the_pairs_average(bucket_bytes):
+    """The uncompressed tensors lying next to each other in a bucket (a norm's weight and bias, a bias and the next
+    layer's norm) are one view to pack and unpack, never across buckets; after a step of the one-peer hypercube
+    with gamma = 1 every one of them holds the pair's average, bit for bit, on both ranks."""
+
+    def run(comm):
+        algorithm = PowerGossip(rank=2, min_compression=1)
+        algorithm.setup(comm, topologies.one_peer_hypercube(2), gpt_buckets(comm.rank, bucket_bytes))
+        before = {entry.name: algorithm.buckets[index].view(entry).clone() for index, entry in algorithm.exact}
+        algorithm.step(0)
+        after = {entry.name: algorithm.buckets[index].view(entry).clone() for index, entry in algorithm.exact}
+        storages = {bucket.buffer.untyped_storage().data_ptr() for bucket in algorithm.buckets}
+        views = all(view.untyped_storage().data_ptr() in storages for view in algorithm._exact_views)
+        pieces = [view.numel() for view in algorithm._exact_views]
+        return before, after, pieces, views, len(algorithm.exact), len({index for index, _ in algorithm.exact})
+
+    (before_0, after_0, pieces, views, tensors, buckets), (before_1, after_1, *_) = gossip.simulate(2, run)
+    assert views and buckets <= len(pieces) <= tensors / 2  # each layer's 8 in 4 pieces; a piece per bucket at least
+    assert sum(pieces) == sum(t.numel() for t in before_0.values())
+    for name, mine in before_0.items():
+        average = 0.5 * mine + 0.5 * before_1[name]
+        assert torch.equal(after_0[name], average) and torch.equal(after_1[name], average), name
 
 
 def test_products_and_the_uncompressed_tensors_of_all_buckets_travel_as_one_message():
@@ -398,12 +430,7 @@ def test_products_travel_in_the_message_dtype_and_the_uncompressed_tensors_in_th
 
     def messages(comm):
         algorithm = bound(comm, num_iterations=2, message_dtype=message_dtype)
-        sent = []
-        original = algorithm.comm.exchange
-        algorithm.comm.exchange = lambda sends, recvs, **kw: (
-            sent.append([(t.dtype, t.numel()) for _, t in sends]),
-            original(sends, recvs, **kw),
-        )[1]
+        sent = recorded_sends(comm)
         algorithm.step(0)
         return sent, algorithm._exact_numel
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from gossip.backends.base import COLLECTIVE, Communicator, Handle, Traffic
+from gossip.backends.base import COLLECTIVE, Communicator, Handle, PlannedExchange, Traffic
 from gossip.buckets import Bucket
 from gossip.errors import NonFiniteError, NonFiniteWarning
 from topologies import Schedule
@@ -162,6 +162,10 @@ class Algorithm(abc.ABC):
     ) -> Handle:
         """:meth:`Communicator.exchange`, its payload bytes booked to this step's ``traffic`` per peer."""
         return self.comm.exchange(sends, recvs, seq=seq, traffic=self.traffic)
+
+    def _start_planned(self, plan: PlannedExchange, seq: int) -> Handle:
+        """:meth:`Communicator.start_planned`, booked to this step's ``traffic`` as :meth:`_exchange` books."""
+        return self.comm.start_planned(plan, seq=seq, traffic=self.traffic)
 
     def _all_reduce(self, tensor: torch.Tensor, op: str = "avg") -> Handle:
         """A non-blocking :meth:`Communicator.all_reduce`, booked to ``traffic`` as a ring all-reduce."""

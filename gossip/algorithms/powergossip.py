@@ -321,9 +321,16 @@ class PowerGossip(Algorithm):
         self.groups = group_matrices(self.matrices)
         # The uncompressed tensors of all buckets travel packed behind the products (the entries are small:
         # biases, norms), so an iteration sends one message per peer, not one per tensor or bucket. Their flat
-        # views are taken once here: packing is one ``cat``, unpacking one ``_foreach_copy_``.
-        self._exact_views = [self._exact(index, entry) for index, entry in self.exact]
-        self._exact_sizes = [entry.numel for _, entry in self.exact]
+        # views are taken once here, one per run of them lying next to each other in a bucket (a norm's weight
+        # and bias, a bias and the next layer's norm): packing is one ``cat``, unpacking one ``_foreach_copy_``.
+        runs: list[list[int]] = []  # [bucket, offset, numel]
+        for index, entry in self.exact:
+            if runs and runs[-1][0] == index and runs[-1][1] + runs[-1][2] == entry.offset:
+                runs[-1][2] += entry.numel
+            else:
+                runs.append([index, entry.offset, entry.numel])
+        self._exact_views = [buckets[index].buffer[offset : offset + numel] for index, offset, numel in runs]
+        self._exact_sizes = [numel for _, _, numel in runs]
         self._exact_numel = sum(self._exact_sizes)
         self._views: list[list[tuple[slice, torch.Tensor]]] = []  # per group: (its members' slice, (count, m, k))
         for group in self.groups:
@@ -361,9 +368,6 @@ class PowerGossip(Algorithm):
     def _matrix(self, matrix: Matrix) -> torch.Tensor:
         return self.buckets[matrix.bucket].view(matrix.entry).reshape(matrix.m, matrix.k)
 
-    def _exact(self, index: int, entry: Entry) -> torch.Tensor:
-        return self.buckets[index].buffer[entry.offset : entry.offset + entry.numel]
-
     # -- one power iteration --------------------------------------------------------------------------------
     def _layout(self) -> Layout:
         """Both sides' layouts at the current rank; built once per rank (a subclass may change it while
@@ -376,9 +380,9 @@ class PowerGossip(Algorithm):
             self._layouts[r] = Layout(r, p, q)
         return self._layouts[self.matrix_rank]
 
-    def _plan(self, edge: EdgeState, right: bool, exact: bool) -> Plan:
-        """``edge``'s plan for a right (or left) multiplication at the current rank, its message carrying the
-        uncompressed tensors or not (``exact``), built on first use."""
+    def _plan(self, peer: int, edge: EdgeState, right: bool, exact: bool) -> Plan:
+        """``edge``'s (to ``peer``) plan for a right (or left) multiplication at the current rank, its message
+        carrying the uncompressed tensors or not (``exact``), built on first use."""
         plan = edge.plans.get((right, exact))
         if plan is not None:
             return plan
@@ -430,6 +434,7 @@ class PowerGossip(Algorithm):
                 difference_blocks,
                 None if out.positions is None else torch.empty_like(difference),
             ),
+            self.comm.plan_exchange([(peer, m) for m in messages], [(peer, inbox) for inbox in inboxes]),
         )
         return plan
 
@@ -446,10 +451,10 @@ class PowerGossip(Algorithm):
         if in_peers is None:
             in_peers = self.schedule.peers(self.comm.rank, step).in_peers
         exact = bool(self._exact_numel) and (iteration == 0 or self.uncompressed_every_iteration)
-        peers, sends, recvs = [], [], []
+        peers, planned = [], None
         for peer, weight in in_peers:
             edge = self.edge(peer)
-            plan = self._plan(edge, edge.iteration % 2 == 1, exact)
+            plan = self._plan(peer, edge, edge.iteration % 2 == 1, exact)
             if not self.warm_start:
                 for stack in plan.factor:
                     for factor in stack:
@@ -464,11 +469,11 @@ class PowerGossip(Algorithm):
                     plan.sent_exact.copy_(peers[0][3].sent_exact)
                 else:
                     torch.cat(self._exact_views, out=plan.sent_exact)
-            sends += [(peer, message) for message in plan.messages]
-            recvs += [(peer, inbox) for inbox in plan.inboxes]
+            planned = plan.exchange if planned is None else planned + plan.exchange
             peers.append((peer, weight, edge, plan))
         seq = step * self.num_iterations + iteration
-        return _Round(step, seq, peers, self._exchange(sends, recvs, seq), exact)
+        handle = self._exchange([], [], seq) if planned is None else self._start_planned(planned, seq)
+        return _Round(step, seq, peers, handle, exact)
 
     def _apply(self, round_: _Round) -> None:
         self._wait(round_.handle)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gossip.backends.base import PlannedExchange
 from gossip.buckets import Entry
 
 
@@ -323,6 +324,7 @@ class Plan:
     # The factor R replaces: its buffer (flat, padded), its layout, per group its views there and R's views, and
     # a message-sized buffer to gather it into (None when no class pads)
     replaced: tuple[torch.Tensor, Side, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]
+    exchange: PlannedExchange  # the messages to the edge's peer and the inboxes, checked once
 
     @property
     def rounded(self) -> bool:

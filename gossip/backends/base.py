@@ -5,6 +5,9 @@ A communicator offers a handful of primitives with identical semantics on every 
 * ``rank``, ``size``, ``local_rank``, ``local_size``;
 * ``exchange(sends, recvs, seq=...)``: in one non-blocking call, send these contiguous tensors to these peers and
   receive into those tensors from those peers; returns a :class:`Handle` whose ``wait(timeout)`` completes it;
+* ``plan_exchange(sends, recvs)`` and ``start_planned(plan, seq=...)``: the same exchange split in two, for
+  buffers an algorithm sends and receives into at every step: the tensors are checked and numbered once, and each
+  step only posts them (:class:`PlannedExchange`);
 * ``all_reduce`` (sum or average, in place), ``broadcast``, ``barrier``, ``all_gather_object``, ``close``.
 
 The wire protocol of ``exchange``. Every tensor travels behind a small int64 header
@@ -231,6 +234,27 @@ def plan_transfers(
     return transfers
 
 
+@dataclass(frozen=True)
+class PlannedExchange:
+    """An exchange's transfers, validated and numbered once, for buffers that stay the same from step to step:
+    :meth:`Communicator.start_planned` posts it again and again without re-checking its tensors (as MPI's
+    persistent requests, ``MPI_Send_init`` and ``MPI_Start``, set a transfer up once). Built by
+    :meth:`Communicator.plan_exchange`; its tensors must keep their dtype, size and memory for as long as the plan
+    is used (the wire protocol's headers still announce each tensor as it is at each exchange, so a peer that
+    disagrees is still named). ``a + b`` is one exchange carrying both, for plans with different peers."""
+
+    sends: tuple[Transfer, ...]
+    recvs: tuple[Transfer, ...]
+    #: (peer, bytes sent to it, bytes received from it), per peer
+    nbytes: tuple[tuple[int, int, int], ...]
+
+    def __add__(self, other: PlannedExchange) -> PlannedExchange:
+        shared = {peer for peer, _, _ in self.nbytes} & {peer for peer, _, _ in other.nbytes}
+        if shared:  # the transfers are numbered per peer within a plan, so one peer's must come from one plan
+            raise ValueError(f"planned exchanges to join share peer(s) {sorted(shared)}; plan each peer's once")
+        return PlannedExchange(self.sends + other.sends, self.recvs + other.recvs, self.nbytes + other.nbytes)
+
+
 #: The peer key under which collective traffic (all-reduce) is recorded in a :class:`Traffic`.
 COLLECTIVE = -1
 
@@ -444,15 +468,30 @@ class Communicator(abc.ABC):
 
         The payload bytes per peer are added to this communicator's ``bytes_sent`` / ``bytes_received`` and, when
         given, to ``traffic`` (an algorithm's per-step account)."""
+        return self.start_planned(self.plan_exchange(sends, recvs), seq=seq, traffic=traffic)
+
+    def plan_exchange(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+    ) -> PlannedExchange:
+        """``sends`` and ``recvs`` checked (peers, dtypes, contiguity, device) and numbered per peer once, for
+        :meth:`start_planned` to post at every step: what :meth:`exchange` does at each call."""
         outgoing = plan_transfers(sends, "send to", self.rank, self.size, self.device)
         incoming = plan_transfers(recvs, "receive from", self.rank, self.size, self.device)
+        totals: dict[int, list[int]] = {}
+        for transfer in outgoing:
+            totals.setdefault(transfer.peer, [0, 0])[0] += transfer.nbytes
+        for transfer in incoming:
+            totals.setdefault(transfer.peer, [0, 0])[1] += transfer.nbytes
+        nbytes = tuple((peer, sent, received) for peer, (sent, received) in totals.items())
+        return PlannedExchange(tuple(outgoing), tuple(incoming), nbytes)
+
+    def start_planned(self, plan: PlannedExchange, *, seq: int = 0, traffic: Traffic | None = None) -> Handle:
+        """Start the exchange ``plan`` describes (see :meth:`exchange`, :class:`PlannedExchange`)."""
         for ledger in (self._lifetime_traffic, traffic):
             if ledger is not None:
-                for transfer in outgoing:
-                    ledger.record(transfer.peer, transfer.nbytes, 0)
-                for transfer in incoming:
-                    ledger.record(transfer.peer, 0, transfer.nbytes)
-        return self._start_exchange(outgoing, incoming, seq)
+                for peer, sent, received in plan.nbytes:
+                    ledger.record(peer, sent, received)
+        return self._start_exchange(list(plan.sends), list(plan.recvs), seq)
 
     @abc.abstractmethod
     def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle: ...
