@@ -159,6 +159,15 @@ def test_non_integer_step_is_rejected():
         topologies.ring(8).mixing_matrix(1.5)
 
 
+def test_steps_and_ranks_may_be_any_integral_but_bool():
+    schedule = topologies.one_peer_hypercube(8)
+    assert schedule.peers(np.int64(3), np.int32(5)) == schedule.peers(3, 5)
+    with pytest.raises(ScheduleError, match=r"step must be an integer, got True"):
+        schedule.peers(0, True)
+    with pytest.raises(ScheduleError, match=r"rank True is out of range"):
+        schedule.peers(True, 0)
+
+
 def test_rank_out_of_range_is_rejected_naming_the_rank():
     with pytest.raises(ScheduleError, match=r"rank 8 is out of range .* n=8 \(valid: 0..7\)"):
         topologies.one_peer_hypercube(8).peers(8, 0)

@@ -127,14 +127,15 @@ class Schedule:
 
     def phase(self, t: int) -> int:
         """Index of step t inside the period (t itself for an aperiodic schedule)."""
-        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+        if type(t) is not int and (not isinstance(t, numbers.Integral) or isinstance(t, bool)):  # int: the fast path
             raise ScheduleError(f"step must be an integer, got {t!r} for schedule '{self.name}'")
         if t < 0:
             raise ScheduleError(f"step t={t} is negative for schedule '{self.name}'; steps count from 0")
         return int(t) % self.period if self.period is not None else int(t)
 
     def _check_rank(self, rank: int) -> int:
-        if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or not 0 <= rank < self.n:
+        integral = type(rank) is int or (isinstance(rank, numbers.Integral) and not isinstance(rank, bool))
+        if not integral or not 0 <= rank < self.n:
             raise ScheduleError(
                 f"rank {rank!r} is out of range for schedule '{self.name}' with n={self.n} (valid: 0..{self.n - 1})"
             )
