@@ -98,6 +98,7 @@ from gossip.algorithms.powergossip_layout import (
     Layout,
     Matrix,
     Plan,
+    Replacement,
     Side,
     group_matrices,
 )
@@ -197,8 +198,18 @@ def nonzero_columns(product: torch.Tensor, owner: torch.Tensor, columns: int) ->
     choice is made on the device (no host sync), for the factors of every group at once: one ``scatter_reduce_``
     finds each column's largest magnitude.
     """
-    largest = product.new_zeros(columns).scatter_reduce_(0, owner, product.abs(), "amax")
-    return (largest > 0).index_select(0, owner)
+    return (column_magnitudes(product, owner, product.new_empty(columns)) > 0).index_select(0, owner)
+
+
+def column_magnitudes(
+    product: torch.Tensor, owner: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The largest magnitude of each factor column of ``product`` (laid out as for :func:`nonzero_columns`),
+    written into ``out`` (one element per column) and returned; ``scratch`` (``product``-sized), when given,
+    receives ``|product|``. One ``abs`` and one ``scatter_reduce_``; every column has an element, so ``out`` needs
+    no initial value."""
+    magnitudes = torch.abs(product) if scratch is None else torch.abs(product, out=scratch)
+    return out.scatter_reduce_(0, owner, magnitudes, "amax", include_self=False)
 
 
 @dataclass
@@ -429,10 +440,12 @@ class PowerGossip(Algorithm):
             updates,
             stacks,
             [(block, block.new_empty(block.shape[0], r, r)) for block in side.blocks(flat, r)],
-            (
+            Replacement(
                 *((edge.p_flat, layout.p, edge.pt_stacks) if right else (edge.q_flat, layout.q, edge.qt_stacks)),
                 difference_blocks,
                 None if out.positions is None else torch.empty_like(difference),
+                torch.empty_like(difference),
+                difference.new_empty(out.columns),
             ),
             self.comm.plan_exchange([(peer, m) for m in messages], [(peer, inbox) for inbox in inboxes]),
         )
@@ -509,16 +522,20 @@ class PowerGossip(Algorithm):
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
                 for x, p, qt in plan.updates:
                     x.baddbmm_(p, qt, alpha=alpha)
-                factor, side, stored, sources, gathered = plan.replaced
-                # no zero element, so no zero column (a host read: on the CPU only); else R's zero columns keep the
-                # previous factor's, written over R (the update has been applied)
-                if difference.device.type != "cpu" or int(torch.count_nonzero(difference)) != difference.numel():
-                    kept = nonzero_columns(difference, side.owner, side.columns)
-                    torch.where(kept, difference, side.load(factor, gathered), out=difference)
+                # R's columns that are zero throughout keep the previous factor's, written over R (the update has
+                # been applied). On the CPU the rule runs only when there is such a column (a host read, which is
+                # a load there): in training R has zero elements at almost every iteration (products of replicas
+                # that agree on some rows, rounded alike), zero columns only on identical replicas.
+                replaced = plan.replaced
+                side = replaced.side
+                largest = column_magnitudes(difference, side.owner, replaced.largest, replaced.magnitudes)
+                if difference.device.type != "cpu" or int(torch.count_nonzero(largest)) != side.columns:
+                    kept = (largest > 0).index_select(0, side.owner)
+                    torch.where(kept, difference, side.load(replaced.flat, replaced.gathered), out=difference)
                 if side.positions is None:
-                    factor.copy_(difference)
+                    replaced.flat.copy_(difference)
                 else:  # into the padded factor buffer, group by group
-                    torch._foreach_copy_(stored, sources)
+                    torch._foreach_copy_(replaced.stored, replaced.sources)
             edge.iteration += 1  # a dropped peer: p and q stay as they were, the parity keeps step with the peer's
 
     # -- the Algorithm interface ----------------------------------------------------------------------------

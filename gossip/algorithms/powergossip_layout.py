@@ -293,6 +293,19 @@ class EdgeState:
 
 
 @dataclass(frozen=True)
+class Replacement:
+    """Where a plan's R goes, and the buffers of the warm-start rule (PowerGossip's step 4), planned once."""
+
+    flat: torch.Tensor  # the factor buffer R replaces (padded)
+    side: Side  # its layout
+    stored: list[torch.Tensor]  # per group: its factors' views in ``flat``
+    sources: list[torch.Tensor]  # per group: R's (count, r, rows) view in the message layout
+    gathered: torch.Tensor | None  # message-sized, to gather the previous factors into (None: no class pads)
+    magnitudes: torch.Tensor  # message-sized: |R|
+    largest: torch.Tensor  # per factor column: its largest magnitude in R
+
+
+@dataclass(frozen=True)
 class Plan:
     """One side of one edge's power iteration, built once: its messages and the views every operation reads, so
     that an iteration runs its kernels without cutting a tensor (on a GPU each view would be an operation too).
@@ -321,9 +334,7 @@ class Plan:
     # column-major view of its padded block and a (count, r, r) buffer for QR's triangular factor.
     factor: list[torch.Tensor]
     classes: list[tuple[torch.Tensor, torch.Tensor]]
-    # The factor R replaces: its buffer (flat, padded), its layout, per group its views there and R's views, and
-    # a message-sized buffer to gather it into (None when no class pads)
-    replaced: tuple[torch.Tensor, Side, list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]
+    replaced: Replacement  # the factor R replaces, and the buffers of the warm-start rule
     exchange: PlannedExchange  # the messages to the edge's peer and the inboxes, checked once
 
     @property
