@@ -214,15 +214,41 @@ def test_an_edge_first_used_on_identical_replicas_keeps_mixing(schedule, rank):
 
 
 def test_the_warm_start_rule_replaces_only_all_zero_columns():
-    from gossip.algorithms.powergossip import nonzero_columns
+    from gossip.algorithms.powergossip import keep_nonzero_columns_
 
-    # Two factors laid out as in a message, transposed (r = 2 columns, each a contiguous segment): a 2-row one
-    # whose first column is zero, a 3-row one whose second column is zero; a zero element alone changes nothing.
-    product = torch.tensor([0.0, 0.0, 1.0, -2.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
-    previous = torch.arange(10.0) + 10
-    owner = torch.tensor([0, 0, 1, 1, 2, 2, 2, 3, 3, 3])
-    expected = torch.tensor([10.0, 11.0, 1.0, -2.0, 1.0, 0.0, 0.0, 17.0, 18.0, 19.0])
-    assert torch.equal(torch.where(nonzero_columns(product, owner, 4), product, previous), expected)
+    # A class's block of factors stored transposed: a row per factor column. Row 0 is zero throughout, row 2 too
+    # (its last element is padding); row 1 has a zero element only, row 3 no positive one: both are taken.
+    incoming = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, -2.0], [0.0, 0.0, 0.0], [-3.0, -1.0, 0.0]])
+    factor = torch.arange(12.0).view(4, 3) + 10
+    keep_nonzero_columns_(incoming, factor)
+    expected = torch.tensor([[10.0, 11.0, 12.0], [1.0, 0.0, -2.0], [16.0, 17.0, 18.0], [-3.0, -1.0, 0.0]])
+    assert torch.equal(factor, expected)
+
+
+@pytest.mark.parametrize(
+    ("rows", "kept"),
+    [
+        ([[1, 2, 3], [-3, 1, 0], [5, 0], [6, 0]], []),  # every largest element nonzero: R replaces the factors whole
+        ([[1, 2, 3], [-3, -1, 0], [5, 0], [6, 0]], []),  # largest element 0, not a zero column: taken too
+        ([[1, 2, 3], [-3, -1, 0], [0, 0], [6, 0]], [2]),  # a zero column keeps the factor's
+    ],
+)
+def test_r_replaces_the_factors_but_for_its_columns_zero_throughout(rows, kept):
+    """Two classes of factors stored transposed (a row per factor column), of 3 and 2 rows, the second padded
+    (each row's last element): on the CPU the columns' largest elements decide whether the rule runs at all."""
+    from gossip.algorithms.powergossip import replace_factors
+    from gossip.algorithms.powergossip_layout import Replacement
+
+    incoming = torch.tensor([float(v) for row in rows for v in row])
+    flat = torch.tensor([10.0, 11.0, 12.0, 13.0, 14.0, 15.0, 16.0, 0.0, 18.0, 0.0])
+    expected = incoming.clone()
+    for row in kept:
+        expected[6 + 2 * (row - 2) : 8 + 2 * (row - 2)] = flat[6 + 2 * (row - 2) : 8 + 2 * (row - 2)]
+    largest = torch.empty(4)
+    views = [(incoming[:6].view(2, 3), flat[:6].view(2, 3)), (incoming[6:].view(2, 2), flat[6:].view(2, 2))]
+    blocks = [(a, b, part) for (a, b), part in zip(views, largest.split([2, 2]), strict=True)]
+    replace_factors(Replacement(flat, incoming, [], [], blocks, largest))
+    assert torch.equal(flat, expected)
 
 
 @pytest.mark.parametrize("algorithm", ["powergossip-r1", "powergossip-r2-2it"])

@@ -184,32 +184,35 @@ def orthonormalize_(
         matrix.copy_(orthonormalize(matrix, eps, dtype, method))
 
 
-def nonzero_columns(product: torch.Tensor, owner: torch.Tensor, columns: int) -> torch.Tensor:
-    """Per element of ``product``: whether the factor column it lies in holds a nonzero element.
+def keep_nonzero_columns_(incoming: torch.Tensor, factor: torch.Tensor) -> None:
+    """The warm-start rule (step 4 above) on blocks whose rows are factor columns (factors stored transposed):
+    ``factor``'s rows become ``incoming``'s (R's) except where ``incoming``'s row is zero throughout, which keep
+    their values; in place, on the device (no host sync).
 
-    ``product`` is flat, laid out as a message: factors stored transposed (r x rows), one after the other, so each
-    factor column is a contiguous segment; ``owner[i]`` is the segment (0 .. ``columns`` - 1) of element i. It
-    serves the warm-start rule (step 4 above): ``where(nonzero_columns(R, ...), R, previous)`` takes R as the
-    next factor except in the columns where R is zero throughout. Such a column means the two models did not
-    differ along the projection (identical replicas: the first step after the initial broadcast, or right after a
-    global average); taken as the next projection it would orthonormalise to a direction that knows nothing of
-    the models (zero under Gram-Schmidt, silencing that column of the edge for good), while the previous factor
-    still spans a useful one. Both ends hold the same R and the same previous factors, so they choose alike; the
-    choice is made on the device (no host sync), for the factors of every group at once: one ``scatter_reduce_``
-    finds each column's largest magnitude.
-    """
-    return (column_magnitudes(product, owner, product.new_empty(columns)) > 0).index_select(0, owner)
+    A zero column of R means the two models did not differ along the projection (identical replicas: the first
+    step after the initial broadcast, or right after a global average); taken as the next projection it would
+    orthonormalise to a direction that knows nothing of the models (zero under Gram-Schmidt, silencing that column
+    of the edge for good), while the previous factor still spans a useful one. Both ends hold the same R and the
+    same previous factors, so they choose alike."""
+    torch.where(incoming.abs().amax(dim=-1, keepdim=True) > 0, incoming, factor, out=factor)
 
 
-def column_magnitudes(
-    product: torch.Tensor, owner: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The largest magnitude of each factor column of ``product`` (laid out as for :func:`nonzero_columns`),
-    written into ``out`` (one element per column) and returned; ``scratch`` (``product``-sized), when given,
-    receives ``|product|``. One ``abs`` and one ``scatter_reduce_``; every column has an element, so ``out`` needs
-    no initial value."""
-    magnitudes = torch.abs(product) if scratch is None else torch.abs(product, out=scratch)
-    return out.scatter_reduce_(0, owner, magnitudes, "amax", include_self=False)
+def replace_factors(replaced: Replacement) -> None:
+    """R replaces the factors, but for its columns zero throughout (the warm-start rule, step 4 above). On the
+    CPU the rule runs only when some column's largest element is zero (a host read, which is a load there): in
+    training R has zero elements at almost every iteration (products of replicas that agree on some rows, rounded
+    alike), a column zero throughout only on identical replicas; a nonzero largest element is enough to tell that
+    a column is not zero, without taking magnitudes."""
+    if replaced.stored:
+        torch._foreach_copy_(replaced.stored, replaced.sources)  # laid out as the factors (the padding stays 0)
+    if replaced.flat.device.type == "cpu":
+        for incoming, _, largest in replaced.blocks:
+            torch.amax(incoming, dim=-1, out=largest)
+        if int(torch.count_nonzero(replaced.largest)) == replaced.largest.numel():
+            replaced.flat.copy_(replaced.incoming)
+            return
+    for incoming, factor, _ in replaced.blocks:
+        keep_nonzero_columns_(incoming, factor)
 
 
 @dataclass
@@ -440,16 +443,25 @@ class PowerGossip(Algorithm):
             updates,
             stacks,
             [(block, block.new_empty(block.shape[0], r, r)) for block in side.blocks(flat, r)],
-            Replacement(
-                *((edge.p_flat, layout.p, edge.pt_stacks) if right else (edge.q_flat, layout.q, edge.qt_stacks)),
-                difference_blocks,
-                None if out.positions is None else torch.empty_like(difference),
-                torch.empty_like(difference),
-                difference.new_empty(out.columns),
-            ),
+            self._replacement(edge.p_flat if right else edge.q_flat, out, difference),
             self.comm.plan_exchange([(peer, m) for m in messages], [(peer, inbox) for inbox in inboxes]),
         )
         return plan
+
+    def _replacement(self, flat: torch.Tensor, side: Side, difference: torch.Tensor) -> Replacement:
+        """Where R (``difference``, in the message layout of ``side``) goes: the factor buffer ``flat``, through a
+        zero-padded buffer laid out as ``flat`` when ``side`` pads."""
+        r = self.matrix_rank
+        sources = side.stacks(difference, self.groups, r)
+        if side.positions is None:  # the message's layout is the factor buffer's
+            incoming, stored = difference, []
+        else:
+            incoming = difference.new_zeros(side.stored_numel)
+            stored = side.stored_stacks(incoming, self.groups, r)
+        largest = flat.new_empty(side.columns)
+        parts = largest.split([block.shape[0] for block in side.column_blocks(flat)])
+        blocks = list(zip(side.column_blocks(incoming), side.column_blocks(flat), parts, strict=True))
+        return Replacement(flat, incoming, stored, sources, blocks, largest)
 
     def _orthonormalize(self, plan: Plan) -> None:
         """Orthonormalise the factor ``plan`` multiplies with, in place: one batched call per class, on its
@@ -522,20 +534,7 @@ class PowerGossip(Algorithm):
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
                 for x, p, qt in plan.updates:
                     x.baddbmm_(p, qt, alpha=alpha)
-                # R's columns that are zero throughout keep the previous factor's, written over R (the update has
-                # been applied). On the CPU the rule runs only when there is such a column (a host read, which is
-                # a load there): in training R has zero elements at almost every iteration (products of replicas
-                # that agree on some rows, rounded alike), zero columns only on identical replicas.
-                replaced = plan.replaced
-                side = replaced.side
-                largest = column_magnitudes(difference, side.owner, replaced.largest, replaced.magnitudes)
-                if difference.device.type != "cpu" or int(torch.count_nonzero(largest)) != side.columns:
-                    kept = (largest > 0).index_select(0, side.owner)
-                    torch.where(kept, difference, side.load(replaced.flat, replaced.gathered), out=difference)
-                if side.positions is None:
-                    replaced.flat.copy_(difference)
-                else:  # into the padded factor buffer, group by group
-                    torch._foreach_copy_(replaced.stored, replaced.sources)
+                replace_factors(plan.replaced)
             edge.iteration += 1  # a dropped peer: p and q stay as they were, the parity keeps step with the peer's
 
     # -- the Algorithm interface ----------------------------------------------------------------------------

@@ -141,13 +141,12 @@ class Side:
     stored_numel: int
     classes: list[RowClass]  # start:stop in the factor buffer
     positions: torch.Tensor | None
-    owner: torch.Tensor  # per message element: the factor column it belongs to (for nonzero_columns)
-    columns: int
+    columns: int  # factor columns (rows of the stored transposes), of every group
 
     @classmethod
     def build(cls, groups: list[Group], rows: list[int], rank: int, pad_ratio: int, device: torch.device) -> Side:
-        offsets, stored_offsets, classes, columns, positions = [0] * len(groups), [0] * len(groups), [], [], []
-        position = stored = 0
+        offsets, stored_offsets, classes, positions = [0] * len(groups), [0] * len(groups), [], []
+        position = stored = columns = 0
         for top, members in row_classes(rows, pad_ratio):
             start = stored
             for g in members:
@@ -156,9 +155,8 @@ class Side:
                 positions.append((stored + torch.arange(count).unsqueeze(1) * top + torch.arange(rows[g])).flatten())
                 position += count * rows[g]
                 stored += count * top
-                columns += [rows[g]] * count
+                columns += count
             classes.append(RowClass(top, tuple(members), start, stored))
-        owner = torch.repeat_interleave(torch.arange(len(columns)), torch.tensor(columns, dtype=torch.long))
         index = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
         padded = stored != position
         return cls(
@@ -169,8 +167,7 @@ class Side:
             stored,
             classes,
             index.to(device) if padded else None,
-            owner.to(device),
-            len(columns),
+            columns,
         )
 
     def stacks(self, flat: torch.Tensor, groups: list[Group], rank: int) -> list[torch.Tensor]:
@@ -190,10 +187,10 @@ class Side:
             for g, (group, offset) in enumerate(zip(groups, self.stored_offsets, strict=True))
         ]
 
-    def load(self, flat: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """The factors of the factor buffer ``flat`` laid out as a message: ``flat`` itself when no class pads, else
-        gathered into ``out`` (message-sized)."""
-        return flat if self.positions is None else torch.index_select(flat, 0, self.positions, out=out)
+    def column_blocks(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each class's factors in the factor buffer ``flat`` as one (factor columns, class rows) view: a row per
+        factor column (the factors are stored transposed)."""
+        return [flat[c.start : c.stop].view(-1, c.rows) for c in self.classes]
 
     def blocks(self, flat: torch.Tensor, rank: int) -> list[torch.Tensor]:
         """Each class's factors in the factor buffer ``flat`` as one (count, rows, r) column-major view."""
@@ -294,15 +291,17 @@ class EdgeState:
 
 @dataclass(frozen=True)
 class Replacement:
-    """Where a plan's R goes, and the buffers of the warm-start rule (PowerGossip's step 4), planned once."""
+    """Where a plan's R goes, planned once. R arrives in the message layout; ``incoming`` holds it in the layout
+    of the factor buffer it replaces (zero-padded: a buffer of its own, whose padding stays zero; the message
+    itself when no class pads), where each factor column is a row of a class's block, so that the warm-start rule
+    (PowerGossip's step 4) reads every column's largest element in one reduction per class."""
 
-    flat: torch.Tensor  # the factor buffer R replaces (padded)
-    side: Side  # its layout
-    stored: list[torch.Tensor]  # per group: its factors' views in ``flat``
-    sources: list[torch.Tensor]  # per group: R's (count, r, rows) view in the message layout
-    gathered: torch.Tensor | None  # message-sized, to gather the previous factors into (None: no class pads)
-    magnitudes: torch.Tensor  # message-sized: |R|
-    largest: torch.Tensor  # per factor column: its largest magnitude in R
+    flat: torch.Tensor  # the factor buffer R replaces
+    incoming: torch.Tensor  # R laid out as ``flat``
+    stored: list[torch.Tensor]  # per group: its factors' views in ``incoming`` (empty when ``incoming`` is R)
+    sources: list[torch.Tensor]  # per group: R's (count, r, rows) view in the message
+    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per class: incoming's, flat's, its largest
+    largest: torch.Tensor  # per factor column: its largest element in R (the classes' parts, concatenated)
 
 
 @dataclass(frozen=True)
