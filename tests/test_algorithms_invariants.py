@@ -235,8 +235,9 @@ def test_the_warm_start_rule_replaces_only_all_zero_columns():
 )
 def test_r_replaces_the_factors_but_for_its_columns_zero_throughout(rows, kept):
     """Two classes of factors stored transposed (a row per factor column), of 3 and 2 rows, the second padded
-    (each row's last element): on the CPU the columns' largest elements decide whether the rule runs at all."""
-    from gossip.algorithms.powergossip import replace_factors
+    (each row's last element): the columns' extremes, read on the host with the received uncompressed tensors',
+    tell whether the rule runs at all."""
+    from gossip.algorithms.powergossip import column_extremes, has_zero_column, replace_factors
     from gossip.algorithms.powergossip_layout import Replacement
 
     incoming = torch.tensor([float(v) for row in rows for v in row])
@@ -244,10 +245,16 @@ def test_r_replaces_the_factors_but_for_its_columns_zero_throughout(rows, kept):
     expected = incoming.clone()
     for row in kept:
         expected[6 + 2 * (row - 2) : 8 + 2 * (row - 2)] = flat[6 + 2 * (row - 2) : 8 + 2 * (row - 2)]
-    largest = torch.empty(4)
+    extremes = torch.empty(2 * 4 + 2)
     views = [(incoming[:6].view(2, 3), flat[:6].view(2, 3)), (incoming[6:].view(2, 2), flat[6:].view(2, 2))]
-    blocks = [(a, b, part) for (a, b), part in zip(views, largest.split([2, 2]), strict=True)]
-    replace_factors(Replacement(flat, incoming, [], [], blocks, largest))
+    lowest, largest = extremes[:4].split([2, 2]), extremes[4:8].split([2, 2])
+    blocks = [(a, b, low, high) for (a, b), low, high in zip(views, lowest, largest, strict=True)]
+    replaced = Replacement(flat, incoming, [], [], blocks, extremes)
+    values = column_extremes(replaced, torch.tensor([4.0, -7.0, 2.5]))
+    lows, highs = [min(row) for row in rows], [max(row) for row in rows]
+    assert values == [*map(float, lows), *map(float, highs), -7.0, 4.0]
+    assert has_zero_column(values, 4) == bool(kept)
+    replace_factors(replaced, has_zero_column(values, 4))
     assert torch.equal(flat, expected)
 
 

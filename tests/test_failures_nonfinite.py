@@ -5,6 +5,7 @@ Also: a communication error inside the training loop says at which training step
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -42,12 +43,29 @@ def steps_with_a_bad_peer(comm, make_algorithm, bad_step: int, value: float, ste
     return [bucket.buffer.clone() for bucket in buckets]
 
 
+def error_of(comm, *args) -> str | None:
+    """:func:`steps_with_a_bad_peer`'s NonFiniteError on this rank, if any (the bad step is the last, so every rank
+    completes its exchanges before raising)."""
+    try:
+        steps_with_a_bad_peer(comm, *args)
+    except NonFiniteError as error:
+        return str(error)
+    return None
+
+
 @pytest.mark.parametrize("algorithm", [ExactGossip, PowerGossip], ids=["exact", "powergossip"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_nonfinite_from_a_peer_raises_naming_rank_peer_and_step(algorithm, value):
-    # ranks 0 and 2 both receive from rank 1; simulate re-raises whichever raised first
-    with pytest.raises(NonFiniteError, match=r"^rank [02]: step 2: peer 1 sent non-finite values \(NaN or Inf\)"):
-        gossip.simulate(N, steps_with_a_bad_peer, algorithm, 2, value)
+    """Ranks 0 and 2 receive from rank 1 and name it; PowerGossip's rank 1 finds its own products non-finite in R
+    (the difference of the two ends' products) and names itself."""
+    errors = gossip.simulate(N, error_of, algorithm, 2, value)
+    for rank in (0, 2):
+        assert errors[rank].startswith(f"rank {rank}: step 2: peer 1 sent non-finite values (NaN or Inf)"), errors
+    assert errors[3] is None
+    if algorithm is PowerGossip:
+        assert re.match(r"rank 1: step 2: this rank's own products for peer [02] are not finite", errors[1]), errors
+    else:
+        assert errors[1] is None  # exact gossip sends its values as they are: its peers check them
 
 
 def constants(comm, algorithm, value: float, bad_index: int) -> list[torch.Tensor]:
@@ -75,9 +93,72 @@ def test_dropping_a_nonfinite_peer_keeps_the_row_stochastic(value, bad_index):
 
 @pytest.mark.parametrize("algorithm", [ExactGossip, PowerGossip], ids=["exact", "powergossip"])
 def test_dropping_warns_naming_peer_and_step(algorithm):
-    with pytest.warns(NonFiniteWarning, match=r"rank [02]: step 1: dropped the contribution of peer 1") as caught:
+    with pytest.warns(NonFiniteWarning) as caught:
         gossip.simulate(N, steps_with_a_bad_peer, lambda: algorithm(nonfinite="drop"), 1, float("inf"), 2)
-    assert {str(w.message).split(":")[0] for w in caught} == {"rank 0", "rank 2"}
+    messages = sorted(str(w.message) for w in caught)
+    dropped = [m for m in messages if "dropped the contribution" in m]
+    assert [m.split(": dropped")[0] for m in dropped] == ["rank 0: step 1", "rank 2: step 1"], messages
+    assert all(
+        m.endswith(
+            "of peer 1, which sent non-finite values (NaN or Inf); its weight stays with this rank's own parameters"
+        )
+        for m in dropped
+    ), messages
+    own = [m for m in messages if m not in dropped]
+    if algorithm is PowerGossip:  # rank 1 skips the corrections its own non-finite products would make
+        assert [m.split(" for peer")[0] for m in own] == ["rank 1: step 1: this rank's own products"] * 2, messages
+        assert all(m.endswith("; the correction of that edge is skipped") for m in own), messages
+    else:
+        assert own == [], messages
+
+
+@pytest.mark.parametrize("policy", ["raise", "drop"])
+def test_powergossip_checks_the_uncompressed_tensors_a_peer_sent(policy):
+    """A NaN in one of rank 1's uncompressed tensors (fc.bias) only: its products, and so R, are finite; its peers
+    raise or drop naming it, rank 1 itself has nothing to say, and only rank 1 holds a non-finite value after."""
+
+    def run(comm):
+        buckets, algorithm = local_model(comm.rank), PowerGossip(nonfinite=policy, min_compression=1)
+        algorithm.setup(comm, topologies.ring(comm.size), buckets)
+        bucket, entry = next((b, e) for b in buckets for e in b.entries if e.name == "fc.bias")
+        if comm.rank == BAD:
+            bucket.view(entry)[3] = float("nan")
+        try:
+            algorithm.step(0)
+        except NonFiniteError as error:
+            return str(error)
+        return sum(int((~torch.isfinite(bucket.buffer)).sum()) for bucket in buckets)
+
+    if policy == "raise":
+        results = gossip.simulate(N, run)
+        for rank in (0, 2):
+            assert results[rank].startswith(f"rank {rank}: step 0: peer 1 sent non-finite values"), results
+        assert results[1] == 1 and results[3] == 0, results
+    else:
+        with pytest.warns(NonFiniteWarning) as caught:
+            assert gossip.simulate(N, run) == [0, 1, 0, 0]
+        assert sorted(str(w.message).split(", which")[0] for w in caught) == [
+            "rank 0: step 0: dropped the contribution of peer 1",
+            "rank 2: step 0: dropped the contribution of peer 1",
+        ]
+
+
+def test_under_drop_a_rank_whose_own_products_are_not_finite_leaves_its_parameters_as_they_were():
+    """PowerGossip, nonfinite="drop": one weight of rank 1 is NaN, so its products and R on both its edges are;
+    it skips both corrections (which would spread the NaN over the matrix), so that weight stays its only
+    non-finite value, and its peers drop its contribution and stay finite."""
+
+    def run(comm):
+        buckets, algorithm = local_model(comm.rank), PowerGossip(nonfinite="drop", min_compression=1)
+        algorithm.setup(comm, topologies.ring(comm.size), buckets)
+        if comm.rank == BAD:
+            corrupt(buckets, float("nan"))  # conv.weight, a compressed matrix
+        algorithm.step(0)
+        return sum(int((~torch.isfinite(bucket.buffer)).sum()) for bucket in buckets)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NonFiniteWarning)
+        assert gossip.simulate(N, run) == [0, 1, 0, 0]
 
 
 def test_powergossip_keeps_exchanging_after_a_dropped_step():

@@ -228,7 +228,16 @@ class Algorithm(abc.ABC):
             return set()
         if all_finite_on_host([t for _, tensors in received for t in tensors]):
             return set()
-        bad = [peer for peer, tensors in received if not bool(all_finite(tensors))]
+        return self._refuse_nonfinite(
+            step, policy, [peer for peer, tensors in received if not bool(all_finite(tensors))]
+        )
+
+    def _refuse_nonfinite(self, step: int, policy: str, bad: list[int]) -> set[int]:
+        """What :meth:`_nonfinite_peers` does with the peers ``bad`` found to have sent NaN or Inf, for an algorithm
+        that finds them itself (from values it reads anyway): ``"raise"`` raises :class:`NonFiniteError` for the
+        first, ``"drop"`` warns once per peer and returns them."""
+        if not bad:
+            return set()
         me = self.comm.rank
         if policy == "raise":
             raise NonFiniteError(

@@ -38,11 +38,15 @@ its message, the products, updates and orthonormalisations as views of the buffe
 per peer and iteration carries the products of every group, then (in the step's first iteration, see below) the
 uncompressed tensors of all buckets packed (one ``cat`` of views taken at setup, unpacked with one
 ``_foreach_copy_``); the difference of the two ends' products is one subtraction written over the received message,
-the warm-start rule of step 4 one ``where`` over all factors. So an iteration's operations -- on a GPU, kernel
-launches, whose fixed cost dominates at these sizes -- do not grow with the number of layers or of uncompressed
-tensors, except for the runs (keep the layers in few buckets), and no tensor is cut or allocated on the way. No
-value is read back to the host on the hot path: the non-finite check is deferred on CUDA (see
-gossip.algorithms.base).
+laid out as the factors it replaces with one ``_foreach_copy_`` (padded, a row per factor column), where one
+reduction per class gives every column's extremes for the warm-start rule of step 4. So an iteration's operations
+-- on a GPU, kernel launches, whose fixed cost dominates at these sizes -- do not grow with the number of layers or
+of uncompressed tensors, except for the runs (keep the layers in few buckets), and no tensor is cut or allocated on
+the way. On CUDA no value is read back to the host on the hot path: the non-finite check is deferred (see
+gossip.algorithms.base) and the rule decided on the device. On the CPU, where a host read is a load, one read per
+peer and iteration serves both: the columns' extremes in R (a NaN or Inf a peer sent is one in R; R has a column
+zero throughout only on identical replicas, so the rule mostly has nothing to do) and the extremes of the
+uncompressed tensors received.
 
 Orthonormalisation (:func:`orthonormalize`): by default Householder QR on the CPU, Gram-Schmidt elsewhere (on
 CUDA, batched QR costs a cuSOLVER call per matrix); ``orthonormalization`` ("qr", "gram-schmidt") chooses.
@@ -79,18 +83,23 @@ edge's correction for the step (its uncompressed tensors' weight goes back to th
 stochastic) and keeps its factors p and q as they were. The edge's parity counter still advances, so both ends
 keep multiplying on the same side (else the next messages would differ in shape). Once both ends send finite
 products again, two iterations make their factors identical again (both compute R from the same two operands).
-The peer still applies its own side of the edge, so the sum over ranks is not preserved that step.
+The peer still applies its own side of the edge, so the sum over ranks is not preserved that step. On the CPU
+R also shows this rank's own products non-finite (its replica diverged, or a product overflowed a float16 message):
+with ``"raise"`` that is an error naming this rank, with ``"drop"`` a warning, and this end skips the corrections
+its own products would have spread over its parameters.
 """
 
 from __future__ import annotations
 
+import math
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from gossip.algorithms.base import Algorithm, check_nonfinite_policy
+from gossip.algorithms.base import Algorithm, all_finite_on_host, check_nonfinite_policy
 from gossip.algorithms.powergossip_layout import (
     CPU_PAD_RATIO,
     PAD_RATIO,
@@ -104,6 +113,7 @@ from gossip.algorithms.powergossip_layout import (
 )
 from gossip.backends.base import Communicator, Handle
 from gossip.buckets import Bucket, Entry
+from gossip.errors import NonFiniteError, NonFiniteWarning
 from topologies import Schedule
 
 Policy = Callable[[str, torch.Size], "bool | None"]
@@ -197,21 +207,37 @@ def keep_nonzero_columns_(incoming: torch.Tensor, factor: torch.Tensor) -> None:
     torch.where(incoming.abs().amax(dim=-1, keepdim=True) > 0, incoming, factor, out=factor)
 
 
-def replace_factors(replaced: Replacement) -> None:
-    """R replaces the factors, but for its columns zero throughout (the warm-start rule, step 4 above). On the
-    CPU the rule runs only when some column's largest element is zero (a host read, which is a load there): in
-    training R has zero elements at almost every iteration (products of replicas that agree on some rows, rounded
-    alike), a column zero throughout only on identical replicas; a nonzero largest element is enough to tell that
-    a column is not zero, without taking magnitudes."""
-    if replaced.stored:
-        torch._foreach_copy_(replaced.stored, replaced.sources)  # laid out as the factors (the padding stays 0)
-    if replaced.flat.device.type == "cpu":
-        for incoming, _, largest in replaced.blocks:
-            torch.amax(incoming, dim=-1, out=largest)
-        if int(torch.count_nonzero(replaced.largest)) == replaced.largest.numel():
-            replaced.flat.copy_(replaced.incoming)
-            return
-    for incoming, factor, _ in replaced.blocks:
+def column_extremes(replaced: Replacement, received_exact: torch.Tensor | None) -> list[float]:
+    """Every factor column's smallest and largest element in R (``replaced.incoming``) and, when given, the
+    smallest and the largest of ``received_exact``: an ``amin`` and an ``amax`` per class (on the CPU several times
+    faster than one ``aminmax`` along a dimension) and one ``aminmax`` for the uncompressed tensors, read on the host
+    in one transfer (on the CPU a load). Laid out as ``replaced.extremes``. NaN propagates into the extremes, and an
+    Inf is one of them."""
+    for incoming, _, lowest, largest in replaced.blocks:
+        torch.amin(incoming, dim=-1, out=lowest)
+        torch.amax(incoming, dim=-1, out=largest)
+    if received_exact is not None:
+        extremes = replaced.extremes
+        torch.aminmax(received_exact, out=(extremes[-2], extremes[-1]))
+    return replaced.extremes.tolist()
+
+
+def has_zero_column(extremes: list[float], columns: int) -> bool:
+    """Whether a factor column of R is zero throughout, from :func:`column_extremes`'s values for ``columns``
+    columns: one whose smallest and largest elements are both zero."""
+    lowest, largest = extremes[:columns], extremes[columns : 2 * columns]
+    return any(low == 0.0 and high == 0.0 for low, high in zip(lowest, largest, strict=True))
+
+
+def replace_factors(replaced: Replacement, zero_column: bool | None) -> None:
+    """R replaces the factors, but for its columns zero throughout (the warm-start rule, step 4 above).
+    ``zero_column``: whether R has such a column, when known on the host (from :func:`column_extremes`; in training
+    R has zero elements at almost every iteration -- products of replicas that agree on some rows, rounded alike
+    -- but a zero column only on identical replicas); None decides it on the device, column by column."""
+    if zero_column is False:
+        replaced.flat.copy_(replaced.incoming)
+        return
+    for incoming, factor, _, _ in replaced.blocks:
         keep_nonzero_columns_(incoming, factor)
 
 
@@ -458,10 +484,12 @@ class PowerGossip(Algorithm):
         else:
             incoming = difference.new_zeros(side.stored_numel)
             stored = side.stored_stacks(incoming, self.groups, r)
-        largest = flat.new_empty(side.columns)
-        parts = largest.split([block.shape[0] for block in side.column_blocks(flat)])
-        blocks = list(zip(side.column_blocks(incoming), side.column_blocks(flat), parts, strict=True))
-        return Replacement(flat, incoming, stored, sources, blocks, largest)
+        columns = side.columns
+        extremes = flat.new_empty(2 * columns + 2)
+        sizes = [block.shape[0] for block in side.column_blocks(flat)]
+        lowest, largest = extremes[:columns].split(sizes), extremes[columns : 2 * columns].split(sizes)
+        blocks = list(zip(side.column_blocks(incoming), side.column_blocks(flat), lowest, largest, strict=True))
+        return Replacement(flat, incoming, stored, sources, blocks, extremes)
 
     def _orthonormalize(self, plan: Plan) -> None:
         """Orthonormalise the factor ``plan`` multiplies with, in place: one batched call per class, on its
@@ -502,40 +530,83 @@ class PowerGossip(Algorithm):
 
     def _apply(self, round_: _Round) -> None:
         self._wait(round_.handle)
-        me, gamma = self.comm.rank, self.gamma
-        received = [(peer, plan.inboxes) for peer, _, _, plan in round_.peers]
-        dropped = self._nonfinite_peers(round_.step, self.nonfinite, received)
+        me, gamma, peers = self.comm.rank, self.gamma, round_.peers
+        on_device = self.deferred_nonfinite_check and self.nonfinite == "raise"
+        if on_device:  # checked on the device, read at the next step (before R is written over a message)
+            dropped = self._nonfinite_peers(round_.step, self.nonfinite, [(p, plan.inboxes) for p, _, _, plan in peers])
+        for peer, _, _, plan in peers:
+            self._difference(plan, me < peer)
+        zero_columns: dict[int, bool | None] = dict.fromkeys((peer for peer, _, _, _ in peers), None)
+        skipped: set[int] = set()  # edges whose R is not finite from this rank's own products
+        if not on_device:
+            dropped, skipped = self._check_on_host(round_, zero_columns)
         # Uncompressed tensors: exact gossip, from the values at the start of the iteration (the packed tail of
         # every message sent; the sends are complete, so the first one's tail is mixed in place and copied back).
-        if round_.exact and round_.peers:
-            kept = [(weight, plan.received_exact) for peer, weight, _, plan in round_.peers if peer not in dropped]
-            first = round_.peers[0][3]
+        if round_.exact and peers:
+            kept = [(weight, plan.received_exact) for peer, weight, _, plan in peers if peer not in dropped]
+            first = peers[0][3]
             first.sent_exact.mul_(1.0 - gamma * sum(weight for weight, _ in kept))
             for weight, incoming in kept:
                 first.sent_exact.add_(incoming, alpha=gamma * weight)
             torch._foreach_copy_(self._exact_views, first.sent_exact_parts)
         # Matrices: equal and opposite low-rank corrections on the two ends of every edge, one batch per run.
-        for peer, weight, edge, plan in round_.peers:
-            if peer not in dropped and self.groups:
-                # R = a_hi - a_lo on both ends from the same two operands (so bit-identical), for every group at
-                # once: written over the received products, or, from products rounded to a narrower message
-                # dtype, computed in the parameters' dtype from the two exactly widened (a copy, then a subtraction
-                # whose operands type promotion widens; torch.sub of the two would subtract in the narrow dtype).
-                if me < peer:
-                    high, low = plan.received_products, plan.sent_products
-                else:
-                    high, low = plan.sent_products, plan.received_products
-                difference = plan.difference
-                if plan.rounded:
-                    difference.copy_(high).sub_(low)
-                else:
-                    torch.sub(high, low, out=difference)
+        for peer, weight, edge, plan in peers:
+            if peer not in dropped and peer not in skipped and self.groups:
                 alpha = (1.0 if me < peer else -1.0) * gamma * weight
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
                 for x, p, qt in plan.updates:
                     x.baddbmm_(p, qt, alpha=alpha)
-                replace_factors(plan.replaced)
+                replace_factors(plan.replaced, zero_columns[peer])
             edge.iteration += 1  # a dropped peer: p and q stay as they were, the parity keeps step with the peer's
+
+    def _difference(self, plan: Plan, low_end: bool) -> None:
+        """R = a_hi - a_lo into ``plan.difference``, laid out as the factors it replaces (``plan.replaced``); this
+        rank is the edge's low end or not. Identical on both ends from the same two operands: written over the
+        received products, or, from products rounded to a narrower message dtype, computed in the parameters'
+        dtype from the two exactly widened (a copy, then a subtraction whose operands type promotion widens;
+        torch.sub of the two would subtract in the narrow dtype)."""
+        if not self.groups:
+            return
+        if low_end:
+            high, low = plan.received_products, plan.sent_products
+        else:
+            high, low = plan.sent_products, plan.received_products
+        if plan.rounded:
+            plan.difference.copy_(high).sub_(low)
+        else:
+            torch.sub(high, low, out=plan.difference)
+        replaced = plan.replaced
+        if replaced.stored:
+            torch._foreach_copy_(replaced.stored, replaced.sources)  # laid out as the factors (the padding stays 0)
+
+    def _check_on_host(self, round_: _Round, zero_columns: dict[int, bool | None]) -> tuple[set[int], set[int]]:
+        """The non-finite check and the warm-start rule's question, from one host read per peer (see
+        :func:`column_extremes`): a NaN or Inf among a peer's products is one in R (a_hi - a_lo), among its
+        uncompressed tensors one of their extremes. Fills ``zero_columns`` (peer: whether R has a column zero
+        throughout). Returns the peers whose values are dropped under ``nonfinite`` (after its error or warning),
+        and the peers whose edge's correction is skipped because R is not finite from this rank's own products
+        (its replica diverged, or a product overflowed a float16 message): ``"raise"`` raises, naming this rank,
+        ``"drop"`` warns and skips that correction, so that its own parameters stay as they are."""
+        me, step, bad, own = self.comm.rank, round_.step, [], set()
+        for peer, _, _, plan in round_.peers:
+            columns = plan.replaced.columns
+            values = column_extremes(plan.replaced, plan.received_exact if round_.exact else None)
+            products_finite = all(map(math.isfinite, values[: 2 * columns]))
+            own_fault = not products_finite and not all_finite_on_host([plan.sent_products])
+            if own_fault:
+                own.add(peer)
+            if (not products_finite and not own_fault) or (round_.exact and not all(map(math.isfinite, values[-2:]))):
+                bad.append(peer)
+            zero_columns[peer] = has_zero_column(values, columns)
+        for peer in sorted(own):
+            message = (
+                f"rank {me}: step {step}: this rank's own products for peer {peer} are not finite (NaN or Inf): its "
+                f"replica has diverged{self._nonfinite_hint()}"
+            )
+            if self.nonfinite == "raise":
+                raise NonFiniteError(message)
+            warnings.warn(f"{message}; the correction of that edge is skipped", NonFiniteWarning, stacklevel=4)
+        return self._refuse_nonfinite(step, self.nonfinite, bad), own
 
     # -- the Algorithm interface ----------------------------------------------------------------------------
     @property

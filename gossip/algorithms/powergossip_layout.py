@@ -293,15 +293,24 @@ class EdgeState:
 class Replacement:
     """Where a plan's R goes, planned once. R arrives in the message layout; ``incoming`` holds it in the layout
     of the factor buffer it replaces (zero-padded: a buffer of its own, whose padding stays zero; the message
-    itself when no class pads), where each factor column is a row of a class's block, so that the warm-start rule
-    (PowerGossip's step 4) reads every column's largest element in one reduction per class."""
+    itself when no class pads), where each factor column is a row of a class's block, so that one reduction per
+    class finds every column's smallest and largest elements (for the warm-start rule, PowerGossip's step 4, and
+    the check for non-finite input), read on the host with the received uncompressed tensors' in one transfer."""
 
     flat: torch.Tensor  # the factor buffer R replaces
     incoming: torch.Tensor  # R laid out as ``flat``
     stored: list[torch.Tensor]  # per group: its factors' views in ``incoming`` (empty when ``incoming`` is R)
     sources: list[torch.Tensor]  # per group: R's (count, r, rows) view in the message
-    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per class: incoming's, flat's, its largest
-    largest: torch.Tensor  # per factor column: its largest element in R (the classes' parts, concatenated)
+    # per class: incoming's and flat's (factor columns, class rows) blocks, and its columns' places in ``extremes``
+    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    # the factor columns' smallest elements in R, their largest, then the smallest and the largest of the received
+    # uncompressed tensors (when the plan's message carries them)
+    extremes: torch.Tensor
+
+    @property
+    def columns(self) -> int:
+        """The number of factor columns."""
+        return (self.extremes.numel() - 2) // 2
 
 
 @dataclass(frozen=True)
