@@ -469,21 +469,21 @@ class PowerGossip(Algorithm):
             updates,
             stacks,
             [(block, block.new_empty(block.shape[0], r, r)) for block in side.blocks(flat, r)],
-            self._replacement(edge.p_flat if right else edge.q_flat, out, difference),
+            self._replacement(edge.p_flat if right else edge.q_flat, out, difference, difference_blocks),
             self.comm.plan_exchange([(peer, m) for m in messages], [(peer, inbox) for inbox in inboxes]),
         )
         return plan
 
-    def _replacement(self, flat: torch.Tensor, side: Side, difference: torch.Tensor) -> Replacement:
-        """Where R (``difference``, in the message layout of ``side``) goes: the factor buffer ``flat``, through a
-        zero-padded buffer laid out as ``flat`` when ``side`` pads."""
-        r = self.matrix_rank
-        sources = side.stacks(difference, self.groups, r)
+    def _replacement(
+        self, flat: torch.Tensor, side: Side, difference: torch.Tensor, sources: list[torch.Tensor]
+    ) -> Replacement:
+        """Where R (``difference``, in the message layout of ``side``; ``sources`` its group views) goes: the factor
+        buffer ``flat``, through a zero-padded buffer laid out as ``flat`` when ``side`` pads."""
         if side.positions is None:  # the message's layout is the factor buffer's
             incoming, stored = difference, []
         else:
             incoming = difference.new_zeros(side.stored_numel)
-            stored = side.stored_stacks(incoming, self.groups, r)
+            stored = side.stored_stacks(incoming, self.groups, self.matrix_rank)
         columns = side.columns
         extremes = flat.new_empty(2 * columns + 2)
         sizes = [block.shape[0] for block in side.column_blocks(flat)]
