@@ -26,6 +26,11 @@ N = 4
 BAD = 1  # the rank whose parameters go non-finite; on ring(4) its peers are 0 and 2
 
 
+def nonfinite_count(buckets) -> int:
+    """How many NaN or Inf the buckets hold."""
+    return sum(int((~torch.isfinite(bucket.buffer)).sum()) for bucket in buckets)
+
+
 def corrupt(buckets, value: float, index: int = 0) -> None:
     buckets[0].buffer[index] = value
 
@@ -127,7 +132,7 @@ def test_powergossip_checks_the_uncompressed_tensors_a_peer_sent(policy):
             algorithm.step(0)
         except NonFiniteError as error:
             return str(error)
-        return sum(int((~torch.isfinite(bucket.buffer)).sum()) for bucket in buckets)
+        return nonfinite_count(buckets)
 
     if policy == "raise":
         results = gossip.simulate(N, run)
@@ -154,7 +159,7 @@ def test_under_drop_a_rank_whose_own_products_are_not_finite_leaves_its_paramete
         if comm.rank == BAD:
             corrupt(buckets, float("nan"))  # conv.weight, a compressed matrix
         algorithm.step(0)
-        return sum(int((~torch.isfinite(bucket.buffer)).sum()) for bucket in buckets)
+        return nonfinite_count(buckets)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NonFiniteWarning)
