@@ -226,18 +226,19 @@ def test_the_warm_start_rule_replaces_only_all_zero_columns():
 
 
 @pytest.mark.parametrize(
-    ("rows", "kept"),
+    ("rows", "kept", "maybe"),
     [
-        ([[1, 2, 3], [-3, 1, 0], [5, 0], [6, 0]], []),  # every largest element nonzero: R replaces the factors whole
-        ([[1, 2, 3], [-3, -1, 0], [5, 0], [6, 0]], []),  # largest element 0, not a zero column: taken too
-        ([[1, 2, 3], [-3, -1, 0], [0, 0], [6, 0]], [2]),  # a zero column keeps the factor's
+        ([[1, 2, 3], [-3, 1, 0], [5, 0], [6, 0]], [], False),  # no column sums to 0: R replaces the factors whole
+        ([[1, 2, 3], [-3, -1, 0], [5, 0], [6, 0]], [], False),  # largest element 0, not a zero column: taken too
+        ([[1, 2, 3], [-3, 1, 2], [5, 0], [6, 0]], [], True),  # sums to 0 but is not zero: decided per column, taken
+        ([[1, 2, 3], [-3, -1, 0], [0, 0], [6, 0]], [2], True),  # a zero column keeps the factor's
     ],
 )
-def test_r_replaces_the_factors_but_for_its_columns_zero_throughout(rows, kept):
+def test_r_replaces_the_factors_but_for_its_columns_zero_throughout(rows, kept, maybe):
     """Two classes of factors stored transposed (a row per factor column), of 3 and 2 rows, the second padded
-    (each row's last element): the columns' extremes, read on the host with the received uncompressed tensors',
-    tell whether the rule runs at all."""
-    from gossip.algorithms.powergossip import column_extremes, has_zero_column, replace_factors
+    (each row's last element): the columns' sums, read on the host with the received uncompressed tensors' sum,
+    tell whether the rule runs at all; where it runs, it keeps only the columns zero throughout."""
+    from gossip.algorithms.powergossip import column_sums, replace_factors
     from gossip.algorithms.powergossip_layout import Replacement
 
     incoming = torch.tensor([float(v) for row in rows for v in row])
@@ -245,16 +246,14 @@ def test_r_replaces_the_factors_but_for_its_columns_zero_throughout(rows, kept):
     expected = incoming.clone()
     for row in kept:
         expected[6 + 2 * (row - 2) : 8 + 2 * (row - 2)] = flat[6 + 2 * (row - 2) : 8 + 2 * (row - 2)]
-    extremes = torch.empty(2 * 4 + 2)
+    sums = torch.empty(4 + 1)
     views = [(incoming[:6].view(2, 3), flat[:6].view(2, 3)), (incoming[6:].view(2, 2), flat[6:].view(2, 2))]
-    lowest, largest = extremes[:4].split([2, 2]), extremes[4:8].split([2, 2])
-    blocks = [(a, b, low, high) for (a, b), low, high in zip(views, lowest, largest, strict=True)]
-    replaced = Replacement(flat, incoming, [], [], blocks, extremes)
-    values = column_extremes(replaced, torch.tensor([4.0, -7.0, 2.5]))
-    lows, highs = [min(row) for row in rows], [max(row) for row in rows]
-    assert values == [*map(float, lows), *map(float, highs), -7.0, 4.0]
-    assert has_zero_column(values, 4) == bool(kept)
-    replace_factors(replaced, has_zero_column(values, 4))
+    blocks = [(a, b, part) for (a, b), part in zip(views, sums[:4].split([2, 2]), strict=True)]
+    replaced = Replacement(flat, incoming, [], blocks, sums, sums[-1])
+    values = column_sums(replaced, torch.tensor([4.0, -7.0, 2.5]))
+    assert values == [*(float(sum(row)) for row in rows), -0.5]
+    assert (0.0 in values[:4]) == maybe
+    replace_factors(replaced, maybe)
     assert torch.equal(flat, expected)
 
 

@@ -37,16 +37,16 @@ spent on zeros). Each edge plans each side's iteration once (both in :mod:`gossi
 its message, the products, updates and orthonormalisations as views of the buffers and of the buckets. One message
 per peer and iteration carries the products of every group, then (in the step's first iteration, see below) the
 uncompressed tensors of all buckets packed (one ``cat`` of views taken at setup, unpacked with one
-``_foreach_copy_``); the difference of the two ends' products is one subtraction written over the received message,
-laid out as the factors it replaces with one ``_foreach_copy_`` (padded, a row per factor column), where one
-reduction per class gives every column's extremes for the warm-start rule of step 4. So an iteration's operations
--- on a GPU, kernel launches, whose fixed cost dominates at these sizes -- do not grow with the number of layers or
-of uncompressed tensors, except for the runs (keep the layers in few buckets), and no tensor is cut or allocated on
-the way. On CUDA no value is read back to the host on the hot path: the non-finite check is deferred (see
-gossip.algorithms.base) and the rule decided on the device. On the CPU, where a host read is a load, one read per
-peer and iteration serves both: the columns' extremes in R (a NaN or Inf a peer sent is one in R; R has a column
-zero throughout only on identical replicas, so the rule mostly has nothing to do) and the extremes of the
-uncompressed tensors received.
+``_foreach_copy_``); the difference of the two ends' products is computed straight into the layout of the factors
+it replaces (padded, a row per factor column) with one ``_foreach`` copy and one subtraction, where one sum per
+class sums every column for the warm-start rule of step 4. So an iteration's operations -- on a GPU, kernel
+launches, whose fixed cost dominates at these sizes -- do not grow with the number of layers or of uncompressed
+tensors, except for the runs (keep the layers in few buckets), and no tensor is cut or allocated on the way. On CUDA
+no value is read back to the host on the hot path: the non-finite check is deferred (see gossip.algorithms.base)
+and the rule decided on the device. On the CPU, where a host read is a load, one read per peer and iteration
+serves both: the columns' sums in R (a NaN or Inf a peer sent is one in R and makes its column's sum non-finite; a
+column zero throughout sums to 0, and R has one only on identical replicas, so the rule mostly has nothing to do)
+and the sum of the uncompressed tensors received.
 
 Orthonormalisation (:func:`orthonormalize`): by default Householder QR on the CPU, Gram-Schmidt elsewhere (on
 CUDA, batched QR costs a cuSOLVER call per matrix); ``orthonormalization`` ("qr", "gram-schmidt") chooses.
@@ -207,37 +207,30 @@ def keep_nonzero_columns_(incoming: torch.Tensor, factor: torch.Tensor) -> None:
     torch.where(incoming.abs().amax(dim=-1, keepdim=True) > 0, incoming, factor, out=factor)
 
 
-def column_extremes(replaced: Replacement, received_exact: torch.Tensor | None) -> list[float]:
-    """Every factor column's smallest and largest element in R (``replaced.incoming``) and, when given, the
-    smallest and the largest of ``received_exact``: an ``amin`` and an ``amax`` per class (on the CPU several times
-    faster than one ``aminmax`` along a dimension) and one ``aminmax`` for the uncompressed tensors, read on the host
-    in one transfer (on the CPU a load). Laid out as ``replaced.extremes``. NaN propagates into the extremes, and an
-    Inf is one of them."""
-    for incoming, _, lowest, largest in replaced.blocks:
-        torch.amin(incoming, dim=-1, out=lowest)
-        torch.amax(incoming, dim=-1, out=largest)
+def column_sums(replaced: Replacement, received_exact: torch.Tensor | None) -> list[float]:
+    """Every factor column's sum in R (``replaced.incoming``) and, when given, the sum of ``received_exact``: one
+    ``sum`` per class and one for the uncompressed tensors, read on the host in one transfer (on the CPU a load).
+    Laid out as ``replaced.sums``. They answer two questions at the cost of one reduction: a NaN or Inf element
+    makes its sum non-finite (finite elements make a finite sum unless it overflows, which
+    :meth:`PowerGossip._check_on_host` tells apart with an exact check), and a column zero throughout sums to 0
+    (a column whose elements cancel does too: :func:`replace_factors` then decides column by column)."""
+    for incoming, _, sums in replaced.blocks:
+        torch.sum(incoming, dim=-1, out=sums)
     if received_exact is not None:
-        extremes = replaced.extremes
-        torch.aminmax(received_exact, out=(extremes[-2], extremes[-1]))
-    return replaced.extremes.tolist()
+        torch.sum(received_exact, dim=0, out=replaced.exact_sum)
+    return replaced.sums.tolist()
 
 
-def has_zero_column(extremes: list[float], columns: int) -> bool:
-    """Whether a factor column of R is zero throughout, from :func:`column_extremes`'s values for ``columns``
-    columns: one whose smallest and largest elements are both zero."""
-    lowest, largest = extremes[:columns], extremes[columns : 2 * columns]
-    return any(low == 0.0 and high == 0.0 for low, high in zip(lowest, largest, strict=True))
-
-
-def replace_factors(replaced: Replacement, zero_column: bool | None) -> None:
+def replace_factors(replaced: Replacement, maybe_zero_column: bool | None) -> None:
     """R replaces the factors, but for its columns zero throughout (the warm-start rule, step 4 above).
-    ``zero_column``: whether R has such a column, when known on the host (from :func:`column_extremes`; in training
-    R has zero elements at almost every iteration -- products of replicas that agree on some rows, rounded alike
-    -- but a zero column only on identical replicas); None decides it on the device, column by column."""
-    if zero_column is False:
+    ``maybe_zero_column``: False when no column of R sums to 0 (from :func:`column_sums`), so none is zero
+    throughout; in training R has zero elements at almost every iteration -- products of replicas that agree on
+    some rows, rounded alike -- but a zero column only on identical replicas. True or None (not known on the host)
+    decides it on the device, column by column."""
+    if maybe_zero_column is False:
         replaced.flat.copy_(replaced.incoming)
         return
-    for incoming, factor, _, _ in replaced.blocks:
+    for incoming, factor, _ in replaced.blocks:
         keep_nonzero_columns_(incoming, factor)
 
 
@@ -385,6 +378,8 @@ class PowerGossip(Algorithm):
         on_cuda = any(bucket.buffer.is_cuda for bucket in buckets)
         self._pad_ratio = self.pad_ratio if self.pad_ratio is not None else PAD_RATIO if on_cuda else CPU_PAD_RATIO
         self._layouts: dict[int, Layout] = {}  # per rank r
+        # the method orthonormalize_ would choose for these buckets' device, chosen once
+        self._orthonormalization = self.orthonormalization or ("qr" if self._device.type == "cpu" else "gram-schmidt")
         for edge in self.edges.values():  # bound again: plans hold views of the previous binding's buckets
             edge.plans.clear()
 
@@ -431,37 +426,41 @@ class PowerGossip(Algorithm):
         exact_numel = self._exact_numel if exact else 0
         sent = torch.empty(out.numel + exact_numel, dtype=self._dtype, device=self._device)
         received = torch.empty_like(sent)
-        if self._message_dtype == self._dtype:  # one message; R is written over the received products
+        if self._message_dtype == self._dtype:  # one message; R is written over the received products (no padding)
             messages, inboxes = [sent], [received]
             sent_products, received_products = sent[: out.numel], received[: out.numel]
             difference = received_products
-        else:  # the products rounded into their own message; R computed into sent's head from the rounded two
+        else:  # the products taken into sent's head, rounded into a message of their own (see Plan)
             sent_products = torch.empty(out.numel, dtype=self._message_dtype, device=self._device)
             received_products = torch.empty_like(sent_products)
             messages = [sent_products, *([sent[out.numel :]] if exact else [])]
             inboxes = [received_products, *([received[out.numel :]] if exact else [])]
             difference = sent[: out.numel]
-        sent_blocks = out.stacks(sent[: out.numel], self.groups, r)
-        difference_blocks = out.stacks(difference, self.groups, r)
+        groups, stacks = self.groups, (edge.qt_stacks if right else edge.pt_stacks)
+        replaced = self._replacement(edge.p_flat if right else edge.q_flat, out, difference)
+        # R's group views, for the update: in the factor buffer's (padded) layout, or in the message's
+        r_blocks = replaced.stored or out.stacks(difference, groups, r)
+        sent_blocks = out.stacks(sent[: out.numel], groups, r)
         products, updates = [], []
         for g, views in enumerate(self._views):
             for members, x in views:
                 if right:  # sends (X q)^T = q^T X^T; R is the next p^T, and X += p q^T = (R^T) (q^T)
-                    products.append((edge.qt_stacks[g][members], x.mT, sent_blocks[g][members]))
-                    updates.append((x, difference_blocks[g][members].mT, edge.qt_stacks[g][members]))
+                    products.append((stacks[g][members], x.mT, sent_blocks[g][members]))
+                    updates.append((x, r_blocks[g][members].mT, stacks[g][members]))
                 else:  # sends (X^T p)^T = p^T X; R is the next q^T, and X += p q^T = (p^T)^T R
-                    products.append((edge.pt_stacks[g][members], x, sent_blocks[g][members]))
-                    updates.append((x, edge.pt_stacks[g][members].mT, difference_blocks[g][members]))
+                    products.append((stacks[g][members], x, sent_blocks[g][members]))
+                    updates.append((x, stacks[g][members].mT, r_blocks[g][members]))
         sent_exact = sent[out.numel :]
-        flat, side, stacks = (
-            (edge.q_flat, layout.q, edge.qt_stacks) if right else (edge.p_flat, layout.p, edge.pt_stacks)
-        )
+        flat, side = (edge.q_flat, layout.q) if right else (edge.p_flat, layout.p)
         plan = edge.plans[right, exact] = Plan(
             messages,
             inboxes,
             sent_products,
             received_products,
             difference,
+            difference is not received_products,
+            out.stacks(sent_products, groups, r),
+            out.stacks(received_products, groups, r),
             sent_exact,
             list(sent_exact.split(self._exact_sizes)) if exact else [],
             received[out.numel :],
@@ -469,32 +468,28 @@ class PowerGossip(Algorithm):
             updates,
             stacks,
             [(block, block.new_empty(block.shape[0], r, r)) for block in side.blocks(flat, r)],
-            self._replacement(edge.p_flat if right else edge.q_flat, out, difference, difference_blocks),
+            replaced,
             self.comm.plan_exchange([(peer, m) for m in messages], [(peer, inbox) for inbox in inboxes]),
         )
         return plan
 
-    def _replacement(
-        self, flat: torch.Tensor, side: Side, difference: torch.Tensor, sources: list[torch.Tensor]
-    ) -> Replacement:
-        """Where R (``difference``, in the message layout of ``side``; ``sources`` its group views) goes: the factor
-        buffer ``flat``, through a zero-padded buffer laid out as ``flat`` when ``side`` pads."""
+    def _replacement(self, flat: torch.Tensor, side: Side, difference: torch.Tensor) -> Replacement:
+        """Where R goes: the factor buffer ``flat``, through a zero-padded buffer laid out as ``flat`` when ``side``
+        pads (R is computed into it), else through ``difference`` (R in the message layout of ``side``)."""
         if side.positions is None:  # the message's layout is the factor buffer's
             incoming, stored = difference, []
         else:
             incoming = difference.new_zeros(side.stored_numel)
             stored = side.stored_stacks(incoming, self.groups, self.matrix_rank)
-        columns = side.columns
-        extremes = flat.new_empty(2 * columns + 2)
-        sizes = [block.shape[0] for block in side.column_blocks(flat)]
-        lowest, largest = extremes[:columns].split(sizes), extremes[columns : 2 * columns].split(sizes)
-        blocks = list(zip(side.column_blocks(incoming), side.column_blocks(flat), lowest, largest, strict=True))
-        return Replacement(flat, incoming, stored, sources, blocks, extremes)
+        sums = flat.new_empty(side.columns + 1)
+        per_class = sums[:-1].split([block.shape[0] for block in side.column_blocks(flat)])
+        blocks = list(zip(side.column_blocks(incoming), side.column_blocks(flat), per_class, strict=True))
+        return Replacement(flat, incoming, stored, blocks, sums, sums[-1])
 
     def _orthonormalize(self, plan: Plan) -> None:
         """Orthonormalise the factor ``plan`` multiplies with, in place: one batched call per class, on its
         contiguous block of the factor buffer (the smaller factors' zero padding stays zero)."""
-        dtype, method = self.orthonormalize_dtype, self.orthonormalization
+        dtype, method = self.orthonormalize_dtype, self._orthonormalization
         for block, triangle in plan.classes:
             orthonormalize_(block, dtype=dtype, method=method, triangle=triangle)
 
@@ -536,10 +531,10 @@ class PowerGossip(Algorithm):
             dropped = self._nonfinite_peers(round_.step, self.nonfinite, [(p, plan.inboxes) for p, _, _, plan in peers])
         for peer, _, _, plan in peers:
             self._difference(plan, me < peer)
-        zero_columns: dict[int, bool | None] = dict.fromkeys((peer for peer, _, _, _ in peers), None)
+        maybe_zero_columns: dict[int, bool] = {}  # per peer, when known on the host
         skipped: set[int] = set()  # edges whose R is not finite from this rank's own products
         if not on_device:
-            dropped, skipped = self._check_on_host(round_, zero_columns)
+            dropped, skipped = self._check_on_host(round_, maybe_zero_columns)
         # Uncompressed tensors: exact gossip, from the values at the start of the iteration (the packed tail of
         # every message sent; the sends are complete, so the first one's tail is mixed in place and copied back).
         if round_.exact and peers:
@@ -556,48 +551,59 @@ class PowerGossip(Algorithm):
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
                 for x, p, qt in plan.updates:
                     x.baddbmm_(p, qt, alpha=alpha)
-                replace_factors(plan.replaced, zero_columns[peer])
+                replace_factors(plan.replaced, maybe_zero_columns.get(peer))
             edge.iteration += 1  # a dropped peer: p and q stay as they were, the parity keeps step with the peer's
 
     def _difference(self, plan: Plan, low_end: bool) -> None:
-        """R = a_hi - a_lo into ``plan.difference``, laid out as the factors it replaces (``plan.replaced``); this
-        rank is the edge's low end or not. Identical on both ends from the same two operands: written over the
-        received products, or, from products rounded to a narrower message dtype, computed in the parameters'
-        dtype from the two exactly widened (a copy, then a subtraction whose operands type promotion widens;
-        torch.sub of the two would subtract in the narrow dtype)."""
+        """R = a_hi - a_lo into ``plan.replaced.incoming``, laid out as the factors it replaces; this rank is the
+        edge's low end or not. Identical on both ends from the same two operands. Where the factor buffer pads, R
+        is computed group by group from the two products' views straight into that layout (a copy, then a
+        subtraction, each one ``_foreach`` call); else written over the received products, or, from products
+        rounded to a narrower message dtype, into ``plan.difference``. Rounded products are widened exactly to the
+        parameters' dtype before they are subtracted (a copy, then a subtraction whose operands type promotion
+        widens; torch.sub of the two would subtract in the narrow dtype)."""
         if not self.groups:
             return
-        if low_end:
-            high, low = plan.received_products, plan.sent_products
-        else:
-            high, low = plan.sent_products, plan.received_products
+        replaced = plan.replaced
+        if replaced.stored:
+            high, low = (
+                (plan.received_groups, plan.sent_groups) if low_end else (plan.sent_groups, plan.received_groups)
+            )
+            torch._foreach_copy_(replaced.stored, high)  # the padding stays 0
+            torch._foreach_sub_(replaced.stored, low)
+            return
+        high, low = (
+            (plan.received_products, plan.sent_products) if low_end else (plan.sent_products, plan.received_products)
+        )
         if plan.rounded:
             plan.difference.copy_(high).sub_(low)
         else:
             torch.sub(high, low, out=plan.difference)
-        replaced = plan.replaced
-        if replaced.stored:
-            torch._foreach_copy_(replaced.stored, replaced.sources)  # laid out as the factors (the padding stays 0)
 
-    def _check_on_host(self, round_: _Round, zero_columns: dict[int, bool | None]) -> tuple[set[int], set[int]]:
+    def _check_on_host(self, round_: _Round, maybe_zero_columns: dict[int, bool]) -> tuple[set[int], set[int]]:
         """The non-finite check and the warm-start rule's question, from one host read per peer (see
-        :func:`column_extremes`): a NaN or Inf among a peer's products is one in R (a_hi - a_lo), among its
-        uncompressed tensors one of their extremes. Fills ``zero_columns`` (peer: whether R has a column zero
-        throughout). Returns the peers whose values are dropped under ``nonfinite`` (after its error or warning),
+        :func:`column_sums`): a NaN or Inf among a peer's products is one in R (a_hi - a_lo), among its
+        uncompressed tensors one in their sum; a sum that is not finite is checked exactly before anything is
+        reported (finite elements can overflow a sum). Fills ``maybe_zero_columns`` (peer: whether a column of R
+        sums to 0). Returns the peers whose values are dropped under ``nonfinite`` (after its error or warning),
         and the peers whose edge's correction is skipped because R is not finite from this rank's own products
         (its replica diverged, or a product overflowed a float16 message): ``"raise"`` raises, naming this rank,
         ``"drop"`` warns and skips that correction, so that its own parameters stay as they are."""
         me, step, bad, own = self.comm.rank, round_.step, [], set()
         for peer, _, _, plan in round_.peers:
-            columns = plan.replaced.columns
-            values = column_extremes(plan.replaced, plan.received_exact if round_.exact else None)
-            products_finite = all(map(math.isfinite, values[: 2 * columns]))
-            own_fault = not products_finite and not all_finite_on_host([plan.sent_products])
-            if own_fault:
-                own.add(peer)
-            if (not products_finite and not own_fault) or (round_.exact and not all(map(math.isfinite, values[-2:]))):
+            replaced = plan.replaced
+            columns = replaced.columns
+            sums = column_sums(replaced, plan.received_exact if round_.exact else None)
+            maybe_zero_columns[peer] = 0.0 in sums[:columns]
+            if math.isfinite(sum(sums)):
+                continue
+            if not all_finite_on_host([replaced.incoming]):
+                if all_finite_on_host([plan.sent_products]):
+                    bad.append(peer)
+                else:
+                    own.add(peer)
+            if round_.exact and peer not in bad and not all_finite_on_host([plan.received_exact]):
                 bad.append(peer)
-            zero_columns[peer] = has_zero_column(values, columns)
         for peer in sorted(own):
             message = (
                 f"rank {me}: step {step}: this rank's own products for peer {peer} are not finite (NaN or Inf): its "

@@ -291,26 +291,27 @@ class EdgeState:
 
 @dataclass(frozen=True)
 class Replacement:
-    """Where a plan's R goes, planned once. R arrives in the message layout; ``incoming`` holds it in the layout
-    of the factor buffer it replaces (zero-padded: a buffer of its own, whose padding stays zero; the message
-    itself when no class pads), where each factor column is a row of a class's block, so that one reduction per
-    class finds every column's smallest and largest elements (for the warm-start rule, PowerGossip's step 4, and
-    the check for non-finite input), read on the host with the received uncompressed tensors' in one transfer."""
+    """Where a plan's R goes, planned once. ``incoming`` holds R in the layout of the factor buffer it replaces
+    (zero-padded: a buffer of its own, whose padding stays zero, into which R is computed; the message itself when
+    no class pads, where R is computed in the message layout), where each factor column is a row of a class's
+    block, so that one reduction per class sums every column (for the warm-start rule, PowerGossip's step 4, and
+    the check for non-finite input), read on the host with the received uncompressed tensors' sum in one
+    transfer."""
 
     flat: torch.Tensor  # the factor buffer R replaces
     incoming: torch.Tensor  # R laid out as ``flat``
     stored: list[torch.Tensor]  # per group: its factors' views in ``incoming`` (empty when ``incoming`` is R)
-    sources: list[torch.Tensor]  # per group: R's (count, r, rows) view in the message
-    # per class: incoming's and flat's (factor columns, class rows) blocks, and its columns' places in ``extremes``
-    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
-    # the factor columns' smallest elements in R, their largest, then the smallest and the largest of the received
-    # uncompressed tensors (when the plan's message carries them)
-    extremes: torch.Tensor
+    # per class: incoming's and flat's (factor columns, class rows) blocks, and its columns' places in ``sums``
+    blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # the factor columns' sums in R, then the received uncompressed tensors' sum (when the plan's message carries
+    # them), whose 0-dim view is ``exact_sum``
+    sums: torch.Tensor
+    exact_sum: torch.Tensor
 
     @property
     def columns(self) -> int:
         """The number of factor columns."""
-        return (self.extremes.numel() - 2) // 2
+        return self.sums.numel() - 1
 
 
 @dataclass(frozen=True)
@@ -321,18 +322,23 @@ class Plan:
     A right multiplication orthonormalises q and sends (X q)^T = q^T X^T; R replaces p. A left one
     orthonormalises p and sends (X^T p)^T = p^T X; R replaces q. The message is the products in the layout of
     the side R replaces, then, in a plan that carries them, the uncompressed tensors packed (else ``sent_exact``
-    and ``received_exact`` are empty); the difference R is computed into the received message in place. With a
+    and ``received_exact`` are empty); R is computed into the received products in place (unless they are rounded
+    or R's layout pads, see below). With a
     message dtype narrower than the parameters' (``PowerGossip(message_dtype=...)``), the products are taken in
     the parameters' dtype into ``difference``, rounded into ``sent_products``, and travel as a tensor of their own
-    before the pack (which keeps the parameters' dtype); R is then computed from the two rounded products into
-    ``difference``.
+    before the pack (which keeps the parameters' dtype); R is then computed from the two rounded products
+    (``rounded``). Where the factor buffer R replaces pads its factors, R is computed from the two products' group
+    views straight into that layout (``replaced.incoming``), not into the message.
     """
 
     messages: list[torch.Tensor]  # what is sent to the peer, and the receive buffers: one message, or with a
     inboxes: list[torch.Tensor]  # message dtype other than the parameters', the products and the uncompressed pack
     sent_products: torch.Tensor  # the products as sent and as received, in the message dtype
     received_products: torch.Tensor
-    difference: torch.Tensor  # R = a_hi - a_lo in the parameters' dtype: received_products itself, or a buffer
+    difference: torch.Tensor  # the products in the parameters' dtype, and R = a_hi - a_lo when no class pads
+    rounded: bool  # whether the products travel in a dtype narrower than the parameters' (see above)
+    sent_groups: list[torch.Tensor]  # per group: its (count, r, rows) block of sent_products and received_products
+    received_groups: list[torch.Tensor]
     sent_exact: torch.Tensor  # the uncompressed tensors: the pack, and each tensor in it
     sent_exact_parts: list[torch.Tensor]
     received_exact: torch.Tensor
@@ -344,9 +350,3 @@ class Plan:
     classes: list[tuple[torch.Tensor, torch.Tensor]]
     replaced: Replacement  # the factor R replaces, and the buffers of the warm-start rule
     exchange: PlannedExchange  # the messages to the edge's peer and the inboxes, checked once
-
-    @property
-    def rounded(self) -> bool:
-        """Whether the products travel in a dtype other than the parameters' (rounded into ``sent_products``, R
-        computed into ``difference`` from the two rounded products) rather than written over by R on arrival."""
-        return self.difference is not self.received_products
