@@ -5,6 +5,7 @@ Also: a communication error inside the training loop says at which training step
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 
@@ -164,6 +165,33 @@ def test_under_drop_a_rank_whose_own_products_are_not_finite_leaves_its_paramete
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NonFiniteWarning)
         assert gossip.simulate(N, run) == [0, 1, 0, 0]
+
+
+def test_finite_values_whose_sums_overflow_are_not_reported_as_nonfinite():
+    """PowerGossip reads R's column sums and the uncompressed tensors' sum to find NaN and Inf; values near
+    float32's largest (2e37 to 8e37 here, of one sign) make some of those sums overflow although every value is
+    finite, and the exact check behind them must say so: no error, no dropped peer, every replica finite."""
+
+    def run(comm):
+        buckets, algorithm = local_model(comm.rank), PowerGossip(min_compression=1)
+        for bucket in buckets:
+            bucket.buffer.abs_().mul_(2e37 * (comm.rank + 1))
+        algorithm.setup(comm, topologies.ring(comm.size), buckets)
+        algorithm.step(0)
+        sums = [
+            value
+            for edge in algorithm.edges.values()
+            for plan in edge.plans.values()
+            for value in plan.replaced.sums.tolist()
+        ]
+        return sum(not math.isfinite(value) for value in sums), nonfinite_count(buckets)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = gossip.simulate(N, run)
+    assert not [w for w in caught if issubclass(w.category, NonFiniteWarning)]
+    assert all(overflowed > 0 for overflowed, _ in results), results  # the case is exercised on every rank
+    assert [count for _, count in results] == [0] * N
 
 
 def test_powergossip_keeps_exchanging_after_a_dropped_step():
