@@ -37,8 +37,8 @@ spent on zeros). Each edge plans each side's iteration once (both in :mod:`gossi
 its message, the products, updates and orthonormalisations as views of the buffers and of the buckets. One message
 per peer and iteration carries the products of every group, then (in the step's first iteration, see below) the
 uncompressed tensors of all buckets packed (one ``cat`` of views taken at setup, unpacked with one
-``_foreach_copy_``); the difference of the two ends' products is computed straight into the layout of the factors
-it replaces (padded, a row per factor column) with one ``_foreach`` copy and one subtraction, where one sum per
+``_foreach_copy_``); the difference of the two ends' products is one subtraction written over the received message,
+laid out as the factors it replaces with one ``_foreach_copy_`` (padded, a row per factor column), where one sum per
 class sums every column for the warm-start rule of step 4. So an iteration's operations -- on a GPU, kernel
 launches, whose fixed cost dominates at these sizes -- do not grow with the number of layers or of uncompressed
 tensors, except for the runs (keep the layers in few buckets), and no tensor is cut or allocated on the way. On CUDA
@@ -426,20 +426,19 @@ class PowerGossip(Algorithm):
         exact_numel = self._exact_numel if exact else 0
         sent = torch.empty(out.numel + exact_numel, dtype=self._dtype, device=self._device)
         received = torch.empty_like(sent)
-        if self._message_dtype == self._dtype:  # one message; R is written over the received products (no padding)
+        if self._message_dtype == self._dtype:  # one message; R is written over the received products
             messages, inboxes = [sent], [received]
             sent_products, received_products = sent[: out.numel], received[: out.numel]
             difference = received_products
-        else:  # the products taken into sent's head, rounded into a message of their own (see Plan)
+        else:  # the products rounded into their own message; R computed into sent's head from the rounded two
             sent_products = torch.empty(out.numel, dtype=self._message_dtype, device=self._device)
             received_products = torch.empty_like(sent_products)
             messages = [sent_products, *([sent[out.numel :]] if exact else [])]
             inboxes = [received_products, *([received[out.numel :]] if exact else [])]
             difference = sent[: out.numel]
         groups, stacks = self.groups, (edge.qt_stacks if right else edge.pt_stacks)
-        replaced = self._replacement(edge.p_flat if right else edge.q_flat, out, difference)
-        # R's group views, for the update: in the factor buffer's (padded) layout, or in the message's
-        r_blocks = replaced.stored or out.stacks(difference, groups, r)
+        r_blocks = out.stacks(difference, groups, r)  # R's group views
+        replaced = self._replacement(edge.p_flat if right else edge.q_flat, out, difference, r_blocks)
         sent_blocks = out.stacks(sent[: out.numel], groups, r)
         products, updates = [], []
         for g, views in enumerate(self._views):
@@ -459,8 +458,6 @@ class PowerGossip(Algorithm):
             received_products,
             difference,
             difference is not received_products,
-            out.stacks(sent_products, groups, r),
-            out.stacks(received_products, groups, r),
             sent_exact,
             list(sent_exact.split(self._exact_sizes)) if exact else [],
             received[out.numel :],
@@ -473,9 +470,11 @@ class PowerGossip(Algorithm):
         )
         return plan
 
-    def _replacement(self, flat: torch.Tensor, side: Side, difference: torch.Tensor) -> Replacement:
-        """Where R goes: the factor buffer ``flat``, through a zero-padded buffer laid out as ``flat`` when ``side``
-        pads (R is computed into it), else through ``difference`` (R in the message layout of ``side``)."""
+    def _replacement(
+        self, flat: torch.Tensor, side: Side, difference: torch.Tensor, sources: list[torch.Tensor]
+    ) -> Replacement:
+        """Where R (``difference``, in the message layout of ``side``; ``sources`` its group views) goes: the factor
+        buffer ``flat``, through a zero-padded buffer laid out as ``flat`` when ``side`` pads."""
         if side.positions is None:  # the message's layout is the factor buffer's
             incoming, stored = difference, []
         else:
@@ -484,7 +483,7 @@ class PowerGossip(Algorithm):
         sums = flat.new_empty(side.columns + 1)
         per_class = sums[:-1].split([block.shape[0] for block in side.column_blocks(flat)])
         blocks = list(zip(side.column_blocks(incoming), side.column_blocks(flat), per_class, strict=True))
-        return Replacement(flat, incoming, stored, blocks, sums, sums[-1])
+        return Replacement(flat, incoming, stored, sources, blocks, sums, sums[-1])
 
     def _orthonormalize(self, plan: Plan) -> None:
         """Orthonormalise the factor ``plan`` multiplies with, in place: one batched call per class, on its
@@ -555,30 +554,25 @@ class PowerGossip(Algorithm):
             edge.iteration += 1  # a dropped peer: p and q stay as they were, the parity keeps step with the peer's
 
     def _difference(self, plan: Plan, low_end: bool) -> None:
-        """R = a_hi - a_lo into ``plan.replaced.incoming``, laid out as the factors it replaces; this rank is the
-        edge's low end or not. Identical on both ends from the same two operands. Where the factor buffer pads, R
-        is computed group by group from the two products' views straight into that layout (a copy, then a
-        subtraction, each one ``_foreach`` call); else written over the received products, or, from products
-        rounded to a narrower message dtype, into ``plan.difference``. Rounded products are widened exactly to the
-        parameters' dtype before they are subtracted (a copy, then a subtraction whose operands type promotion
-        widens; torch.sub of the two would subtract in the narrow dtype)."""
+        """R = a_hi - a_lo into ``plan.difference``, laid out as the factors it replaces (``plan.replaced``); this
+        rank is the edge's low end or not. Identical on both ends from the same two operands: written over the
+        received products, or, from products rounded to a narrower message dtype, computed in the parameters'
+        dtype from the two exactly widened (a copy, then a subtraction whose operands type promotion widens;
+        torch.sub of the two would subtract in the narrow dtype). Both run on the message as one piece, which is
+        cheaper than per group into the padded layout, even with the copy into it that follows."""
         if not self.groups:
             return
-        replaced = plan.replaced
-        if replaced.stored:
-            high, low = (
-                (plan.received_groups, plan.sent_groups) if low_end else (plan.sent_groups, plan.received_groups)
-            )
-            torch._foreach_copy_(replaced.stored, high)  # the padding stays 0
-            torch._foreach_sub_(replaced.stored, low)
-            return
-        high, low = (
-            (plan.received_products, plan.sent_products) if low_end else (plan.sent_products, plan.received_products)
-        )
+        if low_end:
+            high, low = plan.received_products, plan.sent_products
+        else:
+            high, low = plan.sent_products, plan.received_products
         if plan.rounded:
             plan.difference.copy_(high).sub_(low)
         else:
             torch.sub(high, low, out=plan.difference)
+        replaced = plan.replaced
+        if replaced.stored:
+            torch._foreach_copy_(replaced.stored, replaced.sources)  # laid out as the factors (the padding stays 0)
 
     def _check_on_host(self, round_: _Round, maybe_zero_columns: dict[int, bool]) -> tuple[set[int], set[int]]:
         """The non-finite check and the warm-start rule's question, from one host read per peer (see

@@ -291,16 +291,16 @@ class EdgeState:
 
 @dataclass(frozen=True)
 class Replacement:
-    """Where a plan's R goes, planned once. ``incoming`` holds R in the layout of the factor buffer it replaces
-    (zero-padded: a buffer of its own, whose padding stays zero, into which R is computed; the message itself when
-    no class pads, where R is computed in the message layout), where each factor column is a row of a class's
-    block, so that one reduction per class sums every column (for the warm-start rule, PowerGossip's step 4, and
-    the check for non-finite input), read on the host with the received uncompressed tensors' sum in one
-    transfer."""
+    """Where a plan's R goes, planned once. R arrives in the message layout; ``incoming`` holds it in the layout
+    of the factor buffer it replaces (zero-padded: a buffer of its own, whose padding stays zero; the message
+    itself when no class pads), where each factor column is a row of a class's block, so that one reduction per
+    class sums every column (for the warm-start rule, PowerGossip's step 4, and the check for non-finite input),
+    read on the host with the received uncompressed tensors' sum in one transfer."""
 
     flat: torch.Tensor  # the factor buffer R replaces
     incoming: torch.Tensor  # R laid out as ``flat``
     stored: list[torch.Tensor]  # per group: its factors' views in ``incoming`` (empty when ``incoming`` is R)
+    sources: list[torch.Tensor]  # per group: R's (count, r, rows) view in the message
     # per class: incoming's and flat's (factor columns, class rows) blocks, and its columns' places in ``sums``
     blocks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     # the factor columns' sums in R, then the received uncompressed tensors' sum (when the plan's message carries
@@ -322,23 +322,19 @@ class Plan:
     A right multiplication orthonormalises q and sends (X q)^T = q^T X^T; R replaces p. A left one
     orthonormalises p and sends (X^T p)^T = p^T X; R replaces q. The message is the products in the layout of
     the side R replaces, then, in a plan that carries them, the uncompressed tensors packed (else ``sent_exact``
-    and ``received_exact`` are empty); R is computed into the received products in place (unless they are rounded
-    or R's layout pads, see below). With a
+    and ``received_exact`` are empty); the difference R is computed into the received message in place. With a
     message dtype narrower than the parameters' (``PowerGossip(message_dtype=...)``), the products are taken in
     the parameters' dtype into ``difference``, rounded into ``sent_products``, and travel as a tensor of their own
-    before the pack (which keeps the parameters' dtype); R is then computed from the two rounded products
-    (``rounded``). Where the factor buffer R replaces pads its factors, R is computed from the two products' group
-    views straight into that layout (``replaced.incoming``), not into the message.
+    before the pack (which keeps the parameters' dtype); R is then computed from the two rounded products into
+    ``difference`` (``rounded``).
     """
 
     messages: list[torch.Tensor]  # what is sent to the peer, and the receive buffers: one message, or with a
     inboxes: list[torch.Tensor]  # message dtype other than the parameters', the products and the uncompressed pack
     sent_products: torch.Tensor  # the products as sent and as received, in the message dtype
     received_products: torch.Tensor
-    difference: torch.Tensor  # the products in the parameters' dtype, and R = a_hi - a_lo when no class pads
-    rounded: bool  # whether the products travel in a dtype narrower than the parameters' (see above)
-    sent_groups: list[torch.Tensor]  # per group: its (count, r, rows) block of sent_products and received_products
-    received_groups: list[torch.Tensor]
+    difference: torch.Tensor  # R = a_hi - a_lo in the parameters' dtype: received_products itself, or a buffer
+    rounded: bool  # whether the products travel in a dtype other than the parameters' (R computed into a buffer)
     sent_exact: torch.Tensor  # the uncompressed tensors: the pack, and each tensor in it
     sent_exact_parts: list[torch.Tensor]
     received_exact: torch.Tensor
