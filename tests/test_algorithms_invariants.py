@@ -249,7 +249,7 @@ def test_r_replaces_the_factors_but_for_its_columns_zero_throughout(rows, kept, 
     sums = torch.empty(4 + 1)
     views = [(incoming[:6].view(2, 3), flat[:6].view(2, 3)), (incoming[6:].view(2, 2), flat[6:].view(2, 2))]
     blocks = [(a, b, part) for (a, b), part in zip(views, sums[:4].split([2, 2]), strict=True)]
-    replaced = Replacement(flat, incoming, [], [], blocks, sums, sums[-1])
+    replaced = Replacement(flat, incoming, [], [], blocks, sums, sums[-1], 4)
     values = column_sums(replaced, torch.tensor([4.0, -7.0, 2.5]))
     assert values == [*(float(sum(row)) for row in rows), -0.5]
     assert (0.0 in values[:4]) == maybe

@@ -483,7 +483,7 @@ class PowerGossip(Algorithm):
         sums = flat.new_empty(side.columns + 1)
         per_class = sums[:-1].split([block.shape[0] for block in side.column_blocks(flat)])
         blocks = list(zip(side.column_blocks(incoming), side.column_blocks(flat), per_class, strict=True))
-        return Replacement(flat, incoming, stored, sources, blocks, sums, sums[-1])
+        return Replacement(flat, incoming, stored, sources, blocks, sums, sums[-1], side.columns)
 
     def _orthonormalize(self, plan: Plan) -> None:
         """Orthonormalise the factor ``plan`` multiplies with, in place: one batched call per class, on its
@@ -598,6 +598,8 @@ class PowerGossip(Algorithm):
                     own.add(peer)
             if round_.exact and peer not in bad and not all_finite_on_host([plan.received_exact]):
                 bad.append(peer)
+        if not (bad or own):
+            return set(), own
         for peer in sorted(own):
             message = (
                 f"rank {me}: step {step}: this rank's own products for peer {peer} are not finite (NaN or Inf): its "

@@ -307,11 +307,7 @@ class Replacement:
     # them), whose 0-dim view is ``exact_sum``
     sums: torch.Tensor
     exact_sum: torch.Tensor
-
-    @property
-    def columns(self) -> int:
-        """The number of factor columns."""
-        return self.sums.numel() - 1
+    columns: int  # the number of factor columns
 
 
 @dataclass(frozen=True)
