@@ -319,8 +319,14 @@ def test_a_deferred_check_inside_periodic_average_names_the_training_step():
 
 
 def test_a_float16_message_that_overflows_is_named_with_the_remedy():
-    """A finite parameter of 1e6 makes a product beyond float16's 65504: the peer receives Inf, and the error names
-    the sender and the overflow, with bfloat16 as the remedy."""
+    """A finite parameter of 1e8 makes products beyond float16's 65504: the peers receive Inf and name the sender,
+    the sender finds its own products non-finite and names itself, each error with the overflow and bfloat16 as the
+    remedy. (Each rank's error is caught where it is raised, at the last step, after every exchange completed: a
+    rank that raised first could otherwise fail its peers' waits before they read what they received.)"""
     make = lambda: PowerGossip(rank=1, min_compression=1, message_dtype=torch.float16)  # noqa: E731
-    with pytest.raises(NonFiniteError, match=r"peer 1 sent non-finite values.*overflowed PowerGossip's float16"):
-        gossip.simulate(N, steps_with_a_bad_peer, make, 1, 1e6)
+    errors = gossip.simulate(N, error_of, make, 2, 1e8)
+    remedy = r".*overflowed PowerGossip's float16 messages .*message_dtype=torch.bfloat16"
+    for rank in (0, 2):
+        assert re.match(rf"rank {rank}: step 2: peer 1 sent non-finite values{remedy}", errors[rank]), errors
+    assert re.match(rf"rank 1: step 2: this rank's own products for peer [02] are not finite{remedy}", errors[1])
+    assert errors[3] is None
