@@ -608,6 +608,7 @@ def suite(name: str) -> list[RunConfig]:
     d: dict[str, Any] = {}
     short = {"steps": 300}
     main_job = {"workers": 4, "batch": 16, "steps": 300}  # gossip-train's n = 4 and batch 16; 300 of its 500 steps
+    many = {"workers": 16, "batch": 1}
     return [
         c("ddp", algorithm="ddp", **d),
         c("pg1", spectrum=True, **d),
@@ -695,6 +696,12 @@ def suite(name: str) -> list[RunConfig]:
         c("exact-sharedv32", algorithm="exact", optimizer="shared-v-adamw", v_every=32, **d),
         c("mj-pg4-it2-fp16", rank=4, iterations=2, message_dtype="float16", **main_job),
         c("mj-pg4-it2-bf16", rank=4, iterations=2, message_dtype="bfloat16", **main_job),
+        # AccumAdamW nearer its own regime: 16 workers with one sequence each (the global batch of one main-job
+        # worker), accum n/4 and n/2 with beta2 raised, against AdamW on the same exact gossip and DDP
+        c("n16b1-ddp", algorithm="ddp", **many),
+        c("n16b1-exact", algorithm="exact", **many),
+        c("n16b1-exact-accum4", algorithm="exact", optimizer="accum-adamw", accum_iter=4, beta2=0.99, **many),
+        c("n16b1-exact-accum8", algorithm="exact", optimizer="accum-adamw", accum_iter=8, beta2=0.99, **many),
     ]
 
 
