@@ -28,8 +28,11 @@ GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv")
 ALARMS = ("terminate called", "Traceback", "ChildFailedError", "SIGABRT")
 
 
-def torchrun(out_dir: Path, mode: str, timeout: float = 180.0) -> subprocess.CompletedProcess:
+def torchrun(
+    out_dir: Path, mode: str, timeout: float = 180.0, monitor_interval: float = 0.1
+) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}"]
+    command += [f"--monitor-interval={monitor_interval}"]
     command += [str(REPO / "tests" / "helpers" / "lifecycle_worker.py"), str(out_dir), mode]
     return subprocess.run(command, env=_env({}), capture_output=True, text=True, timeout=timeout)
 
@@ -86,7 +89,10 @@ def test_a_script_that_never_closes_exits_zero_with_no_gloo_thread_left(tmp_path
 
 @pytest.mark.multiprocess
 def test_the_same_uncaught_exception_on_every_rank_exits_1_with_tracebacks_and_no_abort(tmp_path):
-    job = torchrun(tmp_path, "raise")
+    # torchrun SIGTERMs the other workers at its first look after one has failed (every 0.1 s by default); the
+    # ranks raise within a step of each other, but on a loaded 2-core machine one was once terminated before it
+    # reached its raise. Looking every 2 s lets every rank print its own traceback.
+    job = torchrun(tmp_path, "raise", monitor_interval=2.0)
     output = job.stdout + job.stderr
     assert job.returncode == 1, output
     for rank in range(N):
