@@ -702,6 +702,18 @@ def suite(name: str) -> list[RunConfig]:
         c("n16b1-exact", algorithm="exact", **many),
         c("n16b1-exact-accum4", algorithm="exact", optimizer="accum-adamw", accum_iter=4, beta2=0.99, **many),
         c("n16b1-exact-accum8", algorithm="exact", optimizer="accum-adamw", accum_iter=8, beta2=0.99, **many),
+        # and 4x longer (warm-up as gossip-train's: steps // 10, at most 100): does the deficit shrink with steps?
+        c("n16b1-exact-s4000", algorithm="exact", steps=4000, warmup=100, **many),
+        c(
+            "n16b1-exact-accum4-s4000",
+            algorithm="exact",
+            optimizer="accum-adamw",
+            accum_iter=4,
+            beta2=0.99,
+            steps=4000,
+            warmup=100,
+            **many,
+        ),
     ]
 
 
