@@ -169,8 +169,8 @@ def test_under_drop_a_rank_whose_own_products_are_not_finite_leaves_its_paramete
 
 def test_finite_values_whose_sums_overflow_are_not_reported_as_nonfinite():
     """PowerGossip reads R's column sums and the uncompressed tensors' sum to find NaN and Inf; values near
-    float32's largest (2e37 to 8e37 here, of one sign) make some of those sums overflow although every value is
-    finite, and the exact check behind them must say so: no error, no dropped peer, every replica finite."""
+    float32's largest (of one sign, scaled by 2e37 to 8e37 here) make some of those sums overflow although every
+    value is finite, and the exact check behind them must say so: no error, no dropped peer, every replica finite."""
 
     def run(comm):
         buckets, algorithm = local_model(comm.rank), PowerGossip(min_compression=1)
