@@ -144,6 +144,12 @@ METHODS = ("qr", "gram-schmidt")
 MESSAGE_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def default_method(device: torch.device) -> str:
+    """The orthonormalisation :func:`orthonormalize` uses on ``device`` when none is given: QR on the CPU,
+    Gram-Schmidt elsewhere (see :func:`orthonormalize` for why)."""
+    return "qr" if device.type == "cpu" else "gram-schmidt"
+
+
 def orthonormalize(
     matrix: torch.Tensor, eps: float = 1e-8, dtype: torch.dtype | None = None, method: str | None = None
 ) -> torch.Tensor:
@@ -165,7 +171,7 @@ def orthonormalize(
     give equal outputs, which is what keeps both ends of an edge bit-identical.
     """
     if method is None:
-        method = "qr" if matrix.device.type == "cpu" else "gram-schmidt"
+        method = default_method(matrix.device)
     if method == "gram-schmidt":
         return gram_schmidt(matrix, eps, dtype or torch.float64)
     work = matrix.to(dtype or (torch.float64 if matrix.dtype == torch.float64 else torch.float32))
@@ -184,7 +190,7 @@ def orthonormalize_(
     column-major batch in place (PowerGossip stores its factors transposed, so their ``mT`` views are column-major),
     which saves copying a new Q back -- on the CPU at these sizes an operation costs more than its arithmetic.
     Otherwise the result is computed aside and copied back."""
-    method = method or ("qr" if matrix.device.type == "cpu" else "gram-schmidt")
+    method = method or default_method(matrix.device)
     work_dtype = dtype or (torch.float64 if matrix.dtype == torch.float64 else torch.float32)
     if method == "qr" and work_dtype == matrix.dtype:
         if triangle is None:
@@ -378,8 +384,7 @@ class PowerGossip(Algorithm):
         on_cuda = any(bucket.buffer.is_cuda for bucket in buckets)
         self._pad_ratio = self.pad_ratio if self.pad_ratio is not None else PAD_RATIO if on_cuda else CPU_PAD_RATIO
         self._layouts: dict[int, Layout] = {}  # per rank r
-        # the method orthonormalize_ would choose for these buckets' device, chosen once
-        self._orthonormalization = self.orthonormalization or ("qr" if self._device.type == "cpu" else "gram-schmidt")
+        self._orthonormalization = self.orthonormalization or default_method(self._device)  # chosen once
         for edge in self.edges.values():  # bound again: plans hold views of the previous binding's buckets
             edge.plans.clear()
 
