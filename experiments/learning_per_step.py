@@ -360,17 +360,16 @@ def make_optimizer(config: RunConfig, module: torch.nn.Module) -> torch.optim.Op
     groups = optim.param_groups(module, 0.1)
     if config.optimizer == "sgd":
         return optim.SGD(groups, lr=config.lr, momentum=0.9, nesterov=True)
+    adam = {"lr": config.lr, "betas": (config.beta1, config.beta2), "eps": 1e-8}
     if config.optimizer == "debiased-adamw":
-        return NoiseDebiasedAdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8, workers=config.workers)
+        return NoiseDebiasedAdamW(groups, **adam, workers=config.workers)
     if config.optimizer == "shared-v-adamw":
-        return SharedSecondMomentAdamW(
-            groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8, every=config.v_every, floor=config.workers
-        )
+        return SharedSecondMomentAdamW(groups, **adam, every=config.v_every, floor=config.workers)
     if config.optimizer == "smoothed-v-adamw":
         v_beta = config.v_beta if config.v_beta >= 0 else (config.workers - 1) / (config.workers + 1)
-        return SmoothedSecondMomentAdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8, v_beta=v_beta)
+        return SmoothedSecondMomentAdamW(groups, **adam, v_beta=v_beta)
     accum = config.accum_iter if config.optimizer == "accum-adamw" else 1
-    return optim.AccumAdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8, accum_iter=accum)
+    return optim.AccumAdamW(groups, **adam, accum_iter=accum)
 
 
 def capture_shares(difference: torch.Tensor, ranks: tuple[int, ...] = SPECTRUM_RANKS) -> tuple[list[float], float]:

@@ -18,6 +18,7 @@ from experiments.learning_per_step import (
     SharedSecondMomentAdamW,
     SmoothedSecondMomentAdamW,
     capture_shares,
+    make_optimizer,
     spectrum_rows,
     train_run,
 )
@@ -275,3 +276,13 @@ def test_adapt_then_combine_keeps_the_replicas_identical_at_ddps_bytes():
     assert summary["final_consensus"] == 0.0
     assert summary["bytes_per_worker_per_step"] == summary["ddp_bytes_per_worker_per_step"]
     assert math.isfinite(summary["final_train_loss"])
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "accum-adamw", "debiased-adamw", "smoothed-v-adamw", "shared-v-adamw"])
+def test_every_adam_of_the_study_takes_the_configured_betas(optimizer):
+    """A configuration's beta1 and beta2 reach the optimizer it names, whichever it is (the betas study compares
+    runs that differ in nothing else)."""
+    module = torch.nn.Linear(4, 3)
+    config = RunConfig(name="betas", optimizer=optimizer, beta1=0.8, beta2=0.99, accum_iter=2)
+    groups = make_optimizer(config, module).param_groups
+    assert {group["betas"] for group in groups} == {(0.8, 0.99)}
