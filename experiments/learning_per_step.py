@@ -70,6 +70,13 @@ import torch
 import gossip
 import optim
 import topologies
+from experiments.learning_per_step_mixing import ChocoTopK, NoMixing
+from experiments.learning_per_step_optimizers import (
+    NoiseDebiasedAdamW,
+    SharedSecondMomentAdamW,
+    SmoothedSecondMomentAdamW,
+)
+from experiments.learning_per_step_spectrum import spectrum_rows
 from gossip.algorithms.base import Algorithm
 from gossip.app.corpus import ShardedBatches, load_corpus, validation_batches
 from gossip.app.gpt import GPT, GPTConfig
@@ -79,7 +86,6 @@ from gossip.consensus import exact_consensus_sq
 RESULTS = Path(__file__).resolve().parent / "results" / "learning_per_step"
 RECORD_EVERY = 10
 SPECTRUM_STEPS = (10, 100, 300, 1000)
-SPECTRUM_RANKS = (1, 4, 16)
 EVAL_BATCHES = 8
 FINAL_TAIL_STEPS = 50  # final_train_loss: the mean over ranks and over the last this many steps
 
@@ -116,83 +122,6 @@ class RunConfig:
         return ", ".join(f"{k}={v}" for k, v in fields.items() if k != "name" and v != defaults[k])
 
 
-# -- mixing rules that the library does not have (harness-level, for the study) --------------------------------
-class NoMixing(Algorithm):
-    """No communication: every rank keeps its own replica (the drift that mixing has to remove)."""
-
-    name = "none"
-
-    def start(self, step: int) -> None:
-        self._begin_step()
-
-    def finish(self, pending: None) -> None:
-        return None
-
-
-class ChocoTopK(Algorithm):
-    r"""CHOCO-Gossip with top-k compression on a static symmetric schedule (Koloskova et al., ICML 2019, Alg. 1).
-
-    Each rank keeps public copies :math:`\hat x_j` of itself and of its neighbours (identical on every rank that
-    holds them). Per step: :math:`q_i = \mathrm{top}_k(x_i - \hat x_i)` is sent to the neighbours (values float32 +
-    indices int32); every holder adds :math:`q_j` to :math:`\hat x_j`; then
-    :math:`x_i \leftarrow x_i + \gamma \sum_j W_{ij} (\hat x_j - \hat x_i)`. What top-k leaves out stays in
-    :math:`x_i - \hat x_i` and is sent later (error feedback). With symmetric W the sum over ranks is preserved.
-    """
-
-    name = "choco"
-    needs_symmetric_schedule = True
-
-    def __init__(self, fraction: float, gamma: float):
-        if not 0 < fraction <= 1:
-            raise ValueError(f"ChocoTopK: fraction must be in (0, 1], got {fraction}")
-        if not gamma > 0:
-            raise ValueError(f"ChocoTopK: gamma must be positive, got {gamma}")
-        self.fraction, self.gamma = fraction, gamma
-
-    def setup(self, comm, schedule, buckets) -> None:
-        super().setup(comm, schedule, buckets)
-        view = schedule.peers(comm.rank, 0)
-        for t in range(1, schedule.period or 1):
-            if schedule.peers(comm.rank, t).in_peers != view.in_peers:
-                raise ValueError(f"ChocoTopK needs a static schedule; rank {comm.rank}'s peers change at step {t}")
-        self.neighbours = view.in_peers
-        # x_hat = 0 on every holder (Alg. 1's initialisation): identical everywhere whatever the replicas hold
-        self.public = {p: [torch.zeros_like(b.buffer) for b in buckets] for p, _ in (*view.in_peers, (comm.rank, 1))}
-
-    def start(self, step: int) -> tuple[list, list]:
-        self._begin_step()
-        own, sends, recvs, received = self.public[self.comm.rank], [], [], []
-        mine = []
-        for bucket, public in zip(self.buckets, own, strict=True):
-            residual = bucket.buffer - public
-            k = max(1, math.ceil(self.fraction * residual.numel()))
-            indices = residual.abs().topk(k, sorted=False).indices
-            mine.append((indices.to(torch.int32), residual[indices].clone()))
-        for peer, _ in self.neighbours:
-            incoming = []
-            for indices, values in mine:
-                sends += [(peer, indices), (peer, values)]
-                pair = (torch.empty_like(indices), torch.empty_like(values))
-                recvs += [(peer, pair[0]), (peer, pair[1])]
-                incoming.append(pair)
-            received.append(incoming)
-        return mine, [self._exchange(sends, recvs, step), received]
-
-    def finish(self, pending: tuple[list, list]) -> None:
-        mine, (handle, received) = pending
-        self._wait(handle)
-        updates = [(self.comm.rank, mine)] + [(p, r) for (p, _), r in zip(self.neighbours, received, strict=True)]
-        for peer, pairs in updates:
-            for public, (indices, values) in zip(self.public[peer], pairs, strict=True):
-                public.index_add_(0, indices.long(), values)
-        own = self.public[self.comm.rank]
-        for index, bucket in enumerate(self.buckets):
-            correction = torch.zeros_like(bucket.buffer)
-            for peer, weight in self.neighbours:
-                correction.add_(self.public[peer][index] - own[index], alpha=weight)
-            bucket.buffer.add_(correction, alpha=self.gamma)
-
-
 # -- one run --------------------------------------------------------------------------------------------------
 def make_algorithm(config: RunConfig) -> Algorithm:
     if config.algorithm == "none":
@@ -217,145 +146,6 @@ def make_schedule(config: RunConfig) -> topologies.Schedule:
     return topologies.one_peer_hypercube(config.workers)
 
 
-class _StudyAdamW(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay, per-tensor loop) whose bias-corrected second moment :meth:`second_moment`
-    gives; state m, v and one more buffer, ``extra``, per parameter. For the study's variants."""
-
-    extra = "s"
-
-    def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float) -> None:
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
-
-    def second_moment(self, state: dict, g: torch.Tensor, beta2: float) -> torch.Tensor:
-        """Advance the second-moment state with gradient ``g`` (before m moves) and return its estimate."""
-        raise NotImplementedError
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["m"], state["v"], state[self.extra] = (torch.zeros_like(p) for _ in range(3))
-                state["step"] += 1
-                estimate = self.second_moment(state, p.grad, beta2)
-                state["m"].lerp_(p.grad, 1 - beta1)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.addcdiv_(
-                    state["m"], estimate.sqrt_().add_(group["eps"]), value=-group["lr"] / (1 - beta1 ** state["step"])
-                )
-
-
-class NoiseDebiasedAdamW(_StudyAdamW):
-    r"""AdamW whose second moment estimates that of the mean gradient over ``workers``, from local statistics only
-    (harness-level, for the study).
-
-    A worker's gradient :math:`g_i = g + \xi_i` (noise variance :math:`\sigma^2` per coordinate) has
-    :math:`E[g_i^2] = g^2 + \sigma^2`, while DDP's Adam, fed the mean over n workers, sees
-    :math:`E[\bar g^2] = g^2 + \sigma^2 / n`: a decentralized Adam divides the noisy coordinates by a
-    denominator up to :math:`\sqrt n` too large. With :math:`s`, the EMA (rate :math:`\beta_2`) of the squared
-    prediction error :math:`(g_i - m_i)^2` -- AdaBelief's statistic (Zhuang et al., NeurIPS 2020), about
-    :math:`\sigma^2` where m tracks g -- the update divides by the square root of
-
-    .. math::  \hat v = \max\big(v - (1 - 1/n)\, s,\; v / n\big)
-
-    (bias-corrected like v), an estimate of :math:`g^2 + \sigma^2/n`. Decoupled weight decay as AdamW.
-    """
-
-    def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, workers: int) -> None:
-        super().__init__(params, lr, betas, eps)
-        self.workers = workers
-
-    def second_moment(self, state: dict, g: torch.Tensor, beta2: float) -> torch.Tensor:
-        m, v, s = state["m"], state["v"], state["s"]
-        s.mul_(beta2).addcmul_(g - m, g - m, value=1 - beta2)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        shrink = 1.0 - 1.0 / self.workers
-        return torch.maximum(v - shrink * s, v / self.workers).div_(1 - beta2 ** state["step"])
-
-
-class SmoothedSecondMomentAdamW(_StudyAdamW):
-    r"""AdamW whose second moment is taken of a short EMA of the local gradients rather than of the gradient itself
-    (harness-level, for the study).
-
-    A worker's gradient :math:`g_i = g + \xi_i` (iid noise of variance :math:`\sigma^2` per coordinate and step)
-    makes :math:`E[g_i^2] = g^2 + \sigma^2`, while DDP's Adam, fed the mean of n workers' gradients, sees
-    :math:`E[\bar g^2] = g^2 + \sigma^2/n`. An EMA :math:`u \leftarrow \beta_u u + (1-\beta_u) g_i` has stationary
-    noise variance :math:`\frac{1-\beta_u}{1+\beta_u}\sigma^2`, which equals :math:`\sigma^2/n` at
-    :math:`\beta_u = \frac{n-1}{n+1}`: averaging over time stands in for averaging over workers (the idea of
-    AccumAdam, Wang et al., ICLR 2025, Sec. 3, without freezing the moments between rounds). Then
-    :math:`v \leftarrow \beta_2 v + (1-\beta_2)\hat u^2` with :math:`\hat u = u/(1-\beta_u^t)`, and the update is
-    AdamW's :math:`-\mathrm{lr}\,\hat m/(\sqrt{\hat v}+\epsilon)`. ``v_beta = β1`` gives AdaMomentum's
-    :math:`v = \mathrm{EMA}(m^2)` (Wang et al., "Rethinking Adam", 2021).
-    """
-
-    extra = "u"
-
-    def __init__(self, params: Any, lr: float, betas: tuple[float, float], eps: float, v_beta: float) -> None:
-        super().__init__(params, lr, betas, eps)
-        self.v_beta = v_beta
-
-    def second_moment(self, state: dict, g: torch.Tensor, beta2: float) -> torch.Tensor:
-        t, v, u = state["step"], state["v"], state["u"]
-        u.lerp_(g, 1 - self.v_beta)
-        smoothed = u / (1 - self.v_beta**t)
-        v.mul_(beta2).addcmul_(smoothed, smoothed, value=1 - beta2)
-        return v / (1 - beta2**t)
-
-
-class SharedSecondMomentAdamW(_StudyAdamW):
-    r"""AdamW whose second moment is that of the mean gradient over all workers, sampled every K steps and the same
-    on every rank; the first moment stays local (harness-level, for the study).
-
-    With one v on every rank the update :math:`-\mathrm{lr}\,\hat m_i/(\sqrt{\hat v}+\epsilon)` is linear in
-    the local first moment, so the mean of the workers' updates is the update of the mean gradient's first moment --
-    DDP's AdamW step -- where each worker dividing by its own :math:`E[g_i^2] = g^2 + \sigma^2` is not (the
-    per-worker-Adam floor of experiments/README.md). Every K-th step the harness all-reduces a copy of the
-    gradients (:meth:`sample`: :math:`2\frac{n-1}{n} M / K` bytes per worker per step on average) and the shared
-    estimate advances with the square of the mean, at the rate :math:`\beta_2^K` per sample (the same time
-    constant in steps); between samples it stays. A coordinate whose mean gradient was zero at the last sample (an
-    embedding row no batch touched) would then be divided by zero until the next, so the estimate is floored by
-    :math:`v_i / n`, the worker's own second moment (kept every step) divided by n: the mean gradient's second
-    moment where the workers' gradients are independent noise (``floor=n``; None: no floor). Bias-corrected over
-    the samples taken (the floor over the steps). Sampled every step from its own gradient, it is AdamW.
-    """
-
-    extra = "shared"  # the shared estimate: m, v (the worker's own, for the floor) and it, as _StudyAdamW makes them
-
-    def __init__(
-        self, params: Any, lr: float, betas: tuple[float, float], eps: float, every: int, floor: int | None
-    ) -> None:
-        super().__init__(params, lr, betas, eps)
-        self.every, self.floor = every, floor  # floor: n, or None for none
-
-    def sample(self, means: dict[torch.Tensor, torch.Tensor]) -> None:
-        """Take the mean gradient of each parameter (keyed by the parameter) for the next step's estimate."""
-        for group in self.param_groups:
-            rate = group["betas"][1] ** self.every
-            for p in group["params"]:
-                if p not in means:
-                    continue
-                state = self.state[p]
-                if not state:  # sampled before its first step: the state _StudyAdamW.step would make
-                    state["step"] = 0
-                    state["m"], state["v"], state["shared"] = (torch.zeros_like(p) for _ in range(3))
-                state["shared"].mul_(rate).addcmul_(means[p], means[p], value=1 - rate)
-                state["samples"] = state.get("samples", 0) + 1
-
-    def second_moment(self, state: dict, g: torch.Tensor, beta2: float) -> torch.Tensor:
-        v = state["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        if not state.get("samples"):  # no sample yet: the worker's own
-            return v / (1 - beta2 ** state["step"])
-        shared = state["shared"] / (1 - (beta2**self.every) ** state["samples"])
-        if self.floor is None:
-            return shared
-        return torch.maximum(shared, v / ((1 - beta2 ** state["step"]) * self.floor))
-
-
 def make_optimizer(config: RunConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
     groups = optim.param_groups(module, 0.1)
     if config.optimizer == "sgd":
@@ -370,77 +160,6 @@ def make_optimizer(config: RunConfig, module: torch.nn.Module) -> torch.optim.Op
         return SmoothedSecondMomentAdamW(groups, **adam, v_beta=v_beta)
     accum = config.accum_iter if config.optimizer == "accum-adamw" else 1
     return optim.AccumAdamW(groups, **adam, accum_iter=accum)
-
-
-def capture_shares(difference: torch.Tensor, ranks: tuple[int, ...] = SPECTRUM_RANKS) -> tuple[list[float], float]:
-    """Energy share of ``difference`` that its best rank-r approximation keeps, per r, and its stable rank.
-
-    share_r = sum_{k<r} s_k^2 / sum_k s_k^2 (Eckart-Young: the largest share any rank-r projection can capture);
-    stable rank = ||D||_F^2 / ||D||_2^2, between 1 (rank one) and min(m, k) (flat spectrum).
-    """
-    singular = torch.linalg.svdvals(difference.to(torch.float64))
-    energy = singular.square()
-    total = float(energy.sum())
-    if total == 0.0:
-        return [1.0 for _ in ranks], 1.0
-    cumulative = energy.cumsum(0)
-    shares = [float(cumulative[min(r, len(energy)) - 1]) / total for r in ranks]
-    return shares, total / float(energy[0])
-
-
-def spectrum_rows(
-    config: RunConfig, seed: int, step: int, replicas: list[dict[str, torch.Tensor]], algorithm: Algorithm | None
-) -> list[dict]:
-    """Rank-r capture and stable rank of the replica differences, summed over the weight matrices by energy
-    (share = sum over matrices of captured energy / total energy), for three differences:
-
-    * ``pair``: X_0 - X_1;
-    * ``to_mean``: X_0 - mean_i X_i;
-    * ``next_edge`` (PowerGossip only): X_p - X_0 for rank 0's peer p of the next step, with ``pg_captured`` the
-      energy share that edge's warm-started factor (orthonormalised by the exchange already posted) captures:
-      ||D Q||^2 / ||D||^2 (right multiplication) or ||D^T P||^2 / ||D||^2 (left) -- what the next power
-      iteration removes, against the best rank-r share in ``share_r<r>``.
-    """
-    rows = []
-    mean = {name: torch.stack([r[name] for r in replicas]).mean(0) for name in replicas[0]}
-    differences = [("pair", replicas[1], None), ("to_mean", mean, None)]
-    inner = algorithm  # a bare PowerGossip only: inside PeriodicAverage its steps are numbered differently
-    if isinstance(inner, gossip.PowerGossip) and inner.matrices:
-        peer = inner.schedule.peers(0, step).in_peers[0][0]  # the exchange of step index `step` is in flight
-        edge = inner.edges[(0, peer)]
-        right = edge.iteration % 2 == 1
-        differences.append(("next_edge", replicas[peer], (inner, edge, right)))
-    for kind, other, powergossip in differences:
-        captured, total, stable, pg_energy = [0.0] * len(SPECTRUM_RANKS), 0.0, [], 0.0
-        for name, x0 in replicas[0].items():
-            difference = (x0 - other[name]).double()
-            shares, stable_rank = capture_shares(difference)
-            energy = float(difference.square().sum())
-            total += energy
-            captured = [c + s * energy for c, s in zip(captured, shares, strict=True)]
-            stable.append(stable_rank)
-        if powergossip is not None:
-            inner, edge, right = powergossip
-            total = 0.0  # over the compressed matrices only, as the factors cover them
-            captured = [0.0] * len(SPECTRUM_RANKS)
-            for i, matrix in enumerate(inner.matrices):
-                difference = (replicas[0][matrix.entry.name] - other[matrix.entry.name]).double()
-                difference = difference.reshape(matrix.m, matrix.k)
-                factor = (edge.q if right else edge.p)[i].double().cpu()
-                projected = difference @ factor if right else difference.T @ factor
-                pg_energy += float(projected.square().sum())
-                energy = float(difference.square().sum())
-                shares, _ = capture_shares(difference)
-                captured = [c + s * energy for c, s in zip(captured, shares, strict=True)]
-                total += energy
-        row = {"config": config.name, "seed": seed, "step": step, "kind": kind, "norm": math.sqrt(total)}
-        for r, c in zip(SPECTRUM_RANKS, captured, strict=True):
-            row[f"share_r{r}"] = c / total if total else 1.0
-        row["stable_rank_mean"] = sum(stable) / len(stable)
-        row["max_rank"] = max(min(x.shape) for x in replicas[0].values())
-        row["pg_captured"] = pg_energy / total if powergossip is not None and total else math.nan
-        rows.append(row)
-    return rows
 
 
 def _average_in_place(tensors: list[torch.Tensor], comm: gossip.Communicator) -> None:
@@ -564,7 +283,7 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
                 named = {n: p.detach().cpu().clone() for n, p in module.named_parameters() if p.ndim == 2}
                 replicas = comm.all_gather_object(named)
                 if comm.rank == 0:
-                    spectrum += spectrum_rows(config, seed, step + 1, replicas, algorithm)
+                    spectrum += spectrum_rows(config.name, seed, step + 1, replicas, algorithm)
         val = _averaged_validation(module, comm, held_out)
         if not all_reduce_run:
             wrapped.close()

@@ -11,18 +11,15 @@ import torch
 
 import gossip
 import topologies
-from experiments.learning_per_step import (
-    ChocoTopK,
+from experiments.learning_per_step import RunConfig, make_optimizer, train_run
+from experiments.learning_per_step_mixing import ChocoTopK
+from experiments.learning_per_step_optimizers import (
     NoiseDebiasedAdamW,
-    RunConfig,
     SharedSecondMomentAdamW,
     SmoothedSecondMomentAdamW,
-    capture_shares,
-    make_optimizer,
-    spectrum_rows,
-    train_run,
 )
 from experiments.learning_per_step_report import config_table, steps_to_target
+from experiments.learning_per_step_spectrum import capture_shares, spectrum_rows
 from gossip.buckets import pack
 
 
@@ -76,7 +73,7 @@ def _next_edge(comm):
     algorithm.step(0)
     pending = algorithm.start(1)  # the next exchange, posted: its factor is the one the measurement reads
     replicas = comm.all_gather_object({"w": buckets[0].buffer.view(24, 12).clone()})
-    rows = spectrum_rows(RunConfig(name="t"), 0, 1, replicas, algorithm) if comm.rank == 0 else []
+    rows = spectrum_rows("t", 0, 1, replicas, algorithm) if comm.rank == 0 else []
     algorithm.finish(pending)
     after = comm.all_gather_object(buckets[0].buffer.clone())
     return rows, replicas, after
