@@ -455,6 +455,7 @@ def suite(name: str) -> list[RunConfig]:
             **many,
         ),
         # and 10x longer, the length of the runs AccumAdam was made for: does the deficit close, or turn into a gain?
+        c("n16b1-ddp-s10000", algorithm="ddp", steps=10000, warmup=100, **many),
         c("n16b1-exact-s10000", algorithm="exact", steps=10000, warmup=100, **many),
         c(
             "n16b1-exact-accum4-s10000",
