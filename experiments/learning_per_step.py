@@ -328,6 +328,7 @@ def suite(name: str) -> list[RunConfig]:
     short = {"steps": 300}
     main_job = {"workers": 4, "batch": 16, "steps": 300}  # gossip-train's n = 4 and batch 16; 300 of its 500 steps
     many = {"workers": 16, "batch": 1}
+    accum4 = {"optimizer": "accum-adamw", "accum_iter": 4, "beta2": 0.99}  # AccumAdamW as its paper sets it at n = 16
     return [
         c("ddp", algorithm="ddp", **d),
         c("pg1", spectrum=True, **d),
@@ -440,33 +441,15 @@ def suite(name: str) -> list[RunConfig]:
         # worker), accum n/4 and n/2 with beta2 raised, against AdamW on the same exact gossip and DDP
         c("n16b1-ddp", algorithm="ddp", **many),
         c("n16b1-exact", algorithm="exact", **many),
-        c("n16b1-exact-accum4", algorithm="exact", optimizer="accum-adamw", accum_iter=4, beta2=0.99, **many),
-        c("n16b1-exact-accum8", algorithm="exact", optimizer="accum-adamw", accum_iter=8, beta2=0.99, **many),
+        c("n16b1-exact-accum4", algorithm="exact", **accum4, **many),
+        c("n16b1-exact-accum8", algorithm="exact", **dict(accum4, accum_iter=8), **many),
         # and 4x longer (warm-up as gossip-train's: steps // 10, at most 100): does the deficit shrink with steps?
         c("n16b1-exact-s4000", algorithm="exact", steps=4000, warmup=100, **many),
-        c(
-            "n16b1-exact-accum4-s4000",
-            algorithm="exact",
-            optimizer="accum-adamw",
-            accum_iter=4,
-            beta2=0.99,
-            steps=4000,
-            warmup=100,
-            **many,
-        ),
+        c("n16b1-exact-accum4-s4000", algorithm="exact", steps=4000, warmup=100, **accum4, **many),
         # and 10x longer, the length of the runs AccumAdam was made for: does the deficit close, or turn into a gain?
         c("n16b1-ddp-s10000", algorithm="ddp", steps=10000, warmup=100, **many),
         c("n16b1-exact-s10000", algorithm="exact", steps=10000, warmup=100, **many),
-        c(
-            "n16b1-exact-accum4-s10000",
-            algorithm="exact",
-            optimizer="accum-adamw",
-            accum_iter=4,
-            beta2=0.99,
-            steps=10000,
-            warmup=100,
-            **many,
-        ),
+        c("n16b1-exact-accum4-s10000", algorithm="exact", steps=10000, warmup=100, **accum4, **many),
     ]
 
 
