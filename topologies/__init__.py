@@ -16,8 +16,9 @@ from topologies.analysis import (
     step_rhos,
     steps_to_consensus,
 )
+from topologies.peer_view import PeerView
 from topologies.registry import by_name, names
-from topologies.schedule import PeerView, Schedule, ScheduleError
+from topologies.schedule import Schedule, ScheduleError
 from topologies.static import (
     complete,
     erdos_renyi,

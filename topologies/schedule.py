@@ -20,29 +20,15 @@ from functools import cached_property
 import networkx as nx
 import numpy as np
 
+from topologies.peer_view import PeerView, Triplets
+
 # ScheduleError is defined next to the checks that raise most of them; topologies.ScheduleError is the same class.
 from topologies.validation import ScheduleError, find_violation, validate_schedule
 
 #: Steps checked for aperiodic schedules (random matchings) by validation, symmetry flags and fingerprint.
 DEFAULT_APERIODIC_WINDOW = 32
 
-Triplets = tuple[np.ndarray, np.ndarray, np.ndarray]
 StepFunction = Callable[[int], Triplets]
-
-
-@dataclass(frozen=True)
-class PeerView:
-    """What one rank needs for one gossip step.
-
-    ``in_peers``: (j, W[rank, j]) for j != rank with W[rank, j] > 0, sorted by j -- rank receives x_j.
-    ``out_peers``: (j, W[j, rank]) for j != rank with W[j, rank] > 0, sorted by j -- rank sends x_rank to j.
-    """
-
-    rank: int
-    step: int
-    self_weight: float
-    in_peers: tuple[tuple[int, float], ...]
-    out_peers: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)

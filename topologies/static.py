@@ -16,7 +16,8 @@ import os
 import networkx as nx
 import numpy as np
 
-from topologies.schedule import Schedule, ScheduleError, Triplets, dense_to_triplets
+from topologies.peer_view import Triplets
+from topologies.schedule import Schedule, ScheduleError, dense_to_triplets
 from topologies.weights import check_node_labels, graph_weights
 
 

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import networkx as nx
 import numpy as np
 
-from topologies.schedule import DEFAULT_APERIODIC_WINDOW, Schedule, ScheduleError, Triplets, dense_to_triplets
+from topologies.peer_view import Triplets
+from topologies.schedule import DEFAULT_APERIODIC_WINDOW, Schedule, ScheduleError, dense_to_triplets
 from topologies.weights import check_node_labels, graph_weights
 
 

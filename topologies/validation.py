@@ -17,13 +17,26 @@ Every failure raises :class:`ScheduleError` naming the schedule, step, rank(s) a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import networkx as nx
 import numpy as np
 
-if TYPE_CHECKING:
-    from topologies.schedule import Schedule
+from topologies.peer_view import PeerView, Triplets
+
+
+class Schedule(Protocol):
+    """What the checks read of a schedule; :class:`topologies.schedule.Schedule` is the one they are made for."""
+
+    name: str
+    n: int
+
+    @property
+    def check_steps(self) -> range: ...
+
+    def triplets(self, t: int) -> Triplets: ...
+
+    def peers(self, rank: int, t: int) -> PeerView: ...
 
 
 class ScheduleError(ValueError):

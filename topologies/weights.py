@@ -20,7 +20,8 @@ from __future__ import annotations
 import networkx as nx
 import numpy as np
 
-from topologies.schedule import ScheduleError, Triplets
+from topologies.peer_view import Triplets
+from topologies.schedule import ScheduleError
 
 WEIGHTINGS = ("uniform", "metropolis", "attribute")
 
