@@ -50,17 +50,25 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def is_ddp(row: dict) -> bool:
+    """Whether a summary row is a DDP run: its settings say ``algorithm=ddp``, or it bears the name ``ddp``."""
+    return row["config"] in ("ddp", "mj-ddp") or "algorithm=ddp" in str(row["settings"]).split(", ")
+
+
 def reference_of(config: str, summary: list[dict], named: str | None = None) -> str | None:
     """The configuration ``config`` is compared with: ``named`` if given and run with as many workers, else the DDP
-    configuration of the same number of workers and steps (``ddp`` or ``mj-ddp``), if it ran."""
+    configuration of the same number of workers and steps (``ddp`` or ``mj-ddp`` first, else the only DDP
+    configuration of that size and length; none where several are and none is so named), if it ran."""
     mine = next(r for r in summary if r["config"] == config)
     if named is not None:
         return named if any(r["config"] == named and r["workers"] == mine["workers"] for r in summary) else None
+    alike = {
+        r["config"] for r in summary if is_ddp(r) and r["workers"] == mine["workers"] and r["steps"] == mine["steps"]
+    }
     for name in ("ddp", "mj-ddp"):
-        ref = [r for r in summary if r["config"] == name]
-        if ref and ref[0]["workers"] == mine["workers"] and ref[0]["steps"] == mine["steps"]:
+        if name in alike:
             return name
-    return None
+    return alike.pop() if len(alike) == 1 else None
 
 
 def steps_to_target(curve: Sequence[tuple[float, float]], target: float) -> float:

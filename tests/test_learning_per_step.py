@@ -132,6 +132,25 @@ def test_report_against_a_named_reference_compares_unequal_step_budgets():
     assert config_table(summary, steps)[1]["reference"] is None  # by default only DDP of equal steps
 
 
+def test_report_finds_the_ddp_run_of_equal_size_and_length_by_its_settings_whatever_its_name():
+    def run(config, steps, loss, settings):
+        return {"config": config, "seed": 0, "workers": 16, "steps": steps, "final_train_loss": loss,
+                "val_loss_averaged": 1.0, "final_consensus": 0.0, "bytes_per_worker_per_step": 10.0,
+                "ddp_bytes_per_worker_per_step": 10.0, "settings": settings}  # fmt: skip
+
+    summary = [
+        run("n16-ddp-s10", 10, 1.0, "algorithm=ddp, workers=16"),
+        run("n16-exact-s10", 10, 1.25, "algorithm=exact, workers=16"),
+        run("n16-exact-s20", 20, 1.5, "algorithm=exact, workers=16, steps=20"),
+    ]
+    by_config = {r["config"]: r for r in config_table(summary, [])}
+    assert by_config["n16-exact-s10"]["reference"] == "n16-ddp-s10"
+    assert by_config["n16-exact-s10"]["gap"][0] == pytest.approx(0.25)
+    assert by_config["n16-exact-s20"]["reference"] is None  # no DDP run of 20 steps
+    summary.append(run("n16-ddp-b2-s10", 10, 0.9, "algorithm=ddp, beta2=0.99"))
+    assert config_table(summary, [])[1]["reference"] is None  # two DDP runs, neither named ddp: ambiguous
+
+
 def _trajectory(make, gradients: list[torch.Tensor]) -> torch.Tensor:
     weight = torch.nn.Parameter(torch.ones(64, dtype=torch.float64))
     optimizer = make([{"params": [weight], "weight_decay": 0.1}])
