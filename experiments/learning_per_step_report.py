@@ -51,8 +51,8 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 
 def is_ddp(row: dict) -> bool:
-    """Whether a summary row is a DDP run: its settings say ``algorithm=ddp``, or it bears the name ``ddp``."""
-    return row["config"] in ("ddp", "mj-ddp") or "algorithm=ddp" in str(row["settings"]).split(", ")
+    """Whether a summary row is a DDP run: its settings (``RunConfig.describe``) say ``algorithm=ddp``."""
+    return "algorithm=ddp" in str(row["settings"]).split(", ")
 
 
 def reference_of(config: str, summary: list[dict], named: str | None = None) -> str | None:

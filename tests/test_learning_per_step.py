@@ -93,7 +93,7 @@ def test_report_pairs_gaps_by_seed_and_counts_steps_to_ddp_final_loss():
     summary = [
         {"config": "ddp", "seed": s, "workers": 8, "steps": 30, "final_train_loss": loss, "val_loss_averaged": 1.0,
          "final_consensus": 0.0, "bytes_per_worker_per_step": 10.0, "ddp_bytes_per_worker_per_step": 10.0,
-         "settings": ""}
+         "settings": "algorithm=ddp"}
         for s, loss in ((0, 1.0), (1, 2.0))
     ] + [
         {"config": "pg", "seed": s, "workers": 8, "steps": 30, "final_train_loss": loss, "val_loss_averaged": 1.0,
@@ -118,7 +118,8 @@ def test_report_against_a_named_reference_compares_unequal_step_budgets():
     def run(config, seed, steps, loss):
         return {"config": config, "seed": seed, "workers": 8, "steps": steps, "final_train_loss": loss,
                 "val_loss_averaged": 1.0, "final_consensus": 0.0, "bytes_per_worker_per_step": 10.0,
-                "ddp_bytes_per_worker_per_step": 10.0, "settings": ""}  # fmt: skip
+                "ddp_bytes_per_worker_per_step": 10.0,
+                "settings": "algorithm=ddp" if config.startswith("ddp") else ""}  # fmt: skip
 
     summary = [run("ddp-s300", 0, 300, 2.0), run("pg-s500", 0, 500, 1.8), run("mj", 0, 300, 2.5)]
     summary[2]["workers"] = 4
