@@ -25,7 +25,7 @@ import numpy as np
 from topologies.peer_view import PeerView, Triplets
 
 
-class Schedule(Protocol):
+class CheckedSchedule(Protocol):
     """What the checks read of a schedule; :class:`topologies.schedule.Schedule` is the one they are made for."""
 
     name: str
@@ -58,7 +58,7 @@ _ADVICE = {
 }
 
 
-def _fail(schedule: Schedule, prop: str, where: str, detail: str) -> str:
+def _fail(schedule: CheckedSchedule, prop: str, where: str, detail: str) -> str:
     return f"schedule '{schedule.name}' (n={schedule.n}) fails property '{prop}' {where}: {detail}; {_ADVICE[prop]}"
 
 
@@ -68,7 +68,7 @@ def _ranks(mask: np.ndarray, limit: int = 8) -> str:
     return f"{ranks[:limit]}{more}"
 
 
-def _step_violation(schedule: Schedule, prop: str, t: int) -> str | None:
+def _step_violation(schedule: CheckedSchedule, prop: str, t: int) -> str | None:
     n = schedule.n
     rows, cols, weights = schedule.triplets(t)
     where = f"at step {t}"
@@ -114,7 +114,7 @@ def _step_violation(schedule: Schedule, prop: str, t: int) -> str | None:
     return None
 
 
-def find_violation(schedule: Schedule, prop: str) -> str | None:
+def find_violation(schedule: CheckedSchedule, prop: str) -> str | None:
     """The message for the first step in ``schedule.check_steps`` violating ``prop``, or None."""
     if prop == "strongly-connected":
         return _connectivity_violation(schedule)
@@ -125,7 +125,7 @@ def find_violation(schedule: Schedule, prop: str) -> str | None:
     return None
 
 
-def union_graph(schedule: Schedule) -> nx.DiGraph:
+def union_graph(schedule: CheckedSchedule) -> nx.DiGraph:
     """Union over ``check_steps`` of the step graphs (edge j -> i when rank i receives from j)."""
     union = nx.DiGraph()
     union.add_nodes_from(range(schedule.n))
@@ -136,7 +136,7 @@ def union_graph(schedule: Schedule) -> nx.DiGraph:
     return union
 
 
-def _connectivity_violation(schedule: Schedule) -> str | None:
+def _connectivity_violation(schedule: CheckedSchedule) -> str | None:
     union = union_graph(schedule)
     if nx.is_strongly_connected(union):
         return None
@@ -147,7 +147,7 @@ def _connectivity_violation(schedule: Schedule) -> str | None:
     return _fail(schedule, "strongly-connected", where, f"{len(components)} components: {shown}")
 
 
-def validate_schedule(schedule: Schedule, *, symmetric: bool = False, doubly_stochastic: bool = False) -> None:
+def validate_schedule(schedule: CheckedSchedule, *, symmetric: bool = False, doubly_stochastic: bool = False) -> None:
     """Raise ScheduleError on the first violated property (see module docstring)."""
     props = ["non-negative", "row-stochastic", "peer-consistency"]
     if doubly_stochastic:
