@@ -121,8 +121,11 @@ def hypercube(n: int, weights: str = "uniform") -> Schedule:
     _positive("n", n)
     if n & (n - 1):
         raise ScheduleError(f"hypercube needs n to be a power of two, got n={n}; use random_regular(n, degree)")
-    cube = nx.hypercube_graph(n.bit_length() - 1)
-    graph = nx.relabel_nodes(cube, {v: int("".join(map(str, v)) or "0", 2) for v in cube.nodes})
+    # Built from the definition, not nx.hypercube_graph: its node labels are bit tuples for K >= 2 but plain ints
+    # for K = 1 (and () for K = 0), which made hypercube(2) fail.
+    graph = nx.Graph()
+    graph.add_nodes_from(range(n))
+    graph.add_edges_from((i, i ^ (1 << k)) for i in range(n) for k in range(n.bit_length() - 1) if not i & (1 << k))
     return _from_graph(graph, weights, "hypercube", n=n, weights=weights)
 
 
