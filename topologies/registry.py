@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from topologies import static, time_varying
+from topologies.arguments import integer
 from topologies.schedule import Schedule, ScheduleError
 
 
@@ -25,23 +26,27 @@ class _Entry:
 
 
 def _torus(n: int, rows: int | None = None, weights: str = "uniform") -> Schedule:
+    n = integer("n", n, 1)
     if rows is None:
         candidates = [r for r in range(2, math.isqrt(n) + 1) if n % r == 0]
         if not candidates:
             raise ScheduleError(f"torus needs n = rows * cols with rows, cols >= 2; n={n} has no such split")
         rows = candidates[-1]
+    rows = integer("rows", rows, 1)
     if n % rows:
         raise ScheduleError(f"torus rows={rows} does not divide n={n}")
     return static.torus(rows, n // rows, weights)
 
 
 def _random_regular(n: int, degree: int | None = None, seed: int = 0, weights: str = "uniform") -> Schedule:
+    n = integer("n", n, 1)
     if degree is None:
         degree = 4 if n > 4 else n - 1
     return static.random_regular(n, degree, seed, weights)
 
 
 def _erdos_renyi(n: int, p: float | None = None, seed: int = 0, weights: str = "metropolis") -> Schedule:
+    n = integer("n", n, 1)
     return static.erdos_renyi(n, min(1.0, 2 * math.log(n) / n) if p is None else p, seed, weights)
 
 
@@ -52,8 +57,9 @@ def default_per_node(n: int) -> int:
 
 
 def _split(n: int, per_node: int | None, name: str) -> tuple[int, int]:
-    per_node = default_per_node(n) if per_node is None else per_node
-    if not isinstance(per_node, int) or per_node < 1 or n % per_node:
+    n = integer("n", n, 1)
+    per_node = default_per_node(n) if per_node is None else integer("per_node", per_node)
+    if per_node < 1 or n % per_node:
         raise ScheduleError(f"{name}: per_node={per_node!r} does not divide n={n} (rank = node * per_node + local)")
     return n // per_node, per_node
 
@@ -111,8 +117,12 @@ def _entry(name: str) -> _Entry:
 
 
 def by_name(name: str, n: int, **options) -> Schedule:
-    """Build built-in schedule ``name`` for n ranks; options not given (or None) take the defaults above."""
+    """Build built-in schedule ``name`` for n ranks; options not given (or None) take the defaults above.
+
+    n and the integer options may be of any integer type (see :mod:`topologies.arguments`).
+    """
     entry = _entry(name)
+    n = integer("n", n, 1)
     options = {k: v for k, v in options.items() if v is not None}
     unknown = sorted(set(options) - set(entry.options))
     if unknown:

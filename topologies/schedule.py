@@ -20,6 +20,7 @@ from functools import cached_property
 import networkx as nx
 import numpy as np
 
+from topologies.arguments import integer
 from topologies.peer_view import PeerView, Triplets
 
 # ScheduleError is defined next to the checks that raise most of them; topologies.ScheduleError is the same class.
@@ -88,16 +89,10 @@ class Schedule:
         symmetric: bool = False,
         doubly_stochastic: bool = False,
     ) -> None:
-        if not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1:
-            raise ScheduleError(f"n must be a positive integer number of ranks, got n={n!r}")
-        if period is not None and (not isinstance(period, numbers.Integral) or period < 1):
-            raise ScheduleError(f"period must be a positive integer or None, got {period!r} for '{name}'")
-        if window < 1:
-            raise ScheduleError(f"window must be >= 1, got {window}")
-        self.n = int(n)
+        self.n = integer("n", n, 1)
         self.name = name
-        self.period = None if period is None else int(period)
-        self.window = int(window)
+        self.period = None if period is None else integer("period", period, 1)
+        self.window = integer("window", window, 1)
         self.params = dict(params or {})
         self._step_function = step_function
         cache_size = self.period if self.period is not None and self.period <= 1024 else 64

@@ -16,15 +16,10 @@ import os
 import networkx as nx
 import numpy as np
 
+from topologies.arguments import integer
 from topologies.peer_view import Triplets
 from topologies.schedule import Schedule, ScheduleError, dense_to_triplets
 from topologies.weights import check_node_labels, graph_weights
-
-
-def _positive(name: str, value: int, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ScheduleError(f"{name} must be an integer >= {minimum}, got {name}={value!r}")
-    return value
 
 
 def _static(n: int, name: str, triplets: Triplets, params: dict) -> Schedule:
@@ -56,9 +51,7 @@ def from_edge_list(
     except (TypeError, ValueError, IndexError) as err:
         raise ScheduleError(f"cannot parse edge list {os.fspath(path)!r}: {err}") from err
     largest = max(graph.nodes, default=-1)
-    if n is None:
-        n = largest + 1
-    _positive("n", n)
+    n = integer("n", largest + 1 if n is None else n, 1)
     if largest >= n or min(graph.nodes, default=0) < 0:
         raise ScheduleError(f"edge list {os.fspath(path)!r} names rank {largest}, outside 0..{n - 1} (n={n})")
     graph.add_nodes_from(range(n))
@@ -75,15 +68,14 @@ def from_matrix(matrix: np.ndarray, name: str = "from_matrix") -> Schedule:
 
 def ring(n: int, weights: str = "uniform") -> Schedule:
     """Cycle 0-1-...-(n-1)-0, uniform weights 1/3 (PowerGossip's ``Ring``); n = 2 gives 1/2, n = 1 gives 1."""
-    _positive("n", n)
+    n = integer("n", n, 1)
     return _from_graph(nx.cycle_graph(n), weights, "ring", n=n, weights=weights)
 
 
 def torus(rows: int, cols: int, weights: str = "uniform") -> Schedule:
     """2-D periodic grid, rank = row * cols + col; degree 4 when rows, cols >= 3 (a side of 2 contributes one
     neighbour, the two directions being the same rank; a side of 1 none)."""
-    _positive("rows", rows)
-    _positive("cols", cols)
+    rows, cols = integer("rows", rows, 1), integer("cols", cols, 1)
     grid = nx.grid_2d_graph(rows, cols, periodic=True)
     graph = nx.relabel_nodes(grid, {(r, c): r * cols + c for r, c in grid.nodes})
     return _from_graph(graph, weights, "torus", rows=rows, cols=cols, weights=weights)
@@ -91,13 +83,13 @@ def torus(rows: int, cols: int, weights: str = "uniform") -> Schedule:
 
 def complete(n: int) -> Schedule:
     """Everyone averages with everyone: W = (1/n) 1 1^T (exact all-reduce average)."""
-    _positive("n", n)
+    n = integer("n", n, 1)
     return _from_graph(nx.complete_graph(n), "uniform", "complete", n=n)
 
 
 def star(n: int, weights: str = "metropolis") -> Schedule:
     """Rank 0 connected to ranks 1..n-1 (irregular: Metropolis by default keeps it doubly stochastic)."""
-    _positive("n", n)
+    n = integer("n", n, 1)
     return _from_graph(nx.star_graph(n - 1), weights, "star", n=n, weights=weights)
 
 
@@ -108,7 +100,7 @@ def static_exponential(n: int) -> Schedule:
     gives weight 1/(tau + 1) to itself and each of them: directed, circulant, doubly stochastic for any n.
     For n = 2^K, rho = ||W - J||_2 = 1 - 2/(1 + log2 n).
     """
-    _positive("n", n)
+    n = integer("n", n, 1)
     tau = math.ceil(math.log2(n)) if n > 1 else 0
     graph = nx.DiGraph()
     graph.add_nodes_from(range(n))
@@ -118,7 +110,7 @@ def static_exponential(n: int) -> Schedule:
 
 def hypercube(n: int, weights: str = "uniform") -> Schedule:
     """log2(n)-dimensional hypercube, i ~ i XOR 2^k; n must be a power of two. Uniform: 1/(log2 n + 1)."""
-    _positive("n", n)
+    n = integer("n", n, 1)
     if n & (n - 1):
         raise ScheduleError(f"hypercube needs n to be a power of two, got n={n}; use random_regular(n, degree)")
     # Built from the definition, not nx.hypercube_graph: its node labels are bit tuples for K >= 2 but plain ints
@@ -131,8 +123,7 @@ def hypercube(n: int, weights: str = "uniform") -> Schedule:
 
 def random_regular(n: int, degree: int, seed: int = 0, weights: str = "uniform") -> Schedule:
     """Seeded random ``degree``-regular graph (nx.random_regular_graph); n * degree must be even."""
-    _positive("n", n)
-    _positive("degree", degree, 0)
+    n, degree, seed = integer("n", n, 1), integer("degree", degree, 0), integer("seed", seed)
     try:
         graph = nx.random_regular_graph(degree, n, seed=seed)
     except nx.NetworkXError as err:
@@ -142,7 +133,7 @@ def random_regular(n: int, degree: int, seed: int = 0, weights: str = "uniform")
 
 def erdos_renyi(n: int, p: float, seed: int = 0, weights: str = "metropolis") -> Schedule:
     """Seeded G(n, p) graph; a disconnected draw is refused (try another seed or a larger p)."""
-    _positive("n", n)
+    n, seed = integer("n", n, 1), integer("seed", seed)
     if not 0.0 <= p <= 1.0:
         raise ScheduleError(f"erdos_renyi edge probability must be in [0, 1], got p={p}")
     graph = nx.erdos_renyi_graph(n, p, seed=seed)

@@ -14,18 +14,21 @@ from collections.abc import Sequence
 import networkx as nx
 import numpy as np
 
+from topologies.arguments import integer
 from topologies.peer_view import Triplets
 from topologies.schedule import DEFAULT_APERIODIC_WINDOW, Schedule, ScheduleError, dense_to_triplets
 from topologies.weights import check_node_labels, graph_weights
 
 
-def _require_power_of_two(name: str, what: str, value: int, minimum: int = 2, hint: str = "") -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or value & (value - 1):
+def _require_power_of_two(name: str, what: str, value: int, minimum: int = 2, hint: str = "") -> tuple[int, int]:
+    """(value as an int, log2 of it), or ScheduleError unless value is an integer power of two >= minimum."""
+    value = integer(what, value)
+    if value < minimum or value & (value - 1):
         raise ScheduleError(
             f"{name} needs {what} to be a power of two >= {minimum}, got {what}={value!r}"
             + (f"; {hint}" if hint else "")
         )
-    return value.bit_length() - 1
+    return value, value.bit_length() - 1
 
 
 def _pairs(partner: np.ndarray) -> Triplets:
@@ -58,7 +61,8 @@ def one_peer_ring(n: int) -> Schedule:
 
     Period 2; needs even n >= 2 (odd n would leave a rank without partner).
     """
-    if not isinstance(n, int) or n < 2 or n % 2:
+    n = integer("n", n)
+    if n < 2 or n % 2:
         raise ScheduleError(f"one_peer_ring needs an even n >= 2, got n={n!r}; use ring(n) for odd n")
     ranks = np.arange(n)
     partners = (ranks ^ 1, np.where(ranks % 2 == 0, (ranks - 1) % n, (ranks + 1) % n))
@@ -80,7 +84,7 @@ def one_peer_exponential(n: int) -> Schedule:
     Directed, doubly stochastic; the product of tau consecutive matrices is exactly J = (1/n) 1 1^T.
     Needs n = 2^K >= 2 (otherwise no finite-time exactness: use static_exponential or random_matchings).
     """
-    tau = _require_power_of_two(
+    n, tau = _require_power_of_two(
         "one_peer_exponential", "n", n, hint="use static_exponential(n) or random_matchings(n) otherwise"
     )
     ranks = np.arange(n)
@@ -98,7 +102,7 @@ def one_peer_hypercube(n: int) -> Schedule:
     Symmetric pairwise exchange (the natural default for PowerGossip), exact average after log2 n steps.
     Needs n = 2^K >= 2.
     """
-    tau = _require_power_of_two("one_peer_hypercube", "n", n, hint="use random_matchings(n) otherwise")
+    n, tau = _require_power_of_two("one_peer_hypercube", "n", n, hint="use random_matchings(n) otherwise")
     ranks = np.arange(n)
     return Schedule(
         n,
@@ -119,9 +123,10 @@ def random_matchings(n: int, seed: int = 0, *, window: int = DEFAULT_APERIODIC_W
     generalisation): the last rank of perm sits the step out (W_ii = 1); the matrix stays symmetric and
     doubly stochastic. Validation, the symmetry flags and the fingerprint cover the first ``window`` steps.
     """
-    if not isinstance(n, int) or n < 2:
+    n, seed, window = integer("n", n), integer("seed", seed), integer("window", window)
+    if n < 2:
         raise ScheduleError(f"random_matchings needs n >= 2 ranks, got n={n!r}")
-    if not isinstance(seed, int) or seed < 0:
+    if seed < 0:
         raise ScheduleError(f"random_matchings needs a non-negative integer seed, got seed={seed!r}")
 
     def step(t: int) -> Triplets:
@@ -201,8 +206,9 @@ def alternating_exp_ring(nodes: int, per_node: int) -> Schedule:
     over a period is exactly J. Needs nodes = 2^K >= 2 and per_node >= 2 (with per_node = 1 the intra
     steps do nothing: use one_peer_hypercube(nodes)).
     """
-    dims = _require_power_of_two("alternating_exp_ring", "nodes", nodes)
-    if not isinstance(per_node, int) or per_node < 2:
+    nodes, dims = _require_power_of_two("alternating_exp_ring", "nodes", nodes)
+    per_node = integer("per_node", per_node)
+    if per_node < 2:
         raise ScheduleError(
             f"alternating_exp_ring needs per_node >= 2, got per_node={per_node!r}; "
             "with one rank per node use one_peer_hypercube(nodes)"
@@ -238,8 +244,9 @@ def hierarchical(nodes: int, per_node: int) -> Schedule:
     stochastic, exact after log2(nodes) steps. nodes must be a power of two; nodes = 1 is the exact
     intra-node average (period 1).
     """
-    dims = _require_power_of_two("hierarchical", "nodes", nodes, minimum=1)
-    if not isinstance(per_node, int) or per_node < 1:
+    nodes, dims = _require_power_of_two("hierarchical", "nodes", nodes, minimum=1)
+    per_node = integer("per_node", per_node)
+    if per_node < 1:
         raise ScheduleError(f"hierarchical needs per_node >= 1, got per_node={per_node!r}")
     if dims == 0:
         phases = [_group_average([_node_ranks(0, per_node)])]
