@@ -22,9 +22,11 @@ from gossip.algorithms import (
 from gossip.backends.base import Communicator, Handle
 from gossip.backends.simulator import SimulatorCommunicator, simulate
 from gossip.bootstrap import BACKENDS, init
-from gossip.checkpoint import CheckpointMismatchError, load_checkpoint, save_checkpoint
+from gossip.checkpoint import CheckpointFuture, CheckpointMismatchError, load_checkpoint, save_checkpoint
 from gossip.errors import (
     BackendUnavailableError,
+    CheckpointError,
+    CheckpointWriteError,
     CommTimeoutError,
     ExchangeMismatchError,
     GossipError,
@@ -32,6 +34,7 @@ from gossip.errors import (
     NonFiniteError,
     NonFiniteWarning,
     PeerFailedError,
+    UntrustedCheckpointError,
 )
 from gossip.launch_env import LaunchInfo, detect_launch
 from gossip.parallel import DecentralizedDataParallel
@@ -44,7 +47,10 @@ __all__ = [
     "Algorithm",
     "AllReduce",
     "BackendUnavailableError",
+    "CheckpointError",
+    "CheckpointFuture",
     "CheckpointMismatchError",
+    "CheckpointWriteError",
     "CommTimeoutError",
     "Communicator",
     "DecentralizedDataParallel",
@@ -63,6 +69,7 @@ __all__ = [
     "ReplicaMismatchError",
     "SimulatorCommunicator",
     "Traffic",
+    "UntrustedCheckpointError",
     "__version__",
     "detect_launch",
     "exclude_names",

@@ -42,3 +42,17 @@ class NonFiniteWarning(RuntimeWarning):
 class ModelChangedError(RuntimeError):
     """The wrapped model's parameters changed after wrapping (rebound, replaced, added, frozen or unfrozen), so
     the wrapper would no longer mix what the optimizer trains; the message names the rank, step and parameter."""
+
+
+class CheckpointError(GossipError):
+    """Base class of the checkpoint errors (:mod:`gossip.checkpoint`); the message names the rank and the file."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (disk full, quota, permission, ...); the message names the rank that
+    failed, its file, the cause and what to do. Every rank raises it; no rank replaced its previous checkpoint."""
+
+
+class UntrustedCheckpointError(CheckpointError):
+    """A checkpoint holds (or would hold) objects that a weights-only load refuses: it would run pickled code.
+    The message names the rank, the file and the object; ``trusted=True`` loads it, only for a file you wrote."""

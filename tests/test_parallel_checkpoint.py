@@ -128,10 +128,9 @@ def test_a_truncated_file_is_named_with_its_rank_on_every_rank(tmp_path):
 def test_a_corrupted_file_fails_its_checksum(tmp_path):
     gossip.simulate(N, save_after_two_steps, tmp_path)
     path = checkpoint_path(tmp_path, 1)
-    envelope = torch.load(path, weights_only=False)
-    corrupted = bytearray(envelope["state"])
-    corrupted[len(corrupted) // 2] ^= 0x01  # one flipped bit inside the saved tensors
-    torch.save({**envelope, "state": bytes(corrupted)}, path)
+    corrupted = bytearray(path.read_bytes())
+    corrupted[len(corrupted) // 2] ^= 0x01  # one flipped bit inside the saved payload (after the 64-byte header)
+    path.write_bytes(bytes(corrupted))
     messages = gossip.simulate(N, load_into, tmp_path)
     assert (
         messages == [f"rank 1: {path} fails its SHA-256 checksum: the file is corrupt; restore it from a good copy"] * N
