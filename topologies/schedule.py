@@ -16,6 +16,7 @@ import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import pairwise
 
 import networkx as nx
 import numpy as np
@@ -59,6 +60,17 @@ def canonical_triplets(n: int, rows, cols, weights) -> Triplets:
     summed = np.bincount(inverse, weights=weights, minlength=keys.size)
     keep = summed != 0.0
     return keys[keep] // n, keys[keep] % n, summed[keep]
+
+
+def _peer_lists(
+    n: int, owners: np.ndarray, peers: np.ndarray, weights: np.ndarray
+) -> tuple[tuple[tuple[int, float], ...], ...]:
+    """For each rank r, the (peer, weight) pairs of the entries it owns; ``owners`` must be sorted."""
+    bounds = np.searchsorted(owners, np.arange(n + 1)).tolist()
+    peer_list, weight_list = peers.tolist(), weights.tolist()
+    return tuple(
+        tuple(zip(peer_list[start:stop], weight_list[start:stop], strict=True)) for start, stop in pairwise(bounds)
+    )
 
 
 def dense_to_triplets(matrix: np.ndarray) -> Triplets:
@@ -132,24 +144,19 @@ class Schedule:
 
     def _build_table(self, phase: int) -> _PhaseTable:
         rows, cols, weights = canonical_triplets(self.n, *self._step_function(phase))
-        self_weights = [0.0] * self.n
-        in_peers: list[list[tuple[int, float]]] = [[] for _ in range(self.n)]
-        out_peers: list[list[tuple[int, float]]] = [[] for _ in range(self.n)]
-        for i, j, w in zip(rows.tolist(), cols.tolist(), weights.tolist(), strict=True):
-            if i == j:
-                self_weights[i] = w
-            elif w > 0:
-                in_peers[i].append((j, w))
-                out_peers[j].append((i, w))
-        for lst in out_peers:
-            lst.sort()
+        diagonal = rows == cols
+        self_weights = np.zeros(self.n)
+        self_weights[rows[diagonal]] = weights[diagonal]
+        off = ~diagonal & (weights > 0)
+        receivers, senders, off_weights = rows[off], cols[off], weights[off]  # sorted by (receiver, sender)
+        by_sender = np.lexsort((receivers, senders))
         return _PhaseTable(
             rows,
             cols,
             weights,
-            tuple(self_weights),
-            tuple(map(tuple, in_peers)),
-            tuple(map(tuple, out_peers)),
+            tuple(self_weights.tolist()),
+            _peer_lists(self.n, receivers, senders, off_weights),
+            _peer_lists(self.n, senders[by_sender], receivers[by_sender], off_weights[by_sender]),
         )
 
     def triplets(self, t: int) -> Triplets:

@@ -17,6 +17,7 @@ Every failure raises :class:`ScheduleError` naming the schedule, step, rank(s) a
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Protocol
 
 import networkx as nx
@@ -99,16 +100,7 @@ def _step_violation(schedule: CheckedSchedule, prop: str, t: int) -> str | None:
             detail = f"W[{i},{j}] = {weights[k]:.6g} but W[{j},{i}] = {weights[order][k]:.6g}"
             return _fail(schedule, prop, f"{where}, ranks ({i}, {j})", detail)
     elif prop == "peer-consistency":
-        views = [schedule.peers(rank, t) for rank in range(n)]
-        for view in views:
-            for j, w in view.out_peers:
-                if (view.rank, w) not in views[j].in_peers:
-                    detail = f"rank {view.rank} lists {j} as out-peer (w={w:.6g}) but {j} has no such in-peer"
-                    return _fail(schedule, prop, f"{where}, ranks ({view.rank}, {j})", detail)
-            for j, w in view.in_peers:
-                if (view.rank, w) not in views[j].out_peers:
-                    detail = f"rank {view.rank} lists {j} as in-peer (w={w:.6g}) but {j} has no such out-peer"
-                    return _fail(schedule, prop, f"{where}, ranks ({view.rank}, {j})", detail)
+        return _peer_violation(schedule, t)
     else:
         raise ValueError(f"unknown property {prop!r}; expected one of {PER_STEP_PROPERTIES}")
     return None
@@ -129,22 +121,106 @@ def union_graph(schedule: CheckedSchedule) -> nx.DiGraph:
     """Union over ``check_steps`` of the step graphs (edge j -> i when rank i receives from j)."""
     union = nx.DiGraph()
     union.add_nodes_from(range(schedule.n))
-    for t in schedule.check_steps:
-        rows, cols, weights = schedule.triplets(t)
-        positive = (weights > 0) & (rows != cols)
-        union.add_edges_from(zip(cols[positive].tolist(), rows[positive].tolist(), strict=True))
+    senders, receivers = _union_edges(schedule)
+    union.add_edges_from(zip(senders.tolist(), receivers.tolist(), strict=True))
     return union
 
 
+def _union_edges(schedule: CheckedSchedule) -> tuple[np.ndarray, np.ndarray]:
+    """(senders, receivers) of every positive off-diagonal entry over ``check_steps`` (repeats kept)."""
+    senders, receivers = [], []
+    for t in schedule.check_steps:
+        rows, cols, weights = schedule.triplets(t)
+        positive = (weights > 0) & (rows != cols)
+        senders.append(cols[positive])
+        receivers.append(rows[positive])
+    return np.concatenate(senders).astype(np.int64), np.concatenate(receivers).astype(np.int64)
+
+
+def _reaches_every_rank(n: int, tails: np.ndarray, heads: np.ndarray) -> bool:
+    """Whether breadth-first search from rank 0 along the edges tails[k] -> heads[k] reaches all n ranks.
+
+    Each rank enters the frontier at most once and each edge is read once, when its tail does: O(n + edges).
+    """
+    order = np.argsort(tails, kind="stable")
+    starts_of = np.concatenate(([0], np.cumsum(np.bincount(tails, minlength=n))))
+    targets = heads[order]
+    reached = np.zeros(n, dtype=bool)
+    reached[0] = True
+    frontier = np.zeros(1, dtype=np.int64)
+    while frontier.size:
+        starts, lengths = starts_of[frontier], starts_of[frontier + 1] - starts_of[frontier]
+        offsets = np.cumsum(lengths) - lengths  # where each frontier rank's edges begin in the gathered list
+        gathered = targets[np.repeat(starts - offsets, lengths) + np.arange(lengths.sum())]
+        frontier = np.unique(gathered[~reached[gathered]])
+        reached[frontier] = True
+    return bool(reached.all())
+
+
 def _connectivity_violation(schedule: CheckedSchedule) -> str | None:
-    union = union_graph(schedule)
-    if nx.is_strongly_connected(union):
+    # Strongly connected <=> rank 0 reaches every rank and every rank reaches rank 0 (search on the reversed edges).
+    senders, receivers = _union_edges(schedule)
+    n = schedule.n
+    if _reaches_every_rank(n, senders, receivers) and _reaches_every_rank(n, receivers, senders):
         return None
+    union = union_graph(schedule)  # only to name the components in the message
     components = sorted((sorted(c) for c in nx.strongly_connected_components(union)), key=lambda c: c[0])
     shown = "; ".join(str(c if len(c) <= 8 else [*c[:8], "..."]) for c in components[:4])
     steps = schedule.check_steps
     where = f"over steps {steps.start}..{steps.stop - 1}"
     return _fail(schedule, "strongly-connected", where, f"{len(components)} components: {shown}")
+
+
+def _listed(views: list[PeerView], side: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every pair (j, w) of ``view.<side>`` over all views, in walk order: (listing rank, j, w) as arrays."""
+    lists = [getattr(view, side) for view in views]
+    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    total = int(lengths.sum())
+    pairs = np.fromiter(chain.from_iterable(chain.from_iterable(lists)), dtype=np.float64, count=2 * total)
+    owners = np.repeat(np.fromiter((view.rank for view in views), dtype=np.int64, count=len(views)), lengths)
+    return owners, pairs[0::2].astype(np.int64), pairs[1::2]
+
+
+def _same_entries(n: int, a: Triplets, b: Triplets) -> bool:
+    """Whether the (row, col, weight) entries of a and b are the same multiset, judged after sorting by position.
+
+    True proves the property; False (also for equal multisets whose repeated positions sort differently) sends
+    the caller to the exact, slower search for the first violation.
+    """
+    if a[0].size != b[0].size:
+        return False
+    order_a = np.argsort(a[0] * n + a[1], kind="stable")
+    order_b = np.argsort(b[0] * n + b[1], kind="stable")
+    return all(np.array_equal(x[order_a], y[order_b]) for x, y in zip(a, b, strict=True))
+
+
+def _peer_violation(schedule: CheckedSchedule, t: int) -> str | None:
+    """j in out_peers(i) with weight w <=> i in in_peers(j) with weight w.
+
+    An in-peer (j, w) of rank i claims W[i, j] = w and an out-peer (j, w) of rank i claims W[j, i] = w; the
+    property holds when both lists make the same set of claims. Both are flattened once and compared after
+    sorting by position, O(E log E) for E listed pairs whatever the degrees. Only when they differ is the first
+    violation searched for, as a rank-by-rank walk meets it: lowest rank, its out-peers before its in-peers.
+    """
+    views = [schedule.peers(rank, t) for rank in range(schedule.n)]
+    in_owners, in_peers, in_weights = _listed(views, "in_peers")
+    out_owners, out_peers, out_weights = _listed(views, "out_peers")
+    claimed_by_in = (in_owners, in_peers, in_weights)
+    claimed_by_out = (out_peers, out_owners, out_weights)
+    if _same_entries(schedule.n, claimed_by_in, claimed_by_out):
+        return None
+    in_claims = set(zip(*(a.tolist() for a in claimed_by_in), strict=True))
+    out_claims = set(zip(*(a.tolist() for a in claimed_by_out), strict=True))
+    for view in views:
+        for j, w in view.out_peers:
+            if (j, view.rank, w) not in in_claims:
+                detail = f"rank {view.rank} lists {j} as out-peer (w={w:.6g}) but {j} has no such in-peer"
+                return _fail(schedule, "peer-consistency", f"at step {t}, ranks ({view.rank}, {j})", detail)
+        for j, w in view.in_peers:
+            if (view.rank, j, w) not in out_claims:
+                detail = f"rank {view.rank} lists {j} as in-peer (w={w:.6g}) but {j} has no such out-peer"
+                return _fail(schedule, "peer-consistency", f"at step {t}, ranks ({view.rank}, {j})", detail)
+    return None  # the same claims, listed in another order or with repeats
 
 
 def validate_schedule(schedule: CheckedSchedule, *, symmetric: bool = False, doubly_stochastic: bool = False) -> None:
