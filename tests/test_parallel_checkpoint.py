@@ -15,8 +15,10 @@ from gossip.algorithms.powergossip import PowerGossip
 from gossip.checkpoint import (
     CheckpointMismatchError,
     checkpoint_path,
+    dcp_path,
     load_checkpoint,
     read_checkpoint,
+    read_dcp,
     save_checkpoint,
 )
 from gossip.parallel import DecentralizedDataParallel
@@ -30,6 +32,20 @@ def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(tmp_path, algorit
         assert result["resumed_at"] == 3
         assert result["restored"] == {"batches": 3, "lr": 1e-2 / 4}  # the dict and the scheduler came back
         assert torch.equal(result["resumed"], result["uninterrupted"]), f"rank {rank}"
+
+
+def test_a_dcp_checkpoint_per_rank_resumes_bit_identically_and_reads_without_a_process_group(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    for rank, result in enumerate(gossip.simulate(N, checkpoint_resume, tmp_path, PowerGossip, True)):
+        assert result["resumed_at"] == 3 and result["restored"] == {"batches": 3, "lr": 1e-2 / 4}
+        assert torch.equal(result["resumed"], result["uninterrupted"]), f"rank {rank}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{r}.dcp" for r in range(N)]
+    state = read_dcp(dcp_path(tmp_path, 2))
+    plain = {"training.buckets.0": torch.empty_like(state["training"]["buckets"][0])}
+    dcp.load(plain, checkpoint_id=dcp_path(tmp_path, 2), no_dist=True)  # any DCP reader, no process group
+    assert torch.equal(plain["training.buckets.0"], state["training"]["buckets"][0])
+    assert state["rank"] == 2 and state["training"]["step"] == 3
 
 
 def save_after_two_steps(comm, directory, extra=None, also_after_three=None) -> None:

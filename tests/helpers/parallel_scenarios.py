@@ -15,7 +15,7 @@ from torch import nn
 import optim
 import topologies
 from gossip.algorithms.exact import ExactGossip
-from gossip.checkpoint import load_checkpoint, save_checkpoint
+from gossip.checkpoint import load_checkpoint, load_dcp, save_checkpoint, save_dcp
 from gossip.parallel import DecentralizedDataParallel
 
 IN, HIDDEN, OUT = 8, 16, 4
@@ -86,9 +86,11 @@ def train(
     return result
 
 
-def checkpoint_resume(comm, directory: str | Path, algorithm_factory=ExactGossip) -> dict[str, Any]:
+def checkpoint_resume(comm, directory: str | Path, algorithm_factory=ExactGossip, dcp: bool = False) -> dict[str, Any]:
     """6 steps uninterrupted vs 3 + save + fresh objects + load + 3 (AccumAdamW, accum_iter=2), with an LR
-    scheduler, a private generator that perturbs each batch, and a plain dict saved as ``extra`` state."""
+    scheduler, a private generator that perturbs each batch, and a plain dict saved as ``extra`` state;
+    ``dcp``: through a torch.distributed.checkpoint directory per rank (save_dcp / load_dcp)."""
+    save, load = (save_dcp, load_dcp) if dcp else (save_checkpoint, load_checkpoint)
 
     def run(model, optimizer, scheduler, generator, progress, steps: range) -> None:
         for step in steps:
@@ -113,12 +115,12 @@ def checkpoint_resume(comm, directory: str | Path, algorithm_factory=ExactGossip
     model, optimizer, scheduler, generator, progress = fresh(comm.rank)
     run(model, optimizer, scheduler, generator, progress, range(3))
     extra = {"scheduler": scheduler, "generator": generator, "progress": progress}
-    save_checkpoint(directory, model, optimizer, extra=extra)
+    save(directory, model, optimizer, extra=extra)
     model.close()
 
     model, optimizer, scheduler, generator, progress = fresh(100 + comm.rank)
     extra = {"scheduler": scheduler, "generator": generator, "progress": progress}
-    resumed_at = load_checkpoint(directory, model, optimizer, extra=extra)
+    resumed_at = load(directory, model, optimizer, extra=extra)
     restored = {"batches": progress.get("batches"), "lr": optimizer.param_groups[0]["lr"]}
     run(model, optimizer, scheduler, generator, progress, range(resumed_at, 6))
     resumed = flat_parameters(model)
