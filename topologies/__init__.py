@@ -13,6 +13,7 @@ from topologies.analysis import (
     rho,
     simulate_consensus,
     spectral_gap,
+    step_gaps,
     step_rhos,
     steps_to_consensus,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "spectral_gap",
     "star",
     "static_exponential",
+    "step_gaps",
     "step_rhos",
     "steps_to_consensus",
     "torus",

@@ -25,7 +25,8 @@ def _describe(args: argparse.Namespace) -> None:
     print(f"in-degree           {s.min_in_degree}..{s.max_in_degree}")
     print(f"symmetric           {s.symmetric}")
     print(f"doubly stochastic   {s.doubly_stochastic}")
-    print(f"rho per step        {', '.join(f'{r:.4f}' for r in s.step_rhos)}")
+    print(f"rho per step        {', '.join(f'{r:.4f}' for r in s.step_rhos)} (||W - J||_2)")
+    print(f"gap per step        {', '.join(f'{g:.4f}' for g in s.step_gaps)} (1 - |lambda_2(W)|)")
     print(f"rho per period      {s.period_rho:.4g}")
     rate = analysis.expected_consensus_rate(schedule)
     print(f"consensus rate      p = {rate.p:.4g} over tau = {rate.tau} step(s)")
@@ -43,7 +44,7 @@ def _describe(args: argparse.Namespace) -> None:
 
 
 def _table(rows: list[ScheduleSummary]) -> str:
-    header = ("schedule", "period", "in-deg", "sym", "d.s.", "max rho/step", "rho/period", "steps to 1e-6")
+    header = ("schedule", "period", "in-deg", "sym", "d.s.", "max rho/step", "min gap/step", "rho/period", "steps")
     lines = [header]
     for s in rows:
         lines.append(
@@ -54,6 +55,7 @@ def _table(rows: list[ScheduleSummary]) -> str:
                 "yes" if s.symmetric else "no",
                 "yes" if s.doubly_stochastic else "no",
                 f"{max(s.step_rhos):.4f}",
+                f"{min(s.step_gaps):.4f}",
                 f"{s.period_rho:.4f}",
                 _fmt_steps(s.steps_to_consensus),
             )
@@ -64,8 +66,9 @@ def _table(rows: list[ScheduleSummary]) -> str:
 
 def _compare(args: argparse.Namespace) -> None:
     built, skipped = compare(args.n, args.tol)
-    print(f"built-in schedules at n={args.n} (rho = ||W - J||_2; rho/period for the product over one period,")
-    print("or over the first steps checked when aperiodic; steps = worst case Xi_t^2 <= tol * Xi_0^2)")
+    print(f"built-in schedules at n={args.n} (rho = ||W - J||_2 and gap = 1 - |lambda_2(W)| per step;")
+    print("rho/period for the product over one period, or over the first steps checked when aperiodic;")
+    print(f"steps = worst case steps to Xi_t^2 <= {args.tol:g} * Xi_0^2)")
     print(_table(built))
     for name, reason in skipped:
         print(f"skipped {name}: {reason}")

@@ -1,6 +1,7 @@
 """Spectral analysis, consensus simulation and communication volume (docs/design.md F.3, F.4, A.9).
 
-Notation: J = (1/n) 1 1^T. For a step W(t), rho = ||W - J||_2 and the spectral gap is 1 - rho (F.3).
+Notation: J = (1/n) 1 1^T. For a step W(t), rho = ||W - J||_2 and the spectral gap is 1 - |lambda_2(W)|, the
+two related by 1 - |lambda_2(W)| >= 1 - rho with equality for symmetric W (F.3; see :func:`spectral_gap`).
 For a periodic schedule the product over one period is Pi = W(p-1) ... W(0). Consensus distance (F.4,
 Kong et al. 2021): Xi_t^2 = (1/n) sum_i ||x_i^t - xbar^t||^2.
 """
@@ -19,19 +20,52 @@ ALGORITHMS = ("exact", "powergossip", "allreduce")
 
 
 def rho(matrix: np.ndarray) -> float:
-    """||W - J||_2, the largest singular value of W - J (valid for directed W, F.3)."""
+    """||W - J||_2, the largest singular value of W - J (F.3).
+
+    The worst-case factor by which one step shrinks the distance to the average, ||(W - J) x|| <= rho ||x - xbar||,
+    for a doubly stochastic W (directed ones included). For a W that is row- but not column-stochastic it can
+    exceed 1 (uniform star of 8 ranks: 1.06) although the steps still converge: see :func:`spectral_gap`.
+    """
     n = matrix.shape[0]
     return float(np.linalg.norm(matrix - np.full((n, n), 1.0 / n), 2))
 
 
 def spectral_gap(matrix: np.ndarray) -> float:
-    """1 - ||W - J||_2."""
-    return 1.0 - rho(matrix)
+    """delta = 1 - |lambda_2(W)| for a row-stochastic W, with |lambda_1| = 1 >= |lambda_2| >= ... the eigenvalue
+    moduli (Koloskova, Stich, Jaggi, "Decentralized Stochastic Optimization and Gossip Algorithms with Compressed
+    Communication", ICML 2019; docs/design.md F.3).
+
+    Defined for every row-stochastic W, symmetric or not, and always in [0, 1] (a stochastic matrix has spectral
+    radius 1). It is computed as 1 - r(W - J), r the spectral radius: by Brauer's theorem, W 1 = 1 makes the
+    eigenvalues of W - 1 (1^T / n) those of W with lambda_1 = 1 replaced by 0, so r(W - J) = |lambda_2(W)|.
+    Since r(A) <= ||A||_2, delta >= 1 - rho, with equality when W - J is normal: every symmetric W, and circulant
+    ones such as the exponential graphs. delta is the asymptotic rate: W^t -> 1 pi^T (pi the left Perron vector,
+    1/n when W is doubly stochastic) as |lambda_2|^t up to a polynomial factor; 0 for a step that leaves the ranks
+    in several groups (one-peer steps), 1 for W = J.
+    """
+    matrix = np.asarray(matrix, dtype=np.float64)
+    n = matrix.shape[0]
+    if matrix.ndim != 2 or matrix.shape != (n, n) or not np.allclose(matrix.sum(axis=1), 1.0, rtol=0, atol=1e-9):
+        raise ScheduleError(
+            "spectral_gap needs a square row-stochastic W (property 'row-stochastic': every row sums to 1); "
+            "pass a schedule's mixing_matrix(t)"
+        )
+    deviation = matrix - np.full((n, n), 1.0 / n)
+    if np.allclose(matrix, matrix.T, rtol=0, atol=1e-12):
+        eigenvalues = np.linalg.eigvalsh((deviation + deviation.T) / 2)
+    else:
+        eigenvalues = np.linalg.eigvals(deviation)
+    return float(np.clip(1.0 - np.abs(eigenvalues).max(), 0.0, 1.0))  # [0, 1] exactly; clip the rounding
 
 
 def step_rhos(schedule: Schedule) -> np.ndarray:
     """rho(W(t)) for every t in one period (or the first ``window`` steps when aperiodic)."""
     return np.array([rho(schedule.mixing_matrix(t)) for t in schedule.check_steps])
+
+
+def step_gaps(schedule: Schedule) -> np.ndarray:
+    """spectral_gap(W(t)) = 1 - |lambda_2(W(t))| for every t in one period (or the first ``window`` steps)."""
+    return np.array([spectral_gap(schedule.mixing_matrix(t)) for t in schedule.check_steps])
 
 
 def period_product(schedule: Schedule) -> np.ndarray:

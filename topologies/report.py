@@ -22,6 +22,7 @@ class ScheduleSummary:
     symmetric: bool
     doubly_stochastic: bool
     step_rhos: tuple[float, ...]
+    step_gaps: tuple[float, ...]
     period_rho: float
     steps_to_consensus: int | None
 
@@ -31,7 +32,11 @@ class ScheduleSummary:
 
 
 def summarize(schedule: Schedule, tol: float = CONSENSUS_TOL) -> ScheduleSummary:
-    """Period, in-degree range, flags, rho per step and per period, steps to tol consensus."""
+    """Period, in-degree range, flags, rho and spectral gap per step, rho per period, steps to tol consensus.
+
+    rho = ||W - J||_2 (:func:`topologies.analysis.rho`), gap = 1 - |lambda_2(W)|
+    (:func:`topologies.analysis.spectral_gap`), each for every step of ``schedule.check_steps``.
+    """
     degrees = [len(schedule.peers(r, t).in_peers) for t in schedule.check_steps for r in range(schedule.n)]
     return ScheduleSummary(
         name=schedule.name,
@@ -43,6 +48,7 @@ def summarize(schedule: Schedule, tol: float = CONSENSUS_TOL) -> ScheduleSummary
         symmetric=schedule.is_symmetric,
         doubly_stochastic=schedule.is_doubly_stochastic,
         step_rhos=tuple(float(r) for r in analysis.step_rhos(schedule)),
+        step_gaps=tuple(float(g) for g in analysis.step_gaps(schedule)),
         period_rho=analysis.period_rho(schedule),
         steps_to_consensus=analysis.steps_to_consensus(schedule, tol),
     )
