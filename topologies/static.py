@@ -84,8 +84,8 @@ def torus(rows: int, cols: int, weights: str = "uniform") -> Schedule:
 def complete(n: int) -> Schedule:
     """Everyone averages with everyone: W = (1/n) 1 1^T (exact all-reduce average).
 
-    Built as its n^2 entries directly (the uniform weighting of the complete graph, 1/(n - 1 + 1) everywhere),
-    not through networkx, whose graph of n (n - 1) / 2 edges costs far more than the entries themselves.
+    Built as its n^2 entries directly: the uniform weighting of the complete graph, 1/((n - 1) + 1) everywhere,
+    the same floats as ``from_networkx(nx.complete_graph(n), "uniform")`` without building that graph.
     """
     n = integer("n", n, 1)
     ranks = np.arange(n)
