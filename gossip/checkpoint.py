@@ -38,8 +38,8 @@ memory until the write ends.
 **Safe loading.** Files are read with ``torch.load(weights_only=True)``: only tensors, numbers, strings and
 plain containers are unpickled, never code (the project's own state is converted to such data at save time:
 the numpy RNG state becomes a tensor). ``extra`` state that needs pickling (an object that is not plain data,
-e.g. a scheduler holding a callable object) is refused at save time by :class:`~gossip.errors.
-UntrustedCheckpointError` unless ``trusted=True`` is passed, and a file holding such objects loads only with
+e.g. a scheduler holding a callable object) is refused at save time (``UntrustedCheckpointError``, on every
+rank, before anything is written) unless ``trusted=True`` is passed, and a file holding such objects loads only with
 ``load_checkpoint(..., trusted=True)``: a trusted load runs whatever code the file names, so pass it only for a
 file you wrote yourself.
 
