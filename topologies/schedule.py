@@ -191,20 +191,30 @@ class Schedule:
 
         A step is a group partition when every rank i gives weight 1/|g| to each member of its group
         g = {i} U in_peers(i) and all members of g have the same group.
+
+        Checked per entry: with L(i) = min g(i), the ranks with L(i) = L form the candidate group S_L. Every
+        in-peer j of i must have L(j) = L(i) (so g(i) is inside S_L) and |g(i)| = |S_L(i)| (so g(i) is all of it);
+        conversely a partition satisfies both. O(n + entries).
         """
         table = self._table(self.phase(t))
-        group_of: list[tuple[int, ...]] = []
-        for i in range(self.n):
-            members = tuple(sorted([i, *(j for j, _ in table.in_peers[i])]))
-            weight = 1.0 / len(members)
-            if not np.isclose(table.self_weights[i], weight, rtol=0, atol=1e-12) or not all(
-                np.isclose(w, weight, rtol=0, atol=1e-12) for _, w in table.in_peers[i]
-            ):
-                return None
-            group_of.append(members)
-        if any(group_of[j] != g for g in group_of for j in g):
+        rows, cols, weights = table.rows, table.cols, table.weights
+        peer = (rows != cols) & (weights > 0)  # in_peers: receiver rows[peer] lists sender cols[peer]
+        receivers, senders, peer_weights = rows[peer], cols[peer], weights[peer]
+        sizes = 1 + np.bincount(receivers, minlength=self.n)
+        self_weights = np.array(table.self_weights)
+        if np.any(np.abs(self_weights - 1.0 / sizes) > 1e-12):
             return None
-        return sorted(set(group_of))
+        if np.any(np.abs(peer_weights - 1.0 / sizes[receivers]) > 1e-12):
+            return None
+        lowest = np.arange(self.n)
+        np.minimum.at(lowest, receivers, senders)  # L(i) = min of i and its in-peers
+        if np.any(lowest[senders] != lowest[receivers]):
+            return None
+        if np.any(np.bincount(lowest, minlength=self.n)[lowest] != sizes):
+            return None
+        order = np.lexsort((np.arange(self.n), lowest))
+        bounds = np.flatnonzero(np.diff(lowest[order])) + 1
+        return [tuple(group.tolist()) for group in np.split(order, bounds)]
 
     @cached_property
     def is_symmetric(self) -> bool:
