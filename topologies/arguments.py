@@ -19,7 +19,7 @@ from topologies.validation import ScheduleError
 def integer(name: str, value: object, minimum: int | None = None) -> int:
     """``value`` as a Python int, or ScheduleError naming ``name``; also refused below ``minimum`` when given."""
     if isinstance(value, (bool, np.bool_)):
-        raise ScheduleError(f"{name} must be an integer, got the bool {name}={value!r}; pass a number of ranks")
+        raise ScheduleError(f"{name} must be an integer, got the bool {name}={value!r}; pass an int")
     try:
         number = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
