@@ -39,6 +39,10 @@ class LaunchInfo:
     launcher: str  # "torchrun", "openmpi", "mpich", "slurm" or "none"
     master_addr: str | None = None
     master_port: int | None = None
+    #: The MPI launcher ("openmpi", "mpich") that also started this process when torchrun's RANK/WORLD_SIZE agree
+    #: with its view on this rank: consistent, or stale values that match here by chance (rank 0 of an exported
+    #: RANK=0); the other ranks then name the conflict, and a rendezvous error on this one says to check for it.
+    mpi_launcher: str | None = None
 
     @property
     def launched_by_mpi(self) -> bool:
@@ -90,8 +94,11 @@ def _check_no_stale_torchrun_environment(env: Mapping[str, str], mpi: LaunchInfo
 
 
 def _read(env: Mapping[str, str]) -> LaunchInfo:
+    mpi_launcher = None
     if ("RANK" in env or "WORLD_SIZE" in env) and ("OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env):
-        _check_no_stale_torchrun_environment(env, _read({k: v for k, v in env.items() if k not in TORCHRUN_VARIABLES}))
+        mpi = _read({k: v for k, v in env.items() if k not in TORCHRUN_VARIABLES})
+        _check_no_stale_torchrun_environment(env, mpi)
+        mpi_launcher = mpi.launcher
     if "RANK" in env or "WORLD_SIZE" in env:
         if "RANK" not in env or "WORLD_SIZE" not in env:
             missing = "WORLD_SIZE" if "RANK" in env else "RANK"
@@ -103,7 +110,7 @@ def _read(env: Mapping[str, str]) -> LaunchInfo:
         local_rank = _int(env, "LOCAL_RANK", "torchrun") if "LOCAL_RANK" in env else rank
         local_size = _int(env, "LOCAL_WORLD_SIZE", "torchrun") if "LOCAL_WORLD_SIZE" in env else size
         port = _int(env, "MASTER_PORT", "torchrun") if "MASTER_PORT" in env else None
-        return LaunchInfo(rank, size, local_rank, local_size, "torchrun", env.get("MASTER_ADDR"), port)
+        return LaunchInfo(rank, size, local_rank, local_size, "torchrun", env.get("MASTER_ADDR"), port, mpi_launcher)
     if "OMPI_COMM_WORLD_RANK" in env:
         get = lambda key, default=None: (  # noqa: E731
             _int(env, f"OMPI_COMM_WORLD_{key}", "openmpi") if f"OMPI_COMM_WORLD_{key}" in env else default

@@ -368,7 +368,7 @@ class DecentralizedDataParallel(nn.Module):
             with self._naming_step():
                 estimate = self._sampler.estimate_sq(self._replica_views, self.comm, self.step_count + 1)
             row["consensus"] = math.sqrt(estimate)
-        if self.schedule.period is None and (self.step_count + 1) % SCHEDULE_CHECK_EVERY == 0:
+        if (self.step_count + 1) % SCHEDULE_CHECK_EVERY == 0:
             with self._naming_step():
                 self._check_schedule_agreement()
         self.metrics.record(row)
@@ -404,8 +404,8 @@ class DecentralizedDataParallel(nn.Module):
         which would otherwise mix silently wrong.
         """
         first, last = self._schedule_checked_to, self.step_count
-        if last < first:  # still inside the window compared at construction (the same on every rank)
-            return
+        if self.schedule.period is not None or last < first:  # periodic: compared whole at construction; or
+            return  # still inside the window compared at construction (the same on every rank)
         digest = hashlib.sha256()
         for t in range(first, last + 1):
             for array in self.schedule.triplets(t):
@@ -429,13 +429,14 @@ class DecentralizedDataParallel(nn.Module):
     def _warn_if_mixing_only(self) -> None:
         """An optimizer step with neither a forward nor a backward since the previous one only mixes. Deliberate
         on every rank it is harmless; on one rank only (``optimizer.step()`` called twice) it puts that rank one
-        step ahead, which nothing can tell from a deliberate one until ``close()`` times out: say so now."""
+        step ahead, which nothing can tell from a deliberate one until ``close()`` (where the crossed exchange
+        raises :class:`ExchangeMismatchError` on both of its ends): say so now."""
         if self.closed or self._averaging or self._forward_since_step or self._backward_since_step:
             return
         warnings.warn(
             f"rank {self.comm.rank}: step {self.step_count}: optimizer.step() with no forward or backward since the "
             "previous step only mixes; unless every rank does the same, this rank is now one step ahead of its peers "
-            "and close() will time out",
+            "and close() will fail",
             MixingOnlyStepWarning,
             stacklevel=5,  # this, before_optimizer_step, the registry's hook, torch's step wrapper, the caller
         )
@@ -607,6 +608,8 @@ class DecentralizedDataParallel(nn.Module):
         and the only full-model copy is the average itself.
         """
         self._require_usable("averaged()")
+        with self._naming_step():
+            self._check_schedule_agreement()  # an average of replicas mixed by different weights is no average
         average = global_average([bucket.buffer for bucket in self.buckets], self.comm)
         parameters = dict(self.module.named_parameters())
         targets = [parameters[entry.name] for bucket in self.buckets for entry in bucket.entries]
@@ -671,6 +674,19 @@ class DecentralizedDataParallel(nn.Module):
         self._last_step_end = math.nan
 
     # -- teardown -------------------------------------------------------------------------------------------
+    def _closing_handshake(self) -> None:
+        """Announce ``close()`` to the peers of the exchange that would come next (W(t + 1)'s edges).
+
+        A peer one step ahead (an extra ``optimizer.step()`` on that rank) is inside that very exchange: the
+        announcement and its message cross, and both ends raise :class:`ExchangeMismatchError` naming the
+        other's exchange and step count (see :meth:`gossip.backends.base.Communicator.closing_handshake`).
+        """
+        view = self.schedule.peers(self.comm.rank, self.step_count + 1)
+        with self._naming_step():
+            self.comm.closing_handshake(
+                [peer for peer, _ in view.out_peers], [peer for peer, _ in view.in_peers], self.step_count
+            )
+
     def close(self) -> dict[str, float] | None:
         """Complete an exchange in flight (parameters keep x_t), summarise the metrics and retire the wrapper.
 
@@ -686,6 +702,7 @@ class DecentralizedDataParallel(nn.Module):
             self._skipped_step()
         try:
             self._drain_exchange()
+            self._closing_handshake()
         except CommTimeoutError as error:
             error.args = (
                 f"{error.args[0]} -- in close() after {self.step_count} optimizer steps on this rank: a peer that "
@@ -694,6 +711,8 @@ class DecentralizedDataParallel(nn.Module):
                 *error.args[1:],
             )
             raise
+        with self._naming_step():
+            self._check_schedule_agreement()  # the steps since the last periodic check
         self._move("close", "close()")
         summary = self.metrics.summarize(self.comm)
         self.metrics.close()

@@ -93,6 +93,18 @@ def _fail(store: dist.Store, me: int, size: int, message: str) -> LaunchError:
     return LaunchError(message)
 
 
+def _stale_hint(info: LaunchInfo) -> str:
+    """For a process an MPI launcher started with torchrun's variables set as well: they may be stale."""
+    if info.mpi_launcher is None:
+        return ""
+    return (
+        f". This process was started by {info.mpi_launcher}, and torchrun's RANK={info.rank} WORLD_SIZE={info.size} "
+        "are set too: if they were exported in the shell (the same on every rank, matching MPI only on this one), "
+        "the other ranks stopped at once naming them: unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT before "
+        "launching with mpiexec"
+    )
+
+
 def _check(store: dist.Store, info: LaunchInfo, where: str, timeout: float) -> None:
     me, size = info.rank, info.size
     if store.add(f"{_KEY}/rank{me}", 1) > 1:
@@ -123,7 +135,7 @@ def _check(store: dist.Store, info: LaunchInfo, where: str, timeout: float) -> N
                 size,
                 f"rank {me}: rank(s) {missing} of {size} did not join the rendezvous at {where} within "
                 f"{timeout:g} s{duplicated}. Check that every rank was started with WORLD_SIZE={size} and its own "
-                "RANK, and the output of the missing ones",
+                f"RANK, and the output of the missing ones{_stale_hint(info)}",
             )
         if missing:
             time.sleep(_POLL_SECONDS)

@@ -80,3 +80,11 @@ def test_stale_torchrun_environment_under_mpiexec_names_the_variables_to_unset(m
 def test_torchrun_variables_agreeing_with_mpi_are_accepted():
     info = detect_launch({"PMI_RANK": "2", "PMI_SIZE": "4", "RANK": "2", "WORLD_SIZE": "4"})
     assert (info.rank, info.size) == (2, 4)
+
+
+def test_torchrun_variables_agreeing_with_mpi_record_the_mpi_launcher():
+    """Rank 0 of a stale ``RANK=0 WORLD_SIZE=4`` export agrees with MPI by chance; what it records lets its
+    rendezvous error say that the variables may be stale (tests/test_rendezvous_hints.py)."""
+    info = detect_launch({"PMI_RANK": "0", "PMI_SIZE": "4", "RANK": "0", "WORLD_SIZE": "4", "MASTER_PORT": "1"})
+    assert (info.launcher, info.mpi_launcher) == ("torchrun", "mpich")
+    assert detect_launch({"RANK": "0", "WORLD_SIZE": "4"}).mpi_launcher is None

@@ -228,31 +228,71 @@ def test_an_aperiodic_schedule_is_compared_over_its_window(window, caught):
     assert (pairings(0, None, window).fingerprint() != pairings(1, None, window).fingerprint()) is caught
 
 
+def weights_flip_on_rank_1(rank: int) -> Schedule:
+    """Alternating pairings; from step 40 on rank 1 keeps 0.75 instead of 0.5 (same edges: the exchange completes)."""
+
+    def step(t: int):
+        keep = 0.75 if rank == 1 and t >= 40 else 0.5
+        pairs = [(0, 1), (2, 3)] if t % 2 == 0 else [(0, 2), (1, 3)]
+        rows = [i for a, b in pairs for i in (a, a, b, b)]
+        cols = [j for a, b in pairs for j in (a, b, a, b)]
+        weights = [w for _ in pairs for w in (keep, 1 - keep, 1 - keep, keep)]
+        return np.array(rows), np.array(cols), np.array(weights)
+
+    return Schedule(4, "pairs", step, None, window=32, validate=False)
+
+
+def run_with_other_weights(comm, steps: int, end: str) -> str:
+    """``steps`` SGD steps on :func:`weights_flip_on_rank_1`, then ``end``: "close", "averaged" or "nothing"."""
+    schedule = weights_flip_on_rank_1(comm.rank)
+    model = DecentralizedDataParallel(make_mlp(comm.rank), comm, schedule, ExactGossip(), consensus_every=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    try:
+        sgd_steps(model, optimizer, range(steps), comm.rank)
+        if end == "averaged":
+            with model.averaged():
+                pass
+        if end == "close":
+            model.close()
+    except ReplicaMismatchError as error:
+        return str(error)
+    return "no error"
+
+
 def test_an_aperiodic_schedule_with_other_weights_after_its_window_is_named_within_ten_steps():
-    def run(comm) -> str:
-        def step(t: int):
-            keep = 0.75 if comm.rank == 1 and t >= 40 else 0.5  # same edges, other weights: the exchange completes
-            pairs = [(0, 1), (2, 3)] if t % 2 == 0 else [(0, 2), (1, 3)]
-            rows = [i for a, b in pairs for i in (a, a, b, b)]
-            cols = [j for a, b in pairs for j in (a, b, a, b)]
-            weights = [w for _ in pairs for w in (keep, 1 - keep, 1 - keep, keep)]
-            return np.array(rows), np.array(cols), np.array(weights)
-
-        schedule = Schedule(4, "pairs", step, None, window=32, validate=False)
-        model = DecentralizedDataParallel(make_mlp(comm.rank), comm, schedule, ExactGossip(), consensus_every=0)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        try:
-            sgd_steps(model, optimizer, range(60), comm.rank)
-        except ReplicaMismatchError as error:
-            return str(error)
-        return "no error"
-
     expected = (
         "step 49: rank 1's schedule 'pairs' differs from rank 0's between steps 40 and 49 (a schedule without "
         "period is compared over its first 32 steps at construction, then every 10 steps): build it the same way on "
         "every rank (same seed)"
     )
-    assert gossip.simulate(N, run) == [expected] * N
+    assert gossip.simulate(N, run_with_other_weights, 60, "nothing") == [expected] * N
+
+
+@pytest.mark.parametrize("end", ["close", "averaged"])
+def test_other_weights_since_the_last_periodic_check_are_named_by_close_and_averaged(end):
+    """A run that ends (or evaluates the average) between two periodic checks still compares the steps since the
+    last one: 48 steps, weights differing from step 40, and close() or averaged() names it."""
+    expected = (
+        "step 48: rank 1's schedule 'pairs' differs from rank 0's between steps 40 and 48 (a schedule without "
+        "period is compared over its first 32 steps at construction, then every 10 steps): build it the same way on "
+        "every rank (same seed)"
+    )
+    assert gossip.simulate(N, run_with_other_weights, 48, end) == [expected] * N
+
+
+def test_the_same_run_without_the_flip_ends_cleanly_in_close_and_averaged():
+    def run(comm) -> str:
+        model = DecentralizedDataParallel(
+            make_mlp(comm.rank), comm, pairings(comm.rank, None), ExactGossip(), consensus_every=0
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        sgd_steps(model, optimizer, range(38), comm.rank)  # pairings flip on rank 1 only from step 40
+        with model.averaged():
+            pass
+        model.close()
+        return "no error"
+
+    assert gossip.simulate(N, run) == ["no error"] * N
 
 
 # -- 7, 8, 18: wrappers and communicators that must not be used -------------------------------------------------
@@ -488,39 +528,46 @@ def test_a_nan_buffer_is_dropped_from_the_average_with_nonfinite_drop():
     )
 
 
-def test_an_extra_optimizer_step_on_one_rank_ends_in_errors_naming_that_rank():
-    """An optimizer.step() without a forward is a mixing-only step: the exchanges stay matched by sequence number,
-    so nothing can tell it from a deliberate one across ranks; the rank warns at once, and close() ends in a named
-    error on every rank within the timeout."""
-
-    def run(comm) -> str:
-        model = wrap(comm, make_mlp(comm.rank))
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        try:
-            for step in range(4):
-                loss_of(model, *batch(comm.rank, step)).backward()
+def extra_step_on_rank_1(comm) -> str:
+    """Four training steps; rank 1 calls optimizer.step() twice in step 1 (a mixing-only step on one rank)."""
+    model = wrap(comm, make_mlp(comm.rank))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    try:
+        for step in range(4):
+            loss_of(model, *batch(comm.rank, step)).backward()
+            optimizer.step()
+            if comm.rank == 1 and step == 1:
                 optimizer.step()
-                if comm.rank == 1 and step == 1:
-                    optimizer.step()
-                optimizer.zero_grad()
-            model.close()
-        except GossipError as error:
-            return str(error)
-        return "no error"
+            optimizer.zero_grad()
+        model.close()
+    except GossipError as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
 
+
+def test_an_extra_optimizer_step_on_one_rank_is_named_at_close_by_both_ends_of_the_crossed_exchange():
+    """An optimizer.step() without a forward is a mixing-only step: the exchanges stay matched by sequence number,
+    so nothing can tell it from a deliberate one across ranks until the end; the rank warns at once. At close()
+    its peer announces close() after 4 steps on the edge of the next exchange, where rank 1 already is (exchange
+    5): both ends raise ExchangeMismatchError naming both numbers, without waiting for the timeout."""
     began = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:  # around the simulation: the ranks are threads
         warnings.simplefilter("always")
-        messages = gossip.simulate(N, run, timeout=2.0)
+        messages = gossip.simulate(N, extra_step_on_rank_1, timeout=2.0)
     assert time.monotonic() - began < 10.0
     assert [str(w.message) for w in caught if issubclass(w.category, MixingOnlyStepWarning)] == [
         "rank 1: step 2: optimizer.step() with no forward or backward since the previous step only mixes; unless "
-        "every rank does the same, this rank is now one step ahead of its peers and close() will time out"
+        "every rank does the same, this rank is now one step ahead of its peers and close() will fail"
     ]
-    assert messages[1].startswith("step 5: rank 1: exchange 5 with peer(s) [3] timed out after 2.0 s")
-    assert "in close() after 5 optimizer steps on this rank: a peer that took fewer steps" in messages[1]
-    for rank in (0, 2, 3):
-        assert (
-            messages[rank].startswith(f"rank {rank}: all_gather_object #")
-            and "waiting for rank(s) [1]" in messages[rank]
-        )
+    assert messages[1].startswith(
+        "ExchangeMismatchError: step 5: rank 1: exchange 5: message from peer 3: peer 3 is in close() after 4 "
+        "optimizer steps: this rank took more steps than peer 3 (an optimizer.step() without a forward is a "
+        "mixing-only step"
+    )
+    assert messages[3].startswith(
+        "ExchangeMismatchError: step 4: rank 3: close() after 4 optimizer steps: message from peer 1 belongs to "
+        "exchange 5: peer 1 took more steps than this rank"
+    )
+    for rank in (0, 2):  # in close()'s summary, waiting for the two that raised (a real process would have exited)
+        assert messages[rank].startswith(f"CommTimeoutError: rank {rank}: all_gather_object #")
+        assert messages[rank].endswith("still waiting for rank(s) [1, 3]")

@@ -26,6 +26,11 @@ exchange sends one *steady* header per peer, ``[MAGIC, seq, STEADY, count, diges
 what it expects]``, posted together with the payloads: a peer at another step, or one whose tensors changed
 while this rank's did not, is still named (:func:`check_steady_header`) without a header round trip.
 
+Closing. ``DecentralizedDataParallel.close()`` ends with :meth:`Communicator.closing_handshake`: one message to and
+from the peers of the exchange that would come next, numbered :func:`closing_seq` (below :data:`CLOSING`, never an
+exchange's number). A rank that took one more optimizer step than its peers is inside that very exchange, so the
+two messages cross and the header checks name it on both ends, at once, instead of a timeout.
+
 Send buffers must not be modified until the handle's ``wait`` returns. Receive buffers hold the peer's data
 when ``wait`` returns.
 """
@@ -65,6 +70,39 @@ DTYPE_CODES: dict[torch.dtype, int] = {
 _CODE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in DTYPE_CODES.items()}
 REDUCE_OPS = ("sum", "avg")
 STEADY = -1  # the index field of a steady header: one per peer, announcing tensors already checked
+#: Sequence numbers at or below this one announce a rank in ``close()`` (:func:`closing_seq`), not an exchange.
+CLOSING = -2
+
+
+def closing_seq(steps: int) -> int:
+    """The sequence number of :meth:`Communicator.closing_handshake` after ``steps`` optimizer steps."""
+    return CLOSING - steps
+
+
+def exchange_name(seq: int) -> str:
+    """How messages and errors name the exchange numbered ``seq``."""
+    return f"close() after {CLOSING - seq} optimizer steps" if seq <= CLOSING else f"exchange {seq}"
+
+
+def _closing_mismatch(where: str, peer: int, seq: int, their_seq: int) -> str | None:
+    """The message for a rank in ``close()`` meeting a peer that still exchanges (either end), else None."""
+    if seq <= CLOSING and their_seq <= CLOSING and seq != their_seq:
+        return (
+            f"{where}: peer {peer} is in close() after {CLOSING - their_seq} optimizer steps: the two ranks took "
+            "different numbers of steps; every rank must take the same number"
+        )
+    if (seq <= CLOSING) == (their_seq <= CLOSING):
+        return None
+    hint = (
+        "an optimizer.step() without a forward is a mixing-only step, which puts the rank that took it one "
+        "exchange ahead of its peers; every rank must take the same number of steps"
+    )
+    if their_seq <= CLOSING:
+        return (
+            f"{where}: peer {peer} is in close() after {CLOSING - their_seq} optimizer steps: this rank took more "
+            f"steps than peer {peer} ({hint})"
+        )
+    return f"{where} belongs to exchange {their_seq}: peer {peer} took more steps than this rank ({hint})"
 
 
 @dataclass(frozen=True)
@@ -94,9 +132,12 @@ def _spec(code: int, numel: int) -> str:
 def check_header(header: Sequence[int], expected: Transfer, seq: int, rank: int) -> None:
     """Raise :class:`ExchangeMismatchError` unless ``header`` announces exactly what ``expected`` can hold."""
     magic, their_seq, index, count, code, numel = (int(v) for v in header)
-    where = f"rank {rank}: exchange {seq}: message from peer {expected.peer}"
+    where = f"rank {rank}: {exchange_name(seq)}: message from peer {expected.peer}"
     if magic != MAGIC:
         raise ExchangeMismatchError(f"{where} is not a gossip-train header (magic {magic:#x})")
+    closing = _closing_mismatch(where, expected.peer, seq, their_seq)
+    if closing is not None:
+        raise ExchangeMismatchError(closing)
     if index == STEADY:
         raise ExchangeMismatchError(
             f"{where}: peer {expected.peer} sends and expects what it did before, while rank {rank} changed what it "
@@ -172,9 +213,12 @@ def check_steady_header(
 ) -> None:
     """Raise :class:`ExchangeMismatchError` unless ``header`` is ``peer``'s steady header matching this exchange."""
     magic, their_seq, index, count, their_sends, their_recvs = (int(v) for v in header)
-    where = f"rank {rank}: exchange {seq}: message from peer {peer}"
+    where = f"rank {rank}: {exchange_name(seq)}: message from peer {peer}"
     if magic != MAGIC:
         raise ExchangeMismatchError(f"{where} is not a gossip-train header (magic {magic:#x})")
+    closing = _closing_mismatch(where, peer, seq, their_seq)
+    if closing is not None:
+        raise ExchangeMismatchError(closing)
     if index != STEADY:
         raise ExchangeMismatchError(
             f"{where}: peer {peer} changed what it sends or expects and re-checks it, while rank {rank} sends and "
@@ -311,7 +355,7 @@ class Progress:
 
     def describe(self) -> str:
         parts = list(self.outstanding)
-        return ", ".join(parts) if parts else "nothing (completing)"
+        return ", ".join(parts) if parts else f"{self.operation} to return (every transfer is done)"
 
 
 class Handle(abc.ABC):
@@ -401,6 +445,11 @@ class CommThread:
     @property
     def failure(self) -> BaseException | None:
         return self._failure
+
+    @property
+    def running(self) -> Progress | None:
+        """The operation this thread is running now (None when idle)."""
+        return self._running
 
     def pending_description(self, progress: Progress) -> str:
         running = self._running
@@ -495,6 +544,23 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle: ...
+
+    def closing_handshake(self, send_to: Sequence[int], receive_from: Sequence[int], steps: int) -> None:
+        """One header-checked message to ``send_to`` and from ``receive_from`` announcing ``close()`` after
+        ``steps`` optimizer steps; returns once every peer announced the same.
+
+        ``close()`` calls it with the peers the next exchange would use. A peer that took one more step than this
+        rank is then inside that exchange: the two messages cross, and each end raises
+        :class:`ExchangeMismatchError` naming the other's exchange and step count (:func:`closing_seq`), instead
+        of both waiting out the timeout. Not counted in ``bytes_sent``/``bytes_received``: it carries no model.
+        """
+        token = torch.tensor([steps], dtype=torch.int64, device=self.device)
+        sends = plan_transfers([(peer, token) for peer in send_to], "send to", self.rank, self.size, self.device)
+        recvs = plan_transfers(
+            [(peer, torch.empty_like(token)) for peer in receive_from], "receive from", self.rank, self.size,
+            self.device,
+        )  # fmt: skip
+        self._start_exchange(sends, recvs, closing_seq(steps)).wait()
 
     # -- collectives ----------------------------------------------------------------------------------------
     def all_reduce(

@@ -11,7 +11,8 @@ Two rules, for every real communicator (registered by :func:`watch`):
   previous hook), flushes stdout and stderr, and ends the process with ``os._exit(1)`` -- the status Python itself
   gives an uncaught exception -- without the backend's teardown. That teardown would wait for peers that are not
   coming (a barrier, or MPICH's ``MPI_Finalize`` after a peer died) or abort inside Gloo's destructors. The peers
-  learn of the exit at once (Gloo: closed connection; MPI: the launcher).
+  learn of the exit at once (Gloo: closed connection; MPI: the launcher). A communicator's ``exit_delay`` (seconds,
+  0 when absent) is waited before ``os._exit``.
 
 A program that catches a communication error and exits by itself owns the teardown; ``os._exit`` after flushing
 is the safe way out.
@@ -24,6 +25,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from types import TracebackType
 from typing import Any
 
@@ -45,8 +47,12 @@ def _open(comm: Any) -> bool:
 
 def _hook(kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
     (_previous_hook or sys.__excepthook__)(kind, value, traceback)
-    if any(getattr(comm, "failure", None) is not None or _open(comm) for comm in list(_watched)):
+    watched = list(_watched)
+    if any(getattr(comm, "failure", None) is not None or _open(comm) for comm in watched):
         _flush()
+        # A backend may ask for a moment before the exit: MPICH's Hydra SIGKILLs every other process of the job when
+        # this one exits, which must not come before they have said what they saw (see gossip.backends.mpi).
+        time.sleep(max((getattr(comm, "exit_delay", 0.0) for comm in watched), default=0.0))
         os._exit(1)
 
 

@@ -33,6 +33,7 @@ import pickle
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -49,17 +50,21 @@ from gossip.backends.base import (
     Progress,
     Transfer,
     check_header,
+    exchange_name,
 )
 from gossip.backends.exit_guard import watch
 from gossip.errors import CommTimeoutError, GossipError, PeerFailedError
 from gossip.launch_env import LaunchInfo
 
 _BARRIER_TAG = 9
-_POLL_SLEEP_MAX = 1e-3  # seconds between Test() calls once a wait has lasted a while
+_POLL_SLEEP_MAX = 1e-3
+_REPORT_GRACE_SECONDS = 0.5  # seconds between Test() calls once a wait has lasted a while
 _Pending = tuple[Any, str, "Callable[[], None] | None"]  # (request, part it completes, continuation)
 
 
 _launcher_reported_failure = threading.Event()
+_report_lock = threading.RLock()  # the SIGUSR1 handler (main thread) and the wakeup-fd watcher report once
+_live: weakref.WeakSet[MPICommunicator] = weakref.WeakSet()  # this process's open communicators
 _MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's mpi_proto.h
 logger = logging.getLogger(__name__)
 
@@ -87,15 +92,55 @@ def cuda_aware() -> bool:
 
 
 def _on_process_failure(signum: int, frame: Any) -> None:
-    """SIGUSR1 from Hydra: some process of this job died (mpiexec -disable-auto-cleanup)."""
-    _launcher_reported_failure.set()
+    """SIGUSR1 from Hydra: some process of this job died (mpiexec -disable-auto-cleanup).
+
+    Besides setting the flag every wait polls, each live communicator of this process says at once, on stderr,
+    what the launcher reported and what it was doing: Hydra SIGKILLs the remaining processes as soon as the first
+    survivor exits, which can be before this rank's own :class:`PeerFailedError` is printed.
+    """
+    with _report_lock:  # reentrant: the main thread's handler may interrupt itself
+        if _launcher_reported_failure.is_set():
+            return
+        _launcher_reported_failure.set()
+        for comm in list(_live):
+            if not comm.closed:
+                with contextlib.suppress(OSError):
+                    os.write(2, f"{comm.launcher_report()}\n".encode())
+
+
+def _watch_wakeup_fd(read_end: int) -> None:
+    """A thread's loop: report SIGUSR1 as soon as its C-level handler writes the signal number to the wakeup fd.
+
+    Python runs a signal's handler in the main thread at its next bytecode, which can come late (a long C call)
+    or never (Hydra's SIGKILL first); the wakeup fd is written by the C handler itself, in whichever thread the
+    signal interrupts, so this thread reports at once.
+    """
+    while True:
+        try:
+            numbers = os.read(read_end, 64)
+        except OSError:
+            return
+        if not numbers:
+            return
+        if signal.SIGUSR1 in numbers:
+            _on_process_failure(signal.SIGUSR1, None)
 
 
 def _handle_launcher_failure_signal() -> None:
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:  # None would be a handler installed outside Python
-        signal.signal(signal.SIGUSR1, _on_process_failure)
+    if signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL:  # None would be a handler installed outside Python
+        return
+    signal.signal(signal.SIGUSR1, _on_process_failure)
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    if previous != -1:  # someone else (an asyncio loop) owns the wakeup fd: keep theirs, report from the handler
+        signal.set_wakeup_fd(previous)
+        os.close(read_end)
+        os.close(write_end)
+        return
+    threading.Thread(target=_watch_wakeup_fd, args=(read_end,), name="gossip-mpi-sigusr1", daemon=True).start()
 
 
 def _bytes(tensor: torch.Tensor) -> Any:
@@ -146,7 +191,26 @@ class MPICommunicator(Communicator):
         self._thread = CommThread(f"gossip-mpi-rank{self.rank}", self.rank, timeout)
         self._closed = False
         _handle_launcher_failure_signal()
+        _live.add(self)
         watch(self)
+
+    @property
+    def exit_delay(self) -> float:
+        """Seconds the exit guard waits before ending the process after an uncaught error: once the launcher has
+        reported a dead process, a moment for the other survivors to print their own report before Hydra, which
+        SIGKILLs them when this process exits, ends them (:mod:`gossip.backends.exit_guard`)."""
+        return _REPORT_GRACE_SECONDS if _launcher_reported_failure.is_set() else 0.0
+
+    def launcher_report(self) -> str:
+        """What this rank says when the launcher reports a dead process: the operation it was in and what it
+        still waited for (the dead peer, when this rank was exchanging with it), or that it was computing."""
+        running = self._thread.running
+        doing = (
+            f"during {running.operation}, waiting to {running.describe()}"
+            if running is not None
+            else "between communications (its next one raises PeerFailedError)"
+        )
+        return f"gossip: rank {self.rank}: the MPI launcher reported that a process of this job died (SIGUSR1) {doing}"
 
     @property
     def failure(self) -> BaseException | None:
@@ -258,7 +322,7 @@ class MPICommunicator(Communicator):
             self._poll(progress, pending)
 
         peers = sorted({t.peer for t in sends} | {t.peer for t in recvs})
-        return self._thread.submit(f"exchange {seq} with peer(s) {peers}", run)
+        return self._thread.submit(f"{exchange_name(seq)} with peer(s) {peers}", run)
 
     # -- collectives ----------------------------------------------------------------------------------------
     def _await(self, progress: Progress, request: Any, part: str) -> None:

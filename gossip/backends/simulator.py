@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gossip.backends.base import Communicator, Handle, Transfer, check_header
+from gossip.backends.base import CLOSING, Communicator, Handle, Transfer, check_header, exchange_name
 from gossip.errors import CommTimeoutError, ExchangeMismatchError, GossipError, PeerFailedError
 
 
@@ -74,6 +74,16 @@ class _ExchangeHandle(Handle):
     def _arrived(self) -> bool:
         return all(self._has(t, k) for t, k in zip(self._recvs, self._tickets, strict=True))
 
+    def _crossed(self) -> bool:
+        """A message arrived from a peer in ``close()`` while this rank exchanges, or the reverse: its header
+        names the mismatch at once (as on Gloo and MPI), whatever else is still missing."""
+        mail, mine = self._comm._world.mail, self._seq <= CLOSING
+        return any(
+            (mail[(t.peer, self._comm.rank)][k][0][1] <= CLOSING) != mine
+            for t, k in zip(self._recvs, self._tickets, strict=True)
+            if self._has(t, k)
+        )
+
     def done(self) -> bool:
         with self._comm._world.cond:
             return self._done or self._arrived()
@@ -89,10 +99,22 @@ class _ExchangeHandle(Handle):
             return ", ".join(t.describe("receive from") for t, k in pairs if not self._has(t, k))
 
         peers = sorted({t.peer for t in self._recvs})
-        operation = f"exchange {self._seq} with peer(s) {peers}"
+        operation = f"{exchange_name(self._seq)} with peer(s) {peers}"
         try:
-            world.wait_for(comm.rank, self._arrived, comm.timeout if timeout is None else timeout, operation, missing)
+            world.wait_for(
+                comm.rank,
+                lambda: self._arrived() or self._crossed(),
+                comm.timeout if timeout is None else timeout,
+                operation,
+                missing,
+            )
             with world.cond:
+                if self._crossed():
+                    for transfer, ticket in zip(self._recvs, self._tickets, strict=True):
+                        if self._has(transfer, ticket):
+                            check_header(
+                                world.mail[(transfer.peer, comm.rank)][ticket][0], transfer, self._seq, comm.rank
+                            )
                 pairs = zip(self._recvs, self._tickets, strict=True)
                 messages = [world.mail[(t.peer, comm.rank)].pop(k) for t, k in pairs]
             for transfer, (header, payload) in zip(self._recvs, messages, strict=True):
@@ -140,7 +162,7 @@ class SimulatorCommunicator(Communicator):
             )
 
     def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle:
-        self._check_usable(f"exchange {seq}")
+        self._check_usable(exchange_name(seq))
         world = self._world
         with world.cond:
             world._raise_if_failed(self.rank)

@@ -46,6 +46,7 @@ from gossip.backends.base import (
     Transfer,
     check_header,
     check_steady_header,
+    exchange_name,
     signature,
     steady_header,
 )
@@ -239,7 +240,7 @@ class TorchDistCommunicator(Communicator):
             for work, (transfer, direction, _) in zip(payload_works, posted, strict=True):
                 self._wait(work, transfer.describe(direction), progress, transfer.peer)
 
-        return self._thread.submit(f"exchange {seq} with peer(s) {peers}", run)
+        return self._thread.submit(f"{exchange_name(seq)} with peer(s) {peers}", run)
 
     # -- NCCL: ordering on the GPU, checks in the background ------------------------------------------------
     def _order_after(
@@ -321,7 +322,21 @@ class TorchDistCommunicator(Communicator):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.size
-        self._thread.call("all_gather_object", lambda progress: dist.all_gather_object(out, obj, self.group))
+
+        def run(progress: Progress) -> None:
+            self._check_pending()
+            progress.add("the other ranks to join all_gather_object")
+            try:
+                dist.all_gather_object(out, obj, self.group)
+            except RuntimeError as error:  # Gloo's own timeout, or a peer's connection closed
+                text = str(error).splitlines()[0]
+                if "timed out" in text.lower() or "timeout" in text.lower():
+                    raise CommTimeoutError(f"rank {self.rank}: all_gather_object timed out: {text}") from error
+                raise PeerFailedError(
+                    f"rank {self.rank}: all_gather_object: a peer failed or closed its connection: {text}"
+                ) from error
+
+        self._thread.call("all_gather_object", run)
         return out
 
     def close(self) -> None:

@@ -32,10 +32,14 @@ def _hydra_status(raw: int) -> int:
     return -(raw & 0x7F) if raw & 0x7F else raw >> 8
 
 
-def run(backend: str, out_dir: Path, kill_rank: int, steps: int = 30, timeout: float = 90.0) -> Job:
-    argv = [sys.executable, str(WORKER), str(out_dir), backend, str(kill_rank), str(steps)]
+def run(
+    backend: str, out_dir: Path, kill_rank: int, steps: int = 30, timeout: float = 90.0, worker: Path = WORKER
+) -> Job:
+    """Run ``worker`` (OUT_DIR BACKEND KILL_RANK STEPS) on ``N`` processes. ``kill_rank`` -1: a healthy run; else
+    a failure is expected (under MPI, ``-disable-auto-cleanup`` keeps the survivors alive to report it)."""
+    argv = [sys.executable, str(worker), str(out_dir), backend, str(kill_rank), str(steps)]
     if backend == "mpi":
-        # -disable-auto-cleanup only with a kill: Hydra then also signals (SIGUSR1) the ranks still finalizing
+        # -disable-auto-cleanup only with a failure: Hydra then also signals (SIGUSR1) the ranks still finalizing
         # when the first healthy rank exits, so a healthy job runs as users run it, without the flag.
         keep_survivors = ["-disable-auto-cleanup"] if kill_rank >= 0 else []
         command = [mpiexec(), *keep_survivors, "-print-all-exitcodes", "-l", "-n", str(N), *argv]

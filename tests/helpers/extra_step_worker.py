@@ -1,0 +1,45 @@
+"""Worker: four training steps in which rank 1 calls optimizer.step() twice (step 1); the error is not caught.
+
+Usage (by tests/test_failures_extra_step.py through helpers.failure_launch.run): python
+tests/helpers/extra_step_worker.py OUT_DIR BACKEND. Every rank writes its pid to ``OUT_DIR/rank<r>.pid``, its
+standard error to ``OUT_DIR/rank<r>.stderr`` and the time it enters close() to ``OUT_DIR/rank<r>.closing_at``.
+"""
+
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+import gossip
+from helpers.parallel_scenarios import batch, loss_of, make_mlp, wrap
+
+TIMEOUT = 10.0
+
+
+def main() -> None:
+    out_dir, backend = Path(sys.argv[1]), sys.argv[2]
+    warnings.simplefilter("ignore")  # the MixingOnlyStepWarning is pinned by the simulator's test
+    torch.set_num_threads(1)
+    stderr = os.open(out_dir / f"stderr.{os.getpid()}", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.dup2(stderr, 2)  # this process's own file: MPICH's Hydra can drop output of processes at the job's end
+    comm = gossip.init(backend, timeout=TIMEOUT)
+    (out_dir / f"rank{comm.rank}.pid").write_text(str(os.getpid()))
+    os.replace(out_dir / f"stderr.{os.getpid()}", out_dir / f"rank{comm.rank}.stderr")
+    model = wrap(comm, make_mlp(comm.rank))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(4):
+        loss_of(model, *batch(comm.rank, step)).backward()
+        optimizer.step()
+        if comm.rank == 1 and step == 1:
+            optimizer.step()
+        optimizer.zero_grad()
+    (out_dir / f"rank{comm.rank}.closing_at").write_text(repr(time.time()))
+    model.close()
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()

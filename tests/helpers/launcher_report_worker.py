@@ -1,0 +1,35 @@
+"""Worker: rank 0 waits in an exchange with rank 1, which never takes part; the test signals rank 0 as Hydra would.
+
+Usage (by tests/test_failures_launcher_report.py): mpiexec -n 2 python tests/helpers/launcher_report_worker.py
+OUT_DIR. Each rank writes its pid to ``OUT_DIR/rank<r>.pid`` and its standard error to ``OUT_DIR/rank<r>.stderr``;
+rank 0 writes ``OUT_DIR/waiting`` once its exchange is posted, then waits (timeout 60 s); rank 1 sleeps until it
+is killed.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import gossip
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    stderr = os.open(out_dir / f"stderr.{os.getpid()}", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.dup2(stderr, 2)  # this process's own file: MPICH's Hydra can drop output of processes at the job's end
+    comm = gossip.init("mpi", timeout=60.0)
+    (out_dir / f"rank{comm.rank}.pid").write_text(str(os.getpid()))
+    os.replace(out_dir / f"stderr.{os.getpid()}", out_dir / f"rank{comm.rank}.stderr")
+    if comm.rank == 1:
+        time.sleep(120)
+        return
+    handle = comm.exchange([(1, torch.zeros(4))], [(1, torch.empty(4))], seq=3)
+    (out_dir / "waiting").write_text("")
+    handle.wait()
+
+
+if __name__ == "__main__":
+    main()
