@@ -24,6 +24,7 @@ from torch import nn
 
 import gossip
 import gossip.checkpoint
+import gossip.checkpoint.file_format
 from gossip.checkpoint import (
     CheckpointMismatchError,
     atomic_save,
@@ -50,7 +51,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint_loadable(tmp_path, monkeyp
         file.truncate(file.tell() // 2)  # part of the new checkpoint is on disk when the crash comes
         raise Crash
 
-    monkeypatch.setattr(gossip.checkpoint.torch, "save", save_half_then_crash)
+    monkeypatch.setattr(gossip.checkpoint.file_format.torch, "save", save_half_then_crash)
     with pytest.raises(Crash):
         atomic_save({"step": 2, "x": torch.zeros(1000)}, path)
     assert torch.load(path)["step"] == 1
@@ -97,14 +98,14 @@ def file_bytes(directory: Path) -> dict[str, bytes]:
 def fail_writes_of(thread_name: str, monkeypatch, code: int = errno.ENOSPC, after: int = 512) -> None:
     """Make the checkpoint writer of one thread (a simulated rank) fail with ``OSError(code)`` after ``after``
     bytes, as a full disk does in the middle of a file."""
-    real_write = gossip.checkpoint._HashingWriter._write_through
+    real_write = gossip.checkpoint.file_format._HashingWriter._write_through
 
     def write(self, data) -> int:
         if threading.current_thread().name == thread_name and self.size + len(data) > after:
             raise OSError(code, os.strerror(code))
         return real_write(self, data)
 
-    monkeypatch.setattr(gossip.checkpoint._HashingWriter, "_write_through", write)
+    monkeypatch.setattr(gossip.checkpoint.file_format._HashingWriter, "_write_through", write)
 
 
 @pytest.mark.parametrize(

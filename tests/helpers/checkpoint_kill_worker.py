@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gossip
-import gossip.checkpoint
+import gossip.checkpoint.file_format
 from helpers.parallel_scenarios import batch, loss_of, make_mlp, wrap
 
 KILL_AFTER_BYTES = 256
@@ -27,7 +27,7 @@ KILL_AFTER_BYTES = 256
 
 def main(root: Path) -> None:
     directory = root / "ckpt"
-    real_write = gossip.checkpoint._HashingWriter.write
+    real_write = gossip.checkpoint.file_format._HashingWriter.write
 
     def write_then_die(self, data) -> int:
         written = real_write(self, data)
@@ -46,7 +46,7 @@ def main(root: Path) -> None:
                 if comm.rank == 0:
                     digests = [hashlib.sha256((directory / f"rank{r}.pt").read_bytes()).hexdigest() for r in (0, 1)]
                     (root / "before.txt").write_text("\n".join(digests))
-                    gossip.checkpoint._HashingWriter.write = write_then_die
+                    gossip.checkpoint.file_format._HashingWriter.write = write_then_die
                 comm.barrier()
             loss_of(model, *batch(comm.rank, step)).backward()
             optimizer.step()

@@ -1,0 +1,74 @@
+"""How the ranks reach one outcome: each rank's problem (a failed write, a file that does not belong to this
+run) is gathered, and every rank raises the same named error."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gossip.checkpoint.state import mismatch
+from gossip.errors import CheckpointError, CheckpointWriteError, UntrustedCheckpointError
+from gossip.parallel import DecentralizedDataParallel
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """The checkpoint does not belong to this run (or is missing); the message says what differs on which rank."""
+
+
+def write_failure(rank: int, path: Path, error: BaseException, step: int) -> str:
+    """One sentence: which rank failed to write which file at which step, why, and what to do."""
+    code = getattr(error, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        advice = f"the file system of {path.parent} is full (or over quota): free space there or save elsewhere"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        advice = f"this process may not write in {path.parent}: fix its permissions or save elsewhere"
+    else:
+        advice = f"check the file system of {path.parent}, or save elsewhere"
+    previous = "its previous checkpoint is unchanged" if path.exists() else "it had no previous checkpoint"
+    return (
+        f"rank {rank}: save_checkpoint at step {step} could not write {path} ({type(error).__name__}: {error}); "
+        f"{advice}; {previous}"
+    )
+
+
+def raise_gathered(problems: list[Any], what: str) -> None:
+    """Raise the first rank's problem on this rank (every rank raises the same), if any rank had one."""
+    found = [p for p in problems if p is not None]
+    if not found:
+        return
+    kind, message = found[0]
+    more = f" (and {len(found) - 1} more rank(s))" if found[1:] else ""
+    error = {"TypeError": TypeError, "RuntimeError": RuntimeError, "untrusted": UntrustedCheckpointError}.get(
+        kind, CheckpointWriteError
+    )
+    raise error(message + more + (f"; {what}" if kind == "write" else ""))
+
+
+def agree_on_load(
+    model: DecentralizedDataParallel,
+    path: Path,
+    state: dict[str, Any] | None,
+    problem: tuple[str, str] | None,
+    extra: Mapping[str, Any],
+) -> None:
+    """The collective check of ``load_checkpoint`` and ``load_dcp``: every rank raises the first rank's problem,
+    if any, and the ranks' files must hold the same step."""
+    if problem is None:
+        message = mismatch(path, state, model, extra)
+        problem = None if message is None else ("mismatch", message)
+    step = None if state is None else int(state["training"]["step"])
+    gathered = model.comm.all_gather_object((problem, step, str(path)))
+    problems = [p for p, _, _ in gathered if p is not None]
+    if problems:
+        kind, message = problems[0]
+        error = UntrustedCheckpointError if kind == "untrusted" else CheckpointMismatchError
+        raise error(message + (f" (and {len(problems) - 1} more rank(s))" if problems[1:] else ""))
+    steps = [s for _, s, _ in gathered]
+    if len(set(steps)) > 1:
+        other = next(r for r, s in enumerate(steps) if s != steps[0])
+        raise CheckpointMismatchError(
+            f"rank {other}: {gathered[other][2]} holds step {steps[other]} but rank 0's {gathered[0][2]} holds step "
+            f"{steps[0]}: the files come from different saves; restore one save's files on every rank"
+        )

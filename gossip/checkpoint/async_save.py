@@ -1,0 +1,88 @@
+"""Asynchronous saves: the state copied to host memory, then written and committed by a background thread
+while training goes on; :class:`CheckpointFuture` reports the outcome on every rank."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gossip.checkpoint.agreement import raise_gathered, write_failure
+from gossip.checkpoint.file_format import commit_temporary, write_temporary
+from gossip.parallel import DecentralizedDataParallel
+
+
+def _host_copy(obj: Any, owned: set[int]) -> Any:
+    """``obj`` with every tensor copied to host memory (pinned when it lives on a GPU), except the ``owned``
+    host tensors, which nothing else refers to."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu":
+            copy = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+            return copy.copy_(obj.detach(), non_blocking=False)
+        return obj if id(obj) in owned else obj.detach().clone()
+    if isinstance(obj, dict):
+        return type(obj)((key, _host_copy(value, owned)) for key, value in obj.items())
+    if isinstance(obj, list | tuple) and not isinstance(obj, torch.Size):
+        return type(obj)(_host_copy(value, owned) for value in obj)
+    return obj
+
+
+class CheckpointFuture:
+    """A checkpoint being written in the background by ``save_checkpoint(..., async_save=True)``.
+
+    :meth:`wait` is a collective; :meth:`done` is local and does not block.
+    """
+
+    def __init__(self, model: DecentralizedDataParallel, path: Path, state: dict[str, Any], step: int) -> None:
+        self.path, self.step, self._comm = path, step, model.comm
+        self._problem: tuple[str, str] | None = None
+        self._waited = False
+        self._thread = threading.Thread(target=self._write, args=(state,), name=f"checkpoint-rank{model.comm.rank}")
+        self._thread.daemon = True  # a process that exits without wait() leaves a temporary file, removed next time
+        self._thread.start()
+
+    def _write(self, state: dict[str, Any]) -> None:
+        try:
+            commit_temporary(write_temporary(state, self.path), self.path)
+        except Exception as error:
+            self._problem = ("write", write_failure(self._comm.rank, self.path, error, self.step))
+
+    def done(self) -> bool:
+        """Whether this rank's write has ended (successfully or not)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Wait for this rank's write; a collective: raise :class:`~gossip.errors.CheckpointWriteError` on every
+        rank if any rank's write failed. Return this rank's file. A second call returns at once."""
+        self._thread.join()
+        if not self._waited:
+            self._waited = True
+            raise_gathered(
+                self._comm.all_gather_object(self._problem),
+                "ranks whose write succeeded hold the new checkpoint, the others their previous one: save again",
+            )
+        return self.path
+
+
+_PENDING: weakref.WeakKeyDictionary[DecentralizedDataParallel, CheckpointFuture] = weakref.WeakKeyDictionary()
+
+
+def start_async_save(
+    model: DecentralizedDataParallel, path: Path, state: dict[str, Any], step: int
+) -> CheckpointFuture:
+    """Snapshot ``state`` to host memory and write it to ``path`` in the background; ``model``'s next save or
+    load waits for it."""
+    owned = {id(t) for t in state["training"]["buckets"]}
+    future = CheckpointFuture(model, path, _host_copy(state, owned), step)
+    _PENDING[model] = future
+    return future
+
+
+def wait_pending(model: DecentralizedDataParallel) -> None:
+    """Wait for ``model``'s pending asynchronous save, if any: a collective, so its error is raised on every rank."""
+    pending = _PENDING.pop(model, None)
+    if pending is not None:
+        pending.wait()

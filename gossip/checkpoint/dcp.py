@@ -1,0 +1,189 @@
+"""The same per-rank state as a ``torch.distributed.checkpoint`` (DCP) directory per rank: ``save_dcp``,
+``read_dcp``, ``load_dcp``, with the collective commit, checks and errors of the ``rank<r>.pt`` files."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gossip.checkpoint.agreement import agree_on_load, raise_gathered, write_failure
+from gossip.checkpoint.async_save import wait_pending
+from gossip.checkpoint.safe_loading import SAFE_GLOBALS, weights_only_refusal
+from gossip.checkpoint.state import rank_state, restore
+from gossip.errors import UntrustedCheckpointError
+from gossip.parallel import DecentralizedDataParallel
+
+_TENSOR = "__gossip_dcp_tensor__"
+_STRUCTURE = "gossip.structure"
+
+
+def dcp_path(path_dir: str | Path, rank: int) -> Path:
+    return Path(path_dir) / f"rank{rank}.dcp"
+
+
+def _split(obj: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by ``{_TENSOR: key}`` and put in ``tensors`` under its dotted key."""
+    if isinstance(obj, torch.Tensor):
+        tensors[key] = obj.detach()
+        return {_TENSOR: key}
+    if isinstance(obj, dict):
+        return type(obj)((k, _split(v, f"{key}.{k}" if key else str(k), tensors)) for k, v in obj.items())
+    if isinstance(obj, list | tuple) and not isinstance(obj, torch.Size):
+        return type(obj)(_split(v, f"{key}.{i}" if key else str(i), tensors) for i, v in enumerate(obj))
+    return obj
+
+
+def _join(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {_TENSOR}:
+            return tensors[obj[_TENSOR]]
+        return type(obj)((k, _join(v, tensors)) for k, v in obj.items())
+    if isinstance(obj, list | tuple) and not isinstance(obj, torch.Size):
+        return type(obj)(_join(v, tensors) for v in obj)
+    return obj
+
+
+def _dcp_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The DCP state dict: every tensor under its dotted path (``optimizer.state.0.exp_avg``,
+    ``training.buckets.0``), and the rest of the structure as a uint8 tensor holding a ``torch.save`` of plain
+    data (DCP itself unpickles non-tensor items with ``weights_only=False``; this keeps the load weights-only)."""
+    tensors: dict[str, torch.Tensor] = {}
+    structure = _split(state, "", tensors)
+    buffer = io.BytesIO()
+    torch.save(structure, buffer)
+    return {**tensors, _STRUCTURE: torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)}
+
+
+def save_dcp(
+    path_dir: str | Path,
+    model: DecentralizedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    trusted: bool = False,
+) -> Path:
+    """Write this rank's checkpoint as a ``torch.distributed.checkpoint`` directory ``path_dir/rank<r>.dcp``
+    (each rank's replica is its own state: one DCP checkpoint per rank, saved with ``no_dist=True``). A
+    collective with the same two-phase commit and errors as :func:`save_checkpoint`: the directory is written as
+    ``.rank<r>.dcp.<random>.tmp`` and renamed in place (the previous one moved aside, then removed) only if
+    every rank wrote its own.
+
+    Any DCP reader opens it without a process group, e.g. ``dcp.load({"optimizer.state.0.exp_avg": t},
+    checkpoint_id=dir / "rank0.dcp", no_dist=True)``; the tensors are stored under their dotted paths in the
+    state (``training.buckets.<i>`` are the flat parameter buckets x_t, ``optimizer.state.<i>.<name>``,
+    ``buffers.<name>``, ``frozen.<name>``, ``extra.<key>.state...``), the rest of the state as the uint8 tensor
+    ``gossip.structure``. :func:`load_dcp` restores it with the checks of :func:`load_checkpoint`.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    model._require_usable("save_dcp()")
+    wait_pending(model)
+    if model.schedule.period is None:
+        model._check_schedule_agreement()
+    rank, step = model.comm.rank, model.step_count
+    path = dcp_path(path_dir, rank)
+    for stale in path.parent.glob(f".{path.name}.*.tmp") if path.parent.is_dir() else []:
+        shutil.rmtree(stale, ignore_errors=True)
+    problem, temporary = None, None
+    try:
+        state = _dcp_state(rank_state(model, optimizer, dict(extra or {}), trusted))
+    except UntrustedCheckpointError as error:
+        problem = ("untrusted", str(error))
+    except (TypeError, RuntimeError) as error:
+        problem = ("TypeError" if type(error) is TypeError else "RuntimeError", str(error))
+    if problem is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        try:
+            dcp.save(state, checkpoint_id=temporary, no_dist=True)
+        except Exception as error:
+            shutil.rmtree(temporary, ignore_errors=True)
+            cause = error
+            while cause.__cause__ is not None and not isinstance(cause, OSError):
+                cause = cause.__cause__
+            problem = ("write", write_failure(rank, path, cause, step))
+        del state
+    problems = model.comm.all_gather_object(problem)
+    if any(p is not None for p in problems) and temporary is not None:
+        shutil.rmtree(temporary, ignore_errors=True)
+    raise_gathered(problems, "no rank replaced its previous checkpoint")
+    aside = path.parent / f".{path.name}.{temporary.name}.old"
+    try:
+        if path.exists():
+            os.replace(path, aside)
+        os.replace(temporary, path)
+        problem = None
+    except OSError as error:
+        problem = ("write", write_failure(rank, path, error, step))
+    shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(temporary, ignore_errors=True)
+    raise_gathered(
+        model.comm.all_gather_object(problem),
+        "the other ranks hold the new checkpoint, the files are now of different saves: save again",
+    )
+    return path
+
+
+def read_dcp(path: str | Path, *, trusted: bool = False) -> dict[str, Any]:
+    """The state saved by :func:`save_dcp` in one rank's DCP directory (read without a process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(path)
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        template = {
+            key: torch.empty(item.size, dtype=item.properties.dtype)
+            for key, item in metadata.state_dict_metadata.items()
+            if isinstance(item, TensorStorageMetadata)
+        }
+        dcp.load(template, checkpoint_id=path, no_dist=True)
+        structure = template.pop(_STRUCTURE).numpy().tobytes()
+    except Exception as error:
+        raise ValueError(
+            f"{path} is unreadable, truncated or not a gossip-train DCP checkpoint ({type(error).__name__}: {error})"
+        ) from error
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            state = torch.load(io.BytesIO(structure), weights_only=not trusted)
+    except pickle.UnpicklingError as error:
+        raise UntrustedCheckpointError(
+            f"{path} holds objects that a weights-only load refuses ({weights_only_refusal(error)}): loading it "
+            "would run pickled code; pass trusted=True to load_dcp only if you wrote this checkpoint yourself"
+        ) from error
+    return _join(state, template)
+
+
+def load_dcp(
+    path_dir: str | Path,
+    model: DecentralizedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    trusted: bool = False,
+) -> int:
+    """Restore this rank's state from the DCP directory ``path_dir/rank<r>.dcp`` written by :func:`save_dcp`;
+    return the step to resume at. A collective, with the checks and errors of :func:`load_checkpoint`."""
+    model._require_usable("load_dcp()")
+    wait_pending(model)
+    extra = dict(extra or {})
+    rank = model.comm.rank
+    path = dcp_path(path_dir, rank)
+    state, problem = None, None
+    if path.exists():
+        try:
+            state = read_dcp(path, trusted=trusted)
+        except UntrustedCheckpointError as error:
+            problem = ("untrusted", f"rank {rank}: {error}")
+        except ValueError as error:
+            problem = ("mismatch", f"rank {rank}: {error}")
+    agree_on_load(model, path, state, problem, extra)
+    return restore(state, model, optimizer, extra)
