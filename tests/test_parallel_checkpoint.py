@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.parallel_scenarios import batch, checkpoint_resume, loss_of, make_mlp, wrap
+from helpers.parallel_scenarios import batch, checkpoint_resume, loss_of, make_mlp, weights_flip_on_rank_1, wrap
 from torch import nn
 
 import gossip
@@ -22,6 +22,7 @@ from gossip.checkpoint import (
     save_checkpoint,
 )
 from gossip.parallel import DecentralizedDataParallel
+from gossip.replicas import ReplicaMismatchError
 
 N = 4
 
@@ -213,3 +214,36 @@ def test_frozen_parameters_are_saved_and_restored(tmp_path):
 
     for saved, loaded in zip(gossip.simulate(N, save), gossip.simulate(N, load), strict=True):
         assert torch.equal(saved, loaded)
+
+
+def test_a_schedule_without_period_that_diverged_since_the_last_check_is_named_by_save_and_nothing_is_written(
+    tmp_path,
+):
+    """Weights that differ on rank 1 from step 40 (same edges: the exchanges complete) and a save after 48 steps,
+    between two of the every-10-steps checks: save_checkpoint compares the steps since the last check, every rank
+    names rank 1, and no rank replaces the checkpoint it saved at step 30."""
+
+    def run(comm) -> tuple[str, bytes]:
+        schedule = weights_flip_on_rank_1(comm.rank)
+        model = DecentralizedDataParallel(make_mlp(comm.rank), comm, schedule, ExactGossip(), consensus_every=0)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(48):
+            if step == 30:
+                saved = save_checkpoint(tmp_path, model, optimizer).read_bytes()  # this rank's file, committed
+            loss_of(model, *batch(comm.rank, step)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        try:
+            save_checkpoint(tmp_path, model, optimizer)
+        except ReplicaMismatchError as error:
+            return str(error), saved
+        return "no error", saved
+
+    results = gossip.simulate(N, run)
+    assert all(
+        message.startswith("step 48: rank 1's schedule 'pairs' differs from rank 0's between steps 40 and 48")
+        for message, _ in results
+    ), results[0][0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{r}.pt" for r in range(N)]  # no temporary left
+    for rank, (_, saved) in enumerate(results):
+        assert checkpoint_path(tmp_path, rank).read_bytes() == saved, f"rank {rank}'s checkpoint was replaced"

@@ -11,7 +11,15 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from helpers.parallel_scenarios import batch, flat_parameters, loss_of, make_mlp, skip_one_update, wrap
+from helpers.parallel_scenarios import (
+    batch,
+    flat_parameters,
+    loss_of,
+    make_mlp,
+    skip_one_update,
+    weights_flip_on_rank_1,
+    wrap,
+)
 from torch import nn
 
 import gossip
@@ -226,20 +234,6 @@ def test_a_periodic_schedule_is_compared_over_its_whole_period():
 def test_an_aperiodic_schedule_is_compared_over_its_window(window, caught):
     """What is checked for a schedule without period: its first ``window`` steps (the documented contract)."""
     assert (pairings(0, None, window).fingerprint() != pairings(1, None, window).fingerprint()) is caught
-
-
-def weights_flip_on_rank_1(rank: int) -> Schedule:
-    """Alternating pairings; from step 40 on rank 1 keeps 0.75 instead of 0.5 (same edges: the exchange completes)."""
-
-    def step(t: int):
-        keep = 0.75 if rank == 1 and t >= 40 else 0.5
-        pairs = [(0, 1), (2, 3)] if t % 2 == 0 else [(0, 2), (1, 3)]
-        rows = [i for a, b in pairs for i in (a, a, b, b)]
-        cols = [j for a, b in pairs for j in (a, b, a, b)]
-        weights = [w for _ in pairs for w in (keep, 1 - keep, 1 - keep, keep)]
-        return np.array(rows), np.array(cols), np.array(weights)
-
-    return Schedule(4, "pairs", step, None, window=32, validate=False)
 
 
 def run_with_other_weights(comm, steps: int, end: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -17,6 +18,7 @@ import topologies
 from gossip.algorithms.exact import ExactGossip
 from gossip.checkpoint import load_checkpoint, load_dcp, save_checkpoint, save_dcp
 from gossip.parallel import DecentralizedDataParallel
+from topologies.schedule import Schedule
 
 IN, HIDDEN, OUT = 8, 16, 4
 TARGET = torch.randn(IN, OUT, generator=torch.Generator().manual_seed(1234))
@@ -53,6 +55,20 @@ def wrap(comm, module: nn.Module, algorithm=None, **kwargs: Any) -> Decentralize
 
 def flat_parameters(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def weights_flip_on_rank_1(rank: int) -> Schedule:
+    """Alternating pairings; from step 40 on rank 1 keeps 0.75 instead of 0.5 (same edges: the exchange completes)."""
+
+    def step(t: int):
+        keep = 0.75 if rank == 1 and t >= 40 else 0.5
+        pairs = [(0, 1), (2, 3)] if t % 2 == 0 else [(0, 2), (1, 3)]
+        rows = [i for a, b in pairs for i in (a, a, b, b)]
+        cols = [j for a, b in pairs for j in (a, b, a, b)]
+        weights = [w for _ in pairs for w in (keep, 1 - keep, 1 - keep, keep)]
+        return np.array(rows), np.array(cols), np.array(weights)
+
+    return Schedule(4, "pairs", step, None, window=32, validate=False)
 
 
 def train(
