@@ -87,10 +87,15 @@ def main() -> None:
 
     # 4. resume: parameters, optimizer, scheduler, gossip state, step counter and RNG streams come back from this
     #    rank's checkpoint file; anything else with a state_dict() (a GradScaler, a torch.Generator, a dict of
-    #    your own) goes into `extra` the same way.
+    #    your own) goes into `extra` the same way. load_checkpoint is a collective, so every rank must take the
+    #    same decision: the ranks count who finds its file, and if any does, all load (a rank whose file is
+    #    missing then makes load_checkpoint raise its named error on every rank, instead of leaving them waiting).
     start = 0
-    if args.checkpoint_dir and (Path(args.checkpoint_dir) / f"rank{comm.rank}.pt").exists():
-        start = gossip.load_checkpoint(args.checkpoint_dir, model, optimizer, extra={"scheduler": scheduler})
+    if args.checkpoint_dir:
+        found = torch.tensor([float(gossip.checkpoint.checkpoint_path(args.checkpoint_dir, comm.rank).exists())])
+        comm.all_reduce(found, "sum")
+        if found.item() > 0:
+            start = gossip.load_checkpoint(args.checkpoint_dir, model, optimizer, extra={"scheduler": scheduler})
     if comm.rank == 0:
         print(f"{comm.size} rank(s), starting at step {start} of {args.steps}", flush=True)
 
