@@ -242,7 +242,7 @@ class DecentralizedDataParallel(nn.Module):
         self._ownership: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.step_count = 0
         self._exchange: Any = None  # what algorithm.start(t) returned, while the step is EXCHANGING
-        self._state_before_start = copy.deepcopy(algorithm.state_dict())
+        self._state_before_start: dict[str, Any] | None = None  # see _start
 
         self.metrics = StepMetrics(run_dir, comm.rank)
         # Sampled on every rank as soon as one rank has a run_dir: logging on rank 0 only must not leave rank 0
@@ -498,8 +498,10 @@ class DecentralizedDataParallel(nn.Module):
 
     def _start(self) -> None:
         self._check_parameters()
-        # The algorithm state before start(t) is what a checkpoint taken during step t must hold (see checkpoint).
-        self._state_before_start = copy.deepcopy(self.algorithm.state_dict())
+        # The algorithm state before start(t) is what a checkpoint taken during step t must hold (see checkpoint);
+        # an algorithm whose start changes no state (start_keeps_state) is read when the checkpoint asks instead.
+        if not self.algorithm.start_keeps_state:
+            self._state_before_start = copy.deepcopy(self.algorithm.state_dict())
         if math.isnan(self._last_step_end):
             self._last_step_end = time.perf_counter()
         self._move("start", "starting the exchange", check_only=True)
@@ -652,7 +654,8 @@ class DecentralizedDataParallel(nn.Module):
                 f"rank {self.comm.rank}: checkpoint inside step {self.step_count} (between the mixing and the "
                 "optimizer's update); save after optimizer.step()"
             )
-        algorithm_state = self._state_before_start if self._step.in_flight else self.algorithm.state_dict()
+        in_flight = self._step.in_flight and not self.algorithm.start_keeps_state
+        algorithm_state = self._state_before_start if in_flight else self.algorithm.state_dict()
         return {
             "step": self.step_count,
             "buckets": [bucket.buffer.detach().clone() for bucket in self.buckets],

@@ -14,6 +14,7 @@ import topologies
 from gossip.algorithms.adaptive_rank import AdaptivePowerGossip
 from gossip.algorithms.allreduce import AllReduce
 from gossip.algorithms.base import COLLECTIVE
+from gossip.algorithms.diloco import DiLoCo
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.hierarchical import HierarchicalGossip, inter_node_pairs
 from gossip.algorithms.periodic import PeriodicAverage
@@ -28,6 +29,7 @@ ALGORITHMS = {
     "exact": lambda: ExactGossip(gamma=0.5),
     "allreduce": AllReduce,
     "periodic-exact": lambda: PeriodicAverage(ExactGossip(), every=2),
+    "diloco": lambda: DiLoCo(local_steps=2),
 }
 
 

@@ -11,6 +11,8 @@ import gossip
 from gossip.algorithms.allreduce import COLLECTIVE
 
 N = 4
+#: The cases that all-reduce: equal to the simulator to rounding (a backend sums in its own order).
+ALL_REDUCING = ("allreduce", "pga", "diloco")
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def test_real_backend_mixes_exactly_like_the_simulator(real, oracle, case):
     backend, results = real
     for rank in range(N):
         got, want = results[rank][case], oracle[rank][case]
-        if case.startswith(("allreduce", "pga")):  # the backend's reduction order may differ from rank order
+        if case.startswith(ALL_REDUCING):  # the backend's reduction order may differ from rank order
             for g, w in zip(got["buffers"], want["buffers"], strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
             for g, w in zip(got["factors"], want["factors"], strict=True):
@@ -49,23 +51,23 @@ def test_real_backend_mixes_exactly_like_the_simulator(real, oracle, case):
 
 @pytest.mark.parametrize("case", [f"{a}/{s}" for a, s in CASES if not a.startswith("allreduce")])
 def test_algorithm_byte_counts_equal_the_communicators(real, case):
-    """Point-to-point bytes per peer equal the communicator's counters; PeriodicAverage's all-reduce bytes are
-    recorded under COLLECTIVE, which the communicator does not count."""
+    """Point-to-point bytes per peer equal the communicator's counters; PeriodicAverage's and DiLoCo's all-reduce
+    bytes are recorded under COLLECTIVE, which the communicator does not count."""
     backend, results = real
     for rank in range(N):
         result = results[rank][case]
         sent, received = dict(result["sent"]), dict(result["received"])
-        assert (COLLECTIVE in sent) == case.startswith("pga")
+        assert (COLLECTIVE in sent) == case.startswith(("pga", "diloco"))
         sent.pop(COLLECTIVE, None)
         received.pop(COLLECTIVE, None)
         assert sent == result["comm_sent"] and received == result["comm_received"], f"{backend} rank {rank} {case}"
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", [f"{a}/{s}" for a, s in CASES if a.startswith("pga")])
+@pytest.mark.parametrize("case", [f"{a}/{s}" for a, s in CASES if a.startswith(("pga", "diloco"))])
 def test_periodic_average_leaves_bit_identical_replicas_and_edge_factors(real, case):
-    """The last step averages: every rank holds the all-reduce's bits; PowerGossip's factors are the same on
-    both ends of every edge after every step, averaging steps included."""
+    """The last step averages (DiLoCo: takes an outer step): every rank holds the same bits; PowerGossip's
+    factors are the same on both ends of every edge after every step, averaging steps included."""
     backend, results = real
     for rank in range(1, N):
         assert all(

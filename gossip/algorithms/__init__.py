@@ -1,22 +1,24 @@
 """Gossip algorithms behind one start/finish interface: ExactGossip, PowerGossip, AllReduce, HierarchicalGossip,
-AdaptivePowerGossip; the PeriodicAverage wrapper; compression policies (``tagc_policy``)."""
+AdaptivePowerGossip; the PeriodicAverage wrapper; the DiLoCo baseline; compression policies (``tagc_policy``)."""
 
 from gossip.algorithms.adaptive_rank import AdaptivePowerGossip, LadderSearch
 from gossip.algorithms.allreduce import AllReduce
 from gossip.algorithms.base import Algorithm, Traffic
+from gossip.algorithms.diloco import DiLoCo
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.hierarchical import HierarchicalGossip
 from gossip.algorithms.periodic import PeriodicAverage
 from gossip.algorithms.powergossip import PowerGossip, exclude_names
 from gossip.algorithms.presets import tagc_policy
 
-ALGORITHMS = {"exact": ExactGossip, "powergossip": PowerGossip, "allreduce": AllReduce}
+ALGORITHMS = {"exact": ExactGossip, "powergossip": PowerGossip, "allreduce": AllReduce, "diloco": DiLoCo}
 
 __all__ = [
     "ALGORITHMS",
     "AdaptivePowerGossip",
     "Algorithm",
     "AllReduce",
+    "DiLoCo",
     "ExactGossip",
     "HierarchicalGossip",
     "LadderSearch",

@@ -103,6 +103,10 @@ class Algorithm(abc.ABC):
     #: What NaN or Inf received from a peer does: "raise" or "drop" (module docstring); fixed for algorithms that
     #: have no choice (All-Reduce), a constructor argument of those that do.
     nonfinite: str = "raise"
+    #: True when ``start`` never changes what :meth:`state_dict` returns (only ``finish`` does): the wrapper then
+    #: reads the state when a checkpoint asks for it, instead of copying it before every ``start`` (DiLoCo's state
+    #: is two copies of the model).
+    start_keeps_state: bool = False
 
     comm: Communicator
     schedule: Schedule | None

@@ -37,6 +37,7 @@ def make_algorithm(name: str) -> gossip.Algorithm:
             rank=2, num_iterations=2, min_compression=1, uncompressed_every_iteration=True
         ),
         "allreduce": lambda: gossip.AllReduce(),
+        "diloco3": lambda: gossip.DiLoCo(local_steps=3),
     }[name]()
 
 
@@ -94,6 +95,7 @@ CASES = [
     ("allreduce", "hypercube"),
     ("pga3-exact", "ring"),  # PeriodicAverage: averages at steps 2 and 5 (the last), gossips in between
     ("pga3-powergossip-r2-2it", "hypercube"),
+    ("diloco3", "ring"),  # DiLoCo: outer steps at steps 2 and 5 (the last), nothing sent in between
 ]
 
 
