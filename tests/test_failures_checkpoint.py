@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -291,12 +292,18 @@ def test_an_async_save_writes_the_state_of_its_step_while_training_goes_on(tmp_p
 
 
 def test_a_failed_async_write_is_raised_on_every_rank_at_the_next_save(tmp_path, monkeypatch):
+    """Rank 1's background write fails: at the next save every rank raises the same error, and no rank replaced
+    its previous checkpoint (the asynchronous save commits in two phases too)."""
+    gossip.simulate(N, train_and_save, tmp_path, 1)
+    previous = {rank: checkpoint_path(tmp_path, rank).read_bytes() for rank in range(N)}
     fail_writes_of("checkpoint-rank1", monkeypatch)  # the background writer thread of rank 1
 
     def run(comm):
         model = wrap(comm, make_mlp(comm.rank))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        save_checkpoint(tmp_path, model, optimizer, async_save=True)
+        future = save_checkpoint(tmp_path, model, optimizer, async_save=True)
+        while not future.done():  # every rank's background write has ended (rank 1's failed) before the next save
+            time.sleep(0.01)
         loss_of(model, *batch(comm.rank, 0)).backward()
         optimizer.step()
         try:
@@ -310,9 +317,14 @@ def test_a_failed_async_write_is_raised_on_every_rank_at_the_next_save(tmp_path,
     messages = gossip.simulate(N, run)
     path = checkpoint_path(tmp_path, 1)
     assert all(
-        m is not None and m.startswith(f"rank 1: save_checkpoint at step 0 could not write {path}") for m in messages
+        m is not None
+        and m.startswith(f"rank 1: save_checkpoint at step 0 could not write {path}")
+        and m.endswith("no rank replaced its previous checkpoint")
+        for m in messages
     )
-    assert not temporaries(path)
+    for rank in range(N):
+        assert checkpoint_path(tmp_path, rank).read_bytes() == previous[rank]
+        assert not temporaries(checkpoint_path(tmp_path, rank))
 
 
 # -- safe loading ---------------------------------------------------------------------------------------------------

@@ -25,15 +25,15 @@ SHA-256 as the bytes pass: no serialised copy of the state is held in memory. Th
 truncated or corrupted file is named instead of failing later inside an exchange.
 
 **Asynchronous saves.** ``save_checkpoint(..., async_save=True)`` copies the state to host memory (pinned when
-it lives on a GPU) before it returns, then writes and commits it in a background thread while training goes on;
-it returns a :class:`CheckpointFuture`. ``future.wait()`` is a collective (every rank calls it): it waits for
-this rank's write and raises :class:`~gossip.errors.CheckpointWriteError` on every rank if any rank's write
-failed. The next ``save_checkpoint`` or ``load_checkpoint`` on the same model waits for a pending save first (so
-its error is never lost); call ``future.wait()`` before ``model.close()``. Each rank commits its own file as
-soon as it is written (no second exchange during training): after an asynchronous save failed on one rank, the
-ranks' files can hold different steps, which ``load_checkpoint`` refuses by name -- use synchronous saves where
-the previous checkpoint must survive a failure on every rank. The snapshot costs one copy of the state in host
-memory until the write ends.
+it lives on a GPU) before it returns, then writes it to the temporary file in a background thread while training
+goes on; it returns a :class:`CheckpointFuture`. ``future.wait()`` is a collective (every rank calls it): it waits
+for this rank's write and commits with the same two phases as a synchronous save, so a failed asynchronous write
+on any rank leaves every rank's previous checkpoint in place and raises
+:class:`~gossip.errors.CheckpointWriteError` on every rank. Until then the previous checkpoint is the one on disk.
+The next ``save_checkpoint`` or ``load_checkpoint`` on the same model calls ``wait()`` on a pending save first (so
+its error is never lost); call ``future.wait()`` before ``model.close()``: an asynchronous save never waited for
+is not committed (its temporary file is removed by the next save or load). The snapshot costs one copy of the
+state in host memory until the write ends.
 
 **Safe loading.** Files are read with ``torch.load(weights_only=True)``: only tensors, numbers, strings and
 plain containers are unpickled, never code (the project's own state is converted to such data at save time:

@@ -1,5 +1,7 @@
-"""Asynchronous saves: the state copied to host memory, then written and committed by a background thread
-while training goes on; :class:`CheckpointFuture` reports the outcome on every rank."""
+"""Asynchronous saves: the state copied to host memory, then written to a temporary file by a background thread
+while training goes on; :meth:`CheckpointFuture.wait` commits it with the same two phases as a synchronous save
+(every rank's file replaces its previous one only if every rank wrote), so a failed asynchronous save too leaves
+every rank's previous checkpoint in place."""
 
 from __future__ import annotations
 
@@ -33,12 +35,17 @@ def _host_copy(obj: Any, owned: set[int]) -> Any:
 class CheckpointFuture:
     """A checkpoint being written in the background by ``save_checkpoint(..., async_save=True)``.
 
-    :meth:`wait` is a collective; :meth:`done` is local and does not block.
+    The background thread only writes and fsyncs a temporary file. :meth:`wait`, a collective, commits it:
+    the ranks exchange their outcomes and every rank replaces its previous file only if every rank wrote;
+    otherwise every rank removes its temporary file and raises :class:`~gossip.errors.CheckpointWriteError`.
+    Until :meth:`wait` (or the model's next save or load, which call it) the previous checkpoint is the one on
+    disk. :meth:`done` is local and does not block.
     """
 
     def __init__(self, model: DecentralizedDataParallel, path: Path, state: dict[str, Any], step: int) -> None:
         self.path, self.step, self._comm = path, step, model.comm
         self._problem: tuple[str, str] | None = None
+        self._temporary: Path | None = None
         self._waited = False
         self._thread = threading.Thread(target=self._write, args=(state,), name=f"checkpoint-rank{model.comm.rank}")
         self._thread.daemon = True  # a process that exits without wait() leaves a temporary file, removed next time
@@ -46,24 +53,36 @@ class CheckpointFuture:
 
     def _write(self, state: dict[str, Any]) -> None:
         try:
-            commit_temporary(write_temporary(state, self.path), self.path)
+            self._temporary = write_temporary(state, self.path)
         except Exception as error:
             self._problem = ("write", write_failure(self._comm.rank, self.path, error, self.step))
 
     def done(self) -> bool:
-        """Whether this rank's write has ended (successfully or not)."""
+        """Whether this rank's write has ended (successfully or not); the file is committed by :meth:`wait`."""
         return not self._thread.is_alive()
 
     def wait(self) -> Path:
-        """Wait for this rank's write; a collective: raise :class:`~gossip.errors.CheckpointWriteError` on every
-        rank if any rank's write failed. Return this rank's file. A second call returns at once."""
+        """Wait for this rank's write, then commit every rank's file or none; a collective. Raise
+        :class:`~gossip.errors.CheckpointWriteError` on every rank if any rank's write failed. Return this rank's
+        file. A second call returns at once."""
         self._thread.join()
-        if not self._waited:
-            self._waited = True
-            raise_gathered(
-                self._comm.all_gather_object(self._problem),
-                "ranks whose write succeeded hold the new checkpoint, the others their previous one: save again",
-            )
+        if self._waited:
+            return self.path
+        self._waited = True
+        problems = self._comm.all_gather_object(self._problem)
+        if any(p is not None for p in problems) and self._temporary is not None:
+            self._temporary.unlink(missing_ok=True)
+        raise_gathered(problems, "no rank replaced its previous checkpoint")
+        problem = None
+        try:
+            commit_temporary(self._temporary, self.path)
+        except OSError as error:
+            self._temporary.unlink(missing_ok=True)
+            problem = ("write", write_failure(self._comm.rank, self.path, error, self.step))
+        raise_gathered(
+            self._comm.all_gather_object(problem),
+            "the other ranks hold the new checkpoint, the files are now of different saves: save again",
+        )
         return self.path
 
 
