@@ -17,6 +17,10 @@ validation loss of the averaged model 1.88, consensus distance 0.39, 51.7 kB sen
 messages: 1.86, 0.38, 89.1 kB; rank 1 with 4 iterations: 1.91, 0.75, 94.7 kB then, 51.7 kB now); the exact gossip +
 AccumAdamW defaults before them ended at 1.87 while sending 1.75 MB per worker per step. ``--algorithm exact
 --optimizer accum-adamw`` (accum_iter = max(1, n // 4)) runs them.
+
+Baselines: ``--algorithm ddp`` (torch DistributedDataParallel) and ``--algorithm diloco`` (DiLoCo: ``--local-steps``
+H = 20 local AdamW steps, then an all-reduce of the pseudo-gradient and an outer Nesterov SGD step, ``--outer-lr``
+0.7, ``--outer-momentum`` 0.9; 1/H of DDP's bytes).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import topologies
 from gossip.app.train import (
     ALGORITHM_CHOICES,
     DEFAULTS,
+    DILOCO_DEFAULTS,
     MESSAGE_DTYPES,
     OPTIMIZERS,
     ConfigError,
@@ -61,6 +66,17 @@ def _positive(kind: type) -> Callable[[str], int | float]:
         return value
 
     return parse
+
+
+def _fraction(text: str) -> float:
+    """A number in [0, 1) (a momentum)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a float, got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text!r}")
+    return value
 
 
 def _nonnegative_int(text: str) -> int:
@@ -90,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--algorithm",
         choices=ALGORITHM_CHOICES,
         default=defaults.algorithm,
-        help="how replicas are mixed; ddp: torch DistributedDataParallel (gradient all-reduce, no --schedule)",
+        help="how replicas are mixed; ddp: torch DistributedDataParallel (gradient all-reduce, no --schedule); "
+        "diloco: DiLoCo (--local-steps local steps, then an outer Nesterov step on the mean pseudo-gradient)",
     )
     gossip_options.add_argument(
         "--schedule",
@@ -119,6 +136,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="exact global average (all-reduce) every K steps instead of gossip (gossip.PeriodicAverage); 0 = off; "
         f"default: {DEFAULTS.average_every} (0 for ddp and allreduce)",
+    )
+    diloco = parser.add_argument_group("diloco (--algorithm diloco only)")
+    diloco.add_argument(
+        "--local-steps",
+        type=_positive(int),
+        default=None,
+        help=f"local steps between two synchronisations (H); default: {DILOCO_DEFAULTS['local_steps']}",
+    )
+    diloco.add_argument(
+        "--outer-lr",
+        type=_positive(float),
+        default=None,
+        help=f"learning rate of the outer Nesterov SGD; default: {DILOCO_DEFAULTS['outer_lr']}",
+    )
+    diloco.add_argument(
+        "--outer-momentum",
+        type=_fraction,
+        default=None,
+        help=f"momentum of the outer Nesterov SGD, in [0, 1); default: {DILOCO_DEFAULTS['outer_momentum']}",
     )
     training = parser.add_argument_group("training")
     training.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer, help="local update rule")
@@ -154,6 +190,9 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         power_iterations=args.power_iterations,
         message_dtype=args.message_dtype,
         average_every=args.average_every,
+        local_steps=args.local_steps,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
         schedule=args.schedule,
         split=args.split,
         seed=args.seed,

@@ -138,9 +138,14 @@ def _smoothed(values: list[float], window: int = FINAL_WINDOW) -> list[float]:
 
 def describe_mixing(config: Any) -> str:
     """How the run mixes, e.g. "powergossip on one_peer_hypercube (rank 1, 4 power iterations), exact average
-    every 16 steps": every setting that tells two runs' mixing apart."""
+    every 16 steps": every setting that tells two runs' mixing apart (DiLoCo's schedule is none of them)."""
     if config.algorithm == "ddp":
         return "torch DDP (gradient all-reduce)"
+    if config.algorithm == "diloco":
+        return (
+            f"diloco ({config.local_steps} local steps, outer Nesterov SGD lr {config.outer_lr:g} momentum "
+            f"{config.outer_momentum:g})"
+        )
     mixing = f"{config.algorithm} on {config.schedule}"
     if config.algorithm == "powergossip":
         iterations = config.power_iterations or 1

@@ -11,7 +11,9 @@ learning rate :math:`\eta_t` warms up linearly for ``warmup_steps`` then follows
 (a ``torch.optim.lr_scheduler.LambdaLR``, :func:`make_scheduler`).
 
 ``algorithm="ddp"`` is the All-Reduce baseline as users run it: torch DistributedDataParallel (gradient all-reduce
-overlapped with backward, :mod:`gossip.app.ddp_baseline`), no schedule; the loop is the same.
+overlapped with backward, :mod:`gossip.app.ddp_baseline`), no schedule; the loop is the same. ``algorithm="diloco"``
+is the DiLoCo baseline (:class:`gossip.DiLoCo`): ``local_steps`` steps of the local optimizer, then an all-reduce of
+the pseudo-gradient and an outer Nesterov-SGD step (``outer_lr``, ``outer_momentum``); it uses no schedule.
 
 Rank 0 shows a progress bar and, at the end, a summary table and a text sample from the averaged model; it writes
 ``config.json``, ``metrics.csv`` and the plots into the run directory (see :mod:`gossip.app.run_dir`). Every rank
@@ -34,6 +36,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 import gossip
 import optim
 import topologies
+from gossip.algorithms.diloco import LOCAL_STEPS, OUTER_LR, OUTER_MOMENTUM
 from gossip.app.corpus import ShardedBatches, decode, encode, load_corpus, validation_batches
 from gossip.app.ddp_baseline import DDPBaseline
 from gossip.app.gpt import GPT, GPTConfig
@@ -45,6 +48,9 @@ logger = logging.getLogger(__name__)
 OPTIMIZERS = ("accum-adamw", "adamw", "sgd")
 DDP = "ddp"  # torch DistributedDataParallel: the All-Reduce baseline (gradient all-reduce, no schedule)
 AVERAGING_EVERY_STEP = (DDP, "allreduce")  # --average-every changes nothing for these
+DILOCO = "diloco"
+#: The DiLoCo options and their defaults (gossip.DiLoCo's): they apply to --algorithm diloco only.
+DILOCO_DEFAULTS = {"local_steps": LOCAL_STEPS, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM}
 ALGORITHM_CHOICES = tuple(sorted([*gossip.ALGORITHMS, DDP]))
 DEFAULT_SCHEDULE = "one_peer_hypercube"
 FALLBACK_SCHEDULE = "ring"
@@ -107,6 +113,9 @@ class TrainConfig:
     power_iterations: int | None = None
     message_dtype: str | None = None
     average_every: int | None = None
+    local_steps: int | None = None
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
     schedule: str | None = None
     split: str = "iid"
     seed: int = 0
@@ -152,7 +161,8 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
 
     ``accum_iter`` defaults to max(1, n // 4) (docs/design.md B.3: A ~ n/4 ... n/2); ``warmup_steps`` to
     ``steps // 10`` capped at 100; ``power_iterations``, ``message_dtype`` and ``average_every`` to
-    :data:`DEFAULTS`' where they apply (else 1, float32 and 0). Raises :class:`ConfigError` naming the option at fault.
+    :data:`DEFAULTS`' where they apply (else 1, float32 and 0); ``local_steps``, ``outer_lr`` and ``outer_momentum``
+    to :data:`DILOCO_DEFAULTS` for DiLoCo (else None). Raises :class:`ConfigError` naming the option at fault.
     """
     resolved = dataclasses.replace(config, world_size=world_size, model=dict(config.model))
     notes = []
@@ -176,7 +186,11 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     if config.message_dtype is None:
         resolved.message_dtype = DEFAULTS.message_dtype if config.algorithm == "powergossip" else "float32"
     if config.average_every is None:
-        resolved.average_every = 0 if config.algorithm in AVERAGING_EVERY_STEP else DEFAULTS.average_every
+        resolved.average_every = 0 if config.algorithm in (*AVERAGING_EVERY_STEP, DILOCO) else DEFAULTS.average_every
+    if config.algorithm == DILOCO:
+        for option, default in DILOCO_DEFAULTS.items():
+            if getattr(config, option) is None:
+                setattr(resolved, option, default)
     if config.data is not None and not Path(config.data).is_file():
         raise ConfigError("--data", f"{config.data!r} does not exist or is not a file")
     if config.data is not None and Path(config.data).stat().st_size == 0:
@@ -195,6 +209,11 @@ def _check_mixing_options(config: TrainConfig) -> None:
         raise ConfigError(
             "--average-every", f"--algorithm {config.algorithm} averages every step already; drop --average-every"
         )
+    if every and config.algorithm == DILOCO:
+        raise ConfigError(
+            "--average-every", "--algorithm diloco synchronises every --local-steps steps; drop --average-every"
+        )
+    _check_diloco_options(config)
     if iterations is not None and iterations != 1 and config.algorithm != "powergossip":
         raise ConfigError(
             "--power-iterations",
@@ -207,6 +226,21 @@ def _check_mixing_options(config: TrainConfig) -> None:
             "--message-dtype",
             f"applies to --algorithm powergossip only, not {config.algorithm}; drop --message-dtype",
         )
+
+
+def _check_diloco_options(config: TrainConfig) -> None:
+    """``--local-steps``, ``--outer-lr`` and ``--outer-momentum``: for DiLoCo only, and in range."""
+    for option in DILOCO_DEFAULTS:
+        if getattr(config, option) is not None and config.algorithm != DILOCO:
+            flag = "--" + option.replace("_", "-")
+            raise ConfigError(flag, f"applies to --algorithm diloco only, not {config.algorithm}; drop {flag}")
+    local_steps, outer_lr, outer_momentum = config.local_steps, config.outer_lr, config.outer_momentum
+    if local_steps is not None and (type(local_steps) is not int or local_steps < 1):
+        raise ConfigError("--local-steps", f"must be an integer >= 1, got {local_steps!r}")
+    if outer_lr is not None and not 0 < outer_lr < math.inf:
+        raise ConfigError("--outer-lr", f"must be positive and finite, got {outer_lr!r}")
+    if outer_momentum is not None and not 0 <= outer_momentum < 1:
+        raise ConfigError("--outer-momentum", f"must be in [0, 1), got {outer_momentum!r}")
 
 
 def _check_ddp(config: TrainConfig) -> None:
@@ -243,6 +277,10 @@ def make_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer) -> Lam
 
 def make_algorithm(config: TrainConfig) -> gossip.Algorithm:
     """The gossip algorithm of ``config``, wrapped in :class:`gossip.PeriodicAverage` when ``average_every > 0``."""
+    if config.algorithm == DILOCO:
+        return gossip.DiLoCo(
+            local_steps=config.local_steps, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum
+        )
     if config.algorithm == "powergossip":
         message_dtype = None if config.message_dtype == "float32" else getattr(torch, config.message_dtype)
         algorithm = gossip.PowerGossip(
