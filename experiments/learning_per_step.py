@@ -27,6 +27,12 @@ Mixing rules (the order of one step is :class:`gossip.DecentralizedDataParallel`
   must remove.
 * ``exact``, ``powergossip``: the library's :class:`gossip.ExactGossip` and :class:`gossip.PowerGossip` on the
   one-peer hypercube.
+* ``diloco``: the low-communication baseline beside ``ddp``, the library's :class:`gossip.DiLoCo` (Douillard et al.,
+  "DiLoCo: Distributed Low-Communication Training of Language Models", 2023, Alg. 1): ``local_steps`` H local steps
+  of the configured optimizer, then an all-reduce of the pseudo-gradient and an outer Nesterov SGD step
+  (``outer_lr``, ``outer_momentum``) that every replica takes; :math:`2\frac{n-1}{n} M / H` bytes per worker per
+  step. (The recorded consensus distance is taken after each step's update, so after a synchronisation it is one
+  local update's spread, not zero.)
 * ``average_every = K``: :class:`gossip.PeriodicAverage` -- every K-th step an exact global average of the
   parameters replaces the inner algorithm's mixing (gossip with periodic global averaging, Chen, Yuan, Zhang,
   Pan, Xu, Yin, "Accelerating Gossip SGD with Periodic Global Averaging", ICML 2021, Alg. 1); on average
@@ -95,13 +101,16 @@ class RunConfig:
     """One configuration of the study; ``name`` identifies it in the CSVs."""
 
     name: str
-    algorithm: str = "powergossip"  # ddp | atc | none | exact | powergossip | choco
+    algorithm: str = "powergossip"  # ddp | atc | none | exact | powergossip | choco | diloco
     rank: int = 1
     iterations: int = 1
     gamma: float = 1.0
     message_dtype: str = ""  # powergossip: "float16" or "bfloat16" messages ("": the parameters' float32)
     average_every: int = 0  # exact global average every K steps, replacing the inner mixing (0: never)
     topk: float = 0.01  # choco: share of coordinates sent per step
+    local_steps: int = 20  # diloco: local steps between two synchronisations (H)
+    outer_lr: float = 0.7  # diloco: the outer Nesterov SGD's learning rate
+    outer_momentum: float = 0.9  # diloco: and its momentum
     optimizer: str = "adamw"  # adamw | accum-adamw | debiased-adamw | smoothed-v-adamw | shared-v-adamw | sgd
     beta1: float = 0.9
     beta2: float = 0.95
@@ -124,6 +133,10 @@ class RunConfig:
 
 # -- one run --------------------------------------------------------------------------------------------------
 def make_algorithm(config: RunConfig) -> Algorithm:
+    if config.algorithm == "diloco":
+        if config.average_every:
+            raise ValueError(f"{config.name}: diloco synchronises every local_steps steps; average_every must be 0")
+        return gossip.DiLoCo(config.local_steps, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum)
     if config.algorithm == "none":
         inner: Algorithm = NoMixing()
     elif config.algorithm == "exact":
@@ -316,6 +329,7 @@ def suite(name: str) -> list[RunConfig]:
         common = {"steps": 20, "warmup": 5, "workers": 4}
         return [
             c("ddp", algorithm="ddp", **common),
+            c("diloco-h5", algorithm="diloco", local_steps=5, **common),
             c("pg1", spectrum=True, **common),
             c("pg1-avg10", average_every=10, **common),
             c("choco", algorithm="choco", gamma=0.5, **common),
@@ -450,6 +464,12 @@ def suite(name: str) -> list[RunConfig]:
         c("n16b1-ddp-s10000", algorithm="ddp", steps=10000, warmup=100, **many),
         c("n16b1-exact-s10000", algorithm="exact", steps=10000, warmup=100, **many),
         c("n16b1-exact-accum4-s10000", algorithm="exact", steps=10000, warmup=100, **accum4, **many),
+        # DiLoCo, the low-communication baseline beside DDP: AdamW inner steps, the paper's outer Nesterov SGD (lr 0.7,
+        # momentum 0.9); H = 20 is 1/20 of DDP's bytes (the byte budget), H = 50 1/50; at the study's and at the main
+        # job's scale
+        c("diloco-h20", algorithm="diloco", local_steps=20, **d),
+        c("diloco-h50", algorithm="diloco", local_steps=50, **d),
+        c("mj-diloco-h20", algorithm="diloco", local_steps=20, **main_job),
     ]
 
 

@@ -1,5 +1,9 @@
 r"""Time-to-loss benchmark: All-Reduce (torch DDP) vs gossip vs decent-dp on an emulated network, side by side.
 
+DiLoCo (``gossip-train --algorithm diloco``: H local AdamW steps, then an all-reduce of the pseudo-gradient and an
+outer Nesterov SGD step) is the second baseline: methods ``diloco-h<H>-adamw``, compared with DDP like every other
+method (the ratio to DDP's time; with ``--gossip-steps`` DiLoCo gets the gossip methods' budget).
+
 Every method trains the same task (``gossip-train``'s GPT, corpus, batches, seed, lr schedule, steps) as one Gloo
 process per emulated host (``experiments.netem``), one method after the other inside ONE network, so they share the
 machine's conditions. From each run's ``metrics.csv``:
@@ -102,6 +106,18 @@ def powergossip(rank: int, iterations: int = 1, message_dtype: str = "float32") 
             "--message-dtype", message_dtype, "--schedule", "one_peer_hypercube")  # fmt: skip
 
 
+def diloco(local_steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9) -> tuple[str, ...]:
+    """DiLoCo with ``local_steps`` local steps between synchronisations and its outer Nesterov SGD's settings."""
+    return ("--algorithm", "diloco", "--local-steps", str(local_steps), "--outer-lr", str(outer_lr),
+            "--outer-momentum", str(outer_momentum))  # fmt: skip
+
+
+def _diloco(local_steps: int) -> Method:
+    """DiLoCo with AdamW as the inner optimizer, as in the paper, and the paper's outer lr 0.7, momentum 0.9."""
+    label = f"DiLoCo H={local_steps}, outer Nesterov SGD lr 0.7 momentum 0.9, AdamW"
+    return Method(f"diloco-h{local_steps}-adamw", label, _gossip_train(*diloco(local_steps), "--optimizer", "adamw"))
+
+
 def _pga(name: str, *, rank: int, iterations: int, every: int, adamw: bool) -> Method:
     """PowerGossip (``rank``, ``iterations`` per step) with an exact global average every ``every`` steps."""
     label = f"PowerGossip r={rank}, {iterations} iteration(s), one-peer hypercube, exact average every {every} steps"
@@ -184,6 +200,9 @@ METHODS = {
             "exact gossip, one-peer hypercube, exact average every 16 steps, AdamW",
             _gossip_train(*EXACT, "--average-every", "16", "--optimizer", "adamw"),
         ),
+        # the low-communication baseline: 1/20 of DDP's bytes (the byte budget) and 1/50
+        _diloco(20),
+        _diloco(50),
         Method("decentdp", "decent-dp 0.2.3, one-peer-exp", _decent_dp("one-peer-exp")),
         Method("decentdp-aer", "decent-dp 0.2.3, alternating-exp-ring", _decent_dp("alternating-exp-ring")),
     )
@@ -460,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--gossip-steps", type=int, default=None, help="step budget of every method but DDP (default: --steps)"
     )
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--methods", nargs="+", default=["ddp", "exact", "pg1", "pg4", "decentdp"])
+    parser.add_argument("--methods", nargs="+", default=["ddp", "diloco-h20-adamw", "exact", "pg1", "pg4", "decentdp"])
     parser.add_argument("--repeats", type=int, default=1, help="passes over all methods, interleaved")
     parser.add_argument(
         "--seeds", type=int, nargs="+", default=[0], help="seeds (model init, batches); each is a pass over all methods"

@@ -11,7 +11,7 @@ import torch
 
 import gossip
 import topologies
-from experiments.learning_per_step import RunConfig, make_optimizer, train_run
+from experiments.learning_per_step import RunConfig, make_algorithm, make_optimizer, train_run
 from experiments.learning_per_step_mixing import ChocoTopK
 from experiments.learning_per_step_optimizers import (
     NoiseDebiasedAdamW,
@@ -293,6 +293,23 @@ def test_adapt_then_combine_keeps_the_replicas_identical_at_ddps_bytes():
     assert summary["final_consensus"] == 0.0
     assert summary["bytes_per_worker_per_step"] == summary["ddp_bytes_per_worker_per_step"]
     assert math.isfinite(summary["final_train_loss"])
+
+
+def test_diloco_sends_an_all_reduce_of_the_parameters_every_local_steps_steps():
+    """H = 2 over 4 steps: two synchronisations, each DDP's bytes (a ring all-reduce of the model), so half of
+    DDP's bytes per step."""
+    config = RunConfig("diloco", algorithm="diloco", local_steps=2, workers=2, batch=2, steps=4, warmup=1)
+    summary = train_run(config, seed=0)["summary"][0]
+    assert summary["bytes_per_worker_per_step"] == summary["ddp_bytes_per_worker_per_step"] / 2
+    assert math.isfinite(summary["final_train_loss"]) and math.isfinite(summary["val_loss_averaged"])
+
+
+def test_diloco_configurations_build_gossip_diloco_and_refuse_a_periodic_average():
+    algorithm = make_algorithm(RunConfig("d", algorithm="diloco", local_steps=7, outer_lr=0.5, outer_momentum=0.8))
+    assert isinstance(algorithm, gossip.DiLoCo)
+    assert algorithm.config() == {"local_steps": 7, "outer_lr": 0.5, "outer_momentum": 0.8, "nesterov": True}
+    with pytest.raises(ValueError, match="diloco synchronises every local_steps steps"):
+        make_algorithm(RunConfig("d", algorithm="diloco", average_every=4))
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "accum-adamw", "debiased-adamw", "smoothed-v-adamw", "shared-v-adamw"])

@@ -181,3 +181,21 @@ def test_every_powergossip_method_names_its_settings_so_a_changed_default_leaves
                 assert option in argv, (method.name, option)
             dtype = argv[argv.index("--message-dtype") + 1]
             assert ("fp16" in method.name) == (dtype == "float16"), method.name
+
+
+@pytest.mark.parametrize("method", ["diloco-h20-adamw", "diloco-h50-adamw"])
+def test_diloco_methods_are_main_job_commands_that_name_every_setting(method):
+    """The DiLoCo baselines run ``gossip-train --algorithm diloco`` with H as named, the paper's outer SGD and
+    AdamW, each setting on the command line so that a changed default leaves the method as labelled."""
+    import gossip
+    from gossip.app.cli import build_parser, config_from
+    from gossip.app.train import make_algorithm, resolve
+
+    argv = METHODS[method].argv(300, 8, "out", 1)
+    for option in ("--local-steps", "--outer-lr", "--outer-momentum", "--optimizer", "--seed"):
+        assert option in argv, option
+    config, _ = resolve(config_from(build_parser().parse_args(argv[3:])), 8)
+    algorithm = make_algorithm(config)
+    assert isinstance(algorithm, gossip.DiLoCo) and config.optimizer == "adamw" and config.seed == 1
+    assert method == f"diloco-h{algorithm.local_steps}-adamw"
+    assert (algorithm.outer_lr, algorithm.outer_momentum, algorithm.nesterov) == (0.7, 0.9, True)
