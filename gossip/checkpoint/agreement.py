@@ -4,11 +4,14 @@ run) is gathered, and every rank raises the same named error."""
 from __future__ import annotations
 
 import errno
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from gossip.checkpoint.state import mismatch
+import torch
+
+from gossip.backends.base import Communicator
+from gossip.checkpoint.state import mismatch, rank_state
 from gossip.errors import CheckpointError, CheckpointWriteError, UntrustedCheckpointError
 from gossip.parallel import DecentralizedDataParallel
 
@@ -72,3 +75,47 @@ def agree_on_load(
             f"rank {other}: {gathered[other][2]} holds step {steps[other]} but rank 0's {gathered[0][2]} holds step "
             f"{steps[0]}: the files come from different saves; restore one save's files on every rank"
         )
+
+
+def capture_state(
+    model: DecentralizedDataParallel, optimizer: torch.optim.Optimizer, extra: Mapping[str, Any] | None, trusted: bool
+) -> tuple[dict[str, Any] | None, tuple[str, str] | None]:
+    """This rank's state, or the problem every rank will raise (:func:`raise_gathered`) instead of saving."""
+    try:
+        return rank_state(model, optimizer, dict(extra or {}), trusted), None
+    except UntrustedCheckpointError as error:
+        return None, ("untrusted", str(error))
+    except (TypeError, RuntimeError) as error:
+        return None, ("TypeError" if isinstance(error, TypeError) else "RuntimeError", str(error))
+
+
+def commit_on_every_rank(
+    comm: Communicator,
+    path: Path,
+    step: int,
+    temporary: Path | None,
+    problem: tuple[str, str] | None,
+    *,
+    replace: Callable[[Path, Path], None],
+    discard: Callable[[Path], None],
+) -> None:
+    """The two phases of the save of ``step``, after each rank wrote ``temporary`` (or met ``problem``): the ranks
+    exchange their outcomes; if any failed, every rank discards its temporary and raises the same
+    :class:`~gossip.errors.CheckpointWriteError` (no previous checkpoint replaced); otherwise every rank
+    ``replace``-s its previous checkpoint at ``path`` and the ranks exchange that outcome too."""
+    rank = comm.rank
+    problems = comm.all_gather_object(problem)
+    if any(p is not None for p in problems) and temporary is not None:
+        discard(temporary)
+    raise_gathered(problems, "no rank replaced its previous checkpoint")
+    assert temporary is not None, "no problem on any rank, so this rank wrote its temporary file"
+    problem = None
+    try:
+        replace(temporary, path)
+    except OSError as error:
+        discard(temporary)
+        problem = ("write", write_failure(rank, path, error, step))
+    raise_gathered(
+        comm.all_gather_object(problem),
+        "the other ranks hold the new checkpoint, the files are now of different saves: save again",
+    )

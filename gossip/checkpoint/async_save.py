@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from gossip.checkpoint.agreement import raise_gathered, write_failure
+from gossip.checkpoint.agreement import commit_on_every_rank, write_failure
 from gossip.checkpoint.file_format import commit_temporary, write_temporary
 from gossip.parallel import DecentralizedDataParallel
 
@@ -69,19 +69,14 @@ class CheckpointFuture:
         if self._waited:
             return self.path
         self._waited = True
-        problems = self._comm.all_gather_object(self._problem)
-        if any(p is not None for p in problems) and self._temporary is not None:
-            self._temporary.unlink(missing_ok=True)
-        raise_gathered(problems, "no rank replaced its previous checkpoint")
-        problem = None
-        try:
-            commit_temporary(self._temporary, self.path)
-        except OSError as error:
-            self._temporary.unlink(missing_ok=True)
-            problem = ("write", write_failure(self._comm.rank, self.path, error, self.step))
-        raise_gathered(
-            self._comm.all_gather_object(problem),
-            "the other ranks hold the new checkpoint, the files are now of different saves: save again",
+        commit_on_every_rank(
+            self._comm,
+            self.path,
+            self.step,
+            self._temporary,
+            self._problem,
+            replace=commit_temporary,
+            discard=lambda temporary: temporary.unlink(missing_ok=True),
         )
         return self.path
 

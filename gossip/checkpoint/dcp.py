@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from gossip.checkpoint.agreement import agree_on_load, raise_gathered, write_failure
+from gossip.checkpoint.agreement import capture_state, commit_on_every_rank, write_failure
 from gossip.checkpoint.async_save import wait_pending
 from gossip.checkpoint.safe_loading import SAFE_GLOBALS, weights_only_refusal
-from gossip.checkpoint.state import rank_state, restore
+from gossip.checkpoint.save_load import begin_save, load_on_every_rank
 from gossip.errors import UntrustedCheckpointError
 from gossip.parallel import DecentralizedDataParallel
 
@@ -62,6 +62,22 @@ def _dcp_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {**tensors, _STRUCTURE: torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)}
 
 
+def _replace_directory(temporary: Path, path: Path) -> None:
+    """Put the directory ``temporary`` at ``path``: the previous one is moved aside first and removed only once the
+    new one is in place (moved back if the rename fails)."""
+    aside = path.parent / f".{path.name}.{temporary.name}.old"
+    moved = path.exists()
+    if moved:
+        os.replace(path, aside)
+    try:
+        os.replace(temporary, path)
+    except OSError:
+        if moved:
+            os.replace(aside, path)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def save_dcp(
     path_dir: str | Path,
     model: DecentralizedDataParallel,
@@ -84,50 +100,35 @@ def save_dcp(
     """
     import torch.distributed.checkpoint as dcp
 
-    model._require_usable("save_dcp()")
-    wait_pending(model)
-    if model.schedule.period is None:
-        model._check_schedule_agreement()
+    begin_save(model, "save_dcp()")
     rank, step = model.comm.rank, model.step_count
     path = dcp_path(path_dir, rank)
     for stale in path.parent.glob(f".{path.name}.*.tmp") if path.parent.is_dir() else []:
         shutil.rmtree(stale, ignore_errors=True)
-    problem, temporary = None, None
-    try:
-        state = _dcp_state(rank_state(model, optimizer, dict(extra or {}), trusted))
-    except UntrustedCheckpointError as error:
-        problem = ("untrusted", str(error))
-    except (TypeError, RuntimeError) as error:
-        problem = ("TypeError" if type(error) is TypeError else "RuntimeError", str(error))
+    captured, problem = capture_state(model, optimizer, extra, trusted)
+    temporary = None
     if problem is None:
+        state = _dcp_state(captured)
+        del captured
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
         try:
             dcp.save(state, checkpoint_id=temporary, no_dist=True)
         except Exception as error:
             shutil.rmtree(temporary, ignore_errors=True)
-            cause = error
+            temporary, cause = None, error
             while cause.__cause__ is not None and not isinstance(cause, OSError):
                 cause = cause.__cause__
             problem = ("write", write_failure(rank, path, cause, step))
         del state
-    problems = model.comm.all_gather_object(problem)
-    if any(p is not None for p in problems) and temporary is not None:
-        shutil.rmtree(temporary, ignore_errors=True)
-    raise_gathered(problems, "no rank replaced its previous checkpoint")
-    aside = path.parent / f".{path.name}.{temporary.name}.old"
-    try:
-        if path.exists():
-            os.replace(path, aside)
-        os.replace(temporary, path)
-        problem = None
-    except OSError as error:
-        problem = ("write", write_failure(rank, path, error, step))
-    shutil.rmtree(aside, ignore_errors=True)
-    shutil.rmtree(temporary, ignore_errors=True)
-    raise_gathered(
-        model.comm.all_gather_object(problem),
-        "the other ranks hold the new checkpoint, the files are now of different saves: save again",
+    commit_on_every_rank(
+        model.comm,
+        path,
+        step,
+        temporary,
+        problem,
+        replace=_replace_directory,
+        discard=lambda directory: shutil.rmtree(directory, ignore_errors=True),
     )
     return path
 
@@ -174,16 +175,4 @@ def load_dcp(
     return the step to resume at. A collective, with the checks and errors of :func:`load_checkpoint`."""
     model._require_usable("load_dcp()")
     wait_pending(model)
-    extra = dict(extra or {})
-    rank = model.comm.rank
-    path = dcp_path(path_dir, rank)
-    state, problem = None, None
-    if path.exists():
-        try:
-            state = read_dcp(path, trusted=trusted)
-        except UntrustedCheckpointError as error:
-            problem = ("untrusted", f"rank {rank}: {error}")
-        except ValueError as error:
-            problem = ("mismatch", f"rank {rank}: {error}")
-    agree_on_load(model, path, state, problem, extra)
-    return restore(state, model, optimizer, extra)
+    return load_on_every_rank(dcp_path(path_dir, model.comm.rank), read_dcp, model, optimizer, extra, trusted)

@@ -3,13 +3,19 @@ commit, or a background write) and the collective, checked load."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gossip.checkpoint.agreement import agree_on_load, raise_gathered, write_failure
+from gossip.checkpoint.agreement import (
+    agree_on_load,
+    capture_state,
+    commit_on_every_rank,
+    raise_gathered,
+    write_failure,
+)
 from gossip.checkpoint.async_save import CheckpointFuture, start_async_save, wait_pending
 from gossip.checkpoint.file_format import (
     checkpoint_path,
@@ -18,9 +24,22 @@ from gossip.checkpoint.file_format import (
     remove_temporaries,
     write_temporary,
 )
-from gossip.checkpoint.state import rank_state, restore
+from gossip.checkpoint.state import restore
 from gossip.errors import UntrustedCheckpointError
 from gossip.parallel import DecentralizedDataParallel
+
+
+def begin_save(model: DecentralizedDataParallel, operation: str) -> None:
+    """What every save does first, on every rank: refuse a closed wrapper, wait for (and commit) a pending
+    asynchronous save, and compare the schedules since their last check (a run whose schedules diverged never
+    saves)."""
+    model._require_usable(operation)
+    wait_pending(model)
+    model._check_schedule_agreement()
+
+
+def _unlink(temporary: Path) -> None:
+    temporary.unlink(missing_ok=True)
 
 
 def save_checkpoint(
@@ -43,43 +62,22 @@ def save_checkpoint(
     rank replaced its previous checkpoint), :class:`~gossip.errors.UntrustedCheckpointError` for state that needs
     ``trusted=True``, ``TypeError`` for an ``extra`` value that cannot be restored in place.
     """
-    model._require_usable("save_checkpoint()")
-    wait_pending(model)
-    if model.schedule.period is None:  # a run whose schedules diverged never saves
-        model._check_schedule_agreement()
+    begin_save(model, "save_checkpoint()")
     rank, step = model.comm.rank, model.step_count
     path = checkpoint_path(path_dir, rank)
     remove_temporaries(path)
-    problem, state, temporary = None, None, None
-    try:
-        state = rank_state(model, optimizer, dict(extra or {}), trusted)
-    except UntrustedCheckpointError as error:
-        problem = ("untrusted", str(error))
-    except (TypeError, RuntimeError) as error:
-        problem = (type(error).__name__ if type(error) in (TypeError, RuntimeError) else "RuntimeError", str(error))
+    state, problem = capture_state(model, optimizer, extra, trusted)
     if async_save:
         raise_gathered(model.comm.all_gather_object(problem), "")
         return start_async_save(model, path, state, step)
+    temporary = None
     if problem is None:
         try:
             temporary = write_temporary(state, path)
         except Exception as error:
             problem = ("write", write_failure(rank, path, error, step))
     del state
-    problems = model.comm.all_gather_object(problem)
-    if any(p is not None for p in problems) and temporary is not None:
-        temporary.unlink(missing_ok=True)
-    raise_gathered(problems, "no rank replaced its previous checkpoint")
-    try:
-        commit_temporary(temporary, path)
-        problem = None
-    except OSError as error:
-        temporary.unlink(missing_ok=True)
-        problem = ("write", write_failure(rank, path, error, step))
-    raise_gathered(
-        model.comm.all_gather_object(problem),
-        "the other ranks hold the new checkpoint, the files are now of different saves: save again",
-    )
+    commit_on_every_rank(model.comm, path, step, temporary, problem, replace=commit_temporary, discard=_unlink)
     return path
 
 
@@ -100,14 +98,27 @@ def load_checkpoint(
     """
     model._require_usable("load_checkpoint()")  # a closed wrapper or communicator: refused before any collective
     wait_pending(model)
+    path = checkpoint_path(path_dir, model.comm.rank)
+    remove_temporaries(path)
+    return load_on_every_rank(path, read_checkpoint, model, optimizer, extra, trusted)
+
+
+def load_on_every_rank(
+    path: Path,
+    read: Callable[..., dict[str, Any]],
+    model: DecentralizedDataParallel,
+    optimizer: torch.optim.Optimizer,
+    extra: Mapping[str, Any] | None,
+    trusted: bool,
+) -> int:
+    """Read this rank's ``path`` with ``read(path, trusted=...)``, agree with the other ranks that every file
+    belongs to this run and to one save (:func:`agree_on_load`), restore it; return the step to resume at."""
     extra = dict(extra or {})
     rank = model.comm.rank
-    path = checkpoint_path(path_dir, rank)
-    remove_temporaries(path)
     state, problem = None, None
     if path.exists():
         try:
-            state = read_checkpoint(path, trusted=trusted)
+            state = read(path, trusted=trusted)
         except UntrustedCheckpointError as error:
             problem = ("untrusted", f"rank {rank}: {error}")
         except ValueError as error:
