@@ -17,6 +17,7 @@ from helpers.parallel_scenarios import (
     loss_of,
     make_mlp,
     skip_one_update,
+    train_with_an_extra_step_on_rank_1,
     weights_flip_on_rank_1,
     wrap,
 )
@@ -527,12 +528,7 @@ def extra_step_on_rank_1(comm) -> str:
     model = wrap(comm, make_mlp(comm.rank))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     try:
-        for step in range(4):
-            loss_of(model, *batch(comm.rank, step)).backward()
-            optimizer.step()
-            if comm.rank == 1 and step == 1:
-                optimizer.step()
-            optimizer.zero_grad()
+        train_with_an_extra_step_on_rank_1(model, optimizer, comm.rank)
         model.close()
     except GossipError as error:
         return f"{type(error).__name__}: {error}"

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import gossip
-from helpers.parallel_scenarios import batch, loss_of, make_mlp, wrap
+from helpers.parallel_scenarios import make_mlp, train_with_an_extra_step_on_rank_1, wrap
 
 TIMEOUT = 10.0
 
@@ -30,12 +30,7 @@ def main() -> None:
     os.replace(out_dir / f"stderr.{os.getpid()}", out_dir / f"rank{comm.rank}.stderr")
     model = wrap(comm, make_mlp(comm.rank))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(4):
-        loss_of(model, *batch(comm.rank, step)).backward()
-        optimizer.step()
-        if comm.rank == 1 and step == 1:
-            optimizer.step()
-        optimizer.zero_grad()
+    train_with_an_extra_step_on_rank_1(model, optimizer, comm.rank)
     (out_dir / f"rank{comm.rank}.closing_at").write_text(repr(time.time()))
     model.close()
     comm.close()

@@ -196,3 +196,13 @@ def run_all(comm, directory: Path) -> dict[str, Any]:
         "averaged": averaged_and_consensus(comm),
         "grad_scaler_skip": skip_one_update(comm, True),
     }
+
+
+def train_with_an_extra_step_on_rank_1(model: DecentralizedDataParallel, optimizer, rank: int) -> None:
+    """Four SGD steps; rank 1 calls optimizer.step() twice in step 1 (a mixing-only step on one rank only)."""
+    for step in range(4):
+        loss_of(model, *batch(rank, step)).backward()
+        optimizer.step()
+        if rank == 1 and step == 1:
+            optimizer.step()
+        optimizer.zero_grad()
