@@ -16,10 +16,10 @@ class NoMixing(Algorithm):
 
     name = "none"
 
-    def start(self, step: int) -> None:
-        self._begin_step()
+    def _start_step(self, step: int) -> None:
+        return None
 
-    def finish(self, pending: None) -> None:
+    def _finish_step(self, pending: None) -> None:
         return None
 
 
@@ -53,8 +53,7 @@ class ChocoTopK(Algorithm):
         # x_hat = 0 on every holder (Alg. 1's initialisation): identical everywhere whatever the replicas hold
         self.public = {p: [torch.zeros_like(b.buffer) for b in buckets] for p, _ in (*view.in_peers, (comm.rank, 1))}
 
-    def start(self, step: int) -> tuple[list, list]:
-        self._begin_step()
+    def _start_step(self, step: int) -> tuple[list, list]:
         own, sends, recvs, received = self.public[self.comm.rank], [], [], []
         mine = []
         for bucket, public in zip(self.buckets, own, strict=True):
@@ -72,7 +71,7 @@ class ChocoTopK(Algorithm):
             received.append(incoming)
         return mine, [self._exchange(sends, recvs, step), received]
 
-    def finish(self, pending: tuple[list, list]) -> None:
+    def _finish_step(self, pending: tuple[list, list]) -> None:
         mine, (handle, received) = pending
         self._wait(handle)
         updates = [(self.comm.rank, mine)] + [(p, r) for (p, _), r in zip(self.neighbours, received, strict=True)]

@@ -234,3 +234,51 @@ def test_adaptive_powergossip_chooses_its_matrices_for_the_top_rung_and_starts_a
     plain = lambda: PowerGossip(rank=1, min_compression=1)  # noqa: E731
     assert gossip.simulate(2, compressed_after_setup, adaptive)[0] == (1, ["fc.weight"])
     assert gossip.simulate(2, compressed_after_setup, plain)[0] == (1, ["fc.weight", "out.weight"])
+
+
+# -- start and finish are the base class's: the step's bookkeeping cannot be skipped ---------------------------
+@pytest.mark.parametrize(("method", "hook"), [("start", "_start_step"), ("finish", "_finish_step")])
+def test_a_subclass_overriding_start_or_finish_is_refused_when_the_class_is_created(method, hook):
+    body = {method: lambda self, arg: None, "_start_step": lambda self, step: None, "_finish_step": lambda *_: None}
+    with pytest.raises(TypeError, match=rf"Sneaky overrides Algorithm\.{method}\(\).*implement {hook}\(\) instead"):
+        type("Sneaky", (ExactGossip,), body)
+
+
+class Silent(gossip.Algorithm):
+    """Implements only its own part of a step: no exchange, and no call to any bookkeeping."""
+
+    name = "silent"
+
+    def _start_step(self, step: int) -> int:
+        return step
+
+    def _finish_step(self, pending: int) -> None:
+        return None
+
+
+def bookkeeping_of_a_minimal_algorithm(comm) -> dict:
+    algorithm = Silent()
+    algorithm.setup(comm, topologies.ring(comm.size), buckets_of(comm.rank))
+    algorithm.traffic.record(0, 8, 8)  # what a previous step would have left in the account
+    algorithm.wait_seconds = 1.0
+    flags = torch.tensor([False])
+    algorithm._unchecked.append((6, [comm.size - 1 - comm.rank], flags, None))  # a deferred finding of step 6
+    try:
+        algorithm.start(7)
+    except gossip.NonFiniteError as error:
+        raised = str(error)
+    pending = algorithm.start(8)
+    algorithm.finish(pending)
+    return {
+        "raised": raised,
+        "pending": pending,
+        "last": dict(algorithm.traffic.last_sent),
+        "wait": algorithm.wait_seconds,
+    }
+
+
+def test_start_does_the_bookkeeping_for_an_algorithm_that_implements_only_its_own_part():
+    for rank, result in enumerate(gossip.simulate(2, bookkeeping_of_a_minimal_algorithm)):
+        assert f"rank {rank}: step 6: peer {1 - rank} sent non-finite values" in result["raised"]
+        assert result["pending"] == 8
+        assert result["last"] == {} and result["wait"] == 0.0

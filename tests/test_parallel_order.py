@@ -22,13 +22,13 @@ class RecordingGossip(ExactGossip):
         super().__init__()
         self.log = log
 
-    def start(self, step: int):
+    def _start_step(self, step: int):
         self.log.append(f"start({step})")
-        return super().start(step)
+        return super()._start_step(step)
 
-    def finish(self, pending) -> None:
+    def _finish_step(self, pending) -> None:
         self.log.append(f"finish({pending.step})")
-        super().finish(pending)
+        super()._finish_step(pending)
 
 
 class RecordingSGD(torch.optim.SGD):

@@ -187,13 +187,13 @@ class AdaptivePowerGossip(PowerGossip):
         return torch.cat(values)
 
     # -- the Algorithm interface ----------------------------------------------------------------------------
-    def start(self, step: int) -> _Pending:
+    def _start_step(self, step: int) -> _Pending:
         now = self.clock()
         if self._last_start is not None:
             self._seconds += now - self._last_start
             self._steps += 1
         self._last_start = now
-        round_ = super().start(step)
+        round_ = super()._start_step(step)
         peers = [peer for peer, _ in self.schedule.peers(self.comm.rank, step).in_peers]
         if not self.matrices or not peers:
             return _Pending(step, round_, peers, None, [], None)
@@ -205,10 +205,10 @@ class AdaptivePowerGossip(PowerGossip):
         handle = self._exchange([(p, sketch) for p in peers], list(zip(peers, received, strict=True)), round_.seq)
         return _Pending(step, round_, peers, sketch, received, handle)
 
-    def finish(self, pending: _Pending) -> None:
+    def _finish_step(self, pending: _Pending) -> None:
         if pending.handle is not None:
             self._wait(pending.handle)
-        super().finish(pending.round)
+        super()._finish_step(pending.round)
         if pending.handle is not None:
             self._measure(pending)
         if (pending.step + 1) % self.every == 0:

@@ -35,12 +35,11 @@ class AllReduce(Algorithm):
             raise ValueError(f"AllReduce: gamma must be in (0, 1], got {gamma}")
         self.gamma = float(gamma)
 
-    def start(self, step: int) -> _Pending:
-        self._begin_step()
+    def _start_step(self, step: int) -> _Pending:
         copies = [bucket.buffer.clone() for bucket in self.buckets]
         return _Pending(copies, [self._all_reduce(copy) for copy in copies])
 
-    def finish(self, pending: _Pending) -> None:
+    def _finish_step(self, pending: _Pending) -> None:
         for bucket, copy, handle in zip(self.buckets, pending.copies, pending.handles, strict=True):
             self._wait(handle)
             if self.gamma == 1.0:

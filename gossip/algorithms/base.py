@@ -10,6 +10,12 @@ mixes. Each step is split in two so that computation runs in between (docs/desig
 
 The buckets must not be modified between ``start`` and ``finish``: their memory is sent without a copy.
 
+``start`` and ``finish`` belong to the base class (template methods): ``start`` first does what every step
+needs -- it raises for non-finite values a deferred check found (below), and resets the step's account of bytes
+and waits -- then calls the algorithm's own :meth:`Algorithm._start_step`; ``finish`` calls its
+:meth:`Algorithm._finish_step`. A subclass implements those two and cannot override ``start`` or ``finish``: such
+a class is refused when it is created (a TypeError naming it), so no algorithm can forget the bookkeeping.
+
 Non-finite input. What a peer sent is checked in ``finish`` (one ``torch.isfinite(...).all()`` per received
 tensor): with ``nonfinite="raise"`` (default) a NaN or Inf raises :class:`gossip.errors.NonFiniteError` naming
 this rank, the peer and the step; with ``"drop"`` that peer's contribution is left out of this step (each
@@ -31,7 +37,7 @@ import abc
 import math
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, final
 
 import torch
 
@@ -47,6 +53,8 @@ NONFINITE_POLICIES = ("raise", "drop")
 _SCALARS = (bool, int, float, str, type(None))
 #: Attributes of every bound algorithm that are not settings: the binding and the per-step accounting.
 _NOT_CONFIG = frozenset({"comm", "schedule", "buckets", "traffic", "wait_seconds", "deferred_nonfinite_check"})
+#: The methods :class:`Algorithm` runs itself (template methods), each with the one a subclass implements instead.
+TEMPLATE_METHODS = (("start", "_start_step"), ("finish", "_finish_step"))
 
 
 def check_nonfinite_policy(owner: str, policy: str) -> str:
@@ -96,6 +104,10 @@ class Algorithm(abc.ABC):
     through :meth:`_wait`, which adds the time blocked. A part that a composite binds with :meth:`setup_part`
     books into the composite's account (the same ``traffic``; its waits add to the composite's ``wait_seconds``),
     so a composite's step reports everything its parts moved without copying their numbers.
+
+    A step is :meth:`start` then :meth:`finish`, which the base class runs (template methods) and no subclass may
+    override (refused at class creation): ``start`` does the step's common bookkeeping and then calls the
+    subclass's :meth:`_start_step`; ``finish`` calls its :meth:`_finish_step`.
     """
 
     name: str = "algorithm"
@@ -115,6 +127,19 @@ class Algorithm(abc.ABC):
     _part_of: Algorithm | None = None
     #: The algorithm whose step account this one books into: itself, or the composite that bound it as a part.
     _account: Algorithm | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a subclass that overrides :meth:`start` or :meth:`finish`: the base class runs them, so that
+        every algorithm gets the step's bookkeeping; the subclass implements :meth:`_start_step` and
+        :meth:`_finish_step`."""
+        super().__init_subclass__(**kwargs)
+        for method, hook in TEMPLATE_METHODS:
+            if method in vars(cls):
+                raise TypeError(
+                    f"{cls.__module__}.{cls.__qualname__} overrides Algorithm.{method}(), which the base class runs "
+                    f"itself (it does every step's bookkeeping: the deferred non-finite check and the reset of the "
+                    f"step's account of bytes and waits); implement {hook}() instead, which {method}() calls"
+                )
 
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
         """Bind to ``comm``, ``schedule`` and ``buckets``; refuse a schedule this algorithm cannot run."""
@@ -152,14 +177,6 @@ class Algorithm(abc.ABC):
             part.setup(self.comm, level, buckets)
         finally:
             part._part_of = None
-
-    def _begin_step(self) -> None:
-        """Reset the per-step accounting and raise for non-finite values a deferred check found; every ``start``
-        calls it first. (A part leaves the account alone: its composite reset it when its own step began.)"""
-        self.check_deferred()
-        if self._account is self:
-            self.traffic.new_step()
-            self.wait_seconds = 0.0
 
     def _exchange(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], seq: int
@@ -258,13 +275,33 @@ class Algorithm(abc.ABC):
             )
         return set(bad)
 
-    @abc.abstractmethod
+    @final
     def start(self, step: int) -> Any:
-        """Post step ``step``'s exchange of the current parameters; return what ``finish`` needs."""
+        """Begin step ``step``: raise for non-finite values a deferred check found (:meth:`check_deferred`),
+        reset the step's account (``traffic``, ``wait_seconds``; a part leaves it alone, its composite reset it
+        when its own step began), then post the exchange (:meth:`_start_step`). Returns what ``finish`` needs."""
+        self.check_deferred()
+        if self._account is self:
+            self.traffic.new_step()
+            self.wait_seconds = 0.0
+        return self._start_step(step)
+
+    @final
+    def finish(self, pending: Any) -> None:
+        """Complete the exchange ``start`` returned as ``pending`` and mix into the buckets in place
+        (:meth:`_finish_step`)."""
+        self._finish_step(pending)
 
     @abc.abstractmethod
-    def finish(self, pending: Any) -> None:
-        """Complete the exchange started by ``start`` and apply the mixing to the buckets in place."""
+    def _start_step(self, step: int) -> Any:
+        """The algorithm's part of :meth:`start`, after the bookkeeping: read the buckets, post step ``step``'s
+        exchange (:meth:`_exchange`, :meth:`_start_planned` or :meth:`_all_reduce`) and return what
+        :meth:`_finish_step` needs. Must not write the buckets."""
+
+    @abc.abstractmethod
+    def _finish_step(self, pending: Any) -> None:
+        """The algorithm's part of :meth:`finish`: wait (:meth:`_wait`), check what peers sent
+        (:meth:`_nonfinite_peers`) and mix into the buckets in place."""
 
     def step(self, step: int) -> None:
         """``start`` and ``finish`` back to back (no overlap): for consensus experiments and tests."""

@@ -178,8 +178,7 @@ class DiLoCo(Algorithm):
         return list(self._sync)
 
     # -- the Algorithm interface ----------------------------------------------------------------------------
-    def start(self, step: int) -> _Sync | None:
-        self._begin_step()
+    def _start_step(self, step: int) -> _Sync | None:
         if self._loaded:
             self._check_agreement(step)
         if not self.syncs(step):
@@ -188,7 +187,7 @@ class DiLoCo(Algorithm):
             deltas = [torch.sub(sync, bucket.buffer) for sync, bucket in zip(self._sync, self.buckets, strict=True)]
         return _Sync(step, deltas, [self._all_reduce(delta) for delta in deltas])
 
-    def finish(self, pending: _Sync | None) -> None:
+    def _finish_step(self, pending: _Sync | None) -> None:
         if pending is None:
             return
         for handle in pending.handles:

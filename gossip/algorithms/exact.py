@@ -45,17 +45,16 @@ class ExactGossip(Algorithm):
             self._receive_buffers.append([torch.empty_like(bucket.buffer) for bucket in self.buckets])
         return self._receive_buffers[:count]
 
-    def start(self, step: int) -> _Pending:
+    def _start_step(self, step: int) -> _Pending:
         view = self.schedule.peers(self.comm.rank, step)
         received = self._buffers(len(view.in_peers))
         sends = [(peer, bucket.buffer) for peer, _ in view.out_peers for bucket in self.buckets]
         recvs = [
             (peer, buffer) for (peer, _), buffers in zip(view.in_peers, received, strict=True) for buffer in buffers
         ]
-        self._begin_step()
         return _Pending(step, view, self._exchange(sends, recvs, step), received)
 
-    def finish(self, pending: _Pending) -> None:
+    def _finish_step(self, pending: _Pending) -> None:
         self._wait(pending.handle)
         received = [(peer, buffers) for (peer, _), buffers in zip(pending.view.in_peers, pending.received, strict=True)]
         dropped = self._nonfinite_peers(pending.step, self._nonfinite, received)

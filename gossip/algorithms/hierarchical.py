@@ -247,8 +247,7 @@ class HierarchicalGossip(Algorithm):
             self.inner.check_deferred()
 
     # -- the Algorithm interface ----------------------------------------------------------------------------
-    def start(self, step: int) -> _Pending:
-        self._begin_step()
+    def _start_step(self, step: int) -> _Pending:
         partner = self._partner(step)
         if self.compress_rank is not None:
             return self._start_compressed(step, partner)
@@ -267,7 +266,7 @@ class HierarchicalGossip(Algorithm):
         inner = self.inner.start(step) if self.inner is not None else None
         return _Pending(step, partner, [], [], None, inner)
 
-    def finish(self, pending: _Pending) -> None:
+    def _finish_step(self, pending: _Pending) -> None:
         if self.compress_rank is not None:
             return self._finish_compressed(pending)
         if pending.handle is not None:

@@ -132,15 +132,14 @@ class PeriodicAverage(Algorithm):
                 self.inner.check_deferred()
 
     # -- the Algorithm interface ----------------------------------------------------------------------------
-    def start(self, step: int) -> _Averaging | _Gossip:
-        self._begin_step()
+    def _start_step(self, step: int) -> _Averaging | _Gossip:
         if not self.averages(step):
             with self._naming_training_step(step):
                 return _Gossip(step, self.inner.start(self.inner_step(step)))
         copies = [bucket.buffer.clone() for bucket in self.buckets]
         return _Averaging(step, copies, [self._all_reduce(copy) for copy in copies])
 
-    def finish(self, pending: _Averaging | _Gossip) -> None:
+    def _finish_step(self, pending: _Averaging | _Gossip) -> None:
         if isinstance(pending, _Gossip):
             with self._naming_training_step(pending.step):
                 self.inner.finish(pending.inner)

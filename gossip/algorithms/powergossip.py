@@ -637,11 +637,10 @@ class PowerGossip(Algorithm):
         """The dtype the products travel in: ``message_dtype``, or the parameters' when it is None."""
         return self.message_dtype or self._dtype
 
-    def start(self, step: int) -> _Round:
-        self._begin_step()
+    def _start_step(self, step: int) -> _Round:
         return self._post(step, 0)
 
-    def finish(self, pending: _Round) -> None:
+    def _finish_step(self, pending: _Round) -> None:
         self._apply(pending)
         in_peers = [(peer, weight) for peer, weight, _, _ in pending.peers]
         for iteration in range(1, self.num_iterations):
