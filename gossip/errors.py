@@ -1,58 +1,171 @@
-"""Exceptions raised by gossip-train.
+"""Every exception and warning that gossip-train raises on purpose, in one hierarchy.
 
 Every error names what went wrong and where: the rank that raises it, the peer(s) involved, the operation and,
-where one exists, the step. The table of failure cases and their messages is in the README.
+where one exists, the step. The table of failure cases and their messages is in the README; docs/errors.md lists
+every class below with what to do about it.
+
+Every error derives from :class:`GossipError` (itself a ``RuntimeError``), and from exactly one *group*, chosen by
+what the user does about it:
+
+.. code-block:: text
+
+    GossipError (RuntimeError)
+    |-- ConfigurationError    fix the settings, the launch or the environment, then start again
+    |     LaunchError, BackendUnavailableError, ConfigError (also ValueError),
+    |     DDPBackendError (also ValueError), CheckpointWriteError
+    |-- PeerFailureError      a peer (its process, its network or its numbers) failed: find the failing rank
+    |     PeerFailedError, CommTimeoutError (also TimeoutError), NonFiniteError
+    |-- RankMismatchError     the ranks disagree: run the same code, settings and checkpoint on every rank
+    |     ReplicaMismatchError (also ValueError), ExchangeMismatchError,
+    |     CheckpointMismatchError (also ValueError)
+    `-- MisuseError           the calling code breaks the API's contract: change the code
+          ModelChangedError, StepPhaseError, UntrustedCheckpointError, UseAfterCloseError
+
+:class:`CheckpointError` is no group but a topic: the checkpoint errors (``CheckpointWriteError``,
+``CheckpointMismatchError``, ``UntrustedCheckpointError``) derive from it as well as from their group, so
+``except CheckpointError`` catches every checkpoint problem. It is never raised itself.
+
+Classes that derived from a builtin exception before this hierarchy keep it (``except ValueError`` and ``except
+TimeoutError`` still catch them). The warnings derive from :class:`GossipWarning` and keep their builtin category
+(``UserWarning`` or ``RuntimeWarning``).
+
+:mod:`topologies` (``ScheduleError``) and :mod:`optim` are lower layers that never import ``gossip``; they keep
+their own errors. The modules that defined these classes before (``gossip.replicas``, ``gossip.step_phase``,
+``gossip.parallel``, ``gossip.checkpoint``, ``gossip.app.train``, ``gossip.app.ddp_baseline``) re-export them.
 """
 
 from __future__ import annotations
 
 
 class GossipError(RuntimeError):
-    """Base class of every error raised by the communication layer."""
+    """Base class of every error gossip-train raises on purpose; each one also derives from one group below."""
 
 
-class LaunchError(GossipError):
+# -- the groups: what the user does about it -------------------------------------------------------------------
+class ConfigurationError(GossipError):
+    """The run's settings, launch or environment cannot work (an option, an environment variable, a missing
+    package or device, a full disk): fix them, then start the run again. The message names the setting."""
+
+
+class PeerFailureError(GossipError):
+    """A peer failed -- its process died, its network stopped answering or its replica diverged -- while this
+    rank depended on it: find the failing rank (the message names it) and restart from the last checkpoint."""
+
+
+class RankMismatchError(GossipError):
+    """The ranks disagree (model, schedule, algorithm, settings, step or checkpoint): run the same code, the same
+    settings and one checkpoint's files on every rank. The message names the rank that differs and the item."""
+
+
+class MisuseError(GossipError):
+    """The calling code breaks the API's contract (a call out of order, a model changed after wrapping, an
+    object used after close): change the code as the message says. Retrying the same call fails the same way."""
+
+
+# -- the topic base of the checkpoint errors -------------------------------------------------------------------
+class CheckpointError(GossipError):
+    """Base class of the checkpoint errors (:mod:`gossip.checkpoint`); the message names the rank and the file.
+
+    A topic, not a group: every subclass also derives from the group that says what to do."""
+
+
+# -- configuration ---------------------------------------------------------------------------------------------
+class LaunchError(ConfigurationError):
     """The launcher environment is inconsistent (e.g. RANK without WORLD_SIZE, rank >= size)."""
 
 
-class BackendUnavailableError(GossipError):
+class BackendUnavailableError(ConfigurationError):
     """A requested backend cannot run in this process; the message names the fix."""
 
 
-class CommTimeoutError(GossipError, TimeoutError):
-    """A wait expired; the message names this rank, the missing peer(s) and the operation."""
+class ConfigError(ConfigurationError, ValueError):
+    """A ``gossip-train`` command-line option has a value this run cannot use; ``option`` names it (e.g.
+    ``--schedule``)."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(f"{option}: {message}")
+        self.option = option
 
 
-class ExchangeMismatchError(GossipError):
-    """A peer sent something other than what this rank expected (dtype, size, count or sequence number)."""
+class DDPBackendError(ConfigurationError, ValueError):
+    """The communicator has no torch.distributed process group for DDP (e.g. the MPI backend)."""
 
 
-class PeerFailedError(GossipError):
-    """A peer closed its connection or failed; the message names the peer."""
-
-
-class NonFiniteError(GossipError):
-    """A peer sent NaN or Inf (``nonfinite="raise"``); the message names this rank, the peer and the step."""
-
-
-class NonFiniteWarning(RuntimeWarning):
-    """A peer's non-finite contribution was dropped (``nonfinite="drop"``); the message names the peer and step."""
-
-
-class ModelChangedError(RuntimeError):
-    """The wrapped model's parameters changed after wrapping (rebound, replaced, added, frozen or unfrozen), so
-    the wrapper would no longer mix what the optimizer trains; the message names the rank, step and parameter."""
-
-
-class CheckpointError(GossipError):
-    """Base class of the checkpoint errors (:mod:`gossip.checkpoint`); the message names the rank and the file."""
-
-
-class CheckpointWriteError(CheckpointError):
+class CheckpointWriteError(CheckpointError, ConfigurationError):
     """A checkpoint could not be written (disk full, quota, permission, ...); the message names the rank that
     failed, its file, the cause and what to do. Every rank raises it; no rank replaced its previous checkpoint."""
 
 
-class UntrustedCheckpointError(CheckpointError):
+# -- peer failure ----------------------------------------------------------------------------------------------
+class PeerFailedError(PeerFailureError):
+    """A peer closed its connection or failed; the message names the peer."""
+
+
+class CommTimeoutError(PeerFailureError, TimeoutError):
+    """A wait expired; the message names this rank, the missing peer(s) and the operation."""
+
+
+class NonFiniteError(PeerFailureError):
+    """A peer sent NaN or Inf (``nonfinite="raise"``); the message names this rank, the peer and the step."""
+
+
+# -- rank mismatch ---------------------------------------------------------------------------------------------
+class ReplicaMismatchError(RankMismatchError, ValueError):
+    """Ranks disagree on the model, the schedule or the algorithm; the message names the rank and the item."""
+
+
+class ExchangeMismatchError(RankMismatchError):
+    """A peer sent something other than what this rank expected (dtype, size, count or sequence number)."""
+
+
+class CheckpointMismatchError(CheckpointError, RankMismatchError, ValueError):
+    """The checkpoint does not belong to this run (or is missing); the message says what differs on which rank."""
+
+
+# -- misuse ----------------------------------------------------------------------------------------------------
+class ModelChangedError(MisuseError):
+    """The wrapped model's parameters changed after wrapping (rebound, replaced, added, frozen or unfrozen), so
+    the wrapper would no longer mix what the optimizer trains; the message names the rank, step and parameter."""
+
+
+class StepPhaseError(MisuseError):
+    """An operation out of order within a training step (e.g. ``next_step()`` before ``finish_mixing()``)."""
+
+
+class UseAfterCloseError(MisuseError):
+    """A communicator or a wrapper was used after ``close()``, or a communicator after an earlier failure left it
+    unusable; the message names the rank and the operation refused (and quotes that failure, the one to act on)."""
+
+
+class UntrustedCheckpointError(CheckpointError, MisuseError):
     """A checkpoint holds (or would hold) objects that a weights-only load refuses: it would run pickled code.
     The message names the rank, the file and the object; ``trusted=True`` loads it, only for a file you wrote."""
+
+
+#: The groups: every error class except these, :class:`GossipError` and the topic bases derives from exactly one.
+GROUPS: tuple[type[GossipError], ...] = (ConfigurationError, PeerFailureError, RankMismatchError, MisuseError)
+#: Bases that collect errors by subject, across groups; never raised themselves.
+TOPICS: tuple[type[GossipError], ...] = (CheckpointError,)
+
+
+# -- warnings --------------------------------------------------------------------------------------------------
+class GossipWarning(Warning):
+    """Base class of every warning gossip-train emits; each one also keeps its builtin category."""
+
+
+class NonFiniteWarning(GossipWarning, RuntimeWarning):
+    """A peer's non-finite contribution was dropped (``nonfinite="drop"``); the message names the peer and step."""
+
+
+class AverageDriftWarning(GossipWarning, UserWarning):
+    """The schedule is not doubly stochastic, so gossip does not preserve the average of the replicas."""
+
+
+class MixingOnlyStepWarning(GossipWarning, UserWarning):
+    """An optimizer step with no forward or backward since the previous one: it only mixes, and on one rank only
+    it puts that rank a step ahead of its peers."""
+
+
+class ProcessGroupLeakWarning(GossipWarning, RuntimeWarning):
+    """Something still references the torch.distributed process group after ``comm.close()`` destroyed it, so
+    its threads live until interpreter exit, where they can abort the process; the message names the backend."""

@@ -47,12 +47,25 @@ from gossip.consensus import (
     global_average,
     reading,
 )
-from gossip.errors import CommTimeoutError, GossipError, ModelChangedError, NonFiniteError, NonFiniteWarning
+from gossip.errors import (
+    AverageDriftWarning,
+    CommTimeoutError,
+    GossipError,
+    MixingOnlyStepWarning,
+    ModelChangedError,
+    NonFiniteError,
+    NonFiniteWarning,
+    StepPhaseError,
+    UseAfterCloseError,
+)
 from gossip.metrics import StepMetrics
 from gossip.replicas import ReplicaMismatchError, broadcast_from_rank0, check_replicas
 from gossip.step_phase import StepPhase, StepState
 from topologies import Schedule
 from topologies.validation import find_violation
+
+#: Errors whose message already names the step (or concerns no step): :meth:`_naming_step` leaves them as they are.
+_NAMES_ITS_STEP = (ModelChangedError, ReplicaMismatchError, StepPhaseError)
 
 BUFFER_POLICIES = ("local", "average")
 #: A schedule without period is compared across ranks every this many steps (beyond its construction window).
@@ -96,15 +109,6 @@ def _warn_if_average_drifts(schedule: Schedule, algorithm: Algorithm, rank: int)
         AverageDriftWarning,
         stacklevel=3,
     )
-
-
-class AverageDriftWarning(UserWarning):
-    """The schedule is not doubly stochastic, so gossip does not preserve the average of the replicas."""
-
-
-class MixingOnlyStepWarning(UserWarning):
-    """An optimizer step with no forward or backward since the previous one: it only mixes, and on one rank only
-    it puts that rank a step ahead of its peers."""
 
 
 class DecentralizedDataParallel(nn.Module):
@@ -198,7 +202,7 @@ class DecentralizedDataParallel(nn.Module):
                 "once (a wrapper inside a wrapper would mix the parameters twice per step)"
             )
         if comm.closed:
-            raise GossipError(
+            raise UseAfterCloseError(
                 f"rank {comm.rank}: the communicator was already closed (comm.close()); create a new one with "
                 "gossip.init() before wrapping"
             )
@@ -283,7 +287,7 @@ class DecentralizedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._require_usable("forward")
         if self._averaging:
-            raise RuntimeError(
+            raise StepPhaseError(
                 f"rank {self.comm.rank}: step {self.step_count}: the wrapper's forward was called inside "
                 "averaged(); it would start an exchange of the averaged values. Evaluate with the module that "
                 "averaged() yields: `with model.averaged() as net: net(x)`"
@@ -325,7 +329,7 @@ class DecentralizedDataParallel(nn.Module):
         """
         self._require_usable("optimizer step (mixing)")
         if self._averaging:
-            raise RuntimeError(
+            raise StepPhaseError(
                 f"rank {self.comm.rank}: step {self.step_count}: optimizer.step() (or finish_mixing) inside "
                 "averaged(); the averaged values would be trained and then overwritten on exit. Step after the block"
             )
@@ -383,10 +387,13 @@ class DecentralizedDataParallel(nn.Module):
         """Prefix a communication error with the training step (``step 7: rank 1: exchange 7 ...``).
 
         The error keeps its type and traceback; the communicator's own message says which exchange (sequence
-        number) failed, which for PowerGossip with several iterations is not the step.
+        number) failed, which for PowerGossip with several iterations is not the step. The wrapper's own errors
+        (:data:`_NAMES_ITS_STEP`) already name the step and pass unchanged.
         """
         try:
             yield
+        except _NAMES_ITS_STEP:
+            raise
         except GossipError as error:
             where = f"step {self.step_count}"
             if error.args and isinstance(error.args[0], str) and not error.args[0].startswith(f"{where}:"):
@@ -443,12 +450,12 @@ class DecentralizedDataParallel(nn.Module):
 
     def _require_usable(self, operation: str) -> None:
         if self.closed:
-            raise RuntimeError(
+            raise UseAfterCloseError(
                 f"rank {self.comm.rank}: {operation} after close() (step {self.step_count}); this wrapper no longer "
                 "mixes: wrap the module again (with an open communicator) to keep training"
             )
         if self.comm.closed:
-            raise GossipError(
+            raise UseAfterCloseError(
                 f"rank {self.comm.rank}: {operation} at step {self.step_count}: the communicator was closed "
                 "(comm.close()) while the wrapper still uses it; close the wrapper first, the communicator last"
             )
@@ -650,7 +657,7 @@ class DecentralizedDataParallel(nn.Module):
         run resumed from this state starts step t's exchange anew, which is bit-identical.
         """
         if self._step.mixed:
-            raise RuntimeError(
+            raise StepPhaseError(
                 f"rank {self.comm.rank}: checkpoint inside step {self.step_count} (between the mixing and the "
                 "optimizer's update); save after optimizer.step()"
             )
@@ -696,7 +703,7 @@ class DecentralizedDataParallel(nn.Module):
         A collective (the summary gathers one dict per rank); returns the summary on rank 0, None elsewhere.
         A step whose update was skipped just before (a backward, no ``optimizer.step()``) still mixes first, as
         during training. Afterwards every forward, optimizer step over these parameters, ``averaged()`` or
-        consensus call raises ``RuntimeError``; a second ``close()`` does nothing.
+        consensus call raises :class:`~gossip.errors.UseAfterCloseError`; a second ``close()`` does nothing.
         """
         if self.closed:
             return None

@@ -24,11 +24,8 @@ from torch.nn.parameter import UninitializedTensorMixin
 from gossip.algorithms.base import Algorithm
 from gossip.backends.base import Communicator
 from gossip.buckets import Bucket
+from gossip.errors import ReplicaMismatchError
 from topologies import Schedule
-
-
-class ReplicaMismatchError(ValueError):
-    """Ranks disagree on the model, the schedule or the algorithm; the message names the rank and the item."""
 
 
 def algorithm_config(algorithm: Algorithm) -> dict[str, Any]:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import enum
 
+from gossip.errors import StepPhaseError
+
 
 class StepPhase(enum.Enum):
     """Where the wrapper is within the current step."""
@@ -28,10 +30,6 @@ class StepPhase(enum.Enum):
     EXCHANGING = "exchanging (step t's exchange in flight)"
     MIXED = "mixed (the mixing is written, the optimizer's update comes next)"
     CLOSED = "closed"
-
-
-class StepPhaseError(RuntimeError):
-    """An operation out of order within a training step (e.g. ``next_step()`` before ``finish_mixing()``)."""
 
 
 _IDLE, _EXCHANGING, _MIXED, _CLOSED = StepPhase.IDLE, StepPhase.EXCHANGING, StepPhase.MIXED, StepPhase.CLOSED

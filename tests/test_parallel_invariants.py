@@ -323,7 +323,7 @@ def test_training_after_close_is_refused(operation):
         "load_checkpoint": "load_checkpoint()",
     }
     message = error_of(build)
-    assert f"RuntimeError: rank 0: {what.get(operation, 'forward')} after close() (step 2)" in message
+    assert f"UseAfterCloseError: rank 0: {what.get(operation, 'forward')} after close() (step 2)" in message
 
 
 def test_a_closed_communicator_is_refused_at_once():
@@ -428,7 +428,7 @@ def test_the_wrappers_forward_inside_averaged_is_refused():
             model(batch(comm.rank, 9)[0])
 
     message = error_of(run)
-    assert message.startswith("RuntimeError: rank 0: step 2: the wrapper's forward was called inside averaged()")
+    assert message.startswith("StepPhaseError: rank 0: step 2: the wrapper's forward was called inside averaged()")
     assert "Evaluate with the module that averaged() yields" in message
 
 

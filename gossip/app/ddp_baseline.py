@@ -38,11 +38,8 @@ from torch.nn.parallel import DistributedDataParallel
 from gossip import optimizer_hooks
 from gossip.backends.base import Communicator
 from gossip.consensus import exact_consensus_sq
+from gossip.errors import DDPBackendError
 from gossip.metrics import StepMetrics
-
-
-class DDPBackendError(ValueError):
-    """The communicator has no torch.distributed process group for DDP (e.g. the MPI backend)."""
 
 
 def ring_all_reduce_bytes(payload_bytes: int, world_size: int) -> int:

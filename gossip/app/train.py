@@ -42,6 +42,7 @@ from gossip.app.ddp_baseline import DDPBaseline
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.app.run_dir import RunSummary, describe_mixing, prepare_run_dir, write_outputs
 from gossip.backends.base import Communicator
+from gossip.errors import ConfigError
 from gossip.parallel import DecentralizedDataParallel
 
 logger = logging.getLogger(__name__)
@@ -56,14 +57,6 @@ DEFAULT_SCHEDULE = "one_peer_hypercube"
 FALLBACK_SCHEDULE = "ring"
 SAMPLE_PROMPT = "def "
 SAMPLE_BYTES = 80
-
-
-class ConfigError(ValueError):
-    """A command-line option has a value this run cannot use; ``option`` names it (e.g. ``--schedule``)."""
-
-    def __init__(self, option: str, message: str):
-        super().__init__(f"{option}: {message}")
-        self.option = option
 
 
 @dataclasses.dataclass(frozen=True)

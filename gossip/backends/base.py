@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from gossip.errors import CommTimeoutError, ExchangeMismatchError, GossipError
+from gossip.errors import CommTimeoutError, ExchangeMismatchError, UseAfterCloseError
 
 MAGIC = 0x60551B
 HEADER_LEN = 6
@@ -427,8 +427,8 @@ class CommThread:
             self._queue.put((run, progress, future))
         return FutureHandle(future, progress, self)
 
-    def _refusal(self, operation: str) -> GossipError:
-        return GossipError(
+    def _refusal(self, operation: str) -> UseAfterCloseError:
+        return UseAfterCloseError(
             f"rank {self.rank}: {operation} refused: this communicator is unusable after an earlier failure: "
             f"{self._failure}"
         )

@@ -53,7 +53,7 @@ from gossip.backends.base import (
     exchange_name,
 )
 from gossip.backends.exit_guard import watch
-from gossip.errors import CommTimeoutError, GossipError, PeerFailedError
+from gossip.errors import BackendUnavailableError, CommTimeoutError, GossipError, LaunchError, PeerFailedError
 from gossip.launch_env import LaunchInfo
 
 _BARRIER_TAG = 9
@@ -162,7 +162,7 @@ class MPICommunicator(Communicator):
         self._comm = MPI.COMM_WORLD.Dup()
         self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
         if (self.rank, self.size) != (info.rank, info.size):
-            raise GossipError(
+            raise LaunchError(
                 f"MPI reports rank {self.rank} of {self.size} but the {info.launcher} environment says rank "
                 f"{info.rank} of {info.size}: launch with mpiexec/mpirun (or srun --mpi=pmix) so MPI sees all ranks"
             )
@@ -170,12 +170,14 @@ class MPICommunicator(Communicator):
         self.device = torch.device(device)
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
-                raise GossipError(f"rank {self.rank}: MPI with device={device!r} needs a visible CUDA device")
+                raise BackendUnavailableError(
+                    f"rank {self.rank}: MPI with device={device!r} needs a visible CUDA device"
+                )
             if self.device.index is None:
                 self.device = torch.device("cuda", self.local_rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         elif self.device.type != "cpu":
-            raise GossipError(f"rank {self.rank}: MPI moves cpu or cuda tensors, not {self.device.type}")
+            raise BackendUnavailableError(f"rank {self.rank}: MPI moves cpu or cuda tensors, not {self.device.type}")
         self.cuda_aware = self.device.type == "cuda" and cuda_aware()
         self.staged = (self.device.type == "cuda" and not self.cuda_aware) if stage is None else bool(stage)
         if self.staged:

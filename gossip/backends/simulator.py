@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gossip.backends.base import CLOSING, Communicator, Handle, Transfer, check_header, exchange_name
-from gossip.errors import CommTimeoutError, ExchangeMismatchError, GossipError, PeerFailedError
+from gossip.errors import CommTimeoutError, ExchangeMismatchError, GossipError, PeerFailedError, UseAfterCloseError
 
 
 class _World:
@@ -154,9 +154,9 @@ class SimulatorCommunicator(Communicator):
 
     def _check_usable(self, operation: str) -> None:
         if self._closed:
-            raise GossipError(f"rank {self.rank}: {operation} refused: this communicator was closed")
+            raise UseAfterCloseError(f"rank {self.rank}: {operation} refused: this communicator was closed")
         if self._failure is not None:
-            raise GossipError(
+            raise UseAfterCloseError(
                 f"rank {self.rank}: {operation} refused: this communicator is unusable after an earlier "
                 f"failure: {self._failure}"
             )

@@ -51,7 +51,7 @@ from gossip.backends.base import (
     steady_header,
 )
 from gossip.backends.exit_guard import watch
-from gossip.errors import CommTimeoutError, GossipError, PeerFailedError
+from gossip.errors import CommTimeoutError, GossipError, PeerFailedError, ProcessGroupLeakWarning
 from gossip.launch_env import LaunchInfo
 
 
@@ -369,6 +369,6 @@ class TorchDistCommunicator(Communicator):
                 f"rank {self.rank}: the {self.backend} process group is still referenced {holders} time(s) after "
                 "destroy_process_group (e.g. by a function default `group=dist.group.WORLD` of a module imported "
                 "after gossip.init), so its threads run until interpreter exit, where they can abort the process",
-                RuntimeWarning,
+                ProcessGroupLeakWarning,
                 stacklevel=3,
             )

@@ -87,9 +87,9 @@ from gossip.checkpoint.safe_loading import SAFE_GLOBALS
 from gossip.checkpoint.save_load import load_checkpoint, save_checkpoint
 from gossip.checkpoint.state import CHECKPOINT_SETTINGS
 
-# The public classes keep the name they are imported by: tracebacks, reprs and pickles say gossip.checkpoint.X,
-# as they did when the package was one module.
-CheckpointMismatchError.__module__ = CheckpointFuture.__module__ = __name__
+# CheckpointFuture keeps the name it is imported by: tracebacks, reprs and pickles say gossip.checkpoint.X, as
+# they did when the package was one module. CheckpointMismatchError is defined, and named, in gossip.errors.
+CheckpointFuture.__module__ = __name__
 
 __all__ = [
     "CHECKPOINT_SETTINGS",

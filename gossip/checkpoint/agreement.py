@@ -12,12 +12,8 @@ import torch
 
 from gossip.backends.base import Communicator
 from gossip.checkpoint.state import mismatch, rank_state
-from gossip.errors import CheckpointError, CheckpointWriteError, UntrustedCheckpointError
+from gossip.errors import CheckpointMismatchError, CheckpointWriteError, UntrustedCheckpointError
 from gossip.parallel import DecentralizedDataParallel
-
-
-class CheckpointMismatchError(CheckpointError, ValueError):
-    """The checkpoint does not belong to this run (or is missing); the message says what differs on which rank."""
 
 
 def write_failure(rank: int, path: Path, error: BaseException, step: int) -> str:
