@@ -24,7 +24,8 @@ from pathlib import Path
 from experiments.netem import EmulatedNetwork
 from experiments.netem.launch import supervise
 from experiments.netem.network import python_path_env
-from experiments.runtime_model.cli import parse_rate, validation_table
+from experiments.rates import parse_rate
+from experiments.runtime_model.cli import validation_table
 from experiments.simulated_training import RESULTS, pyplot, read_csv, save_figure, write_csv
 
 NODES, PER_NODE = 2, 2
@@ -142,8 +143,9 @@ def validate(rows: list[dict]) -> list[dict]:
         cases.append({
             "label": row["method"], "algorithm": algorithm, "schedule": schedule, "message_bytes": message,
             "measured_ms": 1e3 * row["seconds_per_step"], "n": NODES * PER_NODE, "compute_ms": 1e-3,
-            "model_bytes": model, "latency_ms": LOOPBACK_LATENCY_MS, "bandwidth_Bps": parse_rate(row["rate"]),
-            "local_size": PER_NODE, "intra_latency_ms": LOOPBACK_LATENCY_MS, "intra_bandwidth_Bps": LOOPBACK_BPS,
+            "model_bytes": model, "latency_ms": LOOPBACK_LATENCY_MS,
+            "bandwidth_Bps": parse_rate(row["rate"], unit="byte/s"), "local_size": PER_NODE,
+            "intra_latency_ms": LOOPBACK_LATENCY_MS, "intra_bandwidth_Bps": LOOPBACK_BPS,
             "allreduce_algorithm": "ring",
         })  # fmt: skip
     out = validation_table(cases)

@@ -13,9 +13,10 @@ import torch
 from helpers.launch import metrics_rows, run_main_job
 
 import gossip
-from gossip.app.ddp_baseline import DDPBackendError, DDPBaseline, ring_all_reduce_bytes
+from gossip.app.ddp_baseline import DDPBackendError, DDPBaseline
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.app.train import ConfigError, TrainConfig, resolve
+from gossip.backends.base import ring_all_reduce_bytes
 
 STEPS = 20
 LOG_EVERY = 5

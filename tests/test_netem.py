@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.netem import EmulatedNetwork, NetemConfigError, missing_prerequisites, parse_rate
+from experiments.netem import EmulatedNetwork, NetemConfigError, missing_prerequisites, parse_rate_limit
 from experiments.netem.cleanup import is_alive, list_namespaces, list_root_links
 from experiments.netem.config import PREFIX
 from experiments.netem.launch import run_gloo, run_mpi
@@ -80,18 +80,20 @@ def leftovers(tag: str) -> list[str]:
     return [name for name in list_namespaces() if name.startswith(tag)] + list_root_links(PREFIX)
 
 
-def test_parse_rate_reads_tc_units() -> None:
-    assert parse_rate("1gbit") == 1e9
-    assert parse_rate("100mbit") == 1e8
-    assert parse_rate("500kbit") == 5e5
-    assert parse_rate("1mbps") == 8e6  # tc: bps is bytes per second
-    assert parse_rate(None) is None
-    assert parse_rate("none") is None
+def test_parse_rate_limit_reads_tc_units_in_bits_per_second() -> None:
+    assert parse_rate_limit("1gbit") == 1e9
+    assert parse_rate_limit("100mbit") == 1e8
+    assert parse_rate_limit("500kbit") == 5e5
+    assert parse_rate_limit("1mbps") == 8e6  # tc: bps is bytes per second
+    assert parse_rate_limit(2e9) == 2e9  # a number is bit/s
+    assert parse_rate_limit(None) is None
+    assert parse_rate_limit("none") is None
+    assert parse_rate_limit("0") is None
 
 
-def test_parse_rate_rejects_garbage_naming_the_value() -> None:
-    with pytest.raises(ValueError, match="'fast'"):
-        parse_rate("fast")
+def test_parse_rate_limit_rejects_garbage_naming_the_value_and_units() -> None:
+    with pytest.raises(NetemConfigError, match=r"rate='fast' is not a rate in tc\(8\) units: write bit/s as '1gbit'"):
+        parse_rate_limit("fast")
 
 
 def test_network_with_one_host_is_refused_at_construction() -> None:

@@ -2,11 +2,14 @@
 
 import io
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from experiments.runtime_model.cli import parse_rate, predict_table, validation_table
+from experiments.runtime_model.cli import predict_table, validation_table
 from experiments.runtime_model.costs import (
     Network,
     RuntimeModelError,
@@ -23,6 +26,7 @@ from experiments.runtime_model.model import (
     predict_iteration,
 )
 
+REPO = Path(__file__).resolve().parent.parent
 MB = 1e6
 GBIT = 1e9 / 8  # bytes/s
 
@@ -204,12 +208,25 @@ def test_predict_table_speedups_are_allreduce_over_gossip_time():
         assert row.speedup == pytest.approx(baseline / row.prediction.total_s)
 
 
-def test_parse_rate_uses_tc_units():
-    assert parse_rate("1gbit") == pytest.approx(1.25e8)
-    assert parse_rate("100mbit") == pytest.approx(1.25e7)
-    assert parse_rate("10gbps") == pytest.approx(1e10)
-    with pytest.raises(RuntimeModelError, match="unit"):
-        parse_rate("1000")
+def runtime_model_cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m experiments.runtime_model ARGS`` (its tables print to the stdout bound at import)."""
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.runtime_model", *args], capture_output=True, text=True, cwd=REPO
+    )
+
+
+def test_bandwidth_option_reads_tc_units_in_bytes_per_second():
+    """--bandwidth 8gbit and --bandwidth 1gbps are the same link (1e9 byte/s = 8 Gbit/s): the same table."""
+    common = ["--model-mb", "10", "--compute-ms", "100", "--latency-ms", "1", "--ns", "64"]
+    tables = [runtime_model_cli(*common, "--bandwidth", rate).stdout for rate in ("8gbit", "1gbps")]
+    assert tables[0] == tables[1]
+    assert "8 Gbit/s" in tables[0]
+
+
+def test_bandwidth_option_refuses_a_rate_without_unit():
+    run = runtime_model_cli("--model-mb", "10", "--compute-ms", "100", "--bandwidth", "1000", "--latency-ms", "1")
+    assert run.returncode == 2
+    assert "rate '1000' needs a number and a tc(8) unit" in run.stderr
 
 
 # ---------------------------------------------------------------- hierarchical gossip (E.2, issue 8)

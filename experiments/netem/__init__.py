@@ -4,7 +4,7 @@ See README.md in this directory. Needs root.
 """
 
 from experiments.netem.cleanup import cleanup_stale
-from experiments.netem.config import NetemConfigError, NetworkConfig, parse_rate
+from experiments.netem.config import NetemConfigError, NetworkConfig, parse_rate_limit
 from experiments.netem.network import EmulatedNetwork, NetemUnavailable, missing_prerequisites
 
 __all__ = [
@@ -14,5 +14,5 @@ __all__ = [
     "NetworkConfig",
     "cleanup_stale",
     "missing_prerequisites",
-    "parse_rate",
+    "parse_rate_limit",
 ]

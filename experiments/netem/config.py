@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from experiments.rates import RateError, parse_rate
+
 PREFIX = "gtn"
 SUBNET = "10.77.0"
 PREFIX_LENGTH = 24
@@ -20,19 +22,17 @@ TUN_MTU = 65000
 DEFAULT_QUEUE_BYTES = 4 * 2**20
 
 NAMESPACE_PATTERN = re.compile(rf"^{PREFIX}(\d+)-(\d+)-(h\d+|sw)$")
-_RATE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*$", re.IGNORECASE)
-_RATE_SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
 class NetemConfigError(ValueError):
     """A setting of the emulated network is invalid; the message names the setting and the value."""
 
 
-def parse_rate(rate: str | float | None) -> float | None:
-    """Bits per second from ``"1gbit"``, ``"100mbit"``, ``"500kbit"``, a number of bit/s, or ``None``/``"0"``.
+def parse_rate_limit(rate: str | float | None) -> float | None:
+    """A per-host rate limit in bit/s: tc(8) text read by :func:`experiments.rates.parse_rate` (``"1gbit"``,
+    ``"100mbit"``, ``"1mbps"`` = 8e6 bit/s), a number of bit/s, or no limit (``None``).
 
-    Units follow tc(8): ``bit`` (or nothing) is bits per second, ``bps`` is *bytes* per second. ``None``,
-    ``0`` and ``"none"`` mean no limit and return ``None``.
+    ``None``, ``0``, ``""``, ``"0"``, ``"none"`` and ``"unlimited"`` mean no limit and return ``None``.
     """
     if rate is None:
         return None
@@ -41,13 +41,15 @@ def parse_rate(rate: str | float | None) -> float | None:
     else:
         if rate.strip().lower() in ("", "none", "0", "unlimited"):
             return None
-        match = _RATE_PATTERN.match(rate)
-        if match is None:
-            raise NetemConfigError(f"rate={rate!r} is not a rate like '1gbit', '100mbit' or '500kbit'")
-        number, scale, unit = match.groups()
-        value = float(number) * _RATE_SCALE[scale.lower()] * (8.0 if (unit or "").lower() == "bps" else 1.0)
+        try:
+            value = parse_rate(rate, unit="bit/s")
+        except RateError as err:
+            raise NetemConfigError(
+                f"rate={rate!r} is not a rate in tc(8) units: write bit/s as '1gbit', '100mbit' or '500kbit' "
+                "(or byte/s as '125mbps')"
+            ) from err
     if value < 0:
-        raise NetemConfigError(f"rate={rate!r} is negative")
+        raise NetemConfigError(f"rate={rate!r} bit/s is negative")
     return value or None
 
 

@@ -43,7 +43,7 @@ from experiments.netem.config import (
     address,
     host_namespace,
     network_tag,
-    parse_rate,
+    parse_rate_limit,
     switch_namespace,
 )
 from experiments.netem.tun import open_tun
@@ -103,7 +103,7 @@ class EmulatedNetwork:
         queue_bytes: int = DEFAULT_QUEUE_BYTES,
         realtime_forwarder: bool = True,
     ) -> None:
-        self.config = NetworkConfig(hosts, parse_rate(rate), delay_ms / 1000.0, mtu, queue_bytes)
+        self.config = NetworkConfig(hosts, parse_rate_limit(rate), delay_ms / 1000.0, mtu, queue_bytes)
         self.realtime_forwarder = realtime_forwarder
         self.tag = network_tag(os.getpid(), next(_instances))
         self.namespaces = [host_namespace(self.tag, host) for host in range(hosts)]

@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TextIO
 
 import topologies
+from experiments.rates import RateError, parse_rate
 from experiments.runtime_model.costs import Network, RuntimeModelError
 from experiments.runtime_model.model import NODE_SCHEDULES, IterationPrediction, predict_iteration
 
@@ -30,17 +30,6 @@ TABLE_SCHEDULES = (
     "hierarchical",
     HIERARCHICAL_GOSSIP,
 )
-# tc(8) units: "bit" suffixes are bits/s, "bps" suffixes are BYTES/s.
-_RATE_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8}
-_RATE_UNITS |= {"bps": 1.0, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "tbps": 1e12}
-
-
-def parse_rate(text: str) -> float:
-    """A rate in tc(8) notation -> bytes/s: "1gbit" = 1e9 bit/s = 1.25e8 B/s; "10gbps" = 1e10 B/s."""
-    match = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([a-zA-Z]+)\s*", text)
-    if not match or match.group(2).lower() not in _RATE_UNITS:
-        raise RuntimeModelError(f"rate {text!r} needs a number and a tc unit ({', '.join(_RATE_UNITS)})")
-    return float(match.group(1)) * _RATE_UNITS[match.group(2).lower()]
 
 
 def synthetic_param_shapes(model_bytes: float, width: int, bytes_per_element: int = 4) -> list[tuple[int, ...]]:
@@ -258,9 +247,10 @@ def plot_table(rows: Sequence[TableRow], path: str) -> None:
 
 
 def _rate_argument(text: str) -> float:
+    """A command-line rate in tc(8) notation, in byte/s (the unit of :class:`Network`)."""
     try:
-        return parse_rate(text)
-    except RuntimeModelError as err:
+        return parse_rate(text, unit="byte/s")
+    except RateError as err:
         raise argparse.ArgumentTypeError(str(err)) from err
 
 
@@ -268,12 +258,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m experiments.runtime_model", description=__doc__.split("\n")[0])
     parser.add_argument("--model-mb", type=float, required=True, help="model size in MB (1e6 bytes)")
     parser.add_argument("--compute-ms", type=float, required=True, help="mean forward+backward time per rank")
-    parser.add_argument("--bandwidth", type=_rate_argument, required=True, help="inter-node uplink, tc units: 1gbit")
+    parser.add_argument(
+        "--bandwidth",
+        type=_rate_argument,
+        required=True,
+        help="inter-node uplink per node in tc(8) units: 1gbit is 1e9 bit/s, 1gbps is 1e9 byte/s",
+    )
     parser.add_argument("--latency-ms", type=float, required=True, help="one-way inter-node latency")
     parser.add_argument("--cv", type=float, default=0.0, help="coefficient of variation of compute time")
     parser.add_argument("--optimizer-ms", type=float, default=0.0, help="optimizer (+ mixing) time per step")
     parser.add_argument("--local-size", type=int, default=1, help="ranks per node (AER/hierarchical need >= 2)")
-    parser.add_argument("--intra-bandwidth", type=_rate_argument, default=None, help="intra-node link, tc units")
+    parser.add_argument(
+        "--intra-bandwidth", type=_rate_argument, default=None, help="intra-node link, tc(8) units as --bandwidth"
+    )
     parser.add_argument("--intra-latency-ms", type=float, default=None)
     parser.add_argument("--layer-width", type=int, default=1024, help="square layers assumed for PowerGossip")
     parser.add_argument("--pg-rank", type=int, default=1, help="PowerGossip rank")

@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from experiments.runtime_model.cli import parse_rate, validation_table
+from experiments.rates import parse_rate
+from experiments.runtime_model.cli import validation_table
 from experiments.time_to_loss import METHODS, RESULTS, run_method
 
 LATENCY_MS = 0.03
@@ -134,7 +135,7 @@ def validation_rows(runs: Sequence[dict], model_bytes: int, alone_ms: float) -> 
             "optimizer_ms": max(0.0, ref["step_ms"] - ref["compute_ms"] - ref["wait_ms"]),
             "model_bytes": model_bytes,
             "latency_ms": LATENCY_MS,
-            "bandwidth_Bps": parse_rate(run["rate"]),
+            "bandwidth_Bps": parse_rate(run["rate"], unit="byte/s"),
             "allreduce_algorithm": "ring",
         }
         if method.startswith("pg"):

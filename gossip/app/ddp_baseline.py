@@ -36,15 +36,10 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from gossip import optimizer_hooks
-from gossip.backends.base import Communicator
+from gossip.backends.base import Communicator, ring_all_reduce_bytes
 from gossip.consensus import exact_consensus_sq
 from gossip.errors import DDPBackendError
 from gossip.metrics import StepMetrics
-
-
-def ring_all_reduce_bytes(payload_bytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of ``payload_bytes``: 2 (n-1)/n * M (docs/design.md B.5)."""
-    return round(2 * (world_size - 1) / world_size * payload_bytes)
 
 
 class DDPBaseline:

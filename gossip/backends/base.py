@@ -305,7 +305,9 @@ COLLECTIVE = -1
 
 def ring_all_reduce_bytes(nbytes: int, size: int) -> int:
     """Bytes each rank sends (and receives) in a ring all-reduce of ``nbytes`` over ``size`` ranks:
-    2 (n - 1) / n * M (reduce-scatter, then all-gather; Patarasuk and Yuan, JPDC 2009), rounded to a byte."""
+    2 (n - 1) / n * M (reduce-scatter, then all-gather; Patarasuk and Yuan, JPDC 2009; docs/design.md B.5),
+    rounded to a byte. The one count of all-reduce traffic: the communicators' ``all_reduce`` and the DDP
+    baseline's gradient buckets both book it."""
     return round(2 * (size - 1) / size * nbytes)
 
 
