@@ -89,12 +89,23 @@ def _nonnegative_int(text: str) -> int:
     return value
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to an option's help only where it says something: not when the help already
+    states the default in its own words (it mentions "default"), and not when X is None (resolved later)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(
         prog="gossip-train",
         description="Decentralized (gossip) training of a small byte-level GPT.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
         allow_abbrev=False,
     )
     launch = parser.add_argument_group("launch")
@@ -157,7 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"momentum of the outer Nesterov SGD, in [0, 1); default: {DILOCO_DEFAULTS['outer_momentum']}",
     )
     training = parser.add_argument_group("training")
-    training.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer, help="local update rule")
+    training.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=defaults.optimizer,
+        help="local update rule: adamw is torch.optim.AdamW, accum-adamw optim.AccumAdamW (moments advance once per "
+        "--accum-iter steps), sgd Nesterov SGD",
+    )
     training.add_argument("--accum-iter", type=_positive(int), default=None, help="default: max(1, workers // 4)")
     training.add_argument("--steps", type=_positive(int), default=defaults.steps, help="optimizer steps")
     training.add_argument("--batch-size", type=_positive(int), default=defaults.batch_size, help="per worker")

@@ -303,12 +303,18 @@ def make_model(config: TrainConfig, comm: Communicator, run_dir: Path) -> Replic
 
 
 def make_optimizer(config: TrainConfig, module: torch.nn.Module) -> torch.optim.Optimizer:
-    """AccumAdamW / AdamW with betas (0.9, 0.95) and weight decay on matrices only, or SGD with Nesterov momentum."""
+    """The local optimizer ``--optimizer`` names, with weight decay on matrices only (:func:`optim.param_groups`).
+
+    ``adamw`` is :class:`torch.optim.AdamW` and ``accum-adamw`` :class:`optim.AccumAdamW` with ``accum_iter``
+    (its moments advance once per ``accum_iter`` steps; with 1 it is AdamW's update rule), both with betas
+    (0.9, 0.95) and eps 1e-8; ``sgd`` is SGD with Nesterov momentum 0.9.
+    """
     groups = optim.param_groups(module, config.weight_decay)
     if config.optimizer == "sgd":
         return optim.SGD(groups, lr=config.lr, momentum=0.9, nesterov=True)
-    accum_iter = config.accum_iter if config.optimizer == "accum-adamw" else 1
-    return optim.AccumAdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, accum_iter=accum_iter)
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
+    return optim.AccumAdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, accum_iter=config.accum_iter)
 
 
 def worker_threads(local_size: int) -> int:
