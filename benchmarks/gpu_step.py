@@ -52,6 +52,7 @@ from powergossip_compute import (
 import optim
 import topologies
 from gossip import ExactGossip, PowerGossip, simulate
+from gossip.algorithms import PowerGossipTuning
 from gossip.app.gpt import GPTConfig
 from gossip.buckets import Bucket
 
@@ -168,13 +169,13 @@ def main(argv: list[str] | None = None) -> None:
     for rank in args.ranks:
         variants[f"powergossip r={rank}"] = (lambda rank=rank: PowerGossip(rank=rank), buckets)
         variants[f"powergossip r={rank}, fp64 orthonormalisation"] = (
-            lambda rank=rank: PowerGossip(rank=rank, orthonormalize_dtype=torch.float64),
+            lambda rank=rank: PowerGossip(rank=rank, tuning=PowerGossipTuning(orthonormalize_dtype=torch.float64)),
             buckets,
         )
         # the other orthonormalisation: batched QR (the CPU's default; CUDA's default is Gram-Schmidt)
         other = "gram-schmidt" if device.type == "cpu" else "qr"
         variants[f"powergossip r={rank}, {other}"] = (
-            lambda rank=rank, other=other: PowerGossip(rank=rank, orthonormalization=other),
+            lambda rank=rank, other=other: PowerGossip(rank=rank, tuning=PowerGossipTuning(orthonormalization=other)),
             buckets,
         )
         if Old is not None:

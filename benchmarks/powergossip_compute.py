@@ -41,6 +41,7 @@ Householder QR, and computing the products as X q and X^T p (factors stored rows
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -126,9 +127,22 @@ class LoopbackCommunicator(Communicator):
         return None
 
 
+def as_template_hooks(source: str) -> str:
+    """An algorithm module written before ``Algorithm`` ran ``start`` and ``finish`` itself (which refuses a
+    subclass overriding them): its ``start``/``finish`` become the ``_start_step``/``_finish_step`` they call, and
+    its call of the bookkeeping that ``start`` now does (``self._begin_step()``) goes."""
+    source = re.sub(r"^(\s+)def start\(", r"\1def _start_step(", source, flags=re.MULTILINE)
+    source = re.sub(r"^(\s+)def finish\(", r"\1def _finish_step(", source, flags=re.MULTILINE)
+    return re.sub(r"^[ \t]+self\._begin_step\(\)\n", "", source, flags=re.MULTILINE)
+
+
 def load_baseline(revision: str, path: str | None = None) -> type:
-    """``PowerGossip`` as defined in ``gossip/algorithms/powergossip.py`` at git ``revision`` (or in file ``path``)."""
-    return module_at_revision("gossip/algorithms/powergossip.py", revision, "powergossip_baseline", path).PowerGossip
+    """``PowerGossip`` as defined in ``gossip/algorithms/powergossip.py`` at git ``revision`` (or in file ``path``),
+    adapted to the current ``Algorithm`` (:func:`as_template_hooks`)."""
+    module = module_at_revision(
+        "gossip/algorithms/powergossip.py", revision, "powergossip_baseline", path, adapt=as_template_hooks
+    )
+    return module.PowerGossip
 
 
 def synchronize(device: torch.device) -> None:
@@ -349,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from gossip.algorithms.powergossip import PAD_RATIO, PowerGossip
+    from gossip.algorithms.powergossip import PAD_RATIO, PowerGossip, PowerGossipTuning
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -373,7 +387,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'rank':>4} {'variant':>10} {'ops/step':>9}")
         for rank in args.ranks:
             # CUDA's defaults: Gram-Schmidt, and factors of similar rows share one call (pad_ratio)
-            as_on_cuda = partial(PowerGossip, pad_ratio=PAD_RATIO, orthonormalization="gram-schmidt")
+            cuda_tuning = PowerGossipTuning(pad_ratio=PAD_RATIO, orthonormalization="gram-schmidt")
+            as_on_cuda = partial(PowerGossip, tuning=cuda_tuning)
             for label, make in (("old", Old), ("new", PowerGossip), ("new CUDA", as_on_cuda)):
                 step = bound_step(make(rank=rank, num_iterations=args.iterations), buckets, device)
                 step(), step()  # the first steps create the edge's state
@@ -394,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
         "old": lambda rank: Old(rank=rank, num_iterations=args.iterations),
         "new": lambda rank: PowerGossip(rank=rank, num_iterations=args.iterations),
         "new fp64": lambda rank: PowerGossip(
-            rank=rank, num_iterations=args.iterations, orthonormalize_dtype=torch.float64
+            rank=rank, num_iterations=args.iterations, tuning=PowerGossipTuning(orthonormalize_dtype=torch.float64)
         ),
         "new fp16 msg": lambda rank: PowerGossip(
             rank=rank, num_iterations=args.iterations, message_dtype=torch.float16

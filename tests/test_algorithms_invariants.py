@@ -8,6 +8,7 @@ from helpers.algorithm_scenarios import SHAPES, local_model, make_algorithm, run
 
 import gossip
 import topologies
+from gossip.algorithms import PowerGossipTuning
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.buckets import pack
 
@@ -249,7 +250,9 @@ def test_r_replaces_the_factors_but_for_its_columns_zero_throughout(rows, kept, 
     sums = torch.empty(4 + 1)
     views = [(incoming[:6].view(2, 3), flat[:6].view(2, 3)), (incoming[6:].view(2, 2), flat[6:].view(2, 2))]
     blocks = [(a, b, part) for (a, b), part in zip(views, sums[:4].split([2, 2]), strict=True)]
-    replaced = Replacement(flat, incoming, [], [], blocks, sums, sums[-1], 4)
+    replaced = Replacement(
+        flat=flat, incoming=incoming, stored=[], sources=[], blocks=blocks, sums=sums, exact_sum=sums[-1], columns=4
+    )
     values = column_sums(replaced, torch.tensor([4.0, -7.0, 2.5]))
     assert values == [*(float(sum(row)) for row in rows), -0.5]
     assert (0.0 in values[:4]) == maybe
@@ -286,7 +289,8 @@ def uncompressed_mixing(schedule: str) -> dict[bool, list[dict]]:
 
         def run(comm, every=every):
             buckets = local_model(comm.rank)
-            algo = gossip.PowerGossip(rank=2, num_iterations=2, min_compression=1, uncompressed_every_iteration=every)
+            tuning = PowerGossipTuning(uncompressed_every_iteration=every)
+            algo = gossip.PowerGossip(rank=2, num_iterations=2, min_compression=1, tuning=tuning)
             algo.setup(
                 comm, {"hypercube": topologies.one_peer_hypercube, "ring": topologies.ring}[schedule](4), buckets
             )

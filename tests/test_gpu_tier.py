@@ -25,6 +25,7 @@ from torch import nn
 import gossip
 import optim
 import topologies
+from gossip.algorithms import PowerGossipTuning
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.buckets import Bucket
 from gossip.parallel import DecentralizedDataParallel
@@ -40,8 +41,12 @@ ALGORITHMS = {
     "exact-overrelaxed": lambda: gossip.ExactGossip(gamma=1.2),
     "powergossip-r1": lambda: gossip.PowerGossip(rank=1, min_compression=1),
     "powergossip-r2-2it": lambda: gossip.PowerGossip(rank=2, num_iterations=2, min_compression=1),
-    "powergossip-r2-fp32": lambda: gossip.PowerGossip(rank=2, min_compression=1, orthonormalize_dtype=torch.float32),
-    "powergossip-r4-qr": lambda: gossip.PowerGossip(rank=4, min_compression=1, orthonormalization="qr"),
+    "powergossip-r2-fp32": lambda: gossip.PowerGossip(
+        rank=2, min_compression=1, tuning=PowerGossipTuning(orthonormalize_dtype=torch.float32)
+    ),
+    "powergossip-r4-qr": lambda: gossip.PowerGossip(
+        rank=4, min_compression=1, tuning=PowerGossipTuning(orthonormalization="qr")
+    ),
     "powergossip-r2-2it-fp16": lambda: gossip.PowerGossip(
         rank=2, num_iterations=2, min_compression=1, message_dtype=torch.float16
     ),

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import gossip
 import topologies
 from gossip.algorithms import powergossip
-from gossip.algorithms.powergossip import PowerGossip, orthonormalize
+from gossip.algorithms.powergossip import PowerGossip, PowerGossipTuning, orthonormalize
 from gossip.algorithms.powergossip_layout import Group, Matrix, Run, group_matrices, row_classes
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.buckets import Entry, bucket_parameters
@@ -27,7 +29,11 @@ def gpt_buckets(rank: int, bucket_bytes: int = 1 << 30) -> list:
 
 
 def bound(comm: gossip.Communicator, **options) -> PowerGossip:
-    algorithm = PowerGossip(**{"rank": 2, "min_compression": 1, **options})
+    """A rank-2 PowerGossip with ``options``; those of :class:`PowerGossipTuning` go into its ``tuning``."""
+    names = {field.name for field in dataclasses.fields(PowerGossipTuning)}
+    tuning = PowerGossipTuning(**{k: v for k, v in options.items() if k in names})
+    options = {k: v for k, v in options.items() if k not in names}
+    algorithm = PowerGossip(**{"rank": 2, "min_compression": 1, **options, "tuning": tuning})
     algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), gpt_buckets(comm.rank))
     return algorithm
 
@@ -59,9 +65,12 @@ def test_the_layers_of_a_gpt_form_one_group_per_role_viewed_without_copies(bucke
 
 def test_a_run_ends_where_the_bucket_or_the_spacing_between_equal_matrices_changes():
     shape = torch.Size((4, 3))
-    matrices = [Matrix(0, Entry(f"layer.{i}.w", offset, shape), 4, 3) for i, offset in enumerate((0, 20, 40, 70))]
-    matrices.append(Matrix(1, Entry("layer.4.w", 90, shape), 4, 3))
-    matrices.append(Matrix(1, Entry("other.w", 200, shape), 4, 3))  # another role: another group
+    matrices = [
+        Matrix(bucket=0, entry=Entry(f"layer.{i}.w", offset, shape), m=4, k=3)
+        for i, offset in enumerate((0, 20, 40, 70))
+    ]
+    matrices.append(Matrix(bucket=1, entry=Entry("layer.4.w", 90, shape), m=4, k=3))
+    matrices.append(Matrix(bucket=1, entry=Entry("other.w", 200, shape), m=4, k=3))  # another role: another group
     groups = group_matrices(matrices)
     assert [(g.members, [(r.bucket, r.offset, r.stride, r.count) for r in g.runs]) for g in groups] == [
         ((0, 1, 2, 3, 4), [(0, 0, 20, 3), (0, 70, 12, 1), (1, 90, 12, 1)]),
@@ -117,7 +126,13 @@ def test_batching_computes_what_the_matrix_by_matrix_path_computes(monkeypatch):
         powergossip,
         "group_matrices",
         lambda matrices: [
-            Group(m.m, m.k, (i,), (Run(m.bucket, m.entry.offset, m.m * m.k, 1),)) for i, m in enumerate(matrices)
+            Group(
+                m=m.m,
+                k=m.k,
+                members=(i,),
+                runs=(Run(bucket=m.bucket, offset=m.entry.offset, stride=m.m * m.k, count=1),),
+            )
+            for i, m in enumerate(matrices)
         ],
     )
     one_by_one = gossip.simulate(4, steps_and_factors, 5, {})
@@ -168,15 +183,16 @@ def test_orthonormalize_in_place_writes_the_bits_orthonormalize_returns(dtype, m
 
 def test_an_orthonormalization_other_than_qr_or_gram_schmidt_is_refused():
     with pytest.raises(
-        ValueError, match=r"orthonormalization must be None or one of \('qr', 'gram-schmidt'\), got 'svd'"
+        ValueError,
+        match=r"PowerGossipTuning: orthonormalization must be None or one of \('qr', 'gram-schmidt'\), got 'svd'",
     ):
-        PowerGossip(orthonormalization="svd")
+        PowerGossipTuning(orthonormalization="svd")
 
 
 def test_an_orthonormalize_dtype_other_than_float32_or_float64_is_refused():
     message = r"orthonormalize_dtype must be None, torch.float32 or torch.float64, got torch.f"
     with pytest.raises(ValueError, match=message):
-        PowerGossip(orthonormalize_dtype=torch.float16)
+        PowerGossipTuning(orthonormalize_dtype=torch.float16)
 
 
 def messages_of_first_step(comm: gossip.Communicator, algorithm: PowerGossip) -> list[int]:
@@ -374,7 +390,7 @@ def test_the_stored_padding_of_the_factors_stays_zero(orthonormalization):
 
 
 def warm_start_on_identical_replicas(comm: gossip.Communicator) -> list[bool]:
-    algorithm = PowerGossip(rank=2, min_compression=1, pad_ratio=8)
+    algorithm = PowerGossip(rank=2, min_compression=1, tuning=PowerGossipTuning(pad_ratio=8))
     algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), gpt_buckets(0))  # the same on both ranks
     before = [b.buffer.clone() for b in algorithm.buckets]
     edge = algorithm.edge(1 - comm.rank)
@@ -398,8 +414,8 @@ def test_the_warm_start_rule_keeps_the_stored_padded_factors_where_r_is_zero():
 
 @pytest.mark.parametrize("pad_ratio", [0, 1.5, True])
 def test_a_pad_ratio_other_than_a_positive_integer_is_refused(pad_ratio):
-    with pytest.raises(ValueError, match=r"PowerGossip: pad_ratio must be None or an integer >= 1, got "):
-        PowerGossip(pad_ratio=pad_ratio)
+    with pytest.raises(ValueError, match=r"PowerGossipTuning: pad_ratio must be None or an integer >= 1, got "):
+        PowerGossipTuning(pad_ratio=pad_ratio)
 
 
 def test_zero_padding_leaves_the_factors_orthonormal_and_their_padding_out():
@@ -442,3 +458,42 @@ def test_products_travel_in_the_message_dtype_and_the_uncompressed_tensors_in_th
 def test_a_message_dtype_other_than_a_float_dtype_is_refused():
     with pytest.raises(ValueError, match="message_dtype must be None"):
         PowerGossip(message_dtype=torch.int8)
+
+
+def test_the_layout_dataclasses_are_built_by_keyword_only():
+    """Plan has fifteen fields, several of one type: a positional call that swapped two would run, wrongly."""
+    from gossip.algorithms import powergossip_layout as layout
+
+    classes = [
+        obj for obj in vars(layout).values() if dataclasses.is_dataclass(obj) and obj.__module__ == layout.__name__
+    ]
+    assert {cls.__name__ for cls in classes} >= {"Plan", "Replacement", "Side", "Matrix"}
+    for cls in classes:
+        assert all(field.kw_only for field in dataclasses.fields(cls)), cls.__name__
+    with pytest.raises(TypeError, match="positional"):
+        layout.Run(0, 0, 1, 1)
+
+
+def test_the_seldom_tuned_settings_travel_in_one_keyword_only_tuning_and_keep_their_config_keys():
+    """``PowerGossipTuning`` gathers the benchmark knobs; ``config()`` (what ranks compare and checkpoints record)
+    keeps the keys and values it had when they were constructor arguments of their own."""
+    tuning = PowerGossipTuning(orthonormalization="qr", orthonormalize_dtype=torch.float64, pad_ratio=2)
+    assert PowerGossip(rank=2, message_dtype=torch.bfloat16, tuning=tuning).config() == {
+        "rank": 2,
+        "num_iterations": 1,
+        "gamma": 1.0,
+        "warm_start": True,
+        "min_compression": 2.0,
+        "seed": 0,
+        "orthonormalize_dtype": "torch.float64",
+        "orthonormalization": "qr",
+        "uncompressed_every_iteration": False,
+        "message_dtype": "torch.bfloat16",
+    }
+    assert PowerGossip().config()["orthonormalization"] == "None"
+    with pytest.raises(TypeError):
+        PowerGossipTuning("qr")  # keyword only
+    with pytest.raises(TypeError, match="unexpected keyword argument 'pad_ratio'"):
+        PowerGossip(pad_ratio=4)  # one place for it: tuning
+    with pytest.raises(TypeError, match="PowerGossip: tuning must be a PowerGossipTuning or None, got"):
+        PowerGossip(tuning={"pad_ratio": 4})

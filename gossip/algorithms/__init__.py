@@ -8,7 +8,7 @@ from gossip.algorithms.diloco import DiLoCo
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.hierarchical import HierarchicalGossip
 from gossip.algorithms.periodic import PeriodicAverage
-from gossip.algorithms.powergossip import PowerGossip, exclude_names
+from gossip.algorithms.powergossip import PowerGossip, PowerGossipTuning, exclude_names
 from gossip.algorithms.presets import tagc_policy
 
 ALGORITHMS = {"exact": ExactGossip, "powergossip": PowerGossip, "allreduce": AllReduce, "diloco": DiLoCo}
@@ -24,6 +24,7 @@ __all__ = [
     "LadderSearch",
     "PeriodicAverage",
     "PowerGossip",
+    "PowerGossipTuning",
     "Traffic",
     "exclude_names",
     "tagc_policy",

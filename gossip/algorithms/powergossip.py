@@ -54,7 +54,8 @@ Precision: ``orthonormalize_dtype`` (default None: float64 for Gram-Schmidt, the
 float32 for QR, which is backward stable). The precision of the basis only shapes how well the projection
 captures X_hi - X_lo, never the invariants (both ends apply the same correction with opposite signs). Either way
 both ends run the same kernel on the same input, so they agree bit for bit; both choices are part of ``config()``
-and so of checkpoints.
+and so of checkpoints. These two, ``pad_ratio`` and ``uncompressed_every_iteration`` (below) are the seldom-tuned
+settings, passed together as ``PowerGossip(tuning=PowerGossipTuning(...))``.
 
 Message precision (``message_dtype``): by default the products travel in the parameters' dtype. With
 torch.float16 or torch.bfloat16 each end rounds its products to that dtype before sending, and both compute
@@ -75,8 +76,8 @@ in the message of the first power iteration (posted before forward and backward,
 further iterations carry the products only. With one peer per step and gamma = 1 (the one-peer schedules) a
 second exact mixing would change nothing -- both ends already hold the pair's average -- and would cost the
 uncompressed tensors' bytes again (on the main job's GPT 14 kB of a 52 kB message at rank 4).
-``uncompressed_every_iteration=True`` mixes them with every iteration, which repeats the averaging where the
-step has several peers or gamma < 1.
+``PowerGossipTuning(uncompressed_every_iteration=True)`` mixes them with every iteration, which repeats the
+averaging where the step has several peers or gamma < 1.
 
 ``nonfinite="drop"``: when a peer's products or uncompressed tensors hold NaN or Inf, this end skips that
 edge's correction for the step (its uncompressed tensors' weight goes back to the self weight, so that row stays
@@ -240,6 +241,47 @@ def replace_factors(replaced: Replacement, maybe_zero_column: bool | None) -> No
         keep_nonzero_columns_(incoming, factor)
 
 
+@dataclass(frozen=True, kw_only=True)
+class PowerGossipTuning:
+    """PowerGossip's seldom-tuned settings: how its power iterations are computed, chosen by benchmarks
+    (``benchmarks/powergossip_compute.py``, ``benchmarks/gpu_step.py``); the defaults suit the device. Pass one as
+    ``PowerGossip(tuning=PowerGossipTuning(...))`` to reproduce a measurement, or to give every rank of a world
+    that mixes CPU and GPU ranks the same choices (docs/design.md A).
+
+    * ``orthonormalization``: ``"qr"`` or ``"gram-schmidt"``; None: QR on the CPU, Gram-Schmidt elsewhere
+      (:func:`default_method`). Part of :meth:`PowerGossip.config`.
+    * ``orthonormalize_dtype``: None, torch.float32 or torch.float64, the precision of the orthonormalisation
+      (None: float64 for Gram-Schmidt, the parameters' dtype and at least float32 for QR; :func:`orthonormalize`).
+      Part of :meth:`PowerGossip.config`.
+    * ``pad_ratio``: factors within this ratio of rows are orthonormalised in one zero-padded call
+      (:func:`gossip.algorithms.powergossip_layout.row_classes`); None: ``PAD_RATIO`` on CUDA, ``CPU_PAD_RATIO``
+      on the CPU. Changes only the rounding.
+    * ``uncompressed_every_iteration``: mix the uncompressed tensors with every power iteration instead of once
+      per step (the module docstring says when that repeats the averaging). Part of :meth:`PowerGossip.config`.
+    """
+
+    orthonormalization: str | None = None
+    orthonormalize_dtype: torch.dtype | None = None
+    pad_ratio: int | None = None
+    uncompressed_every_iteration: bool = False
+
+    def __post_init__(self) -> None:
+        if self.orthonormalization not in (None, *METHODS):
+            raise ValueError(
+                f"PowerGossipTuning: orthonormalization must be None or one of {METHODS}, "
+                f"got {self.orthonormalization!r}"
+            )
+        if self.orthonormalize_dtype not in (None, torch.float32, torch.float64):
+            raise ValueError(
+                "PowerGossipTuning: orthonormalize_dtype must be None, torch.float32 or torch.float64, "
+                f"got {self.orthonormalize_dtype!r}"
+            )
+        pad_ratio = self.pad_ratio
+        if pad_ratio is not None and (isinstance(pad_ratio, bool) or not isinstance(pad_ratio, int) or pad_ratio < 1):
+            raise ValueError(f"PowerGossipTuning: pad_ratio must be None or an integer >= 1, got {pad_ratio!r}")
+        object.__setattr__(self, "uncompressed_every_iteration", bool(self.uncompressed_every_iteration))
+
+
 @dataclass
 class _Round:
     step: int
@@ -252,8 +294,28 @@ class _Round:
 class PowerGossip(Algorithm):
     """Low-rank gossip of model differences with warm-started, per-edge shared projections.
 
-    ``rank`` (the constructor keyword, and the ``"rank"`` of :meth:`config`) is the rank r of the projection; the
-    instance keeps it as ``matrix_rank``, so that it is never confused with the process rank ``comm.rank``.
+    The settings users tune, in the order to tune them:
+
+    1. ``rank``: the rank r of the projection, which sets the compression (a matrix m x k sends r (m + k) numbers
+       instead of m k). Start at 1 and double while the consensus distance or the loss asks for it; 1-4 is usual.
+       (The ``"rank"`` of :meth:`config`; the instance keeps it as ``matrix_rank``, so that it is never confused
+       with the process rank ``comm.rank``.)
+    2. ``num_iterations``: power iterations (exchanges) per step; each sends the products again, and moves the
+       replicas closer along a refreshed projection.
+    3. ``gamma``: the step size of the correction (each end of an edge moves by gamma times the edge's weight
+       times the projected difference).
+    4. ``message_dtype``: the products' dtype on the wire (None: the parameters'); torch.float16 or
+       torch.bfloat16 halve their bytes (the module docstring says what the rounding costs).
+
+    Seldom tuned: ``min_compression`` (a matrix is compressed only when m k / (r (m + k)) reaches it, else sent
+    whole) and ``policy`` (a per-parameter override of that choice, e.g. :func:`exclude_names`); ``seed`` (of the
+    pair-seeded initial factors); ``nonfinite`` ("raise" or "drop", what a peer's NaN or Inf does). Keep
+    ``warm_start`` on: each edge's factors carry over from iteration to iteration, which is what lets one or two
+    power iterations per step suffice.
+
+    Implementation settings that benchmarks choose -- the orthonormalisation's method and precision, the padding
+    of its batches, mixing the uncompressed tensors with every iteration -- are gathered in ``tuning``, a
+    :class:`PowerGossipTuning`; the defaults suit the device. Every argument but the first three is keyword-only.
     """
 
     name = "powergossip"
@@ -265,31 +327,21 @@ class PowerGossip(Algorithm):
         num_iterations: int = 1,
         gamma: float = 1.0,
         *,
-        warm_start: bool = True,
+        message_dtype: torch.dtype | None = None,
         min_compression: float = 2.0,
         policy: Policy | None = None,
         seed: int = 0,
         nonfinite: str = "raise",
-        orthonormalize_dtype: torch.dtype | None = None,
-        orthonormalization: str | None = None,
-        pad_ratio: int | None = None,
-        uncompressed_every_iteration: bool = False,
-        message_dtype: torch.dtype | None = None,
+        warm_start: bool = True,
+        tuning: PowerGossipTuning | None = None,
     ):
         if message_dtype not in MESSAGE_DTYPES:
             raise ValueError(
                 "PowerGossip: message_dtype must be None (the parameters' dtype) or one of torch.float16, "
                 f"torch.bfloat16, torch.float32 and torch.float64, got {message_dtype!r}"
             )
-        if orthonormalize_dtype not in (None, torch.float32, torch.float64):
-            raise ValueError(
-                "PowerGossip: orthonormalize_dtype must be None, torch.float32 or torch.float64, "
-                f"got {orthonormalize_dtype!r}"
-            )
-        if orthonormalization not in (None, *METHODS):
-            raise ValueError(
-                f"PowerGossip: orthonormalization must be None or one of {METHODS}, got {orthonormalization!r}"
-            )
+        if tuning is not None and not isinstance(tuning, PowerGossipTuning):
+            raise TypeError(f"PowerGossip: tuning must be a PowerGossipTuning or None, got {tuning!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"PowerGossip: rank must be an integer >= 1, got {rank!r}")
         if isinstance(num_iterations, bool) or not isinstance(num_iterations, int) or num_iterations < 1:
@@ -301,11 +353,7 @@ class PowerGossip(Algorithm):
         self.matrix_rank, self.num_iterations, self.gamma = rank, num_iterations, float(gamma)
         self.warm_start, self.min_compression, self.policy, self.seed = warm_start, min_compression, policy, seed
         self.nonfinite = check_nonfinite_policy("PowerGossip", nonfinite)
-        self.orthonormalize_dtype, self.orthonormalization = orthonormalize_dtype, orthonormalization
-        if pad_ratio is not None and (isinstance(pad_ratio, bool) or not isinstance(pad_ratio, int) or pad_ratio < 1):
-            raise ValueError(f"PowerGossip: pad_ratio must be None or an integer >= 1, got {pad_ratio!r}")
-        self.pad_ratio = pad_ratio
-        self.uncompressed_every_iteration = bool(uncompressed_every_iteration)
+        self.tuning = tuning if tuning is not None else PowerGossipTuning()
         self.message_dtype = message_dtype
         self.edges: dict[tuple[int, int], EdgeState] = {}
 
@@ -354,7 +402,8 @@ class PowerGossip(Algorithm):
                 raise TypeError(f"PowerGossip: bucket {index} holds {bucket.buffer.dtype}; parameters must be floats")
             for entry in bucket.entries:
                 if self._compress(entry):
-                    self.matrices.append(Matrix(index, entry, entry.shape[0], entry.numel // entry.shape[0]))
+                    m, k = entry.shape[0], entry.numel // entry.shape[0]
+                    self.matrices.append(Matrix(bucket=index, entry=entry, m=m, k=k))
                 else:
                     self.exact.append((index, entry))
         self.groups = group_matrices(self.matrices)
@@ -382,9 +431,10 @@ class PowerGossip(Algorithm):
                 start += run.count
             self._views.append(views)
         on_cuda = any(bucket.buffer.is_cuda for bucket in buckets)
-        self._pad_ratio = self.pad_ratio if self.pad_ratio is not None else PAD_RATIO if on_cuda else CPU_PAD_RATIO
+        pad_ratio = self.tuning.pad_ratio
+        self._pad_ratio = pad_ratio if pad_ratio is not None else PAD_RATIO if on_cuda else CPU_PAD_RATIO
         self._layouts: dict[int, Layout] = {}  # per rank r
-        self._orthonormalization = self.orthonormalization or default_method(self._device)  # chosen once
+        self._orthonormalization = self.tuning.orthonormalization or default_method(self._device)  # chosen once
         for edge in self.edges.values():  # bound again: plans hold views of the previous binding's buckets
             edge.plans.clear()
 
@@ -402,7 +452,9 @@ class PowerGossip(Algorithm):
             dtype = self.buckets[0].buffer.dtype if self.buckets else torch.float32
             device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")
             seed = self.seed * n * n + lo * n + hi
-            self.edges[key] = EdgeState.fresh(seed, self.matrices, self.groups, self._layout(), device, dtype)
+            self.edges[key] = EdgeState.fresh(
+                seed=seed, matrices=self.matrices, groups=self.groups, layout=self._layout(), device=device, dtype=dtype
+            )
         return self.edges[key]
 
     def _matrix(self, matrix: Matrix) -> torch.Tensor:
@@ -417,7 +469,7 @@ class PowerGossip(Algorithm):
             r, groups, pad_ratio, device = self.matrix_rank, self.groups, self._pad_ratio, self._device
             p = Side.build(groups, [g.m for g in groups], r, pad_ratio, device)
             q = Side.build(groups, [g.k for g in groups], r, pad_ratio, device)
-            self._layouts[r] = Layout(r, p, q)
+            self._layouts[r] = Layout(rank=r, p=p, q=q)
         return self._layouts[self.matrix_rank]
 
     def _plan(self, peer: int, edge: EdgeState, right: bool, exact: bool) -> Plan:
@@ -457,21 +509,21 @@ class PowerGossip(Algorithm):
         sent_exact = sent[out.numel :]
         flat, side = (edge.q_flat, layout.q) if right else (edge.p_flat, layout.p)
         plan = edge.plans[right, exact] = Plan(
-            messages,
-            inboxes,
-            sent_products,
-            received_products,
-            difference,
-            difference is not received_products,
-            sent_exact,
-            list(sent_exact.split(self._exact_sizes)) if exact else [],
-            received[out.numel :],
-            products,
-            updates,
-            stacks,
-            [(block, block.new_empty(block.shape[0], r, r)) for block in side.blocks(flat, r)],
-            replaced,
-            self.comm.plan_exchange([(peer, m) for m in messages], [(peer, inbox) for inbox in inboxes]),
+            messages=messages,
+            inboxes=inboxes,
+            sent_products=sent_products,
+            received_products=received_products,
+            difference=difference,
+            rounded=difference is not received_products,
+            sent_exact=sent_exact,
+            sent_exact_parts=list(sent_exact.split(self._exact_sizes)) if exact else [],
+            received_exact=received[out.numel :],
+            products=products,
+            updates=updates,
+            factor=stacks,
+            classes=[(block, block.new_empty(block.shape[0], r, r)) for block in side.blocks(flat, r)],
+            replaced=replaced,
+            exchange=self.comm.plan_exchange([(peer, m) for m in messages], [(peer, inbox) for inbox in inboxes]),
         )
         return plan
 
@@ -488,12 +540,21 @@ class PowerGossip(Algorithm):
         sums = flat.new_empty(side.columns + 1)
         per_class = sums[:-1].split([block.shape[0] for block in side.column_blocks(flat)])
         blocks = list(zip(side.column_blocks(incoming), side.column_blocks(flat), per_class, strict=True))
-        return Replacement(flat, incoming, stored, sources, blocks, sums, sums[-1], side.columns)
+        return Replacement(
+            flat=flat,
+            incoming=incoming,
+            stored=stored,
+            sources=sources,
+            blocks=blocks,
+            sums=sums,
+            exact_sum=sums[-1],
+            columns=side.columns,
+        )
 
     def _orthonormalize(self, plan: Plan) -> None:
         """Orthonormalise the factor ``plan`` multiplies with, in place: one batched call per class, on its
         contiguous block of the factor buffer (the smaller factors' zero padding stays zero)."""
-        dtype, method = self.orthonormalize_dtype, self._orthonormalization
+        dtype, method = self.tuning.orthonormalize_dtype, self._orthonormalization
         for block, triangle in plan.classes:
             orthonormalize_(block, dtype=dtype, method=method, triangle=triangle)
 
@@ -502,7 +563,7 @@ class PowerGossip(Algorithm):
         step's further iterations reuse its first's)."""
         if in_peers is None:
             in_peers = self.schedule.peers(self.comm.rank, step).in_peers
-        exact = bool(self._exact_numel) and (iteration == 0 or self.uncompressed_every_iteration)
+        exact = bool(self._exact_numel) and (iteration == 0 or self.tuning.uncompressed_every_iteration)
         peers, planned = [], None
         for peer, weight in in_peers:
             edge = self.edge(peer)
@@ -669,7 +730,14 @@ class PowerGossip(Algorithm):
             generator.set_state(saved["generator"])
             p, q = ([t.to(self._device) for t in saved[side]] for side in ("p", "q"))
             self.edges[tuple(key)] = EdgeState(
-                self.groups, self._layout(), generator, saved["iteration"], p, q, self._dtype, self._device
+                groups=self.groups,
+                layout=self._layout(),
+                generator=generator,
+                iteration=saved["iteration"],
+                p=p,
+                q=q,
+                dtype=self._dtype,
+                device=self._device,
             )
 
     def config(self) -> dict:
@@ -680,8 +748,8 @@ class PowerGossip(Algorithm):
             "warm_start": self.warm_start,
             "min_compression": self.min_compression,
             "seed": self.seed,
-            "orthonormalize_dtype": str(self.orthonormalize_dtype),
-            "orthonormalization": str(self.orthonormalization),
-            "uncompressed_every_iteration": self.uncompressed_every_iteration,
+            "orthonormalize_dtype": str(self.tuning.orthonormalize_dtype),
+            "orthonormalization": str(self.tuning.orthonormalization),
+            "uncompressed_every_iteration": self.tuning.uncompressed_every_iteration,
             "message_dtype": str(self.message_dtype),
         }

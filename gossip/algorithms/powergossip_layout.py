@@ -2,6 +2,9 @@
 (runs of strided views of the buckets), the classes of groups whose factors one call orthonormalises, each
 edge's factors in one flat buffer per side (:class:`EdgeState`), and each edge's plan of one power iteration
 (:class:`Plan`). The algorithm itself is in :mod:`gossip.algorithms.powergossip`.
+
+Every dataclass here is built by keyword (``kw_only``): several have a dozen fields of one type, which a
+positional call could swap without an error.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from gossip.backends.base import PlannedExchange
 from gossip.buckets import Entry
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Matrix:
     """A compressed parameter: bucket index, entry, and its matrix shape (m, k)."""
 
@@ -25,7 +28,7 @@ class Matrix:
     k: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Run:
     """``count`` matrices of one shape at ``offset``, ``offset + stride``, ... of one bucket: one strided view."""
 
@@ -35,7 +38,7 @@ class Run:
     count: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Group:
     """Matrices of one shape (m, k) and one role, batched: their factors are orthonormalised in one call.
 
@@ -78,8 +81,8 @@ def group_matrices(matrices: list[Matrix]) -> list[Group]:
         for run in runs:
             offsets = [matrices[i].entry.offset for i in run]
             stride = offsets[1] - offsets[0] if len(run) > 1 else m * k
-            described.append(Run(matrices[run[0]].bucket, offsets[0], stride, len(run)))
-        groups.append(Group(m, k, tuple(members), tuple(described)))
+            described.append(Run(bucket=matrices[run[0]].bucket, offset=offsets[0], stride=stride, count=len(run)))
+        groups.append(Group(m=m, k=k, members=tuple(members), runs=tuple(described)))
     return sorted(groups, key=lambda g: min(g.members))
 
 
@@ -109,7 +112,7 @@ def row_classes(rows: list[int], pad_ratio: int = PAD_RATIO) -> list[tuple[int, 
     return [(top, sorted(members)) for top, members in classes]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RowClass:
     """Groups whose factors one batched call orthonormalises: elements ``start:stop`` of a factor buffer, where
     each of them is stored padded to ``rows``."""
@@ -120,7 +123,7 @@ class RowClass:
     stop: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Side:
     """Where each group's factors lie, for one side (p: m rows a factor, or q: k rows) at rank r: in a message,
     and in the flat buffer an edge keeps its factors in.
@@ -156,18 +159,18 @@ class Side:
                 position += count * rows[g]
                 stored += count * top
                 columns += count
-            classes.append(RowClass(top, tuple(members), start, stored))
+            classes.append(RowClass(rows=top, members=tuple(members), start=start, stop=stored))
         index = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
         padded = stored != position
         return cls(
-            rows,
-            offsets,
-            position,
-            stored_offsets,
-            stored,
-            classes,
-            index.to(device) if padded else None,
-            columns,
+            rows=rows,
+            offsets=offsets,
+            numel=position,
+            stored_offsets=stored_offsets,
+            stored_numel=stored,
+            classes=classes,
+            positions=index.to(device) if padded else None,
+            columns=columns,
         )
 
     def stacks(self, flat: torch.Tensor, groups: list[Group], rank: int) -> list[torch.Tensor]:
@@ -197,7 +200,7 @@ class Side:
         return [flat[c.start : c.stop].view(-1, rank, c.rows).mT for c in self.classes]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layout:
     """Both sides' layouts at rank r."""
 
@@ -222,6 +225,7 @@ class EdgeState:
 
     def __init__(
         self,
+        *,
         groups: list[Group],
         layout: Layout,
         generator: torch.Generator,
@@ -239,6 +243,7 @@ class EdgeState:
     @classmethod
     def fresh(
         cls,
+        *,
         seed: int,
         matrices: list[Matrix],
         groups: list[Group],
@@ -252,7 +257,7 @@ class EdgeState:
         for matrix in matrices:
             p.append(torch.randn(matrix.m, layout.rank, generator=generator, dtype=dtype).to(device))
             q.append(torch.randn(matrix.k, layout.rank, generator=generator, dtype=dtype).to(device))
-        return cls(groups, layout, generator, 0, p, q, dtype, device)
+        return cls(groups=groups, layout=layout, generator=generator, iteration=0, p=p, q=q, dtype=dtype, device=device)
 
     def draw(self, rows: int, rank: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         return torch.randn(rows, rank, generator=self.generator, dtype=dtype).to(device)
@@ -289,7 +294,7 @@ class EdgeState:
         return self._unstack(self.qt_stacks)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Replacement:
     """Where a plan's R goes, planned once. R arrives in the message layout; ``incoming`` holds it in the layout
     of the factor buffer it replaces (zero-padded: a buffer of its own, whose padding stays zero; the message
@@ -310,7 +315,7 @@ class Replacement:
     columns: int  # the number of factor columns
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """One side of one edge's power iteration, built once: its messages and the views every operation reads, so
     that an iteration runs its kernels without cutting a tensor (on a GPU each view would be an operation too).

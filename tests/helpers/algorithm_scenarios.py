@@ -8,6 +8,7 @@ import torch
 
 import gossip
 import topologies
+from gossip.algorithms import PowerGossipTuning
 from gossip.buckets import pack
 
 SHAPES = {"conv.weight": (8, 3, 3, 3), "fc.weight": (20, 30), "fc.bias": (20,), "head.weight": (5, 20)}
@@ -34,7 +35,10 @@ def make_algorithm(name: str) -> gossip.Algorithm:
             rank=2, num_iterations=2, min_compression=1, message_dtype=torch.float16
         ),
         "powergossip-r2-2it-every": lambda: gossip.PowerGossip(
-            rank=2, num_iterations=2, min_compression=1, uncompressed_every_iteration=True
+            rank=2,
+            num_iterations=2,
+            min_compression=1,
+            tuning=PowerGossipTuning(uncompressed_every_iteration=True),
         ),
         "allreduce": lambda: gossip.AllReduce(),
         "diloco3": lambda: gossip.DiLoCo(local_steps=3),
