@@ -113,10 +113,13 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def save_figure(fig, path: Path, max_bytes: int = 200_000) -> Path:
-    """Save a matplotlib figure as PNG (dpi 100) and check it stays under ``max_bytes``."""
+    """Save a matplotlib figure as PNG (dpi 100), laid out with every title inside it
+    (:func:`gossip.app.run_dir.fit_titles`), and check it stays under ``max_bytes``."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    from gossip.app.run_dir import fit_titles
+
+    fit_titles(fig)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     size = path.stat().st_size

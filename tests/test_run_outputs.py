@@ -17,7 +17,7 @@ from torch import nn
 import gossip
 import topologies
 from gossip import metrics
-from gossip.app.run_dir import PLOTS, plot_title, validation_curve, write_plots
+from gossip.app.run_dir import PLOTS, fit_titles, plot_title, validation_curve, write_plots
 from gossip.app.train import TrainConfig, resolve, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,6 +103,65 @@ def test_every_plot_carries_the_title_and_the_first_validation_point(tmp_path, m
     for name in ("loss_vs_step.png", "loss_vs_time.png", "loss_vs_bytes.png"):
         validation = saved[name][1][1]
         assert validation[0] == [0.0, 4.0] and validation[-1][1] == 1.25, name
+
+
+LONG_CONFIG = TrainConfig(
+    algorithm="powergossip", rank=4, power_iterations=2, average_every=16, optimizer="accum-adamw", steps=10000
+)
+
+
+def title_inside(figure: matplotlib.figure.Figure) -> bool:
+    """Whether every axes title's rendered extent lies inside the figure."""
+    figure.canvas.draw()
+    bounds = figure.bbox
+    extents = [axis.title.get_window_extent() for axis in figure.axes if axis.get_title()]
+    return bool(extents) and all(
+        bounds.x0 <= e.x0 and e.x1 <= bounds.x1 and bounds.y0 <= e.y0 and e.y1 <= bounds.y1 for e in extents
+    )
+
+
+def test_every_plot_title_fits_inside_its_figure(tmp_path, monkeypatch):
+    config, _ = resolve(LONG_CONFIG, world_size=16)
+    title = plot_title(config)
+    fits = {}
+
+    def record(figure: matplotlib.figure.Figure, path: Path, **kwargs: object) -> None:
+        fits[Path(path).name] = (title_inside(figure), figure.axes[0].get_title().split())
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    rows = [{"step": s, "mean_loss": 3.0, "elapsed_seconds": s + 1.0, "cumulative_bytes_sent": 1e6} for s in range(3)]
+    rows[0]["consensus"] = 0.5
+    write_plots(tmp_path, rows, title, initial_val_loss=4.0)
+    assert sorted(fits) == sorted(PLOTS)
+    for name, (inside, words) in fits.items():
+        assert inside, f"{name}: the title runs past the figure"
+        assert words == title.split(), f"{name}: wrapping changed the title's words"
+
+
+@pytest.mark.parametrize("fontsize", [8, 12, 16])
+def test_fit_titles_wraps_only_a_title_that_overflows(fontsize):
+    import matplotlib.pyplot as plt
+
+    config, _ = resolve(LONG_CONFIG, world_size=16)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(7, 4.5))
+    left.set_title(plot_title(config), fontsize=fontsize)
+    right.set_title("short", fontsize=fontsize)
+    assert not title_inside(figure)
+    fit_titles(figure)
+    assert title_inside(figure)
+    assert "\n" in left.get_title() and right.get_title() == "short"
+    plt.close(figure)
+
+
+def test_experiment_figures_fit_their_titles(tmp_path):
+    from experiments.simulated_training import pyplot, save_figure
+
+    config, _ = resolve(LONG_CONFIG, world_size=16)
+    figure, axis = pyplot().subplots(figsize=(7, 4.5))
+    axis.plot([0, 1], [1, 0])
+    axis.set_title(plot_title(config), fontsize=10)
+    save_figure(figure, tmp_path / "plot.png")
+    assert title_inside(figure)
 
 
 def _prints(path: Path) -> list[int]:

@@ -20,10 +20,14 @@ import dataclasses
 import datetime
 import json
 import math
+import textwrap
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gossip.backends.base import Communicator
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 CSV_COLUMNS = (
     "step",
@@ -165,6 +169,37 @@ def plot_title(config: Any) -> str:
     )
 
 
+#: Fewest characters per line :func:`fit_titles` wraps a title to (a word longer than that stays whole).
+MIN_TITLE_CHARS = 20
+
+
+def fit_titles(figure: Figure) -> None:
+    """Lay ``figure`` out (``tight_layout``) with every axes title inside the figure: a title wider than the
+    figure is wrapped at word boundaries onto as few lines as fit (its words and their order unchanged).
+
+    Each try wraps an overflowing title at 85 % of its previous line length and lays the figure out again (the
+    axes move to make room for the extra lines), until every title fits or its lines are :data:`MIN_TITLE_CHARS`
+    characters long.
+    """
+    titles = [(axis.title, axis.title.get_text()) for axis in figure.axes if axis.title.get_text()]
+    chars = {id(title): len(text) for title, text in titles}
+    while True:
+        figure.tight_layout()
+        figure.canvas.draw()
+        bounds = figure.bbox
+        overflowing = [
+            (title, text)
+            for title, text in titles
+            if not (bounds.x0 <= title.get_window_extent().x0 and title.get_window_extent().x1 <= bounds.x1)
+            and chars[id(title)] > MIN_TITLE_CHARS
+        ]
+        if not overflowing:
+            return
+        for title, text in overflowing:
+            chars[id(title)] = max(MIN_TITLE_CHARS, int(0.85 * chars[id(title)]))
+            title.set_text(textwrap.fill(text, chars[id(title)]))
+
+
 def validation_curve(rows: list[dict[str, Any]], key: str, initial_val_loss: float) -> tuple[list[float], list[float]]:
     """(x, validation loss) from the first point on: the averaged model before training at x = 0, then each
     evaluation. On the step axis an evaluation after step s's update sits at s + 1 (updates applied so far)."""
@@ -201,7 +236,7 @@ def write_plots(run_dir: Path, rows: list[dict[str, Any]], title: str = "", init
         axis.set_ylabel("cross-entropy (nats / byte)")
         axis.grid(alpha=0.3)
         axis.legend()
-        figure.tight_layout()
+        fit_titles(figure)
         figure.savefig(run_dir / name, dpi=100)
         plt.close(figure)
     measured = [row for row in rows if row.get("consensus") is not None]
@@ -213,7 +248,7 @@ def write_plots(run_dir: Path, rows: list[dict[str, Any]], title: str = "", init
     axis.set_xlabel("step")
     axis.set_ylabel("consensus distance Ξ (sampled estimate)")
     axis.grid(alpha=0.3)
-    figure.tight_layout()
+    fit_titles(figure)
     figure.savefig(run_dir / "consensus_vs_step.png", dpi=100)
     plt.close(figure)
 
