@@ -64,7 +64,7 @@ import torch
 from gossip.algorithms.base import Algorithm
 from gossip.backends.base import Communicator, Handle
 from gossip.buckets import Bucket
-from gossip.errors import CheckpointError, NonFiniteError
+from gossip.errors import CheckpointMismatchError, NonFiniteError
 from topologies import Schedule
 
 __all__ = ["LOCAL_STEPS", "OUTER_LR", "OUTER_MOMENTUM", "DiLoCo", "outer_step"]
@@ -235,7 +235,7 @@ class DiLoCo(Algorithm):
         digests = self.comm.all_gather_object(digest.hexdigest())
         other = next((rank for rank, d in enumerate(digests) if d != digests[0]), None)
         if other is not None:
-            raise CheckpointError(
+            raise CheckpointMismatchError(
                 f"rank {self.comm.rank}: step {step}: rank {other}'s DiLoCo state (synchronised parameters, outer "
                 "momentum, outer step count) differs from rank 0's after loading it; every rank must load the state "
                 "saved by the same save (one checkpoint's files on every rank)"
