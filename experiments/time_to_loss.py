@@ -347,6 +347,8 @@ def plot(curves: Sequence[Curve], title: str, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from gossip.app.run_dir import fit_titles
+
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for curve in curves:
         axis.plot(curve.seconds, smoothed(curve.losses), label=METHODS[curve.method].label)
@@ -357,7 +359,7 @@ def plot(curves: Sequence[Curve], title: str, path: Path) -> None:
     axis.set_title(title)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
-    figure.tight_layout()
+    fit_titles(figure)
     figure.savefig(path, dpi=100)
     plt.close(figure)
 
