@@ -1,8 +1,8 @@
 """Every exception and warning that gossip-train raises on purpose, in one hierarchy.
 
 Every error names what went wrong and where: the rank that raises it, the peer(s) involved, the operation and,
-where one exists, the step. The table of failure cases and their messages is in the README; docs/errors.md lists
-every class below with what to do about it.
+where one exists, the step. The table of failure cases and their messages is docs/failures.md; docs/errors.md
+lists every class below with what to do about it.
 
 Every error derives from :class:`GossipError` (itself a ``RuntimeError``), and from exactly one *group*, chosen by
 what the user does about it:

@@ -8,7 +8,7 @@ does about it, and docs/errors.md lists each one.
 * the builtin bases the classes had before the hierarchy are kept, so ``except ValueError`` still catches them;
 * every name stays importable from the module it was imported from before;
 * no ``raise`` in gossip's source names the root or a topic base: each error raised says what to do;
-* docs/errors.md names every class, and the README's failure section links to it.
+* docs/errors.md names every class, and the failure behaviour page (docs/failures.md) and the README link to it.
 """
 
 from __future__ import annotations
@@ -176,5 +176,6 @@ def test_docs_list_every_class_with_its_group() -> None:
         assert f"`{group.__name__}`" in row, f"docs/errors.md's row of {cls.__name__} does not name {group.__name__}"
 
 
-def test_readme_failure_section_links_the_error_reference() -> None:
-    assert "docs/errors.md" in (REPO / "README.md").read_text()
+def test_the_failure_behaviour_page_and_the_readme_link_the_error_reference() -> None:
+    assert "](errors.md)" in (REPO / "docs" / "failures.md").read_text()
+    assert "](docs/errors.md)" in (REPO / "README.md").read_text()

@@ -1,4 +1,6 @@
-"""examples/train_lifecycle.py, the README's lifecycle example, runs as documented and resumes bit for bit.
+"""examples/train_lifecycle.py, the user guide's whole-run example, runs as documented and resumes bit for bit.
+
+The user guide (docs/guide/loop.md) also lists the schedules that accept a world of one; the list must be exact.
 
 Two ranks: one uninterrupted run, and one stopped after step 70 (mid-epoch, in the second epoch) by ``--stop-at``
 then restarted with the same command. The restart runs under ``mpiexec`` (MPI backend) although the checkpoint was
@@ -53,8 +55,8 @@ def test_example_stopped_and_resumed_ends_bit_identical_to_the_uninterrupted_run
     assert all(torch.equal(expected[name], got[name]) for name in expected)
 
 
-def test_the_schedules_the_readme_says_accept_a_world_of_one_are_exactly_those():
-    text = " ".join((REPO / "README.md").read_text().split())
+def test_the_schedules_the_user_guide_says_accept_a_world_of_one_are_exactly_those():
+    text = " ".join((REPO / "docs" / "guide" / "loop.md").read_text().split())
     sentence = re.search(r"The schedules that accept n = 1 are (.*?)\.", text)
     assert sentence is not None
     listed = set(re.findall(r"`(\w+)`", sentence.group(1)))
