@@ -1,6 +1,7 @@
 """examples/train_lifecycle.py, the user guide's whole-run example, runs as documented and resumes bit for bit.
 
 The user guide (docs/guide/loop.md) also lists the schedules that accept a world of one; the list must be exact.
+And the README's loop, copied as printed after a model and a loader exist, trains two ranks under torchrun.
 
 Two ranks: one uninterrupted run, and one stopped after step 70 (mid-epoch, in the second epoch) by ``--stop-at``
 then restarted with the same command. The restart runs under ``mpiexec`` (MPI backend) although the checkpoint was
@@ -68,3 +69,30 @@ def test_the_schedules_the_user_guide_says_accept_a_world_of_one_are_exactly_tho
             continue
         accepting.add(name)
     assert listed == accepting
+
+
+LOOP_PRELUDE = """\
+import torch
+model = torch.nn.Linear(8, 4)
+data = torch.Generator().manual_seed(0)
+loader = [(torch.randn(16, 8, generator=data), torch.randint(0, 4, (16,), generator=data)) for _ in range(6)]
+"""
+LOOP_CODA = """
+with model.averaged() as average:
+    print(f"rank {comm.rank}: {len(loader)} steps, averaged weight norm {average.weight.norm():.4f}")
+"""
+
+
+@pytest.mark.multiprocess
+def test_the_readmes_loop_trains_two_ranks_as_printed(tmp_path):
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"## Use it in your own loop\n\n```python\n(.*?)```", readme, re.DOTALL)
+    assert block is not None, "the README's loop is its first python block under 'Use it in your own loop'"
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP_PRELUDE + block.group(1) + LOOP_CODA)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}", str(script)]
+    job = subprocess.run(command, cwd=tmp_path, env=_env({}), capture_output=True, text=True, timeout=180)
+    assert job.returncode == 0, job.stdout + job.stderr
+    lines = sorted(line for line in job.stdout.splitlines() if line.startswith("rank "))
+    assert [line.split(":")[0] for line in lines] == [f"rank {r}" for r in range(N)], job.stdout
+    assert len({line.split(":")[1] for line in lines}) == 1, "every rank evaluates the same average"
