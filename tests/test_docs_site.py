@@ -4,8 +4,9 @@
   in the navigation, every link and anchor resolves, and the API pages render from the docstrings.
 * ``mkdocs.yml`` makes each kind of link problem a warning (so strict mode fails on it), and a build with a broken
   link or anchor does fail with that configuration.
-* README.md is the user's page: at most 150 lines, every relative link resolves, and it links every page of the
-  site's navigation outside the API reference, and the experiments' and benchmarks' READMEs.
+* README.md is the user's page: at most 150 lines, every relative link resolves (with its anchor, by the Git
+  host's rule), and it links every page of the site's navigation outside the API reference, and the experiments'
+  and benchmarks' READMEs.
 """
 
 from __future__ import annotations
@@ -90,10 +91,32 @@ def test_the_readme_fits_on_a_few_screens():
     assert len(README.read_text(encoding="utf-8").splitlines()) <= 150
 
 
-def test_every_relative_link_of_the_readme_resolves():
-    relative = [link.split("#")[0] for link in readme_links() if not link.startswith(("http://", "https://"))]
+def github_anchors(markdown: str) -> set[str]:
+    """The anchors a Git host gives the headings of ``markdown`` (GitHub's rule; fenced code is not a heading)."""
+    anchors, fenced = set(), False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (heading := re.match(r"#{1,6} +(.*?) *#* *$", line)):
+            anchors.add(re.sub(r"[^\w\- ]", "", heading.group(1).lower()).replace(" ", "-"))
+    return anchors
+
+
+def test_github_anchors_follow_the_hosts_rule():
+    text = "# A: b (c) d\n```\n# not a heading\n```\n## The per-worker-Adam floor\n"
+    assert github_anchors(text) == {"a-b-c-d", "the-per-worker-adam-floor"}
+
+
+def test_every_relative_link_of_the_readme_resolves_with_its_anchor():
+    relative = [link for link in readme_links() if not link.startswith(("http://", "https://"))]
     assert relative, "the README links its pages"
-    assert [link for link in relative if not (REPO / link).exists()] == []
+    assert [link for link in relative if not (REPO / link.split("#")[0]).exists()] == []
+    anchored = [link.split("#") for link in relative if "#" in link]
+    assert [
+        f"{path}#{anchor}"
+        for path, anchor in anchored
+        if anchor not in github_anchors((REPO / path).read_text(encoding="utf-8"))
+    ] == []
 
 
 def test_the_readme_links_every_page_of_the_site_and_the_measurements():
