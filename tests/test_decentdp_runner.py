@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from experiments.decentdp_runner import build_parser, train_config
+from experiments.time_to_loss.decentdp_runner import build_parser, train_config
 from gossip.app.train import DEFAULTS
 
 

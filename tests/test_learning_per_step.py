@@ -1,6 +1,6 @@
 """The learning-per-step study's own pieces: CHOCO-Gossip, the noise-debiased and smoothed-second-moment AdamWs, the
-adapt-then-combine diagnostic, the spectrum measurement and the report's aggregation (experiments/learning_per_step.py,
-experiments/learning_per_step_report.py)."""
+adapt-then-combine diagnostic, the spectrum measurement and the report's aggregation (experiments/learning_per_step/:
+study.py, mixing.py, optimizers.py, spectrum.py, report.py)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import torch
 
 import gossip
 import topologies
-from experiments.learning_per_step import RunConfig, make_algorithm, make_optimizer, train_run
-from experiments.learning_per_step_mixing import ChocoTopK
-from experiments.learning_per_step_optimizers import (
+from experiments.learning_per_step.mixing import ChocoTopK
+from experiments.learning_per_step.optimizers import (
     NoiseDebiasedAdamW,
     SharedSecondMomentAdamW,
     SmoothedSecondMomentAdamW,
 )
-from experiments.learning_per_step_report import config_table, steps_to_target
-from experiments.learning_per_step_spectrum import capture_shares, spectrum_rows
+from experiments.learning_per_step.report import config_table, steps_to_target
+from experiments.learning_per_step.spectrum import capture_shares, spectrum_rows
+from experiments.learning_per_step.study import RunConfig, make_algorithm, make_optimizer, train_run
 from gossip.buckets import pack
 
 

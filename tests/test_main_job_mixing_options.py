@@ -81,7 +81,7 @@ def test_an_option_that_changes_nothing_or_is_out_of_range_is_an_argparse_error(
 @pytest.mark.parametrize("method", ["pg4-pga16-adamw", "pg4-pga16", "pg4-pga8-adamw", "pg1-pga16-adamw",
                                     "pg4-it4-pga16-adamw", "exact-pga16-adamw"])  # fmt: skip
 def test_time_to_loss_periodic_average_methods_are_valid_main_job_commands(method):
-    from experiments.time_to_loss import METHODS
+    from experiments.time_to_loss.study import METHODS
 
     argv = METHODS[method].argv(100, 16, "out")
     assert argv[1:3] == ["-m", "gossip"]

@@ -154,7 +154,7 @@ def test_fit_titles_wraps_only_a_title_that_overflows(fontsize):
 
 
 def test_experiment_figures_fit_their_titles(tmp_path):
-    from experiments.simulated_training import pyplot, save_figure
+    from experiments.shared import pyplot, save_figure
 
     config, _ = resolve(LONG_CONFIG, world_size=16)
     figure, axis = pyplot().subplots(figsize=(7, 4.5))

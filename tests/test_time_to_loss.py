@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from experiments.time_to_loss import (
+from experiments.time_to_loss.study import (
     BASELINE,
     CLOCK_START_STEP,
     METHODS,
@@ -128,13 +128,12 @@ def test_the_command_line_requires_ddp_and_known_methods(capsys):
     assert "unknown ['nonsense']" in capsys.readouterr().err
 
 
-def test_plots_of_different_runs_get_different_names():
-    names = {plot_name(csv_name, rate, stamp, 0) for csv_name in ("a.csv", "b.csv") for rate in ("1gbit", "100mbit")
-             for stamp in ("20261121-100000", "20261121-110000")}  # fmt: skip
+def test_plots_are_named_by_configuration_and_seed():
+    names = {plot_name(csv_name, rate, seed) for csv_name in ("a.csv", "b.csv") for rate in ("1gbit", "100mbit")
+             for seed in (0, 1)}  # fmt: skip
     assert len(names) == 8
-    assert plot_name("a.csv", "1gbit", "20261121-100000", 0, seed=0) != plot_name(
-        "a.csv", "1gbit", "20261121-100000", 0, seed=1
-    )
+    assert plot_name("fp16_budget600.csv", "100mbit", seed=0) == "fp16_budget600_100mbit_s0.png"
+    assert plot_name("a.csv", "1gbit", 2, repeat=1) == "a_1gbit_s2_r1.png" != plot_name("a.csv", "1gbit", 2)
 
 
 @pytest.mark.parametrize("method", ["ddp", "pg4-it2-adamw", "decentdp"])

@@ -39,8 +39,9 @@ import torch
 
 from experiments.rates import parse_rate
 from experiments.runtime_model.cli import validation_table
-from experiments.time_to_loss import METHODS, RESULTS, run_method
+from experiments.time_to_loss.study import METHODS, run_method
 
+RESULTS = Path(__file__).resolve().parent / "results"
 LATENCY_MS = 0.03
 WARMUP_STEPS = 2
 SCHEDULE_OF = {"exact-ring": "ring"}  # every other gossip method: one_peer_hypercube
