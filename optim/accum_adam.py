@@ -10,12 +10,12 @@ moments once every A local steps with the mean of the last A local gradients (te
 worker in place of All-Reduce's spatial averaging), while the parameters still move (and are mixed with
 the neighbours by the wrapper) on every step. With A = 1 it is exactly Adam / AdamW.
 
-When it pays (measured, experiments/README.md "AccumAdamW with 16 workers of one sequence each"): where each
-worker's batch is a few samples and the run is long. The moments start A times slower, which costs early in a run;
-with 16 workers of one sequence each, A = 4 and beta2 0.99 it is 0.33 nats behind AdamW near step 800, level near
-step 3300 and 0.05 ahead at 10^4 steps (3 seeds, every seed), while with 8 or 16 samples per worker and up to 1000
-steps it was 0.4-1.0 nats behind. Raise beta2 with A (0.98-0.999 in the paper's configurations, docs/design.md
-B.4), since the moments see A times fewer updates.
+When it pays (measured, experiments/learning_per_step/README.md, "AccumAdamW with 16 workers of one sequence each"):
+where each worker's batch is a few samples and the run is long. The moments start A times slower, which costs early in a
+run; with 16 workers of one sequence each, A = 4 and beta2 0.99 it is 0.33 nats behind AdamW near step 800, level near
+step 3300 and 0.05 ahead at 10^4 steps (3 seeds, every seed), while with 8 or 16 samples per worker and up to 1000 steps
+it was 0.4-1.0 nats behind. Raise beta2 with A (0.98-0.999 in the paper's configurations, docs/design.md B.4), since the
+moments see A times fewer updates.
 
 These optimizers never communicate; see ``optim/__init__.py`` for where mixing enters.
 """

@@ -10,7 +10,7 @@ Two ways to run it:
   launcher's environment).
 
 Defaults (:data:`gossip.app.train.DEFAULTS`, the best configuration of the learning-per-step study at this scale:
-experiments/README.md, "Learning per step"): PowerGossip at rank 4 with 2 power iterations per step and its products
+experiments/learning_per_step/README.md): PowerGossip at rank 4 with 2 power iterations per step and its products
 in float16 on one_peer_hypercube (ring when the number of workers is not a power of two), AdamW, 500 steps of 16 x 64
 bytes per worker, lr 3e-3 with warmup and cosine decay. Measured with ``gossip-train --nproc 4`` (seed 0, 2 cores):
 validation loss of the averaged model 1.88, consensus distance 0.39, 51.7 kB sent per worker per step (float32

@@ -65,15 +65,15 @@ class MixingDefaults:
 
     ``power_iterations`` applies when the algorithm is PowerGossip and ``average_every`` to the gossip algorithms
     (not to ``ddp`` or ``allreduce``, which average every step); :func:`resolve` fills them in where unset.
-    The values are the best configuration the learning-per-step study measured (3 seeds each; experiments/README.md,
-    "Learning per step"): PowerGossip at rank 4 with 2 power iterations per step and AdamW. At the job's scale
-    (n = 4, 300 steps) it ends within the seed spread of DDP, of exact gossip and of rank 1 with 4 iterations (+0.060
-    against +0.042 to DDP) with half the latter's consensus distance; at n = 8 and 1000 steps it is the best
-    PowerGossip configuration, 0.04 nats from exact gossip at 1/30 of DDP's bytes, and better than rank 1 with 4
-    iterations on every seed. AccumAdamW was 0.42 (n = 4) to 0.99 (n = 8) nats worse than AdamW at this scale (it
-    pays with one sequence per worker over 10^4 steps: 0.05 better at n = 16, "AccumAdamW with 16 workers"). The
-    products travel in float16 ("Half-precision messages"): the same loss and consensus as float32 on every seed at
-    n = 4 and n = 8, at 58 % of the bytes (1/51 of DDP's at n = 4, 1/59 at n = 8).
+    The values are the best configuration the learning-per-step study measured (3 seeds each;
+    experiments/learning_per_step/README.md): PowerGossip at rank 4 with 2 power iterations per step and AdamW. At the
+    job's scale (n = 4, 300 steps) it ends within the seed spread of DDP, of exact gossip and of rank 1 with 4
+    iterations (+0.060 against +0.042 to DDP) with half the latter's consensus distance; at n = 8 and 1000 steps it is
+    the best PowerGossip configuration, 0.04 nats from exact gossip at 1/30 of DDP's bytes, and better than rank 1 with
+    4 iterations on every seed. AccumAdamW was 0.42 (n = 4) to 0.99 (n = 8) nats worse than AdamW at this scale (it pays
+    with one sequence per worker over 10^4 steps: 0.05 better at n = 16, "AccumAdamW with 16 workers"). The products
+    travel in float16 ("Half-precision messages"): the same loss and consensus as float32 on every seed at n = 4 and
+    n = 8, at 58 % of the bytes (1/51 of DDP's at n = 4, 1/59 at n = 8).
     """
 
     algorithm: str = "powergossip"
