@@ -10,12 +10,10 @@ moments once every A local steps with the mean of the last A local gradients (te
 worker in place of All-Reduce's spatial averaging), while the parameters still move (and are mixed with
 the neighbours by the wrapper) on every step. With A = 1 it is exactly Adam / AdamW.
 
-When it pays (measured, experiments/learning_per_step/README.md, "AccumAdamW with 16 workers of one sequence each"):
-where each worker's batch is a few samples and the run is long. The moments start A times slower, which costs early in a
-run; with 16 workers of one sequence each, A = 4 and beta2 0.99 it is 0.33 nats behind AdamW near step 800, level near
-step 3300 and 0.05 ahead at 10^4 steps (3 seeds, every seed), while with 8 or 16 samples per worker and up to 1000 steps
-it was 0.4-1.0 nats behind. Raise beta2 with A (0.98-0.999 in the paper's configurations, docs/design.md B.4), since the
-moments see A times fewer updates.
+When it pays: where each worker's batch is a few samples and the run is long enough to repay the moments' slower
+start (they advance once per A steps, which costs early in a run). Where that is, and how it compares with AdamW, is
+measured in experiments/learning_per_step/README.md, "AccumAdamW with 16 workers of one sequence each". Raise beta2
+with A, since the moments see A times fewer updates (the paper's configurations: docs/design.md B.4).
 
 These optimizers never communicate; see ``optim/__init__.py`` for where mixing enters.
 """
@@ -135,8 +133,11 @@ class AccumAdam(Optimizer):
         foreach: use the ``torch._foreach_*`` kernels (bit-identical to the per-tensor loop on CPU);
             ``None`` picks them when every parameter of the group is on CUDA.
 
-    Example::
+    Raises:
+        ValueError: a hyper-parameter is out of range (lr, eps or weight_decay negative or not finite, a beta outside
+            [0, 1), accum_iter not an integer >= 1); the message names it and where it was given.
 
+    Examples:
         >>> opt = AccumAdam(model.parameters(), lr=1e-3, accum_iter=8)
         >>> loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
     """
@@ -168,7 +169,16 @@ class AccumAdam(Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group (as torch does) and refuse invalid per-group hyper-parameters."""
+        """Add a param group (as torch does) and refuse invalid per-group hyper-parameters.
+
+        Args:
+            param_group: a dict with ``"params"`` and optionally any hyper-parameter of the constructor; the
+                missing ones take the optimizer's defaults.
+
+        Raises:
+            ValueError: a hyper-parameter of the group is out of range (as for the constructor), or a parameter
+                already belongs to another group (torch's check).
+        """
         where = f"{type(self).__name__} param group {len(self.param_groups)}"
         if isinstance(param_group, dict):  # torch's own check below names a non-dict group
             _validate_hyperparameters({**self.defaults, **param_group}, where)
@@ -205,8 +215,16 @@ class AccumAdam(Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Perform one optimization step (algorithm in the class docstring).
 
+        Parameters whose ``grad`` is None are skipped; their step counter and accumulation window pause.
+
         Args:
             closure: optional callable that re-evaluates the model and returns the loss.
+
+        Returns:
+            The loss the closure returned, or None without a closure.
+
+        Raises:
+            ValueError: a parameter has a sparse gradient.
         """
         loss = None
         if closure is not None:
@@ -231,6 +249,20 @@ class AccumAdamW(AccumAdam):
     Same algorithm as :class:`AccumAdam` (step 2 uses the decoupled branch); with ``accum_iter=1`` it is
     exactly ``torch.optim.AdamW``. Default ``weight_decay=1e-2`` as in torch. Sources: arXiv 2410.11998,
     Decent-DP ``accum_adamw_foreach``; docs/design.md B.3.
+
+    Args:
+        params: parameters or param groups (dicts), as for any ``torch.optim.Optimizer``.
+        lr: learning rate (default 1e-3).
+        betas: (beta1, beta2), each in [0, 1) (default (0.9, 0.999)).
+        eps: added to the denominator (default 1e-8).
+        weight_decay: the decoupled decay coefficient lambda, x <- x (1 - lr * lambda) (default 1e-2).
+        accum_iter: A, the number of local steps per moment round, an integer >= 1 (default 4).
+        maximize: maximize the objective instead of minimizing it.
+        foreach: use the ``torch._foreach_*`` kernels; ``None`` picks them when every parameter of the group is
+            on CUDA.
+
+    Raises:
+        ValueError: a hyper-parameter is out of range; the message names it and where it was given.
     """
 
     def __init__(

@@ -23,8 +23,17 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]
     holds the 1-D and 0-D ones with ``weight_decay=0.0``. Parameters with ``requires_grad=False`` are left
     out; shared parameters appear once. Either list may be empty (torch optimizers accept that).
 
-    Example::
+    Args:
+        module: the model whose parameters are split.
+        weight_decay: the decay of the first group, a finite float >= 0.
 
+    Returns:
+        The two param groups, ready for any ``torch.optim.Optimizer``.
+
+    Raises:
+        ValueError: ``weight_decay`` is not a finite number >= 0 (a bool included).
+
+    Examples:
         >>> opt = optim.AccumAdamW(optim.param_groups(model, weight_decay=0.1), lr=6e-4)
     """
     if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)):
