@@ -75,6 +75,11 @@ def _compare(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m topologies``: the ``describe`` and ``compare`` sub-commands and their options.
+
+    Returns:
+        A parser whose parsed namespace carries ``run``, the function that executes the chosen sub-command.
+    """
     parser = argparse.ArgumentParser(prog="python -m topologies", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     describe = sub.add_parser("describe", help="period, degrees, rho and consensus speed of one schedule")
@@ -97,6 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``python -m topologies`` on ``argv`` and print the result to stdout.
+
+    A schedule that cannot be built (for example ``one_peer_hypercube`` at n = 6) is reported on stderr as
+    ``error: ...`` with exit status 2 instead of a traceback.
+
+    Args:
+        argv: the command-line arguments without the program name; None reads ``sys.argv[1:]``.
+
+    Returns:
+        The exit status: 0 on success, 2 when the schedule is invalid.
+
+    Raises:
+        SystemExit: from argparse, on unknown or missing arguments (status 2) and for ``--help`` (status 0).
+    """
     args = build_parser().parse_args(argv)
     try:
         args.run(args)

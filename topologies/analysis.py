@@ -20,20 +20,27 @@ ALGORITHMS = ("exact", "powergossip", "allreduce")
 
 
 def rho(matrix: np.ndarray) -> float:
-    """||W - J||_2, the largest singular value of W - J (F.3).
+    """rho = ||W - J||_2, the largest singular value of W - J (docs/design.md F.3).
 
     The worst-case factor by which one step shrinks the distance to the average, ||(W - J) x|| <= rho ||x - xbar||,
     for a doubly stochastic W (directed ones included). For a W that is row- but not column-stochastic it can
     exceed 1 (uniform star of 8 ranks: 1.06) although the steps still converge: see :func:`spectral_gap`.
+
+    Args:
+        matrix: a mixing matrix W of shape (n, n), e.g. a schedule's ``mixing_matrix(t)`` or a period product.
+
+    Returns:
+        rho >= 0, which is 0 exactly when W = J.
     """
     n = matrix.shape[0]
     return float(np.linalg.norm(matrix - np.full((n, n), 1.0 / n), 2))
 
 
 def spectral_gap(matrix: np.ndarray) -> float:
-    """delta = 1 - |lambda_2(W)| for a row-stochastic W, with |lambda_1| = 1 >= |lambda_2| >= ... the eigenvalue
-    moduli (Koloskova, Stich, Jaggi, "Decentralized Stochastic Optimization and Gossip Algorithms with Compressed
-    Communication", ICML 2019; docs/design.md F.3).
+    """The spectral gap delta = 1 - |lambda_2(W)| of a row-stochastic W (docs/design.md F.3).
+
+    |lambda_1| = 1 >= |lambda_2| >= ... are the eigenvalue moduli of W (Koloskova, Stich, Jaggi, "Decentralized
+    Stochastic Optimization and Gossip Algorithms with Compressed Communication", ICML 2019).
 
     Defined for every row-stochastic W, symmetric or not, and always in [0, 1] (a stochastic matrix has spectral
     radius 1). It is computed as 1 - r(W - J), r the spectral radius: by Brauer's theorem, W 1 = 1 makes the
@@ -42,6 +49,15 @@ def spectral_gap(matrix: np.ndarray) -> float:
     ones such as the exponential graphs. delta is the asymptotic rate: W^t -> 1 pi^T (pi the left Perron vector,
     1/n when W is doubly stochastic) as |lambda_2|^t up to a polynomial factor; 0 for a step that leaves the ranks
     in several groups (one-peer steps), 1 for W = J.
+
+    Args:
+        matrix: a square row-stochastic W, e.g. a schedule's ``mixing_matrix(t)``.
+
+    Returns:
+        delta in [0, 1].
+
+    Raises:
+        ScheduleError: ``matrix`` is not square, or one of its rows does not sum to 1 (within 1e-9).
     """
     matrix = np.asarray(matrix, dtype=np.float64)
     n = matrix.shape[0]
@@ -59,17 +75,41 @@ def spectral_gap(matrix: np.ndarray) -> float:
 
 
 def step_rhos(schedule: Schedule) -> np.ndarray:
-    """rho(W(t)) for every t in one period (or the first ``window`` steps when aperiodic)."""
+    """rho(W(t)) = ||W(t) - J||_2 for every step t of ``schedule.check_steps`` (see :func:`rho`).
+
+    Args:
+        schedule: the schedule to analyse.
+
+    Returns:
+        One value per step of one period (of the first ``window`` steps when aperiodic), in step order.
+    """
     return np.array([rho(schedule.mixing_matrix(t)) for t in schedule.check_steps])
 
 
 def step_gaps(schedule: Schedule) -> np.ndarray:
-    """spectral_gap(W(t)) = 1 - |lambda_2(W(t))| for every t in one period (or the first ``window`` steps)."""
+    """spectral_gap(W(t)) = 1 - |lambda_2(W(t))| for every step t of ``schedule.check_steps``.
+
+    Args:
+        schedule: the schedule to analyse.
+
+    Returns:
+        One gap in [0, 1] per step of one period (of the first ``window`` steps when aperiodic), in step order.
+
+    Raises:
+        ScheduleError: a step is not row-stochastic (possible only for a schedule built with ``validate=False``).
+    """
     return np.array([spectral_gap(schedule.mixing_matrix(t)) for t in schedule.check_steps])
 
 
 def period_product(schedule: Schedule) -> np.ndarray:
-    """Pi = W(p-1) ... W(0) over one period (or the first ``window`` steps)."""
+    """The product Pi = W(p-1) ... W(0) over one period (over the first ``window`` steps when aperiodic).
+
+    Args:
+        schedule: the schedule to multiply out.
+
+    Returns:
+        Pi, a dense float64 array of shape (n, n).
+    """
     product = np.eye(schedule.n)
     for t in schedule.check_steps:
         product = apply_step(schedule, t, product)
@@ -77,15 +117,33 @@ def period_product(schedule: Schedule) -> np.ndarray:
 
 
 def period_rho(schedule: Schedule) -> float:
-    """||Pi - J||_2 for the product over one period; 0 for finite-time exact schedules (one-peer, n = 2^K)."""
+    """||Pi - J||_2 for the product Pi over one period (see :func:`period_product`).
+
+    It is 0 for the schedules that reach the exact average in finite time (the one-peer ones at n = 2^K).
+
+    Args:
+        schedule: the schedule to analyse.
+
+    Returns:
+        ||Pi - J||_2 >= 0.
+    """
     return rho(period_product(schedule))
 
 
 def optimal_overrelaxation(schedule_or_matrix: Schedule | np.ndarray) -> float:
-    """gamma* = 2 / (mu_min + mu_max) over the non-zero eigenvalues mu of I - W (symmetric W).
+    """The optimal over-relaxation gamma* = 2 / (mu_min + mu_max) over the non-zero eigenvalues mu of I - W.
 
     Mixing with x <- x + gamma (W - I) x contracts fastest at gamma* (the classic optimal Richardson step).
-    A Schedule must be static (period 1).
+    W must be symmetric, so that the mu are real.
+
+    Args:
+        schedule_or_matrix: a static schedule (period 1) or a symmetric mixing matrix W of shape (n, n).
+
+    Returns:
+        gamma*; 1.0 when I - W has no non-zero eigenvalue (W = I).
+
+    Raises:
+        ScheduleError: W is not symmetric, or the schedule is time-varying (period other than 1).
     """
     matrix = _static_matrix(schedule_or_matrix)
     if not np.allclose(matrix, matrix.T, atol=1e-12):
@@ -110,17 +168,29 @@ def _static_matrix(schedule_or_matrix: Schedule | np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ConsensusRate:
-    """Koloskova et al. 2020 consensus rate: E||Pi X - Xbar||^2 <= (1 - p) ||X - Xbar||^2 over tau steps."""
+    """Koloskova et al. 2020 consensus rate: E||Pi X - Xbar||^2 <= (1 - p) ||X - Xbar||^2 over tau steps.
+
+    Attributes:
+        p: the contraction of the squared consensus distance over tau steps, 1 - p being its worst-case factor.
+        tau: the number of steps the contraction spans (the period, or 1 when aperiodic).
+    """
 
     p: float
     tau: int
 
 
 def expected_consensus_rate(schedule: Schedule) -> ConsensusRate:
-    """p and tau (F.3): periodic: tau = period, 1 - p = ||(I - J) Pi||_2^2 (worst case over X, so exact).
+    """The consensus rate p over tau steps of ``schedule`` (docs/design.md F.3).
 
+    Periodic: tau = period, 1 - p = ||(I - J) Pi||_2^2 (worst case over X, so exact).
     Aperiodic: tau = 1 and 1 - p = lambda_max((I - J) mean_t[W(t)^T (I - J) W(t)] (I - J)), the
     expectation estimated by the mean over the first ``window`` steps.
+
+    Args:
+        schedule: the schedule to analyse.
+
+    Returns:
+        The rate as a :class:`ConsensusRate` (p, tau).
     """
     n = schedule.n
     centering = np.eye(n) - 1.0 / n
@@ -137,7 +207,19 @@ def expected_consensus_rate(schedule: Schedule) -> ConsensusRate:
 
 
 def apply_step(schedule: Schedule, t: int, values: np.ndarray) -> np.ndarray:
-    """W(t) @ values using the sparse step (rows of ``values`` are ranks), without building W."""
+    """W(t) @ values using the sparse step, without building the dense W.
+
+    Args:
+        schedule: the schedule whose step t is applied.
+        t: the step, an integer >= 0.
+        values: one row per rank (shape (n, ...)).
+
+    Returns:
+        W(t) @ values, float64, of the shape of ``values``.
+
+    Raises:
+        ScheduleError: ``t`` is negative or not an integer.
+    """
     rows, cols, weights = schedule.triplets(t)
     out = np.zeros_like(values, dtype=np.float64)
     np.add.at(out, rows, weights.reshape(-1, *([1] * (values.ndim - 1))) * values[cols])
@@ -145,12 +227,32 @@ def apply_step(schedule: Schedule, t: int, values: np.ndarray) -> np.ndarray:
 
 
 def consensus_distance(values: np.ndarray) -> float:
-    """Xi^2 = (1/n) sum_i ||x_i - xbar||^2 (rows of ``values`` are ranks)."""
+    """The consensus distance Xi^2 = (1/n) sum_i ||x_i - xbar||^2 (docs/design.md F.4).
+
+    Args:
+        values: one row x_i per rank (shape (n, ...)).
+
+    Returns:
+        Xi^2 >= 0.
+    """
     return float(np.mean(np.sum((values - values.mean(axis=0)) ** 2, axis=tuple(range(1, values.ndim)))))
 
 
 def simulate_consensus(schedule: Schedule, steps: int, *, dim: int = 16, seed: int = 0) -> np.ndarray:
-    """Trajectory Xi_0^2 .. Xi_steps^2 of plain gossip x <- W(t) x from standard normal x_i in R^dim."""
+    """The trajectory Xi_0^2 .. Xi_steps^2 of plain gossip x <- W(t) x from standard normal x_i in R^dim.
+
+    Args:
+        schedule: the schedule to gossip with.
+        steps: the number of gossip steps, >= 0.
+        dim: the dimension of each rank's x_i, >= 1.
+        seed: the seed of the initial x (numpy ``default_rng``).
+
+    Returns:
+        The consensus distances Xi_t^2 for t = 0 .. steps, ``steps + 1`` values.
+
+    Raises:
+        ScheduleError: ``steps`` < 0 or ``dim`` < 1.
+    """
     if steps < 0 or dim < 1:
         raise ScheduleError(f"simulate_consensus needs steps >= 0 and dim >= 1, got steps={steps}, dim={dim}")
     values = np.random.default_rng(seed).standard_normal((schedule.n, dim))
@@ -162,10 +264,21 @@ def simulate_consensus(schedule: Schedule, steps: int, *, dim: int = 16, seed: i
 
 
 def steps_to_consensus(schedule: Schedule, tol: float = 1e-6, *, max_steps: int = 100_000) -> int | None:
-    """Smallest t with ||(I - J) W(t-1) ... W(0)||_2^2 <= tol, or None if not reached within max_steps.
+    """The smallest t with ||(I - J) W(t-1) ... W(0)||_2^2 <= tol.
 
     That is the number of steps after which Xi_t^2 <= tol * Xi_0^2 for *every* initial x (worst case),
     so it is deterministic: log2 n for the one-peer hypercube and exponential graphs when n = 2^K.
+
+    Args:
+        schedule: the schedule to analyse.
+        tol: the tolerance on the squared consensus distance, relative to the start, in (0, 1).
+        max_steps: the last step checked.
+
+    Returns:
+        That t, or None when it is not reached within ``max_steps`` steps.
+
+    Raises:
+        ScheduleError: ``tol`` is not in (0, 1).
     """
     if not 0 < tol < 1:
         raise ScheduleError(f"steps_to_consensus needs 0 < tol < 1, got tol={tol}")
@@ -211,7 +324,7 @@ def bytes_per_step(
     rank_id: int | None = None,
     iterations: int = 1,
 ) -> float:
-    """Bytes one rank sends per step, averaged over one period (and over ranks when rank_id is None).
+    """Bytes one rank sends per step, averaged over one period (and over ranks when ``rank_id`` is None).
 
     - ``exact``: every out-peer gets the full model, M = sum_l prod(shape_l) elements.
     - ``powergossip`` (A.9): per edge per direction and power iteration sum_l r m_l elements on odd and
@@ -219,6 +332,22 @@ def bytes_per_step(
       and r = min(m_l, k_l, rank), times ``iterations`` per step; tensors with ndim < 2 are sent uncompressed on
       top, once per step (PowerGossip's default: with the first iteration). Needs a symmetric schedule.
     - ``allreduce``: ring all-reduce, 2 (n - 1) / n * M per rank, independent of the schedule's edges.
+
+    Args:
+        schedule: who sends to whom; its out-degrees count the messages.
+        param_shapes: the shape of every parameter tensor of the model.
+        algorithm: ``"exact"``, ``"powergossip"`` or ``"allreduce"``.
+        rank: PowerGossip's rank r, >= 1 (ignored by the others).
+        bytes_per_element: the size of one element of a message, > 0 (4 for float32, 2 for float16).
+        rank_id: the rank whose sends are counted; None averages over all ranks.
+        iterations: PowerGossip's power iterations per step, >= 1.
+
+    Returns:
+        The bytes sent per step.
+
+    Raises:
+        ScheduleError: an unknown ``algorithm``, ``rank`` < 1, ``bytes_per_element`` <= 0, ``iterations`` < 1, a
+            shape with a negative dimension, or ``powergossip`` on a schedule that is not symmetric.
     """
     if algorithm not in ALGORITHMS:
         raise ScheduleError(f"unknown algorithm={algorithm!r}; expected one of {ALGORITHMS}")

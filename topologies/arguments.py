@@ -17,7 +17,19 @@ from topologies.validation import ScheduleError
 
 
 def integer(name: str, value: object, minimum: int | None = None) -> int:
-    """``value`` as a Python int, or ScheduleError naming ``name``; also refused below ``minimum`` when given."""
+    """``value`` as a Python int, checked by the rule of this module.
+
+    Args:
+        name: the argument's name, used in the error message.
+        value: the value given: anything :func:`operator.index` accepts, except a bool.
+        minimum: the smallest value accepted; None accepts any integer.
+
+    Returns:
+        ``value`` as a Python ``int``.
+
+    Raises:
+        ScheduleError: ``value`` is a bool, is not an integer, or is below ``minimum``.
+    """
     if isinstance(value, (bool, np.bool_)):
         raise ScheduleError(f"{name} must be an integer, got the bool {name}={value!r}; pass an int")
     try:

@@ -16,10 +16,14 @@ Triplets = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 @dataclass(frozen=True)
 class PeerView:
-    """What one rank needs for one gossip step.
+    """What one rank needs for one gossip step: its self weight and whom it receives from and sends to.
 
-    ``in_peers``: (j, W[rank, j]) for j != rank with W[rank, j] > 0, sorted by j -- rank receives x_j.
-    ``out_peers``: (j, W[j, rank]) for j != rank with W[j, rank] > 0, sorted by j -- rank sends x_rank to j.
+    Attributes:
+        rank: the rank this view is for.
+        step: the step t.
+        self_weight: W[rank, rank], the weight the rank gives its own x.
+        in_peers: (j, W[rank, j]) for j != rank with W[rank, j] > 0, sorted by j: rank receives x_j.
+        out_peers: (j, W[j, rank]) for j != rank with W[j, rank] > 0, sorted by j: rank sends x_rank to j.
     """
 
     rank: int

@@ -14,10 +14,20 @@ MAX_LABELLED_EDGES = 24
 
 
 def draw_schedule(schedule: Schedule, path: str | os.PathLike, *, steps: int | None = None) -> list[int]:
-    """Save one panel per step (one period, at most MAX_PANELS) to ``path``; return the steps drawn.
+    """Save one panel per step of ``schedule`` to the image file ``path``.
 
-    Ranks sit on a circle; an arrow j -> i means i receives x_j, labelled by W[i, j] when there are few edges;
-    symmetric schedules are drawn undirected.
+    Ranks sit on a circle; an arrow j -> i means i receives x_j, labelled by W[i, j] when the step has at most
+    MAX_LABELLED_EDGES edges; symmetric schedules are drawn undirected. Needs matplotlib (imported here, with the
+    Agg backend).
+
+    Args:
+        schedule: the schedule to draw.
+        path: the image file to write; matplotlib picks the format from its suffix (e.g. ``.png``).
+        steps: how many steps to draw, from step 0; None draws one period (the first ``window`` steps when
+            aperiodic), at most MAX_PANELS of them.
+
+    Returns:
+        The steps drawn, 0 .. count - 1.
     """
     import matplotlib
 

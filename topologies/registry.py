@@ -51,7 +51,14 @@ def _erdos_renyi(n: int, p: float | None = None, seed: int = 0, weights: str = "
 
 
 def default_per_node(n: int) -> int:
-    """4 ranks per node when n / 4 is a power of two >= 2, else 2."""
+    """The ``per_node`` that hierarchical schedules get by default: 4 when n / 4 is a power of two >= 2, else 2.
+
+    Args:
+        n: the number of ranks.
+
+    Returns:
+        4 or 2.
+    """
     nodes = n // 4
     return 4 if n % 4 == 0 and nodes >= 2 and nodes & (nodes - 1) == 0 else 2
 
@@ -101,12 +108,26 @@ _REGISTRY: dict[str, _Entry] = {
 
 
 def names() -> list[str]:
-    """Names of the built-in schedules, in registry order."""
+    """The names of the built-in schedules, in registry order.
+
+    Returns:
+        Every name :func:`by_name` accepts.
+    """
     return list(_REGISTRY)
 
 
 def summary(name: str) -> str:
-    """One-line description of a built-in schedule."""
+    """The one-line description of a built-in schedule.
+
+    Args:
+        name: one of :func:`names`.
+
+    Returns:
+        The description, for CLI listings.
+
+    Raises:
+        ScheduleError: ``name`` is not a built-in schedule.
+    """
     return _entry(name).summary
 
 
@@ -116,10 +137,25 @@ def _entry(name: str) -> _Entry:
     return _REGISTRY[name]
 
 
-def by_name(name: str, n: int, **options) -> Schedule:
-    """Build built-in schedule ``name`` for n ranks; options not given (or None) take the defaults above.
+def by_name(name: str, n: int, **options: object) -> Schedule:
+    """Build the built-in schedule ``name`` for n ranks; options not given (or None) take the registry's defaults.
+
+    The defaults are listed in the docstring of :mod:`topologies.registry`.
 
     n and the integer options may be of any integer type (see :mod:`topologies.arguments`).
+
+    Args:
+        name: one of :func:`names`.
+        n: the number of ranks, >= 1.
+        **options: the schedule's own options (``weights``, ``rows``, ``degree``, ``p``, ``seed``, ``per_node``,
+            as the schedule accepts them); None means the default.
+
+    Returns:
+        The validated schedule.
+
+    Raises:
+        ScheduleError: ``name`` is unknown, an option is not one the schedule takes, or the schedule cannot be
+            built for these arguments (the message names the constraint).
     """
     entry = _entry(name)
     n = integer("n", n, 1)

@@ -46,7 +46,20 @@ class _PhaseTable:
 
 
 def canonical_triplets(n: int, rows, cols, weights) -> Triplets:
-    """Sum duplicate (row, col) entries, drop exact zeros, sort by (row, col)."""
+    """W in canonical coordinate form: duplicate (row, col) entries summed, exact zeros dropped, sorted by (row, col).
+
+    Args:
+        n: the number of ranks; every row and column index must lie in 0..n-1.
+        rows: the row index of each entry (any integer array-like).
+        cols: the column index of each entry.
+        weights: the value of each entry.
+
+    Returns:
+        (rows, cols, weights) as int64, int64 and float64 arrays.
+
+    Raises:
+        ScheduleError: the three differ in length, or an index lies outside 0..n-1.
+    """
     rows = np.asarray(rows, dtype=np.int64).ravel()
     cols = np.asarray(cols, dtype=np.int64).ravel()
     weights = np.asarray(weights, dtype=np.float64).ravel()
@@ -74,6 +87,14 @@ def _peer_lists(
 
 
 def dense_to_triplets(matrix: np.ndarray) -> Triplets:
+    """The non-zero entries of a dense matrix in coordinate form.
+
+    Args:
+        matrix: a dense (n, n) mixing matrix.
+
+    Returns:
+        (rows, cols, weights) of the non-zero entries, in row-major order.
+    """
     rows, cols = np.nonzero(matrix)
     return rows, cols, matrix[rows, cols]
 
@@ -86,6 +107,21 @@ class Schedule:
     (``period=None``) ``phase = t``, and properties are checked over the first ``window`` steps.
     Constructed schedules are validated (see :mod:`topologies.validation`); pass ``validate=False`` only
     for schedules you validate yourself.
+
+    Args:
+        n: the number of ranks, an integer >= 1.
+        name: the schedule's name, used in messages, ``repr`` and the fingerprint.
+        step_function: phase -> (rows, cols, weights) of W(phase); called once per phase and cached.
+        period: the period p >= 1, or None for an aperiodic schedule.
+        window: the number of steps checked when aperiodic, >= 1.
+        params: the constructor's parameters, shown by ``repr``.
+        validate: check the contract at construction (see :meth:`validate`).
+        symmetric: with ``validate``, also require every W(t) to be symmetric.
+        doubly_stochastic: with ``validate``, also require every W(t) to be doubly stochastic.
+
+    Raises:
+        ScheduleError: ``n``, ``period`` or ``window`` is not an integer >= 1, or the schedule fails validation
+            (the message names the step, rank(s) and property).
     """
 
     def __init__(
@@ -119,7 +155,17 @@ class Schedule:
         return range(self.period if self.period is not None else self.window)
 
     def phase(self, t: int) -> int:
-        """Index of step t inside the period (t itself for an aperiodic schedule)."""
+        """The index of step t inside the period, t mod period (t itself for an aperiodic schedule).
+
+        Args:
+            t: the step, an integer >= 0.
+
+        Returns:
+            The phase, in 0..period-1 (t when aperiodic).
+
+        Raises:
+            ScheduleError: ``t`` is negative or not an integer (a bool included).
+        """
         if type(t) is not int and (not isinstance(t, numbers.Integral) or isinstance(t, bool)):  # int: the fast path
             raise ScheduleError(f"step must be an integer, got {t!r} for schedule '{self.name}'")
         if t < 0:
@@ -135,7 +181,14 @@ class Schedule:
         return int(rank)
 
     def require_size(self, world_size: int) -> None:
-        """Raise ScheduleError unless the schedule was built for ``world_size`` ranks."""
+        """Check that the schedule was built for ``world_size`` ranks.
+
+        Args:
+            world_size: the number of ranks of the process group.
+
+        Raises:
+            ScheduleError: ``world_size`` differs from the schedule's n.
+        """
         if world_size != self.n:
             raise ScheduleError(
                 f"schedule '{self.name}' is built for n={self.n} ranks but the world has {world_size}; "
@@ -160,26 +213,68 @@ class Schedule:
         )
 
     def triplets(self, t: int) -> Triplets:
-        """W(t) in canonical sparse form (rows, cols, weights), sorted by (row, col)."""
+        """W(t) in canonical sparse form, sorted by (row, col).
+
+        Args:
+            t: the step, an integer >= 0.
+
+        Returns:
+            (rows, cols, weights) with W[rows[k], cols[k]] = weights[k], duplicates summed and zeros dropped.
+
+        Raises:
+            ScheduleError: ``t`` is negative or not an integer.
+        """
         table = self._table(self.phase(t))
         return table.rows, table.cols, table.weights
 
     # ------------------------------------------------------------------ the contract
     def mixing_matrix(self, t: int) -> np.ndarray:
-        """Dense W(t), float64 (n, n); W[i, j] is the weight rank i gives to x_j."""
+        """The dense mixing matrix W(t).
+
+        Args:
+            t: the step, an integer >= 0.
+
+        Returns:
+            W(t), float64 of shape (n, n); W[i, j] is the weight rank i gives to x_j.
+
+        Raises:
+            ScheduleError: ``t`` is negative or not an integer.
+        """
         rows, cols, weights = self.triplets(t)
         matrix = np.zeros((self.n, self.n))
         matrix[rows, cols] = weights
         return matrix
 
     def peers(self, rank: int, t: int) -> PeerView:
-        """Rank's self weight, in-peers and out-peers at step t (cached per phase)."""
+        """The rank's self weight, in-peers and out-peers at step t (cached per phase).
+
+        Args:
+            rank: the rank, an integer in 0..n-1.
+            t: the step, an integer >= 0.
+
+        Returns:
+            The rank's view of step t.
+
+        Raises:
+            ScheduleError: ``rank`` is out of range or not an integer, or ``t`` is negative or not an integer.
+        """
         rank = self._check_rank(rank)
         table = self._table(self.phase(t))
         return PeerView(rank, int(t), table.self_weights[rank], table.in_peers[rank], table.out_peers[rank])
 
     def graph(self, t: int) -> nx.DiGraph:
-        """Step t as a DiGraph: edge j -> i, weight W[i, j] (i receives from j); self loops carry W[i, i]."""
+        """Step t as a networkx DiGraph.
+
+        Args:
+            t: the step, an integer >= 0.
+
+        Returns:
+            A graph on the ranks with an edge j -> i of weight W[i, j] for every entry (i receives from j);
+                self loops carry W[i, i].
+
+        Raises:
+            ScheduleError: ``t`` is negative or not an integer.
+        """
         rows, cols, weights = self.triplets(t)
         g = nx.DiGraph(name=f"{self.name}@{t}")
         g.add_nodes_from(range(self.n))
@@ -195,6 +290,16 @@ class Schedule:
         Checked per entry: with L(i) = min g(i), the ranks with L(i) = L form the candidate group S_L. Every
         in-peer j of i must have L(j) = L(i) (so g(i) is inside S_L) and |g(i)| = |S_L(i)| (so g(i) is all of it);
         conversely a partition satisfies both. O(n + entries).
+
+        Args:
+            t: the step, an integer >= 0.
+
+        Returns:
+            The groups, each a sorted tuple of ranks, ordered by their lowest rank; None when the step is
+                not a group partition.
+
+        Raises:
+            ScheduleError: ``t`` is negative or not an integer.
         """
         table = self._table(self.phase(t))
         rows, cols, weights = table.rows, table.cols, table.weights
@@ -227,15 +332,28 @@ class Schedule:
         return find_violation(self, "column-stochastic") is None
 
     def validate(self, *, symmetric: bool = False, doubly_stochastic: bool = False) -> None:
-        """Raise ScheduleError naming step, rank(s) and property unless the schedule is valid.
+        """Check the schedule's contract over ``check_steps``.
 
         Always checked: non-negative, row-stochastic, in/out-peer consistency, union graph over
         ``check_steps`` strongly connected. Optionally: symmetric, doubly stochastic.
+
+        Args:
+            symmetric: also require every W(t) to be symmetric.
+            doubly_stochastic: also require every W(t) to be column-stochastic.
+
+        Raises:
+            ScheduleError: the first violated property, naming the step, rank(s) and property.
         """
         validate_schedule(self, symmetric=symmetric, doubly_stochastic=doubly_stochastic)
 
     def fingerprint(self) -> str:
-        """SHA-256 over name, n, period and the canonical matrices of ``check_steps``; equal on every rank."""
+        """A SHA-256 digest of the schedule, equal on every rank that built the same schedule.
+
+        It covers the name, n, period, window and the canonical matrices of ``check_steps``.
+
+        Returns:
+            The digest as 64 hexadecimal characters.
+        """
         digest = hashlib.sha256()
         digest.update(f"{self.name}|n={self.n}|period={self.period}|window={self.window}".encode())
         for t in self.check_steps:

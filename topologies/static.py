@@ -28,7 +28,21 @@ def _static(n: int, name: str, triplets: Triplets, params: dict) -> Schedule:
 
 
 def from_networkx(graph: nx.Graph, weights: str = "metropolis", *, attr: str = "weight", name: str = "") -> Schedule:
-    """A static schedule from a user graph on nodes 0..n-1 (DiGraph edge u -> v: v receives x_u)."""
+    """A static schedule from a user graph on nodes 0..n-1 (DiGraph edge u -> v: v receives x_u).
+
+    Args:
+        graph: a networkx Graph or DiGraph whose nodes are exactly 0..n-1.
+        weights: the edge weighting, ``"uniform"``, ``"metropolis"`` or ``"attribute"`` (:mod:`topologies.weights`).
+        attr: the edge attribute read by ``weights="attribute"``.
+        name: the schedule's name; empty gives ``"from_networkx"``.
+
+    Returns:
+        The validated static schedule (period 1).
+
+    Raises:
+        ScheduleError: the nodes are not 0..n-1, the graph is a multigraph, the weighting is unknown or does not
+            apply to the graph, or the result fails validation (e.g. a disconnected graph).
+    """
     return _from_graph(graph, weights, name or "from_networkx", attr=attr, weights=weights)
 
 
@@ -44,6 +58,19 @@ def from_edge_list(
 
     ``n`` defaults to the largest rank named + 1; ranks that appear in no edge are still ranks (and then
     fail the connectivity check).
+
+    Args:
+        path: the edge-list file.
+        n: the number of ranks; None takes the largest rank named + 1.
+        weights: the edge weighting, ``"uniform"``, ``"metropolis"`` or ``"attribute"`` (:mod:`topologies.weights`).
+        directed: read each line ``u v`` as the one edge u -> v (v receives x_u) instead of both directions.
+
+    Returns:
+        The validated static schedule (period 1).
+
+    Raises:
+        ScheduleError: a line cannot be parsed, a rank lies outside 0..n-1, or the graph fails as in
+            :func:`from_networkx`.
     """
     graph_type = nx.DiGraph if directed else nx.Graph
     try:
@@ -59,7 +86,19 @@ def from_edge_list(
 
 
 def from_matrix(matrix: np.ndarray, name: str = "from_matrix") -> Schedule:
-    """A static schedule from an explicit n x n mixing matrix (validated)."""
+    """A static schedule from an explicit n x n mixing matrix.
+
+    Args:
+        matrix: W, of shape (n, n); W[i, j] is the weight rank i gives to x_j.
+        name: the schedule's name.
+
+    Returns:
+        The validated static schedule (period 1).
+
+    Raises:
+        ScheduleError: ``matrix`` is not square, or it fails validation (negative, not row-stochastic, or not
+            strongly connected).
+    """
     matrix = np.asarray(matrix, dtype=np.float64)
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
         raise ScheduleError(f"a mixing matrix must be square (n, n), got shape {matrix.shape}")
@@ -67,14 +106,39 @@ def from_matrix(matrix: np.ndarray, name: str = "from_matrix") -> Schedule:
 
 
 def ring(n: int, weights: str = "uniform") -> Schedule:
-    """Cycle 0-1-...-(n-1)-0, uniform weights 1/3 (PowerGossip's ``Ring``); n = 2 gives 1/2, n = 1 gives 1."""
+    """The cycle 0-1-...-(n-1)-0, uniform weights 1/3 (PowerGossip's ``Ring``); n = 2 gives 1/2, n = 1 gives 1.
+
+    Args:
+        n: the number of ranks, >= 1.
+        weights: the edge weighting, ``"uniform"``, ``"metropolis"`` or ``"attribute"`` (:mod:`topologies.weights`).
+
+    Returns:
+        The validated static schedule (period 1).
+
+    Raises:
+        ScheduleError: ``n`` is not an integer >= 1, or ``weights`` is unknown.
+    """
     n = integer("n", n, 1)
     return _from_graph(nx.cycle_graph(n), weights, "ring", n=n, weights=weights)
 
 
 def torus(rows: int, cols: int, weights: str = "uniform") -> Schedule:
-    """2-D periodic grid, rank = row * cols + col; degree 4 when rows, cols >= 3 (a side of 2 contributes one
-    neighbour, the two directions being the same rank; a side of 1 none)."""
+    """The 2-D periodic grid of rows x cols ranks, rank = row * cols + col.
+
+    Degree 4 when rows, cols >= 3; a side of 2 contributes one neighbour (the two directions being the same rank),
+    a side of 1 none.
+
+    Args:
+        rows: the number of rows, >= 1.
+        cols: the number of columns, >= 1.
+        weights: the edge weighting, ``"uniform"``, ``"metropolis"`` or ``"attribute"`` (:mod:`topologies.weights`).
+
+    Returns:
+        The validated static schedule (period 1).
+
+    Raises:
+        ScheduleError: ``rows`` or ``cols`` is not an integer >= 1, or ``weights`` is unknown.
+    """
     rows, cols = integer("rows", rows, 1), integer("cols", cols, 1)
     grid = nx.grid_2d_graph(rows, cols, periodic=True)
     graph = nx.relabel_nodes(grid, {(r, c): r * cols + c for r, c in grid.nodes})
@@ -86,6 +150,15 @@ def complete(n: int) -> Schedule:
 
     Built as its n^2 entries directly: the uniform weighting of the complete graph, 1/((n - 1) + 1) everywhere,
     the same floats as ``from_networkx(nx.complete_graph(n), "uniform")`` without building that graph.
+
+    Args:
+        n: the number of ranks, >= 1.
+
+    Returns:
+        The validated static schedule (period 1).
+
+    Raises:
+        ScheduleError: ``n`` is not an integer >= 1.
     """
     n = integer("n", n, 1)
     ranks = np.arange(n)
@@ -93,7 +166,18 @@ def complete(n: int) -> Schedule:
 
 
 def star(n: int, weights: str = "metropolis") -> Schedule:
-    """Rank 0 connected to ranks 1..n-1 (irregular: Metropolis by default keeps it doubly stochastic)."""
+    """Rank 0 connected to ranks 1..n-1 (irregular: Metropolis by default keeps it doubly stochastic).
+
+    Args:
+        n: the number of ranks, >= 1.
+        weights: the edge weighting, ``"uniform"``, ``"metropolis"`` or ``"attribute"`` (:mod:`topologies.weights`).
+
+    Returns:
+        The validated static schedule (period 1).
+
+    Raises:
+        ScheduleError: ``n`` is not an integer >= 1, or ``weights`` is unknown.
+    """
     n = integer("n", n, 1)
     return _from_graph(nx.star_graph(n - 1), weights, "star", n=n, weights=weights)
 
@@ -104,6 +188,15 @@ def static_exponential(n: int) -> Schedule:
     Rank i receives from every j with (i - j) mod n in {1, 2, 4, ..., 2^(tau-1)}, tau = ceil(log2 n), and
     gives weight 1/(tau + 1) to itself and each of them: directed, circulant, doubly stochastic for any n.
     For n = 2^K, rho = ||W - J||_2 = 1 - 2/(1 + log2 n).
+
+    Args:
+        n: the number of ranks, >= 1.
+
+    Returns:
+        The validated static schedule (period 1).
+
+    Raises:
+        ScheduleError: ``n`` is not an integer >= 1.
     """
     n = integer("n", n, 1)
     tau = math.ceil(math.log2(n)) if n > 1 else 0
@@ -114,7 +207,18 @@ def static_exponential(n: int) -> Schedule:
 
 
 def hypercube(n: int, weights: str = "uniform") -> Schedule:
-    """log2(n)-dimensional hypercube, i ~ i XOR 2^k; n must be a power of two. Uniform: 1/(log2 n + 1)."""
+    """The log2(n)-dimensional hypercube, i ~ i XOR 2^k; uniform weights 1/(log2 n + 1).
+
+    Args:
+        n: the number of ranks, a power of two.
+        weights: the edge weighting, ``"uniform"``, ``"metropolis"`` or ``"attribute"`` (:mod:`topologies.weights`).
+
+    Returns:
+        The validated static schedule (period 1).
+
+    Raises:
+        ScheduleError: ``n`` is not a power of two, or ``weights`` is unknown.
+    """
     n = integer("n", n, 1)
     if n & (n - 1):
         raise ScheduleError(f"hypercube needs n to be a power of two, got n={n}; use random_regular(n, degree)")
@@ -127,7 +231,20 @@ def hypercube(n: int, weights: str = "uniform") -> Schedule:
 
 
 def random_regular(n: int, degree: int, seed: int = 0, weights: str = "uniform") -> Schedule:
-    """Seeded random ``degree``-regular graph (nx.random_regular_graph); n * degree must be even."""
+    """A seeded random ``degree``-regular graph (``nx.random_regular_graph``).
+
+    Args:
+        n: the number of ranks, >= 1.
+        degree: the degree of every rank, in 0..n-1 with n * degree even.
+        seed: the seed of the draw.
+        weights: the edge weighting, ``"uniform"``, ``"metropolis"`` or ``"attribute"`` (:mod:`topologies.weights`).
+
+    Returns:
+        The validated static schedule (period 1).
+
+    Raises:
+        ScheduleError: networkx refuses (n, degree), e.g. an odd n * degree; or the drawn graph is disconnected.
+    """
     n, degree, seed = integer("n", n, 1), integer("degree", degree, 0), integer("seed", seed)
     try:
         graph = nx.random_regular_graph(degree, n, seed=seed)
@@ -137,7 +254,20 @@ def random_regular(n: int, degree: int, seed: int = 0, weights: str = "uniform")
 
 
 def erdos_renyi(n: int, p: float, seed: int = 0, weights: str = "metropolis") -> Schedule:
-    """Seeded G(n, p) graph; a disconnected draw is refused (try another seed or a larger p)."""
+    """A seeded G(n, p) graph; a disconnected draw is refused (try another seed or a larger p).
+
+    Args:
+        n: the number of ranks, >= 1.
+        p: the probability of each edge, in [0, 1].
+        seed: the seed of the draw.
+        weights: the edge weighting, ``"uniform"``, ``"metropolis"`` or ``"attribute"`` (:mod:`topologies.weights`).
+
+    Returns:
+        The validated static schedule (period 1).
+
+    Raises:
+        ScheduleError: ``p`` is not in [0, 1], or the drawn graph is disconnected.
+    """
     n, seed = integer("n", n, 1), integer("seed", seed)
     if not 0.0 <= p <= 1.0:
         raise ScheduleError(f"erdos_renyi edge probability must be in [0, 1], got p={p}")

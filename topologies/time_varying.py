@@ -60,6 +60,15 @@ def one_peer_ring(n: int) -> Schedule:
     """Decent-DP's one-peer ring (B.2): even t pairs {2k, 2k+1}, odd t pairs {2k, 2k-1 mod n}; weights 1/2.
 
     Period 2; needs even n >= 2 (odd n would leave a rank without partner).
+
+    Args:
+        n: the number of ranks, even and >= 2.
+
+    Returns:
+        The validated schedule: symmetric, doubly stochastic, period 2.
+
+    Raises:
+        ScheduleError: ``n`` is not an even integer >= 2.
     """
     n = integer("n", n)
     if n < 2 or n % 2:
@@ -78,11 +87,21 @@ def one_peer_ring(n: int) -> Schedule:
 
 
 def one_peer_exponential(n: int) -> Schedule:
-    """Ying et al. one-peer exponential graph (F.2): rank i sends to (i + 2^(t mod tau)) mod n and receives
-    from (i - 2^(t mod tau)) mod n, weights 1/2 self and 1/2 received; tau = log2 n.
+    """Ying et al. one-peer exponential graph (docs/design.md F.2), period tau = log2 n.
 
-    Directed, doubly stochastic; the product of tau consecutive matrices is exactly J = (1/n) 1 1^T.
-    Needs n = 2^K >= 2 (otherwise no finite-time exactness: use static_exponential or random_matchings).
+    Rank i sends to (i + 2^(t mod tau)) mod n and receives from (i - 2^(t mod tau)) mod n, weights 1/2 self and
+    1/2 received. Directed, doubly stochastic; the product of tau consecutive matrices is exactly
+    J = (1/n) 1 1^T. Needs n = 2^K >= 2 (otherwise no finite-time exactness: use static_exponential or
+    random_matchings).
+
+    Args:
+        n: the number of ranks, a power of two >= 2.
+
+    Returns:
+        The validated schedule: directed, doubly stochastic, period log2 n.
+
+    Raises:
+        ScheduleError: ``n`` is not a power of two >= 2.
     """
     n, tau = _require_power_of_two(
         "one_peer_exponential", "n", n, hint="use static_exponential(n) or random_matchings(n) otherwise"
@@ -101,6 +120,15 @@ def one_peer_hypercube(n: int) -> Schedule:
 
     Symmetric pairwise exchange (the natural default for PowerGossip), exact average after log2 n steps.
     Needs n = 2^K >= 2.
+
+    Args:
+        n: the number of ranks, a power of two >= 2.
+
+    Returns:
+        The validated schedule: symmetric, doubly stochastic, period log2 n.
+
+    Raises:
+        ScheduleError: ``n`` is not a power of two >= 2.
     """
     n, tau = _require_power_of_two("one_peer_hypercube", "n", n, hint="use random_matchings(n) otherwise")
     ranks = np.arange(n)
@@ -122,6 +150,17 @@ def random_matchings(n: int, seed: int = 0, *, window: int = DEFAULT_APERIODIC_W
     perm[2k+1], so any step is computable directly and identical on every rank. Odd n (documented
     generalisation): the last rank of perm sits the step out (W_ii = 1); the matrix stays symmetric and
     doubly stochastic. Validation, the symmetry flags and the fingerprint cover the first ``window`` steps.
+
+    Args:
+        n: the number of ranks, >= 2.
+        seed: the seed of the matchings, a non-negative integer.
+        window: the number of steps checked, >= 1.
+
+    Returns:
+        The validated aperiodic schedule.
+
+    Raises:
+        ScheduleError: ``n`` < 2, a negative ``seed``, a ``window`` < 1, or an argument that is not an integer.
     """
     n, seed, window = integer("n", n), integer("seed", seed), integer("window", window)
     if n < 2:
@@ -156,6 +195,19 @@ def cyclic(items: Sequence, weights: str = "metropolis", *, name: str = "cyclic"
     items never alias, F.2). Period m * lcm(item periods); aperiodic if any item is. Graphs are weighted
     with ``weights``. Graph and matrix items are validated as steps of the cycle (the union over the
     period must be strongly connected, not each item); Schedule items are already valid on their own.
+
+    Args:
+        items: the steps of the cycle: Schedules, networkx graphs on nodes 0..n-1 or (n, n) matrices, all of the
+            same n.
+        weights: the edge weighting of graph items, ``"uniform"``, ``"metropolis"`` or ``"attribute"``.
+        name: the schedule's name.
+
+    Returns:
+        The validated schedule.
+
+    Raises:
+        ScheduleError: ``items`` is empty, an item is of another type, a matrix is not square, the items differ
+            in n, or the cycle fails validation.
     """
     if not items:
         raise ScheduleError("cyclic needs at least one graph, matrix or schedule")
@@ -205,6 +257,16 @@ def alternating_exp_ring(nodes: int, per_node: int) -> Schedule:
     inter-node first, so in any step half of the nodes use their NIC. Period 2 log2(nodes); the product
     over a period is exactly J. Needs nodes = 2^K >= 2 and per_node >= 2 (with per_node = 1 the intra
     steps do nothing: use one_peer_hypercube(nodes)).
+
+    Args:
+        nodes: the number of nodes, a power of two >= 2.
+        per_node: the ranks per node, >= 2; rank = node * per_node + local_rank.
+
+    Returns:
+        The validated schedule over nodes * per_node ranks: symmetric, doubly stochastic, period 2 log2(nodes).
+
+    Raises:
+        ScheduleError: ``nodes`` is not a power of two >= 2, or ``per_node`` is not an integer >= 2.
     """
     nodes, dims = _require_power_of_two("alternating_exp_ring", "nodes", nodes)
     per_node = integer("per_node", per_node)
@@ -243,6 +305,16 @@ def hierarchical(nodes: int, per_node: int) -> Schedule:
     averages exactly over its node and its partner node (2L ranks, w = 1/(2L)). Symmetric, doubly
     stochastic, exact after log2(nodes) steps. nodes must be a power of two; nodes = 1 is the exact
     intra-node average (period 1).
+
+    Args:
+        nodes: the number of nodes, a power of two >= 1.
+        per_node: the ranks per node, >= 1; rank = node * per_node + local_rank.
+
+    Returns:
+        The validated schedule over nodes * per_node ranks, period max(log2(nodes), 1).
+
+    Raises:
+        ScheduleError: ``nodes`` is not a power of two >= 1, or ``per_node`` is not an integer >= 1.
     """
     nodes, dims = _require_power_of_two("hierarchical", "nodes", nodes, minimum=1)
     per_node = integer("per_node", per_node)

@@ -27,17 +27,40 @@ from topologies.peer_view import PeerView, Triplets
 
 
 class CheckedSchedule(Protocol):
-    """What the checks read of a schedule; :class:`topologies.schedule.Schedule` is the one they are made for."""
+    """What the checks read of a schedule; :class:`topologies.schedule.Schedule` is the one they are made for.
+
+    Attributes:
+        name: the schedule's name, used in messages.
+        n: the number of ranks.
+    """
 
     name: str
     n: int
 
     @property
-    def check_steps(self) -> range: ...
+    def check_steps(self) -> range:
+        """The steps the checks cover: one period, or the first ``window`` steps when aperiodic."""
 
-    def triplets(self, t: int) -> Triplets: ...
+    def triplets(self, t: int) -> Triplets:
+        """W(t) in coordinate form.
 
-    def peers(self, rank: int, t: int) -> PeerView: ...
+        Args:
+            t: the step.
+
+        Returns:
+            (rows, cols, weights) with W[rows[k], cols[k]] = weights[k].
+        """
+
+    def peers(self, rank: int, t: int) -> PeerView:
+        """One rank's view of step t, which must agree with :meth:`triplets`.
+
+        Args:
+            rank: the rank, in 0..n-1.
+            t: the step.
+
+        Returns:
+            The rank's self weight, in-peers and out-peers at step t.
+        """
 
 
 class ScheduleError(ValueError):
@@ -107,7 +130,18 @@ def _step_violation(schedule: CheckedSchedule, prop: str, t: int) -> str | None:
 
 
 def find_violation(schedule: CheckedSchedule, prop: str) -> str | None:
-    """The message for the first step in ``schedule.check_steps`` violating ``prop``, or None."""
+    """The message for the first step in ``schedule.check_steps`` that violates ``prop``.
+
+    Args:
+        schedule: the schedule to check.
+        prop: one of PER_STEP_PROPERTIES or ``"strongly-connected"`` (checked on the union graph).
+
+    Returns:
+        The message a ScheduleError would carry, naming the step, rank(s) and property; None when ``prop`` holds.
+
+    Raises:
+        ValueError: ``prop`` is not a known property.
+    """
     if prop == "strongly-connected":
         return _connectivity_violation(schedule)
     for t in schedule.check_steps:
@@ -118,7 +152,14 @@ def find_violation(schedule: CheckedSchedule, prop: str) -> str | None:
 
 
 def union_graph(schedule: CheckedSchedule) -> nx.DiGraph:
-    """Union over ``check_steps`` of the step graphs (edge j -> i when rank i receives from j)."""
+    """The union over ``check_steps`` of the step graphs.
+
+    Args:
+        schedule: the schedule whose steps are joined.
+
+    Returns:
+        A DiGraph on the ranks with an edge j -> i when rank i receives from j at some step (no self loops).
+    """
     union = nx.DiGraph()
     union.add_nodes_from(range(schedule.n))
     senders, receivers = _union_edges(schedule)
@@ -224,7 +265,19 @@ def _peer_violation(schedule: CheckedSchedule, t: int) -> str | None:
 
 
 def validate_schedule(schedule: CheckedSchedule, *, symmetric: bool = False, doubly_stochastic: bool = False) -> None:
-    """Raise ScheduleError on the first violated property (see module docstring)."""
+    """Check the properties of the module docstring and raise on the first one violated.
+
+    Per step, in step order: non-negative, row-stochastic, peer-consistency, then column-stochastic and symmetric
+    when asked for; then strongly-connected over the union graph.
+
+    Args:
+        schedule: the schedule to check.
+        symmetric: also require every W(t) to be symmetric.
+        doubly_stochastic: also require every W(t) to be column-stochastic.
+
+    Raises:
+        ScheduleError: the first violated property, naming the schedule, step, rank(s) and property.
+    """
     props = ["non-negative", "row-stochastic", "peer-consistency"]
     if doubly_stochastic:
         props.append("column-stochastic")

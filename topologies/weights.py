@@ -27,7 +27,17 @@ WEIGHTINGS = ("uniform", "metropolis", "attribute")
 
 
 def check_node_labels(graph: nx.Graph) -> int:
-    """Return n after checking the nodes are exactly the integers 0..n-1."""
+    """The number of ranks n of ``graph``, after checking that its nodes are exactly the integers 0..n-1.
+
+    Args:
+        graph: a networkx Graph or DiGraph.
+
+    Returns:
+        n, the number of nodes.
+
+    Raises:
+        ScheduleError: ``graph`` is a multigraph, has no nodes, or has a node other than 0..n-1.
+    """
     if graph.is_multigraph():
         raise ScheduleError("multigraphs are not supported: merge parallel edges first (nx.DiGraph(G) or nx.Graph(G))")
     n = graph.number_of_nodes()
@@ -52,7 +62,19 @@ def _directed_edges(graph: nx.Graph) -> list[tuple[int, int]]:
 
 
 def uniform_weights(graph: nx.Graph) -> Triplets:
-    """1/(in-degree + 1) to self and to each in-neighbour (row-stochastic; see module docstring)."""
+    """The ``uniform`` weighting: 1/(d_i + 1) to self and to each in-neighbour, d_i the in-degree of i.
+
+    Row-stochastic; doubly stochastic only on a regular graph (see the module docstring).
+
+    Args:
+        graph: a graph on nodes 0..n-1 (self loops ignored).
+
+    Returns:
+        W in coordinate form (rows, cols, weights).
+
+    Raises:
+        ScheduleError: the nodes are not 0..n-1, or the graph is a multigraph.
+    """
     n = check_node_labels(graph)
     edges = _directed_edges(graph)
     senders = np.array([u for u, _ in edges], dtype=np.int64)
@@ -65,7 +87,19 @@ def uniform_weights(graph: nx.Graph) -> Triplets:
 
 
 def metropolis_weights(graph: nx.Graph) -> Triplets:
-    """Metropolis-Hastings weights W_ij = 1 / (1 + max(d_i, d_j)) (docs/design.md F.1)."""
+    """Metropolis-Hastings weights W_ij = 1 / (1 + max(d_i, d_j)), W_ii = 1 - sum_{j != i} W_ij (docs/design.md F.1).
+
+    Symmetric and doubly stochastic for any undirected graph.
+
+    Args:
+        graph: an undirected graph on nodes 0..n-1, or a DiGraph in which every edge has its reverse.
+
+    Returns:
+        W in coordinate form (rows, cols, weights).
+
+    Raises:
+        ScheduleError: a DiGraph edge has no reverse, the nodes are not 0..n-1, or the graph is a multigraph.
+    """
     n = check_node_labels(graph)
     if graph.is_directed():
         one_way = [(u, v) for u, v in graph.edges if u != v and not graph.has_edge(v, u)]
@@ -88,7 +122,21 @@ def metropolis_weights(graph: nx.Graph) -> Triplets:
 
 
 def attribute_weights(graph: nx.Graph, attr: str = "weight") -> Triplets:
-    """Weights read from edge attribute ``attr`` (edge u -> v gives W[v, u])."""
+    """Weights read from the edge attribute ``attr``: edge u -> v gives W[v, u].
+
+    W_ii is the self loop's attribute when the graph has one, else 1 - sum_{j != i} W_ij. Nothing is checked
+    here: validation of the schedule checks what the user gave.
+
+    Args:
+        graph: a graph on nodes 0..n-1 whose every edge carries ``attr``.
+        attr: the name of the edge attribute.
+
+    Returns:
+        W in coordinate form (rows, cols, weights).
+
+    Raises:
+        ScheduleError: an edge lacks ``attr``, the nodes are not 0..n-1, or the graph is a multigraph.
+    """
     n = check_node_labels(graph)
     rows, cols, vals = [], [], []
     self_given = {}
@@ -110,7 +158,19 @@ def attribute_weights(graph: nx.Graph, attr: str = "weight") -> Triplets:
 
 
 def graph_weights(graph: nx.Graph, weights: str, attr: str = "weight") -> Triplets:
-    """Dispatch on the weighting name (one of WEIGHTINGS)."""
+    """The mixing weights of ``graph`` under the weighting named ``weights``.
+
+    Args:
+        graph: a graph on nodes 0..n-1.
+        weights: one of WEIGHTINGS: ``"uniform"``, ``"metropolis"`` or ``"attribute"``.
+        attr: the edge attribute read by ``"attribute"``.
+
+    Returns:
+        W in coordinate form (rows, cols, weights).
+
+    Raises:
+        ScheduleError: ``weights`` is unknown, or the weighting refuses the graph.
+    """
     if weights == "uniform":
         return uniform_weights(graph)
     if weights == "metropolis":
