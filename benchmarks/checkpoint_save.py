@@ -65,7 +65,7 @@ def child(variant: str, args: argparse.Namespace, directory: Path) -> dict:
     import gossip
     import topologies
     from gossip.algorithms.exact import ExactGossip
-    from gossip.parallel import DecentralizedDataParallel
+    from gossip.wrapper.parallel import DecentralizedDataParallel
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     if variant == "previous":

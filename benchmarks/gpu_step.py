@@ -53,8 +53,8 @@ import optim
 import topologies
 from gossip import ExactGossip, PowerGossip, simulate
 from gossip.algorithms import PowerGossipTuning
+from gossip.algorithms.buckets import Bucket
 from gossip.app.gpt import GPTConfig
-from gossip.buckets import Bucket
 
 
 def peak_bytes(device: torch.device) -> int:

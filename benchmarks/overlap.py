@@ -50,7 +50,7 @@ import gossip  # noqa: E402
 import topologies  # noqa: E402
 from gossip.algorithms.allreduce import AllReduce  # noqa: E402
 from gossip.algorithms.exact import ExactGossip  # noqa: E402
-from gossip.parallel import DecentralizedDataParallel  # noqa: E402
+from gossip.wrapper.parallel import DecentralizedDataParallel  # noqa: E402
 
 
 def algorithms() -> dict[str, Callable[[], object]]:

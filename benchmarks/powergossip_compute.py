@@ -59,10 +59,10 @@ sys.path.insert(0, str(REPO))
 from baseline_revision import module_at_revision  # noqa: E402
 
 import topologies  # noqa: E402
+from gossip.algorithms.buckets import DEFAULT_BUCKET_BYTES, Bucket, bucket_parameters  # noqa: E402
 from gossip.app.gpt import GPT, GPTConfig  # noqa: E402
 from gossip.app.train import DEFAULTS  # noqa: E402
 from gossip.backends.base import Communicator, Handle, Transfer  # noqa: E402
-from gossip.buckets import DEFAULT_BUCKET_BYTES, Bucket, bucket_parameters  # noqa: E402
 
 BASELINE_REVISION = "40b881d"  # the last revision with the matrix-by-matrix PowerGossip
 

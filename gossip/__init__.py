@@ -22,8 +22,9 @@ from gossip.algorithms import (
     tagc_policy,
 )
 from gossip.backends.base import Communicator, Handle
+from gossip.backends.bootstrap import BACKENDS, init
+from gossip.backends.launch_env import LaunchInfo, detect_launch
 from gossip.backends.simulator import SimulatorCommunicator, simulate
-from gossip.bootstrap import BACKENDS, init
 from gossip.checkpoint import CheckpointFuture, load_checkpoint, save_checkpoint
 from gossip.errors import (
     AverageDriftWarning,
@@ -53,8 +54,7 @@ from gossip.errors import (
     UntrustedCheckpointError,
     UseAfterCloseError,
 )
-from gossip.launch_env import LaunchInfo, detect_launch
-from gossip.parallel import DecentralizedDataParallel
+from gossip.wrapper.parallel import DecentralizedDataParallel
 
 __all__ = [
     "ALGORITHMS",

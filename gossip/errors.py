@@ -30,8 +30,9 @@ TimeoutError`` still catch them). The warnings derive from :class:`GossipWarning
 (``UserWarning`` or ``RuntimeWarning``).
 
 :mod:`topologies` (``ScheduleError``) and :mod:`optim` are lower layers that never import ``gossip``; they keep
-their own errors. The modules that defined these classes before (``gossip.replicas``, ``gossip.step_phase``,
-``gossip.parallel``, ``gossip.checkpoint``, ``gossip.app.train``, ``gossip.app.ddp_baseline``) re-export them.
+their own errors. The modules that defined these classes before (``gossip.wrapper.replicas``,
+``gossip.wrapper.step_phase``, ``gossip.wrapper.parallel``, ``gossip.checkpoint``, ``gossip.app.train``,
+``gossip.app.ddp_baseline``) re-export them.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import torch
 import gossip
 import topologies
 from gossip.algorithms.adaptive_rank import AdaptivePowerGossip
-from gossip.buckets import pack
+from gossip.algorithms.buckets import pack
 
 SHAPES = {"a.weight": (16, 24), "a.bias": (16,), "b.weight": (20, 12)}
 RANKS = [(1, 3), (2, 3), (4, 3), (8, 3), (2, 3), (1, 3)]  # (rank, steps at it): up and down the ladder

@@ -14,13 +14,13 @@ import topologies
 from gossip.algorithms.adaptive_rank import AdaptivePowerGossip
 from gossip.algorithms.allreduce import AllReduce
 from gossip.algorithms.base import COLLECTIVE
+from gossip.algorithms.buckets import pack
 from gossip.algorithms.diloco import DiLoCo
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.hierarchical import HierarchicalGossip, inter_node_pairs
 from gossip.algorithms.periodic import PeriodicAverage
 from gossip.algorithms.powergossip import PowerGossip
-from gossip.buckets import pack
-from gossip.replicas import algorithm_config
+from gossip.wrapper.replicas import algorithm_config
 from topologies.schedule import ScheduleError
 
 SHAPES = {"fc.weight": (6, 4), "fc.bias": (6,), "out.weight": (2, 6)}

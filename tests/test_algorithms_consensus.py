@@ -13,7 +13,7 @@ import torch
 
 import gossip
 import topologies
-from gossip.buckets import pack
+from gossip.algorithms.buckets import pack
 
 
 def _disagreement(comm, x: torch.Tensor) -> float:

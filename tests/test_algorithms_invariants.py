@@ -9,8 +9,8 @@ from helpers.algorithm_scenarios import SHAPES, local_model, make_algorithm, run
 import gossip
 import topologies
 from gossip.algorithms import PowerGossipTuning
+from gossip.algorithms.buckets import pack
 from gossip.app.gpt import GPT, GPTConfig
-from gossip.buckets import pack
 
 SYMMETRIC = ["hypercube", "ring"]
 ALGORITHMS = [

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import gossip
-from gossip import bootstrap
-from gossip.launch_env import LaunchInfo
+from gossip.backends import bootstrap
+from gossip.backends.launch_env import LaunchInfo
 
 SINGLE = LaunchInfo(0, 1, 0, 1, "none")
 UNDER_MPIEXEC = LaunchInfo(0, 4, 0, 4, "mpich")

@@ -14,9 +14,9 @@ from helpers.parallel_scenarios import batch, loss_of, make_mlp, wrap
 import gossip
 import topologies
 from gossip.algorithms.base import COLLECTIVE
+from gossip.algorithms.buckets import pack
 from gossip.algorithms.diloco import DiLoCo, outer_step
 from gossip.backends.base import ring_all_reduce_bytes
-from gossip.buckets import pack
 from gossip.errors import CheckpointError, NonFiniteError
 
 N = 4

@@ -1,7 +1,7 @@
 """The documentation can be followed: every pointer it makes resolves inside the repository.
 
-* docs/ARCHITECTURE.md names modules in backticks, either dotted (`gossip.parallel`, `gossip.simulate`: imported,
-  then attributes looked up) or as paths (`gossip/algorithms/base.py`: the file exists). Other backticked text
+* docs/ARCHITECTURE.md names modules in backticks, either dotted (`gossip.wrapper.parallel`, `gossip.simulate`:
+  imported, then attributes looked up) or as paths (`gossip/algorithms/base.py`: the file exists). Other backticked text
   (code such as `optimizer.step()`) is not a name of this repository and is left alone.
 * Code and docs point at the design notes as ``docs/design.md <label>`` (``A.8``, ``B.1-B.6``, ``F.3/F.4``,
   ``B.1 and G``, ``section H``, ``R4``); every label must be a heading of docs/design.md.
@@ -177,9 +177,9 @@ def test_every_module_and_file_named_in_the_architecture_page_exists():
 
 def test_a_missing_module_or_file_in_the_architecture_page_is_reported():
     paths, dotted = named_in_architecture(
-        "`gossip/nowhere.py` `gossip.algorithms.Nowhere` `gossip.nowhere` `gossip.parallel` `optimizer.step()`"
+        "`gossip/nowhere.py` `gossip.algorithms.Nowhere` `gossip.nowhere` `gossip.wrapper.parallel` `optimizer.step()`"
     )
-    assert dotted == ["gossip.algorithms.Nowhere", "gossip.nowhere", "gossip.parallel"]
+    assert dotted == ["gossip.algorithms.Nowhere", "gossip.nowhere", "gossip.wrapper.parallel"]
     assert [entry.split(" ")[0] for entry in unresolved(paths, dotted)] == [
         "gossip/nowhere.py",
         "gossip.algorithms.Nowhere",

@@ -82,11 +82,11 @@ BUILTIN_BASES = {
 
 # Where code imported each class from before gossip.errors held them all.
 OLD_HOMES = {
-    "ReplicaMismatchError": ["gossip.replicas"],
-    "StepPhaseError": ["gossip.step_phase"],
+    "ReplicaMismatchError": ["gossip.wrapper.replicas"],
+    "StepPhaseError": ["gossip.wrapper.step_phase"],
     "CheckpointMismatchError": ["gossip.checkpoint", "gossip.checkpoint.agreement"],
-    "AverageDriftWarning": ["gossip.parallel"],
-    "MixingOnlyStepWarning": ["gossip.parallel"],
+    "AverageDriftWarning": ["gossip.wrapper.parallel"],
+    "MixingOnlyStepWarning": ["gossip.wrapper.parallel"],
     "ConfigError": ["gossip.app.train"],
     "DDPBackendError": ["gossip.app.ddp_baseline"],
 }

@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 import gossip
-import gossip.replicas
+import gossip.wrapper.replicas
 import topologies
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.powergossip import PowerGossip
 from gossip.errors import LaunchError
-from gossip.parallel import DecentralizedDataParallel
+from gossip.wrapper.parallel import DecentralizedDataParallel
 from topologies.schedule import Schedule, dense_to_triplets
 
 N = 4
@@ -103,7 +103,7 @@ def test_zero_size_parameters_travel_as_nothing(algorithm):
 
 
 def test_parameters_on_another_device_type_are_named(monkeypatch):
-    signature = gossip.replicas.run_signature
+    signature = gossip.wrapper.replicas.run_signature
 
     def on_cuda_at_rank_1(module, comm, schedule, algorithm, settings=None):
         mine = signature(module, comm, schedule, algorithm, settings)
@@ -111,7 +111,7 @@ def test_parameters_on_another_device_type_are_named(monkeypatch):
             mine["tensors"] = [(*row[:4], "cuda") for row in mine["tensors"]]
         return mine
 
-    monkeypatch.setattr(gossip.replicas, "run_signature", on_cuda_at_rank_1)
+    monkeypatch.setattr(gossip.wrapper.replicas, "run_signature", on_cuda_at_rank_1)
     messages = refusals(make_mlp)
     assert (
         messages

@@ -21,7 +21,7 @@ import topologies
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.powergossip import PowerGossip
 from gossip.errors import NonFiniteError, NonFiniteWarning
-from gossip.parallel import DecentralizedDataParallel
+from gossip.wrapper.parallel import DecentralizedDataParallel
 
 N = 4
 BAD = 1  # the rank whose parameters go non-finite; on ring(4) its peers are 0 and 2

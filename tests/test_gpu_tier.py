@@ -26,9 +26,9 @@ import gossip
 import optim
 import topologies
 from gossip.algorithms import PowerGossipTuning
+from gossip.algorithms.buckets import Bucket
 from gossip.app.gpt import GPT, GPTConfig
-from gossip.buckets import Bucket
-from gossip.parallel import DecentralizedDataParallel
+from gossip.wrapper.parallel import DecentralizedDataParallel
 
 DEVICE = torch.device(os.environ.get("GOSSIP_TEST_DEVICE", "cuda"))
 pytestmark = [

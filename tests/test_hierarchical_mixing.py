@@ -8,8 +8,8 @@ import torch
 
 import gossip
 import topologies
+from gossip.algorithms.buckets import pack
 from gossip.algorithms.hierarchical import HierarchicalGossip, assign_whole_tensors, shard_bounds
-from gossip.buckets import pack
 
 SHAPES = {"embed.weight": (12, 12), "fc.weight": (12, 12), "fc.bias": (12,), "head.weight": (12, 12), "tiny": (3,)}
 LAYOUTS = [(2, 2), (4, 2), (2, 4), (8, 1), (1, 4), (2, 3)]  # (nodes, per node)

@@ -20,7 +20,7 @@ from experiments.learning_per_step.optimizers import (
 from experiments.learning_per_step.report import config_table, steps_to_target
 from experiments.learning_per_step.spectrum import capture_shares, spectrum_rows
 from experiments.learning_per_step.study import RunConfig, make_algorithm, make_optimizer, train_run
-from gossip.buckets import pack
+from gossip.algorithms.buckets import pack
 
 
 def _random_buckets(rank: int, shape=(24, 12)) -> list:

@@ -8,9 +8,9 @@ import torch
 pytest.importorskip("mpi4py")
 from mpi4py import MPI  # noqa: F401 -- initialises MPI (a singleton) before the library is queried
 
+from gossip.backends.launch_env import detect_launch
 from gossip.backends.mpi import MPICommunicator, cuda_aware
 from gossip.errors import GossipError
-from gossip.launch_env import detect_launch
 
 
 def test_the_mpi_library_is_asked_whether_it_is_cuda_aware(monkeypatch):

@@ -1,4 +1,4 @@
-"""gossip.optimizer_hooks: one pair of torch.optim global hooks per process, dispatched to the listeners."""
+"""gossip.wrapper.optimizer_hooks: one pair of torch.optim global hooks per process, dispatched to the listeners."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.optim import optimizer as torch_optimizer
 
-from gossip import optimizer_hooks
+from gossip.wrapper import optimizer_hooks
 
 
 class Listener:

@@ -21,8 +21,8 @@ from gossip.checkpoint import (
     read_dcp,
     save_checkpoint,
 )
-from gossip.parallel import DecentralizedDataParallel
-from gossip.replicas import ReplicaMismatchError
+from gossip.wrapper.parallel import DecentralizedDataParallel
+from gossip.wrapper.replicas import ReplicaMismatchError
 
 N = 4
 

@@ -10,8 +10,8 @@ from torch import nn
 import gossip
 import topologies
 from gossip.algorithms.exact import ExactGossip
-from gossip.parallel import DecentralizedDataParallel
-from gossip.replicas import ReplicaMismatchError
+from gossip.wrapper.parallel import DecentralizedDataParallel
+from gossip.wrapper.replicas import ReplicaMismatchError
 
 N = 4
 

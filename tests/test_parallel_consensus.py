@@ -8,7 +8,7 @@ import torch
 from helpers.parallel_scenarios import averaged_and_consensus, batch, flat_parameters, loss_of, make_mlp, wrap
 
 import gossip
-from gossip.consensus import ConsensusSampler, allocate_samples, exact_consensus_sq
+from gossip.wrapper.consensus import ConsensusSampler, allocate_samples, exact_consensus_sq
 
 N = 4
 # A few hundred k parameters in layers of very different sizes.

@@ -29,8 +29,8 @@ from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.powergossip import PowerGossip
 from gossip.checkpoint import load_checkpoint
 from gossip.errors import GossipError, NonFiniteError, NonFiniteWarning
-from gossip.parallel import AverageDriftWarning, DecentralizedDataParallel, MixingOnlyStepWarning
-from gossip.replicas import ReplicaMismatchError
+from gossip.wrapper.parallel import AverageDriftWarning, DecentralizedDataParallel, MixingOnlyStepWarning
+from gossip.wrapper.replicas import ReplicaMismatchError
 from topologies.schedule import Schedule
 
 N = 4
@@ -188,7 +188,7 @@ def test_a_schedule_not_doubly_stochastic_warns_that_the_average_drifts():
     assert drift_warnings("metropolis") == []
 
 
-@pytest.mark.filterwarnings("ignore::gossip.parallel.AverageDriftWarning")
+@pytest.mark.filterwarnings("ignore::gossip.wrapper.parallel.AverageDriftWarning")
 def test_the_average_does_drift_under_that_schedule_so_the_warning_is_due():
     def mean_after(comm) -> torch.Tensor:
         model = DecentralizedDataParallel(make_mlp(comm.rank), comm, topologies.star(4, "uniform"), ExactGossip())

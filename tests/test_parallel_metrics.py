@@ -1,4 +1,4 @@
-"""Per-step metrics of DecentralizedDataParallel (gossip.metrics), on the simulator."""
+"""Per-step metrics of DecentralizedDataParallel (gossip.wrapper.metrics), on the simulator."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""One training step as explicit phases (gossip.step_phase), and averaged() without full-model copies (simulator)."""
+"""One training step as explicit phases (gossip.wrapper.step_phase), and averaged() without full-model copies
+(simulator)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from helpers.parallel_scenarios import batch, flat_parameters, loss_of, make_mlp
 
 import gossip
 from gossip.algorithms.powergossip import PowerGossip
-from gossip.step_phase import TRANSITIONS, StepPhase, StepPhaseError, StepState
+from gossip.wrapper.step_phase import TRANSITIONS, StepPhase, StepPhaseError, StepState
 
 N = 4
 

@@ -21,11 +21,11 @@ from torch import nn
 import gossip
 import topologies
 from gossip.algorithms.allreduce import COLLECTIVE
-from gossip.buckets import pack
-from gossip.consensus import exact_consensus_sq
+from gossip.algorithms.buckets import pack
 from gossip.errors import NonFiniteWarning
-from gossip.parallel import DecentralizedDataParallel
-from gossip.replicas import ReplicaMismatchError
+from gossip.wrapper.consensus import exact_consensus_sq
+from gossip.wrapper.parallel import DecentralizedDataParallel
+from gossip.wrapper.replicas import ReplicaMismatchError
 
 INNER = ["exact", "powergossip-r1", "powergossip-r2-2it"]
 EVERY = 3

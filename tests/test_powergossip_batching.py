@@ -10,10 +10,10 @@ import torch
 import gossip
 import topologies
 from gossip.algorithms import powergossip
+from gossip.algorithms.buckets import Entry, bucket_parameters
 from gossip.algorithms.powergossip import PowerGossip, PowerGossipTuning, orthonormalize
 from gossip.algorithms.powergossip_layout import Group, Matrix, Run, group_matrices, row_classes
 from gossip.app.gpt import GPT, GPTConfig
-from gossip.buckets import Entry, bucket_parameters
 
 CONFIG = GPTConfig(block_size=8, n_layer=3, n_head=2, n_embd=16)
 

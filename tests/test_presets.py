@@ -8,9 +8,9 @@ import torch
 
 import gossip
 import topologies
+from gossip.algorithms.buckets import bucket_parameters
 from gossip.algorithms.presets import tagc_policy
 from gossip.app.gpt import GPT, GPTConfig
-from gossip.buckets import bucket_parameters
 
 NANOGPT = {
     "transformer.wte.weight": (50304, 768),

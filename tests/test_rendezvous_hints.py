@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from helpers.launch import _free_port
 
+from gossip.backends.launch_env import LaunchInfo
+from gossip.backends.rendezvous import rendezvous_store
 from gossip.errors import LaunchError
-from gossip.launch_env import LaunchInfo
-from gossip.rendezvous import rendezvous_store
 
 
 def rank_zero_alone(mpi_launcher: str | None) -> str:

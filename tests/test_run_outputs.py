@@ -16,9 +16,9 @@ from torch import nn
 
 import gossip
 import topologies
-from gossip import metrics
 from gossip.app.run_dir import PLOTS, fit_titles, plot_title, validation_curve, write_plots
 from gossip.app.train import TrainConfig, resolve, train
+from gossip.wrapper import metrics
 
 REPO = Path(__file__).resolve().parent.parent
 N = 2

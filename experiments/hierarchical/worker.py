@@ -12,8 +12,8 @@ import torch
 
 import gossip
 import topologies
+from gossip.algorithms.buckets import pack
 from gossip.algorithms.hierarchical import HierarchicalGossip
-from gossip.buckets import pack
 
 METHODS = {
     "allreduce": (lambda: gossip.AllReduce(), None),

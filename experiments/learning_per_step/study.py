@@ -7,7 +7,7 @@ betas (0.9, 0.95), weight decay 0.1 on matrices) on ``n`` virtual ranks of the i
 seed it records
 
 * every ``RECORD_EVERY`` steps: the training loss (mean over ranks and over the block of steps), the exact
-  consensus distance :math:`\Xi = \sqrt{\frac1n \sum_i \lVert x_i - \bar x\rVert^2}` (:func:`gossip.consensus.
+  consensus distance :math:`\Xi = \sqrt{\frac1n \sum_i \lVert x_i - \bar x\rVert^2}` (:func:`gossip.wrapper.consensus.
   exact_consensus_sq`) and the bytes each worker has sent so far;
 * at the end: the validation loss of the averaged model :math:`\bar x` on the held-out batches;
 * with ``spectrum``: at ``SPECTRUM_STEPS``, for every compressed weight matrix, the singular values of the replica
@@ -87,7 +87,7 @@ from gossip.algorithms.base import Algorithm
 from gossip.app.corpus import ShardedBatches, load_corpus, validation_batches
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.app.train import TrainConfig, learning_rate
-from gossip.consensus import exact_consensus_sq
+from gossip.wrapper.consensus import exact_consensus_sq
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sweep_16core"
 RECORD_EVERY = 10

@@ -40,7 +40,7 @@ import torch
 import gossip
 import topologies
 from experiments.allreduce_vs_gossip.study import SCHEDULES
-from gossip.buckets import pack
+from gossip.algorithms.buckets import pack
 from topologies.analysis import steps_to_consensus
 
 RESULTS = Path(__file__).resolve().parent / "results"

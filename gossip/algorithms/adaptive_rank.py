@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
+from gossip.algorithms.buckets import Bucket
 from gossip.algorithms.powergossip import PowerGossip
 from gossip.backends.base import Communicator, Handle
-from gossip.buckets import Bucket
 from topologies import Schedule
 
 

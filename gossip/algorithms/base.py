@@ -41,8 +41,8 @@ from typing import Any, final
 
 import torch
 
+from gossip.algorithms.buckets import Bucket
 from gossip.backends.base import COLLECTIVE, Communicator, Handle, PlannedExchange, Traffic
-from gossip.buckets import Bucket
 from gossip.errors import NonFiniteError, NonFiniteWarning
 from topologies import Schedule
 

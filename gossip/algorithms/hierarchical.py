@@ -39,9 +39,9 @@ import numpy as np
 import torch
 
 from gossip.algorithms.base import Algorithm
+from gossip.algorithms.buckets import Bucket, Entry, pack
 from gossip.algorithms.powergossip import Policy, PowerGossip
 from gossip.backends.base import Communicator, Handle
-from gossip.buckets import Bucket, Entry, pack
 from topologies import Schedule, hierarchical
 
 PHASES = 3  # exchanges per step: reduce-scatter, inter-node, all-gather (their seq is PHASES * step + phase)

@@ -49,8 +49,8 @@ from typing import Any
 import torch
 
 from gossip.algorithms.base import Algorithm
+from gossip.algorithms.buckets import Bucket
 from gossip.backends.base import Communicator, Handle
-from gossip.buckets import Bucket
 from gossip.errors import GossipError, NonFiniteError, NonFiniteWarning
 from topologies import Schedule
 

@@ -101,6 +101,7 @@ from dataclasses import dataclass
 import torch
 
 from gossip.algorithms.base import Algorithm, all_finite_on_host, check_nonfinite_policy
+from gossip.algorithms.buckets import Bucket, Entry
 from gossip.algorithms.powergossip_layout import (
     CPU_PAD_RATIO,
     PAD_RATIO,
@@ -113,7 +114,6 @@ from gossip.algorithms.powergossip_layout import (
     group_matrices,
 )
 from gossip.backends.base import Communicator, Handle
-from gossip.buckets import Bucket, Entry
 from gossip.errors import NonFiniteError, NonFiniteWarning
 from topologies import Schedule
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gossip.algorithms.buckets import Entry
 from gossip.backends.base import PlannedExchange
-from gossip.buckets import Entry
 
 
 @dataclass(frozen=True, kw_only=True)

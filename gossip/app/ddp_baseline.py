@@ -1,5 +1,5 @@
 r"""The All-Reduce baseline as users run it: ``torch.nn.parallel.DistributedDataParallel`` behind the surface the
-training loop uses from :class:`gossip.parallel.DecentralizedDataParallel`.
+training loop uses from :class:`gossip.wrapper.parallel.DecentralizedDataParallel`.
 
 DDP all-reduces the *gradients* in buckets while backward still runs, so every replica applies the same update
 (docs/design.md B.5, "All-Reduce (DDP, bucket all-reduce overlapped with backward)"):
@@ -35,11 +35,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from gossip import optimizer_hooks
 from gossip.backends.base import Communicator, ring_all_reduce_bytes
-from gossip.consensus import exact_consensus_sq
 from gossip.errors import DDPBackendError
-from gossip.metrics import StepMetrics
+from gossip.wrapper import optimizer_hooks
+from gossip.wrapper.consensus import exact_consensus_sq
+from gossip.wrapper.metrics import StepMetrics
 
 
 class DDPBaseline:
@@ -47,8 +47,8 @@ class DDPBaseline:
     ``log(**values)``, ``averaged()``, ``consensus_distance()`` and ``close()``.
 
     Construction is a collective (it creates DDP's process group and broadcasts rank 0's parameters). Per-step
-    metrics rows (:class:`gossip.metrics.StepMetrics`, same columns as the wrapper's) are recorded at every step
-    of any optimizer over ``module``'s parameters (through :mod:`gossip.optimizer_hooks`, as the wrapper does);
+    metrics rows (:class:`gossip.wrapper.metrics.StepMetrics`, same columns as the wrapper's) are recorded at every step
+    of any optimizer over ``module``'s parameters (through :mod:`gossip.wrapper.optimizer_hooks`, as the wrapper does);
     ``consensus`` is the exact distance every ``consensus_every`` steps (one all-reduce of the parameters; 0 turns
     it off).
     """
@@ -124,7 +124,7 @@ class DDPBaseline:
 
         return allreduce_hook(group, bucket).then(completed)
 
-    # -- the optimizer-step hooks (gossip.optimizer_hooks calls these) ------------------------------------------
+    # -- the optimizer-step hooks (gossip.wrapper.optimizer_hooks calls these) ---------------------------------
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
         """True when ``optimizer`` trains any of the module's parameters."""
         return any(id(p) in self._parameter_ids for group in optimizer.param_groups for p in group["params"])

@@ -3,7 +3,8 @@
 Contents of ``<out>/``:
 
 * ``config.json`` -- the resolved configuration (world size, schedule, accum_iter, ... filled in);
-* ``metrics_rank<r>.jsonl`` -- every rank's per-step metrics, written by the wrapper (see :mod:`gossip.metrics`);
+* ``metrics_rank<r>.jsonl`` -- every rank's per-step metrics, written by the wrapper
+  (see :mod:`gossip.wrapper.metrics`);
 * ``tensorboard/rank<r>/`` -- the same metrics as TensorBoard scalars, when the tensorboard package is installed;
 * ``summary.json`` -- the wrapper's traffic and timing summary over ranks;
 * ``metrics.csv`` -- one row per step: rank 0's metrics plus ``mean_loss`` (the training loss averaged over

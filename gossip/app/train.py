@@ -6,7 +6,7 @@ Every process is one worker of a decentralized run (docs/design.md B.1; Decent-D
 
 with :math:`W(t)` from the schedule, the mixing done by the algorithm (exact gossip, PowerGossip or All-Reduce;
 with ``average_every = K > 0`` wrapped in :class:`gossip.PeriodicAverage`, an exact global average every K steps)
-inside :class:`gossip.parallel.DecentralizedDataParallel`, and :math:`d` the local optimizer's direction. The
+inside :class:`gossip.wrapper.parallel.DecentralizedDataParallel`, and :math:`d` the local optimizer's direction. The
 learning rate :math:`\eta_t` warms up linearly for ``warmup_steps`` then follows a cosine to ``lr / 10``
 (a ``torch.optim.lr_scheduler.LambdaLR``, :func:`make_scheduler`).
 
@@ -43,7 +43,7 @@ from gossip.app.gpt import GPT, GPTConfig
 from gossip.app.run_dir import RunSummary, describe_mixing, prepare_run_dir, write_outputs
 from gossip.backends.base import Communicator
 from gossip.errors import ConfigError
-from gossip.parallel import DecentralizedDataParallel
+from gossip.wrapper.parallel import DecentralizedDataParallel
 
 logger = logging.getLogger(__name__)
 OPTIMIZERS = ("accum-adamw", "adamw", "sgd")

@@ -53,8 +53,8 @@ from gossip.backends.base import (
     exchange_name,
 )
 from gossip.backends.exit_guard import watch
+from gossip.backends.launch_env import LaunchInfo
 from gossip.errors import BackendUnavailableError, CommTimeoutError, GossipError, LaunchError, PeerFailedError
-from gossip.launch_env import LaunchInfo
 
 _BARRIER_TAG = 9
 _POLL_SLEEP_MAX = 1e-3

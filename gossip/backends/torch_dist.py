@@ -51,8 +51,8 @@ from gossip.backends.base import (
     steady_header,
 )
 from gossip.backends.exit_guard import watch
+from gossip.backends.launch_env import LaunchInfo
 from gossip.errors import CommTimeoutError, GossipError, PeerFailedError, ProcessGroupLeakWarning
-from gossip.launch_env import LaunchInfo
 
 
 class TorchDistCommunicator(Communicator):

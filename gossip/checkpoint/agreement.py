@@ -13,7 +13,7 @@ import torch
 from gossip.backends.base import Communicator
 from gossip.checkpoint.state import mismatch, rank_state
 from gossip.errors import CheckpointMismatchError, CheckpointWriteError, UntrustedCheckpointError
-from gossip.parallel import DecentralizedDataParallel
+from gossip.wrapper.parallel import DecentralizedDataParallel
 
 
 def write_failure(rank: int, path: Path, error: BaseException, step: int) -> str:

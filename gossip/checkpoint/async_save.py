@@ -14,7 +14,7 @@ import torch
 
 from gossip.checkpoint.agreement import commit_on_every_rank, write_failure
 from gossip.checkpoint.file_format import commit_temporary, write_temporary
-from gossip.parallel import DecentralizedDataParallel
+from gossip.wrapper.parallel import DecentralizedDataParallel
 
 
 def _host_copy(obj: Any, owned: set[int]) -> Any:

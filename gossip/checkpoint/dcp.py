@@ -19,7 +19,7 @@ from gossip.checkpoint.async_save import wait_pending
 from gossip.checkpoint.safe_loading import SAFE_GLOBALS, weights_only_refusal
 from gossip.checkpoint.save_load import begin_save, load_on_every_rank
 from gossip.errors import UntrustedCheckpointError
-from gossip.parallel import DecentralizedDataParallel
+from gossip.wrapper.parallel import DecentralizedDataParallel
 
 _TENSOR = "__gossip_dcp_tensor__"
 _STRUCTURE = "gossip.structure"

@@ -26,7 +26,7 @@ from gossip.checkpoint.file_format import (
 )
 from gossip.checkpoint.state import restore
 from gossip.errors import UntrustedCheckpointError
-from gossip.parallel import DecentralizedDataParallel
+from gossip.wrapper.parallel import DecentralizedDataParallel
 
 
 def begin_save(model: DecentralizedDataParallel, operation: str) -> None:

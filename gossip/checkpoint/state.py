@@ -13,8 +13,8 @@ import torch
 
 from gossip.checkpoint.safe_loading import first_unsafe_item
 from gossip.errors import UntrustedCheckpointError
-from gossip.parallel import DecentralizedDataParallel
-from gossip.replicas import first_difference
+from gossip.wrapper.parallel import DecentralizedDataParallel
+from gossip.wrapper.replicas import first_difference
 
 #: The wrapper settings a checkpoint must share with the run that loads it (the bucket layout).
 CHECKPOINT_SETTINGS = ("bucket_bytes",)

@@ -9,7 +9,7 @@ import torch
 import gossip
 import topologies
 from gossip.algorithms import PowerGossipTuning
-from gossip.buckets import pack
+from gossip.algorithms.buckets import pack
 
 SHAPES = {"conv.weight": (8, 3, 3, 3), "fc.weight": (20, 30), "fc.bias": (20,), "head.weight": (5, 20)}
 

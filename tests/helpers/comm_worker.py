@@ -21,8 +21,8 @@ def main() -> None:
     torch.set_num_threads(1)
     records: list[str] = []
     if backend == "mpi-staged":
+        from gossip.backends.launch_env import detect_launch
         from gossip.backends.mpi import MPICommunicator
-        from gossip.launch_env import detect_launch
 
         handler = logging.Handler()
         handler.emit = lambda record: records.append(record.getMessage())

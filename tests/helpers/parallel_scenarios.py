@@ -17,7 +17,7 @@ import optim
 import topologies
 from gossip.algorithms.exact import ExactGossip
 from gossip.checkpoint import load_checkpoint, load_dcp, save_checkpoint, save_dcp
-from gossip.parallel import DecentralizedDataParallel
+from gossip.wrapper.parallel import DecentralizedDataParallel
 from topologies.schedule import Schedule
 
 IN, HIDDEN, OUT = 8, 16, 4

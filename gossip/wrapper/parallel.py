@@ -11,11 +11,11 @@ The order of one step (docs/design.md B.1 and G; Decent-DP's schema, arXiv 2410.
    :math:`\sum_j W_{ij} x_j^t` -- ``algorithm.finish`` -- then the optimizer applies its update computed from
    :math:`g_i(x_i^t)`.
 
-Steps 1 and 3 run from torch.optim's global step hooks (:mod:`gossip.optimizer_hooks`, which calls
+Steps 1 and 3 run from torch.optim's global step hooks (:mod:`gossip.wrapper.optimizer_hooks`, which calls
 :meth:`DecentralizedDataParallel.before_optimizer_step` and :meth:`~DecentralizedDataParallel.after_optimizer_step`
 for optimizers over this wrapper's parameters), so any ``torch.optim.Optimizer`` created after wrapping works
-unchanged. Where the step stands between them is one :class:`gossip.step_phase.StepPhase`
-(IDLE -> EXCHANGING -> MIXED -> IDLE of the next step), whose legal moves :mod:`gossip.step_phase` holds.
+unchanged. Where the step stands between them is one :class:`gossip.wrapper.step_phase.StepPhase`
+(IDLE -> EXCHANGING -> MIXED -> IDLE of the next step), whose legal moves :mod:`gossip.wrapper.step_phase` holds.
 """
 
 from __future__ import annotations
@@ -35,18 +35,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from gossip import optimizer_hooks
 from gossip.algorithms.base import Algorithm
+from gossip.algorithms.buckets import DEFAULT_BUCKET_BYTES, Bucket, bucket_parameters, pack
 from gossip.backends.base import Communicator
-from gossip.buckets import DEFAULT_BUCKET_BYTES, Bucket, bucket_parameters, pack
-from gossip.consensus import (
-    DEFAULT_SAMPLES,
-    ConsensusSampler,
-    _all_reduce_on,
-    exact_consensus_sq,
-    global_average,
-    reading,
-)
 from gossip.errors import (
     AverageDriftWarning,
     CommTimeoutError,
@@ -58,9 +49,18 @@ from gossip.errors import (
     StepPhaseError,
     UseAfterCloseError,
 )
-from gossip.metrics import StepMetrics
-from gossip.replicas import ReplicaMismatchError, broadcast_from_rank0, check_replicas
-from gossip.step_phase import StepPhase, StepState
+from gossip.wrapper import optimizer_hooks
+from gossip.wrapper.consensus import (
+    DEFAULT_SAMPLES,
+    ConsensusSampler,
+    _all_reduce_on,
+    exact_consensus_sq,
+    global_average,
+    reading,
+)
+from gossip.wrapper.metrics import StepMetrics
+from gossip.wrapper.replicas import ReplicaMismatchError, broadcast_from_rank0, check_replicas
+from gossip.wrapper.step_phase import StepPhase, StepState
 from topologies import Schedule
 from topologies.validation import find_violation
 
@@ -116,7 +116,7 @@ class DecentralizedDataParallel(nn.Module):
 
     Construction (a collective: every rank constructs its wrapper at the same point) checks that all ranks have
     the same parameter and buffer names, shapes, dtypes and device types, the same schedule (fingerprint) and
-    algorithm config, and a schedule of ``comm.size`` ranks (else :class:`gossip.replicas.ReplicaMismatchError`
+    algorithm config, and a schedule of ``comm.size`` ranks (else :class:`gossip.wrapper.replicas.ReplicaMismatchError`
     on every rank, naming the rank and the first difference); copies rank 0's parameters and buffers to all;
     moves the parameters into flat buckets (they become views; create the optimizer *after* wrapping); and binds
     ``algorithm`` to ``comm``, ``schedule`` and the buckets.
@@ -158,7 +158,7 @@ class DecentralizedDataParallel(nn.Module):
     the mixing (integer buffers such as ``num_batches_tracked`` stay local); the algorithm's ``nonfinite`` policy
     applies to them as to the parameters.
 
-    Metrics: with ``run_dir`` a rank appends one JSON line per step (see :mod:`gossip.metrics`), including the
+    Metrics: with ``run_dir`` a rank appends one JSON line per step (see :mod:`gossip.wrapper.metrics`), including the
     sampled consensus distance every ``consensus_every`` steps (one small all-reduce of ``2 * consensus_samples``
     float64 values; 0 turns it off). When any rank has a ``run_dir`` the sampling runs on every rank, so
     passing one on rank 0 only is fine; ``consensus_every``, ``consensus_samples``, ``seed``, ``bucket_bytes``,
@@ -269,11 +269,11 @@ class DecentralizedDataParallel(nn.Module):
 
     @property
     def phase(self) -> StepPhase:
-        """Where the current step is (:class:`gossip.step_phase.StepPhase`)."""
+        """Where the current step is (:class:`gossip.wrapper.step_phase.StepPhase`)."""
         return self._step.phase
 
     def _move(self, event: str, operation: str, *, check_only: bool = False) -> None:
-        """Apply a step event (see :data:`gossip.step_phase.TRANSITIONS`); raise StepPhaseError if illegal.
+        """Apply a step event (see :data:`gossip.wrapper.step_phase.TRANSITIONS`); raise StepPhaseError if illegal.
 
         ``check_only``: only refuse an illegal event, before an action that cannot be undone.
         """
@@ -319,7 +319,7 @@ class DecentralizedDataParallel(nn.Module):
 
     def log(self, **values: Any) -> None:
         """Add ``values`` (e.g. ``loss=loss``) to this step's metrics row: call it before ``optimizer.step()``, or
-        after it and before the next forward (see :meth:`gossip.metrics.StepMetrics.note`)."""
+        after it and before the next forward (see :meth:`gossip.wrapper.metrics.StepMetrics.note`)."""
         self.metrics.note(**values)
 
     def finish_mixing(self) -> None:
@@ -516,7 +516,7 @@ class DecentralizedDataParallel(nn.Module):
         self._move("start", "starting the exchange")
         self._started_at = time.perf_counter()
 
-    # -- the optimizer-step hooks (gossip.optimizer_hooks calls these) ------------------------------------------
+    # -- the optimizer-step hooks (gossip.wrapper.optimizer_hooks calls these) ---------------------------------
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
         """True when ``optimizer`` trains this wrapper's parameters; a ValueError when it covers only part."""
         owned = self._ownership.get(optimizer)
@@ -611,7 +611,7 @@ class DecentralizedDataParallel(nn.Module):
         buffers if ``buffers``); on exit every rank's own values are back, untouched. A collective.
 
         The average is computed into one new buffer per bucket (a clone of x_t, then ``all_reduce``) and the
-        module's parameters are pointed at it for the block (:func:`gossip.consensus.reading`); the buckets are
+        module's parameters are pointed at it for the block (:func:`gossip.wrapper.consensus.reading`); the buckets are
         only read. So an exchange in flight, which sends the buckets' memory, keeps running undisturbed and is
         completed by the optimizer step as usual: the training trajectory is the same as without the evaluation,
         and the only full-model copy is the average itself.

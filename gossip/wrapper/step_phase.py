@@ -1,4 +1,4 @@
-r"""The phases of one training step of :class:`gossip.parallel.DecentralizedDataParallel`, and its legal moves.
+r"""The phases of one training step of :class:`gossip.wrapper.parallel.DecentralizedDataParallel`, and its legal moves.
 
 Step t of the wrapper (Decent-DP's schema, arXiv 2410.11998, Sec. 3) goes through
 

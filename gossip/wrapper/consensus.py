@@ -124,8 +124,8 @@ def reading(tensors: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> 
     """Within the block each of ``tensors`` reads the matching one of ``values``; afterwards its own memory again.
 
     ``tensor.data = value`` for the block, and the tensor's own storage back on exit (the way
-    :func:`gossip.buckets.bucket_parameters` makes parameters views of a bucket): the tensors' memory is neither
-    copied nor written, so restoring costs nothing and is exact. What is written into a tensor inside the block
+    :func:`gossip.algorithms.buckets.bucket_parameters` makes parameters views of a bucket): the tensors' memory is
+    neither copied nor written, so restoring costs nothing and is exact. What is written into a tensor inside the block
     lands in ``value``.
     """
     if len(tensors) != len(values):

@@ -22,8 +22,8 @@ import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
 from gossip.algorithms.base import Algorithm
+from gossip.algorithms.buckets import Bucket
 from gossip.backends.base import Communicator
-from gossip.buckets import Bucket
 from gossip.errors import ReplicaMismatchError
 from topologies import Schedule
 

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from gossip.backends.base import Communicator
+from gossip.backends.launch_env import LaunchInfo, detect_launch
+from gossip.backends.rendezvous import agent_serves_the_store, rendezvous_store
 from gossip.errors import BackendUnavailableError, LaunchError
-from gossip.launch_env import LaunchInfo, detect_launch
-from gossip.rendezvous import agent_serves_the_store, rendezvous_store
 
 BACKENDS = ("auto", "mpi", "gloo", "nccl")
 DEFAULT_TIMEOUT = 120.0

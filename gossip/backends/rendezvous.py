@@ -25,10 +25,10 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from gossip.backends.launch_env import LaunchInfo
 from gossip.errors import LaunchError
-from gossip.launch_env import LaunchInfo
 
-_KEY = "gossip/rendezvous"
+_KEY = "gossip/backends/rendezvous"
 
 
 def agent_serves_the_store() -> bool:
