@@ -1,16 +1,19 @@
-"""The import structure of the library: it never imports the main job, and its modules import each other without a
-cycle.
+"""The import structure of the library: its layers import only downward, it never imports the main job, and its
+modules import each other without a cycle.
 
 The library is every module of ``gossip`` (outside ``gossip.app``, the main job, and ``gossip/__main__.py``, the
-``python -m gossip`` entry point that forwards to it), ``optim`` and ``topologies``. The checks read the source with
-:mod:`ast`, so an import inside a function counts like one at the top of a module; only imports under
-``if TYPE_CHECKING:`` (never executed) are left out. A cycle is found with :func:`networkx.find_cycle` on the graph
-module -> module it imports; the same check covers experiments/.
+``python -m gossip`` entry point that forwards to it), ``optim`` and ``topologies``. :data:`LAYERS` orders them (and
+the main job) from the bottom up, as docs/ARCHITECTURE.md's "Layers" table does: a module may import its own layer
+and the layers below it, never one above. The checks read the source with :mod:`ast`, so an import inside a function
+counts like one at the top of a module; only imports under ``if TYPE_CHECKING:`` (never executed) are left out. A
+cycle is found with :func:`networkx.find_cycle` on the graph module -> module it imports; the same check covers
+experiments/.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import networkx as nx
@@ -19,6 +22,20 @@ REPO = Path(__file__).resolve().parent.parent
 LIBRARY_PACKAGES = ("gossip", "optim", "topologies")
 APPLICATION = "gossip.app"
 ENTRY_POINTS = ("gossip.__main__",)  # forwards to the application by design
+ARCHITECTURE = REPO / "docs" / "ARCHITECTURE.md"
+
+# The layers, lowest first: (name, packages). A module belongs to the layer of the longest package that is a prefix of
+# its dotted name; ``gossip`` itself names only the package's ``__init__.py``, its public names.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("topologies and optimizers", ("topologies", "optim")),  # know nothing of gossip
+    ("errors", ("gossip.errors",)),  # every exception and warning, usable by every layer above
+    ("communicators", ("gossip.backends",)),  # the communicators and the process bootstrap (gossip.init)
+    ("algorithms", ("gossip.algorithms",)),  # the gossip algorithms and the flat parameter buckets
+    ("wrapper", ("gossip.wrapper",)),  # DecentralizedDataParallel and its helpers
+    ("checkpoint", ("gossip.checkpoint",)),  # save and resume of a wrapped run
+    ("public names", ("gossip",)),  # gossip/__init__.py
+    ("main job", (APPLICATION, *ENTRY_POINTS)),  # gossip-train and python -m gossip
+)
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -103,6 +120,41 @@ def import_cycle(graph: nx.DiGraph) -> list[str] | None:
     return [source for source, _ in edges] + [edges[0][0]]
 
 
+def layer_of(module: str) -> int | None:
+    """The index in :data:`LAYERS` of ``module``'s layer, or None when no layer holds it."""
+    owners = [
+        (len(package), index)
+        for index, (_, packages) in enumerate(LAYERS)
+        for package in packages
+        if module == package or (package != "gossip" and module.startswith(package + "."))
+    ]
+    return max(owners)[1] if owners else None
+
+
+def unlayered_modules(root: Path) -> list[str]:
+    """The modules of the library and the main job that no layer of :data:`LAYERS` holds."""
+    return sorted(module for module in import_graph(root, LIBRARY_PACKAGES) if layer_of(module) is None)
+
+
+def upward_imports(root: Path) -> list[str]:
+    """Every import of a module from a higher layer than the importer's, as ``importer (layer) -> imported (layer)``."""
+    graph = import_graph(root, LIBRARY_PACKAGES)
+    offending = []
+    for module, target in sorted(graph.edges):
+        below, above = layer_of(module), layer_of(target)
+        if below is not None and above is not None and above > below:
+            offending.append(f"{module} ({LAYERS[below][0]}) -> {target} ({LAYERS[above][0]})")
+    return offending
+
+
+def documented_layers(text: str) -> list[tuple[str, ...]]:
+    """The packages of each row of the table under "## Layers" in docs/ARCHITECTURE.md, in order (dotted names in
+    backticks in the last column)."""
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|") and not line.startswith("|---")][1:]
+    return [tuple(re.findall(r"`([\w.]+)`", row.rstrip(" |").rsplit("|", 1)[1])) for row in rows]
+
+
 def library_imports_of_application(root: Path) -> dict[str, list[str]]:
     """``{library module: [application modules it imports]}`` for every library module that imports the main job."""
     graph = import_graph(root, LIBRARY_PACKAGES)
@@ -114,6 +166,28 @@ def library_imports_of_application(root: Path) -> dict[str, list[str]]:
         if targets:
             offending[module] = targets
     return offending
+
+
+def test_every_module_belongs_to_a_layer():
+    assert unlayered_modules(REPO) == [], "modules outside every layer: add their package to LAYERS (lowest first)"
+
+
+def test_the_layers_import_only_downward():
+    """A module imports its own layer and the layers below it (:data:`LAYERS`), never one above."""
+    assert len(import_graph(REPO, LIBRARY_PACKAGES).edges) > 50, "the import graph was not read (no edges found)"
+    offending = upward_imports(REPO)
+    assert offending == [], (
+        "imports that run up the layers (importer (its layer) -> imported (a higher layer)):\n  "
+        + "\n  ".join(offending)
+        + "\nmove the shared piece down into the layer that both can import"
+    )
+
+
+def test_the_architecture_document_lists_the_same_layers():
+    expected = [tuple(p for p in packages if p not in ENTRY_POINTS) for _, packages in LAYERS]
+    assert documented_layers(ARCHITECTURE.read_text(encoding="utf-8")) == expected, (
+        "docs/ARCHITECTURE.md's Layers table (its package column, row by row) and LAYERS disagree; update both"
+    )
 
 
 def test_no_library_module_imports_the_application():
@@ -167,3 +241,37 @@ def test_the_checks_find_a_cycle_through_a_lazy_import_and_an_import_of_the_appl
     cycles = sorted(sorted(cycle) for cycle in nx.simple_cycles(graph))
     assert cycles == [["gossip.app.train", "gossip.wrapper.metrics"], ["topologies.schedule", "topologies.validation"]]
     assert import_cycle(graph) is not None
+
+
+def test_the_layering_check_names_an_upward_import_and_a_module_outside_every_layer(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "gossip/__init__.py": "from gossip.wrapper.parallel import Wrapper\n",
+            "gossip/errors.py": "",
+            "gossip/backends/__init__.py": "",
+            "gossip/backends/base.py": "from gossip.errors import Error\nfrom topologies import Schedule\n",
+            "gossip/algorithms/__init__.py": "",
+            "gossip/algorithms/base.py": "def f():\n    from ..wrapper import metrics\n",
+            "gossip/wrapper/__init__.py": "",
+            "gossip/wrapper/metrics.py": "from gossip.backends import base\n",
+            "gossip/wrapper/parallel.py": "from gossip import errors\nfrom gossip.wrapper import metrics\n",
+            "gossip/loose.py": "",
+            "optim/__init__.py": "",
+            "topologies/__init__.py": "from gossip.backends.base import Communicator\n",
+        },
+    )
+    assert upward_imports(tmp_path) == [
+        "gossip.algorithms.base (algorithms) -> gossip.wrapper.metrics (wrapper)",
+        "topologies (topologies and optimizers) -> gossip.backends.base (communicators)",
+    ]
+    assert unlayered_modules(tmp_path) == ["gossip.loose"]
+    assert layer_of("gossip") == 6 and layer_of("gossip.algorithms") == 3 and layer_of("gossip.__main__") == 7
+
+
+def test_the_layers_of_the_architecture_document_are_read_row_by_row():
+    """Only the last column counts, and only dotted names in it (``experiments/`` is a folder, not a layer)."""
+    table = "| layer | what | package |\n|---|---|---|\n| a | `x.y` | `topologies`, `optim` |\n"
+    table += "| b | | `gossip`, `experiments/` |"
+    text = f"## Layers\n\nSee `gossip.errors`.\n\n{table}\n\n## Next\n\n| x | `y` |\n"
+    assert documented_layers(text) == [("topologies", "optim"), ("gossip",)]
