@@ -27,6 +27,7 @@ from gossip.backends.launch_env import LaunchInfo, detect_launch
 from gossip.backends.simulator import SimulatorCommunicator, simulate
 from gossip.checkpoint import CheckpointFuture, load_checkpoint, save_checkpoint
 from gossip.errors import (
+    ArgumentTypeError,
     AverageDriftWarning,
     BackendUnavailableError,
     CheckpointError,
@@ -39,6 +40,7 @@ from gossip.errors import (
     ExchangeMismatchError,
     GossipError,
     GossipWarning,
+    InvalidArgumentError,
     LaunchError,
     MisuseError,
     MixingOnlyStepWarning,
@@ -62,6 +64,7 @@ __all__ = [
     "AdaptivePowerGossip",
     "Algorithm",
     "AllReduce",
+    "ArgumentTypeError",
     "AverageDriftWarning",
     "BackendUnavailableError",
     "CheckpointError",
@@ -81,6 +84,7 @@ __all__ = [
     "GossipWarning",
     "Handle",
     "HierarchicalGossip",
+    "InvalidArgumentError",
     "LaunchError",
     "LaunchInfo",
     "MisuseError",

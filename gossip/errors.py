@@ -11,7 +11,7 @@ what the user does about it:
 
     GossipError (RuntimeError)
     |-- ConfigurationError    fix the settings, the launch or the environment, then start again
-    |     LaunchError, BackendUnavailableError, ConfigError (also ValueError),
+    |     InvalidArgumentError (also ValueError), LaunchError, BackendUnavailableError, ConfigError (also ValueError),
     |     DDPBackendError (also ValueError), CheckpointWriteError
     |-- PeerFailureError      a peer (its process, its network or its numbers) failed: find the failing rank
     |     PeerFailedError, CommTimeoutError (also TimeoutError), NonFiniteError
@@ -19,7 +19,8 @@ what the user does about it:
     |     ReplicaMismatchError (also ValueError), ExchangeMismatchError,
     |     CheckpointMismatchError (also ValueError)
     `-- MisuseError           the calling code breaks the API's contract: change the code
-          ModelChangedError, StepPhaseError, UntrustedCheckpointError, UseAfterCloseError
+          ArgumentTypeError (also TypeError), ModelChangedError, StepPhaseError, UntrustedCheckpointError,
+          UseAfterCloseError
 
 :class:`CheckpointError` is no group but a topic: the checkpoint errors (``CheckpointWriteError``,
 ``CheckpointMismatchError``, ``UntrustedCheckpointError``) derive from it as well as from their group, so
@@ -79,6 +80,11 @@ class BackendUnavailableError(ConfigurationError):
     """A requested backend cannot run in this process; the message names the fix."""
 
 
+class InvalidArgumentError(ConfigurationError, ValueError):
+    """An argument or setting passed to the library has a value it cannot use (a rank below 1, a negative
+    timeout, an unknown policy name, ...); the message names the argument, the value and what is accepted."""
+
+
 class ConfigError(ConfigurationError, ValueError):
     """A ``gossip-train`` command-line option has a value this run cannot use; ``option`` names it (e.g.
     ``--schedule``)."""
@@ -131,6 +137,11 @@ class ModelChangedError(MisuseError):
 
 class StepPhaseError(MisuseError):
     """An operation out of order within a training step (e.g. ``next_step()`` before ``finish_mixing()``)."""
+
+
+class ArgumentTypeError(MisuseError, TypeError):
+    """An argument of a type the call cannot take (a tensor that is not contiguous, an object without
+    ``state_dict()``, a wrapper inside a wrapper, ...); the message names the argument and the type expected."""
 
 
 class UseAfterCloseError(MisuseError):
