@@ -179,3 +179,24 @@ def test_docs_list_every_class_with_its_group() -> None:
 def test_the_failure_behaviour_page_and_the_readme_link_the_error_reference() -> None:
     assert "](errors.md)" in (REPO / "docs" / "failures.md").read_text()
     assert "](docs/errors.md)" in (REPO / "README.md").read_text()
+
+
+BUILTIN_EXCEPTIONS = {
+    name
+    for name, value in vars(__import__("builtins")).items()
+    if isinstance(value, type) and issubclass(value, BaseException)
+}
+
+
+@pytest.mark.parametrize(
+    "folder", ["gossip/backends", "gossip/algorithms", "gossip/wrapper", "gossip/checkpoint", "gossip/app"]
+)
+def test_no_raise_of_a_builtin_exception(folder: str) -> None:
+    """Every error raised on purpose is a gossip.errors class (its builtin base kept), never a bare builtin."""
+    offenders = [
+        f"{path.relative_to(REPO)}:{line}: raise {name}"
+        for path in sorted((REPO / folder).rglob("*.py"))
+        for line, name in raised_names(path.read_text())
+        if name in BUILTIN_EXCEPTIONS
+    ]
+    assert offenders == [], "raise the fitting gossip.errors class instead (e.g. InvalidArgumentError for a ValueError)"

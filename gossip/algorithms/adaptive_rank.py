@@ -39,6 +39,7 @@ import torch
 from gossip.algorithms.buckets import Bucket
 from gossip.algorithms.powergossip import PowerGossip
 from gossip.backends.base import Communicator, Handle
+from gossip.errors import InvalidArgumentError
 from topologies import Schedule
 
 
@@ -48,11 +49,13 @@ class LadderSearch:
     def __init__(self, ladder: Sequence[int], epsilon: float = 0.75, omega: float = 0.05):
         ladder = tuple(ladder)
         if not ladder or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in ladder):
-            raise ValueError(f"LadderSearch: ladder must be a non-empty sequence of integers >= 1, got {ladder!r}")
+            raise InvalidArgumentError(
+                f"LadderSearch: ladder must be a non-empty sequence of integers >= 1, got {ladder!r}"
+            )
         if list(ladder) != sorted(set(ladder)):
-            raise ValueError(f"LadderSearch: ladder must be strictly increasing, got {ladder!r}")
+            raise InvalidArgumentError(f"LadderSearch: ladder must be strictly increasing, got {ladder!r}")
         if not 0 < epsilon <= 1 or not omega > 0:
-            raise ValueError(f"LadderSearch: need 0 < epsilon <= 1 and omega > 0, got {epsilon}, {omega}")
+            raise InvalidArgumentError(f"LadderSearch: need 0 < epsilon <= 1 and omega > 0, got {epsilon}, {omega}")
         self.ladder, self.epsilon, self.omega = ladder, float(epsilon), float(omega)
         self.reopen()
 
@@ -119,11 +122,13 @@ class AdaptivePowerGossip(PowerGossip):
         self.search = LadderSearch(ladder, epsilon, omega)
         super().__init__(rank=self.search.rank, **powergossip)
         if isinstance(every, bool) or not isinstance(every, int) or every < 2:
-            raise ValueError(f"AdaptivePowerGossip: every must be an integer >= 2 (steps per window), got {every!r}")
+            raise InvalidArgumentError(
+                f"AdaptivePowerGossip: every must be an integer >= 2 (steps per window), got {every!r}"
+            )
         if isinstance(sketch_size, bool) or not isinstance(sketch_size, int) or sketch_size < 1:
-            raise ValueError(f"AdaptivePowerGossip: sketch_size must be an integer >= 1, got {sketch_size!r}")
+            raise InvalidArgumentError(f"AdaptivePowerGossip: sketch_size must be an integer >= 1, got {sketch_size!r}")
         if not 0 < alpha <= 1:
-            raise ValueError(f"AdaptivePowerGossip: alpha must be in (0, 1], got {alpha}")
+            raise InvalidArgumentError(f"AdaptivePowerGossip: alpha must be in (0, 1], got {alpha}")
         self.every, self.sketch_size, self.alpha = every, sketch_size, float(alpha)
         self.distance_target, self.clock = distance_target, clock
         self.history: list[dict[str, Any]] = []
@@ -146,10 +151,10 @@ class AdaptivePowerGossip(PowerGossip):
     def set_rank(self, new_rank: int) -> None:
         """Change the rank of every edge now (call at the same step on every rank), keeping the warm factors."""
         if isinstance(new_rank, bool) or not isinstance(new_rank, int) or new_rank < 1:
-            raise ValueError(f"rank {self.comm.rank}: set_rank needs an integer >= 1, got {new_rank!r}")
+            raise InvalidArgumentError(f"rank {self.comm.rank}: set_rank needs an integer >= 1, got {new_rank!r}")
         for matrix in self.matrices:
             if new_rank > min(matrix.m, matrix.k):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"rank {self.comm.rank}: set_rank({new_rank}): parameter {matrix.entry.name!r} of shape "
                     f"{tuple(matrix.entry.shape)} allows at most rank {min(matrix.m, matrix.k)}"
                 )

@@ -15,6 +15,7 @@ import torch
 
 from gossip.algorithms.base import COLLECTIVE, Algorithm
 from gossip.backends.base import Handle
+from gossip.errors import InvalidArgumentError
 
 __all__ = ["COLLECTIVE", "AllReduce"]
 
@@ -32,7 +33,7 @@ class AllReduce(Algorithm):
 
     def __init__(self, gamma: float = 1.0):
         if not 0 < gamma <= 1:
-            raise ValueError(f"AllReduce: gamma must be in (0, 1], got {gamma}")
+            raise InvalidArgumentError(f"AllReduce: gamma must be in (0, 1], got {gamma}")
         self.gamma = float(gamma)
 
     def _start_step(self, step: int) -> _Pending:

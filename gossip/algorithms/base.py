@@ -43,7 +43,7 @@ import torch
 
 from gossip.algorithms.buckets import Bucket
 from gossip.backends.base import COLLECTIVE, Communicator, Handle, PlannedExchange, Traffic
-from gossip.errors import NonFiniteError, NonFiniteWarning
+from gossip.errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, NonFiniteWarning
 from topologies import Schedule
 
 __all__ = ["COLLECTIVE", "Algorithm", "Traffic", "check_nonfinite_policy"]
@@ -60,7 +60,7 @@ TEMPLATE_METHODS = (("start", "_start_step"), ("finish", "_finish_step"))
 def check_nonfinite_policy(owner: str, policy: str) -> str:
     """Return ``policy`` if it is one of :data:`NONFINITE_POLICIES`, else raise a ValueError naming ``owner``."""
     if policy not in NONFINITE_POLICIES:
-        raise ValueError(f"{owner}: nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
+        raise InvalidArgumentError(f"{owner}: nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
     return policy
 
 
@@ -135,7 +135,7 @@ class Algorithm(abc.ABC):
         super().__init_subclass__(**kwargs)
         for method, hook in TEMPLATE_METHODS:
             if method in vars(cls):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"{cls.__module__}.{cls.__qualname__} overrides Algorithm.{method}(), which the base class runs "
                     f"itself (it does every step's bookkeeping: the deferred non-finite check and the reset of the "
                     f"step's account of bytes and waits); implement {hook}() instead, which {method}() calls"
@@ -145,7 +145,7 @@ class Algorithm(abc.ABC):
         """Bind to ``comm``, ``schedule`` and ``buckets``; refuse a schedule this algorithm cannot run."""
         bound = getattr(self, "comm", None)
         if bound is not None and bound is not comm:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"this {type(self).__name__} is already bound to rank {bound.rank}; create one algorithm object per "
                 f"rank (rank {comm.rank} tried to reuse it)"
             )
@@ -331,4 +331,4 @@ class Algorithm(abc.ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
-            raise ValueError(f"{self.name} keeps no state, but a non-empty state was given: {sorted(state)}")
+            raise InvalidArgumentError(f"{self.name} keeps no state, but a non-empty state was given: {sorted(state)}")

@@ -64,7 +64,7 @@ import torch
 from gossip.algorithms.base import Algorithm
 from gossip.algorithms.buckets import Bucket
 from gossip.backends.base import Communicator, Handle
-from gossip.errors import CheckpointMismatchError, NonFiniteError
+from gossip.errors import CheckpointMismatchError, InvalidArgumentError, NonFiniteError
 from topologies import Schedule
 
 __all__ = ["LOCAL_STEPS", "OUTER_LR", "OUTER_MOMENTUM", "DiLoCo", "outer_step"]
@@ -133,17 +133,17 @@ class DiLoCo(Algorithm):
         nesterov: bool = True,
     ):
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"DiLoCo: local_steps must be an integer >= 1 (steps between synchronisations), got {local_steps!r}"
             )
         if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not 0 < outer_lr < math.inf:
-            raise ValueError(f"DiLoCo: outer_lr must be a positive finite number, got {outer_lr!r}")
+            raise InvalidArgumentError(f"DiLoCo: outer_lr must be a positive finite number, got {outer_lr!r}")
         if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)):
-            raise ValueError(f"DiLoCo: outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
+            raise InvalidArgumentError(f"DiLoCo: outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
         if not 0 <= outer_momentum < 1:
-            raise ValueError(f"DiLoCo: outer_momentum must be in [0, 1), got {outer_momentum!r}")
+            raise InvalidArgumentError(f"DiLoCo: outer_momentum must be in [0, 1), got {outer_momentum!r}")
         if not isinstance(nesterov, bool):
-            raise ValueError(f"DiLoCo: nesterov must be True or False, got {nesterov!r}")
+            raise InvalidArgumentError(f"DiLoCo: nesterov must be True or False, got {nesterov!r}")
         self.local_steps = local_steps
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
@@ -262,14 +262,14 @@ class DiLoCo(Algorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         where = f"rank {self.comm.rank}" if getattr(self, "comm", None) is not None else "DiLoCo"
         if state.get("config") != self.config():
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{where}: DiLoCo state was saved with {state.get('config')}, this run uses {self.config()}"
             )
         for key, mine in (("sync", self._sync), ("momentum", self._momentum)):
             saved = state[key]
             layout = [(tuple(t.shape), t.dtype) for t in saved]
             if layout != [(tuple(t.shape), t.dtype) for t in mine]:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{where}: DiLoCo state '{key}' holds tensors {layout}, this run's buckets need "
                     f"{[(tuple(t.shape), t.dtype) for t in mine]} (another model or bucket_bytes)"
                 )

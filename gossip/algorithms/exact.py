@@ -12,6 +12,7 @@ import torch
 
 from gossip.algorithms.base import Algorithm, check_nonfinite_policy
 from gossip.backends.base import Handle
+from gossip.errors import InvalidArgumentError
 from topologies import PeerView
 
 
@@ -30,7 +31,7 @@ class ExactGossip(Algorithm):
 
     def __init__(self, gamma: float = 1.0, *, nonfinite: str = "raise"):
         if not gamma > 0:
-            raise ValueError(f"ExactGossip: gamma must be positive, got {gamma}")
+            raise InvalidArgumentError(f"ExactGossip: gamma must be positive, got {gamma}")
         self.gamma = float(gamma)
         self._nonfinite = check_nonfinite_policy("ExactGossip", nonfinite)
         self._receive_buffers: list[list[torch.Tensor]] = []

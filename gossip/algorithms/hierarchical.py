@@ -42,6 +42,7 @@ from gossip.algorithms.base import Algorithm
 from gossip.algorithms.buckets import Bucket, Entry, pack
 from gossip.algorithms.powergossip import Policy, PowerGossip
 from gossip.backends.base import Communicator, Handle
+from gossip.errors import ArgumentTypeError, InvalidArgumentError
 from topologies import Schedule, hierarchical
 
 PHASES = 3  # exchanges per step: reduce-scatter, inter-node, all-gather (their seq is PHASES * step + phase)
@@ -119,13 +120,15 @@ class HierarchicalGossip(Algorithm):
         if compress_rank is not None and (
             isinstance(compress_rank, bool) or not isinstance(compress_rank, int) or compress_rank < 1
         ):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"HierarchicalGossip: compress_rank must be None or an integer >= 1, got {compress_rank!r}"
             )
         if local_size is not None and (
             isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1
         ):
-            raise ValueError(f"HierarchicalGossip: local_size must be None or an integer >= 1, got {local_size!r}")
+            raise InvalidArgumentError(
+                f"HierarchicalGossip: local_size must be None or an integer >= 1, got {local_size!r}"
+            )
         self.compress_rank, self.local_size = compress_rank, local_size
         self.min_compression, self.policy, self.seed = min_compression, policy, seed
         # The part that compresses the inter-node level, built here; setup binds it where it has work.
@@ -141,12 +144,12 @@ class HierarchicalGossip(Algorithm):
         """Bind; ``schedule`` must be ``topologies.hierarchical(N, L)`` or None (then it is built)."""
         per_node = self.local_size if self.local_size is not None else comm.local_size
         if comm.size % per_node:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"rank {comm.rank}: HierarchicalGossip: local size {per_node} does not divide "
                 f"the world size {comm.size}"
             )
         if self.local_size is None and comm.local_rank != comm.rank % per_node:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"rank {comm.rank}: HierarchicalGossip needs node-major rank numbering (rank = node * local_size + "
                 f"local_rank), but local_rank is {comm.local_rank} with local_size {per_node}"
             )
@@ -155,7 +158,7 @@ class HierarchicalGossip(Algorithm):
         if schedule is None:
             schedule = expected
         elif schedule.fingerprint() != expected.fingerprint():
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"rank {comm.rank}: HierarchicalGossip mixes as topologies.hierarchical({nodes}, {per_node}) "
                 f"(local size {per_node}); got schedule {schedule!r}; pass that schedule or None"
             )
@@ -171,7 +174,9 @@ class HierarchicalGossip(Algorithm):
 
     def _setup_compressed(self, comm: Communicator) -> None:
         if len({bucket.buffer.dtype for bucket in self.buckets}) > 1:
-            raise TypeError(f"rank {comm.rank}: HierarchicalGossip(compress_rank=...) needs buckets of one dtype")
+            raise ArgumentTypeError(
+                f"rank {comm.rank}: HierarchicalGossip(compress_rank=...) needs buckets of one dtype"
+            )
         self.entries: list[tuple[int, Entry]] = [(i, e) for i, b in enumerate(self.buckets) for e in b.entries]
         self.owner = assign_whole_tensors([e.numel for _, e in self.entries], self.per_node)
         self.owned_by = [[k for k, o in enumerate(self.owner) if o == j] for j in range(self.per_node)]
@@ -306,4 +311,4 @@ class HierarchicalGossip(Algorithm):
         if self.inner is not None:
             self.inner.load_state_dict(state["inner"])
         elif state:
-            raise ValueError(f"HierarchicalGossip keeps no state in this configuration, got {sorted(state)}")
+            raise InvalidArgumentError(f"HierarchicalGossip keeps no state in this configuration, got {sorted(state)}")

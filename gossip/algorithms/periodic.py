@@ -51,7 +51,7 @@ import torch
 from gossip.algorithms.base import Algorithm
 from gossip.algorithms.buckets import Bucket
 from gossip.backends.base import Communicator, Handle
-from gossip.errors import GossipError, NonFiniteError, NonFiniteWarning
+from gossip.errors import ArgumentTypeError, GossipError, InvalidArgumentError, NonFiniteError, NonFiniteWarning
 from topologies import Schedule
 
 
@@ -81,9 +81,9 @@ class PeriodicAverage(Algorithm):
 
     def __init__(self, inner: Algorithm, every: int):
         if not isinstance(inner, Algorithm):
-            raise TypeError(f"PeriodicAverage: inner must be a gossip.Algorithm, got {type(inner).__name__}")
+            raise ArgumentTypeError(f"PeriodicAverage: inner must be a gossip.Algorithm, got {type(inner).__name__}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"PeriodicAverage: every must be an integer >= 1 (steps between global averages), got {every!r}"
             )
         self.inner, self.every = inner, every
@@ -197,7 +197,7 @@ class PeriodicAverage(Algorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("config") != self.config():
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"rank {self.comm.rank}: PeriodicAverage state was saved with {state.get('config')}, this run uses "
                 f"{self.config()}"
             )

@@ -114,7 +114,7 @@ from gossip.algorithms.powergossip_layout import (
     group_matrices,
 )
 from gossip.backends.base import Communicator, Handle
-from gossip.errors import NonFiniteError, NonFiniteWarning
+from gossip.errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, NonFiniteWarning
 from topologies import Schedule
 
 Policy = Callable[[str, torch.Size], "bool | None"]
@@ -267,18 +267,20 @@ class PowerGossipTuning:
 
     def __post_init__(self) -> None:
         if self.orthonormalization not in (None, *METHODS):
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"PowerGossipTuning: orthonormalization must be None or one of {METHODS}, "
                 f"got {self.orthonormalization!r}"
             )
         if self.orthonormalize_dtype not in (None, torch.float32, torch.float64):
-            raise ValueError(
+            raise InvalidArgumentError(
                 "PowerGossipTuning: orthonormalize_dtype must be None, torch.float32 or torch.float64, "
                 f"got {self.orthonormalize_dtype!r}"
             )
         pad_ratio = self.pad_ratio
         if pad_ratio is not None and (isinstance(pad_ratio, bool) or not isinstance(pad_ratio, int) or pad_ratio < 1):
-            raise ValueError(f"PowerGossipTuning: pad_ratio must be None or an integer >= 1, got {pad_ratio!r}")
+            raise InvalidArgumentError(
+                f"PowerGossipTuning: pad_ratio must be None or an integer >= 1, got {pad_ratio!r}"
+            )
         object.__setattr__(self, "uncompressed_every_iteration", bool(self.uncompressed_every_iteration))
 
 
@@ -336,20 +338,20 @@ class PowerGossip(Algorithm):
         tuning: PowerGossipTuning | None = None,
     ):
         if message_dtype not in MESSAGE_DTYPES:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "PowerGossip: message_dtype must be None (the parameters' dtype) or one of torch.float16, "
                 f"torch.bfloat16, torch.float32 and torch.float64, got {message_dtype!r}"
             )
         if tuning is not None and not isinstance(tuning, PowerGossipTuning):
-            raise TypeError(f"PowerGossip: tuning must be a PowerGossipTuning or None, got {tuning!r}")
+            raise ArgumentTypeError(f"PowerGossip: tuning must be a PowerGossipTuning or None, got {tuning!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"PowerGossip: rank must be an integer >= 1, got {rank!r}")
+            raise InvalidArgumentError(f"PowerGossip: rank must be an integer >= 1, got {rank!r}")
         if isinstance(num_iterations, bool) or not isinstance(num_iterations, int) or num_iterations < 1:
-            raise ValueError(f"PowerGossip: num_iterations must be an integer >= 1, got {num_iterations!r}")
+            raise InvalidArgumentError(f"PowerGossip: num_iterations must be an integer >= 1, got {num_iterations!r}")
         if not gamma > 0:
-            raise ValueError(f"PowerGossip: gamma must be positive, got {gamma}")
+            raise InvalidArgumentError(f"PowerGossip: gamma must be positive, got {gamma}")
         if not min_compression >= 1:
-            raise ValueError(f"PowerGossip: min_compression must be >= 1 (a ratio), got {min_compression}")
+            raise InvalidArgumentError(f"PowerGossip: min_compression must be >= 1 (a ratio), got {min_compression}")
         self.matrix_rank, self.num_iterations, self.gamma = rank, num_iterations, float(gamma)
         self.warm_start, self.min_compression, self.policy, self.seed = warm_start, min_compression, policy, seed
         self.nonfinite = check_nonfinite_policy("PowerGossip", nonfinite)
@@ -369,10 +371,12 @@ class PowerGossip(Algorithm):
             m, k = shape[0], shape.numel() // shape[0]
             return m * k / (self.largest_matrix_rank() * (m + k)) >= self.min_compression
         if choice and len(shape) < 2:
-            raise ValueError(f"PowerGossip policy: parameter {entry.name!r} of shape {tuple(shape)} is not a matrix")
+            raise InvalidArgumentError(
+                f"PowerGossip policy: parameter {entry.name!r} of shape {tuple(shape)} is not a matrix"
+            )
         largest = self.largest_matrix_rank()
         if choice and min(shape[0], shape.numel() // shape[0]) < largest:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"PowerGossip: rank {largest} is larger than parameter {entry.name!r} of shape {tuple(shape)} "
                 f"allows (at most {min(shape[0], shape.numel() // shape[0])})"
             )
@@ -386,11 +390,11 @@ class PowerGossip(Algorithm):
 
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
         if schedule is None:
-            raise ValueError("PowerGossip needs a schedule (e.g. topologies.one_peer_hypercube(n))")
+            raise InvalidArgumentError("PowerGossip needs a schedule (e.g. topologies.one_peer_hypercube(n))")
         super().setup(comm, schedule, buckets)
         dtypes = {str(bucket.buffer.dtype).removeprefix("torch.") for bucket in buckets}
         if len(dtypes) > 1:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"rank {comm.rank}: PowerGossip sends each step's factors in one message of one dtype, but the "
                 f"parameters have dtypes {sorted(dtypes)}: convert the model to one dtype before wrapping "
                 "(e.g. model.float()), or use ExactGossip, which mixes every dtype"
@@ -399,7 +403,9 @@ class PowerGossip(Algorithm):
         self.exact: list[tuple[int, Entry]] = []
         for index, bucket in enumerate(buckets):
             if not bucket.buffer.is_floating_point():
-                raise TypeError(f"PowerGossip: bucket {index} holds {bucket.buffer.dtype}; parameters must be floats")
+                raise ArgumentTypeError(
+                    f"PowerGossip: bucket {index} holds {bucket.buffer.dtype}; parameters must be floats"
+                )
             for entry in bucket.entries:
                 if self._compress(entry):
                     m, k = entry.shape[0], entry.numel // entry.shape[0]
@@ -723,7 +729,9 @@ class PowerGossip(Algorithm):
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("config") != self.config():
-            raise ValueError(f"PowerGossip state was saved with {state.get('config')}, this run uses {self.config()}")
+            raise InvalidArgumentError(
+                f"PowerGossip state was saved with {state.get('config')}, this run uses {self.config()}"
+            )
         self.edges = {}
         for key, saved in state["edges"].items():
             generator = torch.Generator()

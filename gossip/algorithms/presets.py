@@ -22,6 +22,7 @@ import re
 import torch
 
 from gossip.algorithms.powergossip import Policy
+from gossip.errors import InvalidArgumentError
 
 #: Feed-forward (MLP) matrices: gossip.app.gpt, nanoGPT/HF GPT-2, Llama/Mistral, OPT, GPT-NeoX/BLOOM, BERT.
 MLP_PATTERNS = (
@@ -49,7 +50,7 @@ def tagc_policy(*, min_numel: int = 0, positional: bool = False, extra: tuple[st
     for attention and everything else.
     """
     if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
-        raise ValueError(f"tagc_policy: min_numel must be an integer >= 0, got {min_numel!r}")
+        raise InvalidArgumentError(f"tagc_policy: min_numel must be an integer >= 0, got {min_numel!r}")
     selected = [*MLP_PATTERNS, *EMBEDDING_PATTERNS, *(POSITIONAL_PATTERNS if positional else ()), *extra]
     compress = [re.compile(pattern) for pattern in selected]
     attention = [re.compile(pattern) for pattern in ATTENTION_PATTERNS]

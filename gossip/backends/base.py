@@ -50,7 +50,13 @@ from typing import Any
 
 import torch
 
-from gossip.errors import CommTimeoutError, ExchangeMismatchError, UseAfterCloseError
+from gossip.errors import (
+    ArgumentTypeError,
+    CommTimeoutError,
+    ExchangeMismatchError,
+    InvalidArgumentError,
+    UseAfterCloseError,
+)
 
 MAGIC = 0x60551B
 HEADER_LEN = 6
@@ -75,12 +81,26 @@ CLOSING = -2
 
 
 def closing_seq(steps: int) -> int:
-    """The sequence number of :meth:`Communicator.closing_handshake` after ``steps`` optimizer steps."""
+    """The sequence number of :meth:`Communicator.closing_handshake` after ``steps`` optimizer steps.
+
+    Args:
+        steps: optimizer steps this rank took before ``close()``.
+
+    Returns:
+        ``CLOSING - steps``: at or below :data:`CLOSING`, so never an exchange's number.
+    """
     return CLOSING - steps
 
 
 def exchange_name(seq: int) -> str:
-    """How messages and errors name the exchange numbered ``seq``."""
+    """How messages and errors name the exchange numbered ``seq``.
+
+    Args:
+        seq: the exchange's sequence number (at or below :data:`CLOSING` for the closing handshake).
+
+    Returns:
+        ``"exchange <seq>"``, or ``"close() after <k> optimizer steps"`` for a closing sequence number.
+    """
     return f"close() after {CLOSING - seq} optimizer steps" if seq <= CLOSING else f"exchange {seq}"
 
 
@@ -107,7 +127,14 @@ def _closing_mismatch(where: str, peer: int, seq: int, their_seq: int) -> str | 
 
 @dataclass(frozen=True)
 class Transfer:
-    """One tensor to or from one peer, the ``index``-th of ``count`` with that peer in this exchange."""
+    """One tensor to or from one peer, the ``index``-th of ``count`` with that peer in this exchange.
+
+    Attributes:
+        peer: the other rank.
+        tensor: the contiguous tensor sent, or received into.
+        index: its position among the tensors exchanged with ``peer``, from 0.
+        count: how many tensors this exchange carries with ``peer`` in this direction.
+    """
 
     peer: int
     tensor: torch.Tensor
@@ -116,12 +143,29 @@ class Transfer:
 
     @property
     def nbytes(self) -> int:
+        """Payload bytes of the tensor (``numel * element_size``)."""
         return self.tensor.numel() * self.tensor.element_size()
 
     def header(self, seq: int) -> list[int]:
+        """The per-tensor header announcing this tensor: ``[MAGIC, seq, index, count, dtype code, numel]``.
+
+        Args:
+            seq: the exchange's sequence number.
+
+        Returns:
+            The :data:`HEADER_LEN` integers of the header.
+        """
         return [MAGIC, seq, self.index, self.count, DTYPE_CODES[self.tensor.dtype], self.tensor.numel()]
 
     def describe(self, direction: str) -> str:
+        """How errors name this transfer.
+
+        Args:
+            direction: ``"send to"`` or ``"receive from"`` (any verb phrase placed before the peer).
+
+        Returns:
+            ``"<direction> peer <p> (tensor <i>/<count>)"``.
+        """
         return f"{direction} peer {self.peer} (tensor {self.index + 1}/{self.count})"
 
 
@@ -130,7 +174,18 @@ def _spec(code: int, numel: int) -> str:
 
 
 def check_header(header: Sequence[int], expected: Transfer, seq: int, rank: int) -> None:
-    """Raise :class:`ExchangeMismatchError` unless ``header`` announces exactly what ``expected`` can hold."""
+    """Raise :class:`ExchangeMismatchError` unless ``header`` announces exactly what ``expected`` can hold.
+
+    Args:
+        header: the per-tensor header the peer sent (see :meth:`Transfer.header`).
+        expected: the receive posted for it on this rank.
+        seq: this rank's sequence number for the exchange.
+        rank: this rank, for the message.
+
+    Raises:
+        ExchangeMismatchError: the header is not a gossip-train header, or its sequence number, index, count, dtype
+            or size differs from what this rank expects; the message names the peer.
+    """
     magic, their_seq, index, count, code, numel = (int(v) for v in header)
     where = f"rank {rank}: {exchange_name(seq)}: message from peer {expected.peer}"
     if magic != MAGIC:
@@ -159,19 +214,34 @@ def check_header(header: Sequence[int], expected: Transfer, seq: int, rank: int)
 
 
 def signature(transfers: Sequence[Transfer]) -> tuple[tuple[int, int], ...]:
-    """What a list of transfers with one peer carries: (dtype code, numel) per tensor, in order."""
+    """What a list of transfers with one peer carries: (dtype code, numel) per tensor, in order.
+
+    Args:
+        transfers: the transfers with one peer in one direction.
+
+    Returns:
+        One ``(dtype code, numel)`` pair per transfer.
+    """
     return tuple((DTYPE_CODES[t.tensor.dtype], t.tensor.numel()) for t in transfers)
 
 
 def digest(sig: tuple[tuple[int, int], ...]) -> int:
-    """A digest of a :func:`signature`, equal on every process (CRC-32 of its text)."""
+    """A digest of a :func:`signature`, equal on every process (CRC-32 of its text).
+
+    Args:
+        sig: a :func:`signature`.
+
+    Returns:
+        The CRC-32 of ``repr(sig)``, an integer in ``[0, 2^32)``.
+    """
     return zlib.crc32(repr(sig).encode())
 
 
 class LayoutHistory:
-    """Which layout (a pair of :func:`signature` each: what this rank sends a peer, what it expects from it) the next
-    exchange with one peer is predicted to carry; an exchange that matches the prediction is *steady* (no
-    per-tensor headers), any other re-checks its tensors.
+    """Which layout the next exchange with one peer is predicted to carry.
+
+    A layout is a pair of :func:`signature` s: what this rank sends a peer, what it expects from it. An exchange that
+    matches the prediction is *steady* (no per-tensor headers), any other re-checks its tensors.
 
     The prediction: the layout of ``p`` exchanges ago, for the shortest period ``p`` (up to ``MAX_PERIOD``) over
     which the last ``2 p`` exchanges repeat; without one, the last layout. An unchanged layout is steady from its
@@ -191,7 +261,11 @@ class LayoutHistory:
         self.recent: list[tuple] = []  # the last 2 x MAX_PERIOD layouts, oldest first
 
     def predicted(self) -> tuple | None:
-        """The layout a steady exchange carries next; None before the first exchange."""
+        """The layout a steady exchange carries next; None before the first exchange.
+
+        Returns:
+            The predicted ``(sends signature, receives signature)`` pair, or None when there is no history yet.
+        """
         recent = self.recent
         for period in range(1, len(recent) // 2 + 1):
             if recent[-period:] == recent[-2 * period : -period]:
@@ -199,19 +273,46 @@ class LayoutHistory:
         return recent[-1] if recent else None
 
     def record(self, layout: tuple) -> None:
-        """``layout`` was exchanged (checked now or steady)."""
+        """``layout`` was exchanged (checked now or steady).
+
+        Args:
+            layout: the ``(sends signature, receives signature)`` pair the exchange carried.
+        """
         self.recent.append(layout)
         del self.recent[: -2 * self.MAX_PERIOD]
 
 
 def steady_header(seq: int, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> list[int]:
+    """The one header per peer of a steady exchange: ``[MAGIC, seq, STEADY, count, digest(sends), digest(recvs)]``.
+
+    Args:
+        seq: the exchange's sequence number.
+        sends: the transfers this rank sends the peer.
+        recvs: the transfers this rank receives from the peer.
+
+    Returns:
+        The :data:`HEADER_LEN` integers of the header.
+    """
     return [MAGIC, seq, STEADY, len(sends), digest(signature(sends)), digest(signature(recvs))]
 
 
 def check_steady_header(
     header: Sequence[int], peer: int, seq: int, rank: int, sends: Sequence[Transfer], recvs: Sequence[Transfer]
 ) -> None:
-    """Raise :class:`ExchangeMismatchError` unless ``header`` is ``peer``'s steady header matching this exchange."""
+    """Raise :class:`ExchangeMismatchError` unless ``header`` is ``peer``'s steady header matching this exchange.
+
+    Args:
+        header: the header ``peer`` sent.
+        peer: the rank that sent it.
+        seq: this rank's sequence number for the exchange.
+        rank: this rank, for the message.
+        sends: what this rank sends ``peer`` (the peer's header must expect it).
+        recvs: what this rank expects from ``peer`` (the peer's header must announce it).
+
+    Raises:
+        ExchangeMismatchError: the header is not a steady gossip-train header, or ``peer`` is at another sequence
+            number, or what it sends or expects differs from this rank's; the message names the peer.
+    """
     magic, their_seq, index, count, their_sends, their_recvs = (int(v) for v in header)
     where = f"rank {rank}: {exchange_name(seq)}: message from peer {peer}"
     if magic != MAGIC:
@@ -249,24 +350,42 @@ def _check_tensor(tensor: Any, what: str | Callable[[], str], device: torch.devi
         return tensor.detach() if tensor.requires_grad else tensor
     what = what() if callable(what) else what
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+        raise ArgumentTypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in DTYPE_CODES:
-        raise TypeError(f"{what} has dtype {tensor.dtype}; supported: {', '.join(_CODE_NAMES.values())}")
+        raise ArgumentTypeError(f"{what} has dtype {tensor.dtype}; supported: {', '.join(_CODE_NAMES.values())}")
     if not tensor.is_contiguous():
-        raise ValueError(f"{what} is not contiguous; pass a contiguous (flat) buffer")
-    raise ValueError(f"{what} is on {tensor.device} but this communicator moves {device.type} tensors")
+        raise InvalidArgumentError(f"{what} is not contiguous; pass a contiguous (flat) buffer")
+    raise InvalidArgumentError(f"{what} is on {tensor.device} but this communicator moves {device.type} tensors")
 
 
 def plan_transfers(
     pairs: Sequence[tuple[int, torch.Tensor]], direction: str, rank: int, size: int, device: torch.device
 ) -> list[Transfer]:
-    """Validate ``(peer, tensor)`` pairs and number the tensors per peer in the order given."""
+    """Validate ``(peer, tensor)`` pairs and number the tensors per peer in the order given.
+
+    Args:
+        pairs: ``(peer, tensor)`` for each tensor to send or receive into.
+        direction: ``"send to"`` or ``"receive from"``, for messages.
+        rank: this rank (a peer must be another rank).
+        size: the number of ranks.
+        device: the device this communicator moves tensors on.
+
+    Returns:
+        One :class:`Transfer` per pair, in order, numbered per peer.
+
+    Raises:
+        InvalidArgumentError: a peer is not a rank in ``[0, size)`` or is this rank, or a tensor is not contiguous
+            or is on another device.
+        ArgumentTypeError: a tensor is not a ``torch.Tensor`` or has an unsupported dtype.
+    """
     counts: dict[int, int] = {}
     for peer, _ in pairs:
         if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < size:
-            raise ValueError(f"rank {rank}: {direction} peer {peer!r} is not a rank in [0, {size})")
+            raise InvalidArgumentError(f"rank {rank}: {direction} peer {peer!r} is not a rank in [0, {size})")
         if peer == rank:
-            raise ValueError(f"rank {rank}: cannot {direction} itself; keep the local share out of exchange()")
+            raise InvalidArgumentError(
+                f"rank {rank}: cannot {direction} itself; keep the local share out of exchange()"
+            )
         counts[peer] = counts.get(peer, 0) + 1
     seen: dict[int, int] = {}
     transfers = []
@@ -280,12 +399,19 @@ def plan_transfers(
 
 @dataclass(frozen=True)
 class PlannedExchange:
-    """An exchange's transfers, validated and numbered once, for buffers that stay the same from step to step:
+    """An exchange's transfers, validated and numbered once, for buffers that stay the same from step to step.
+
     :meth:`Communicator.start_planned` posts it again and again without re-checking its tensors (as MPI's
     persistent requests, ``MPI_Send_init`` and ``MPI_Start``, set a transfer up once). Built by
     :meth:`Communicator.plan_exchange`; its tensors must keep their dtype, size and memory for as long as the plan
     is used (the wire protocol's headers still announce each tensor as it is at each exchange, so a peer that
-    disagrees is still named). ``a + b`` is one exchange carrying both, for plans with different peers."""
+    disagrees is still named). ``a + b`` is one exchange carrying both, for plans with different peers.
+
+    Attributes:
+        sends: the transfers to send, numbered per peer.
+        recvs: the transfers to receive into, numbered per peer.
+        nbytes: ``(peer, bytes sent, bytes received)`` per peer, for the traffic accounts.
+    """
 
     sends: tuple[Transfer, ...]
     recvs: tuple[Transfer, ...]
@@ -295,7 +421,9 @@ class PlannedExchange:
     def __add__(self, other: PlannedExchange) -> PlannedExchange:
         shared = {peer for peer, _, _ in self.nbytes} & {peer for peer, _, _ in other.nbytes}
         if shared:  # the transfers are numbered per peer within a plan, so one peer's must come from one plan
-            raise ValueError(f"planned exchanges to join share peer(s) {sorted(shared)}; plan each peer's once")
+            raise InvalidArgumentError(
+                f"planned exchanges to join share peer(s) {sorted(shared)}; plan each peer's once"
+            )
         return PlannedExchange(self.sends + other.sends, self.recvs + other.recvs, self.nbytes + other.nbytes)
 
 
@@ -304,10 +432,19 @@ COLLECTIVE = -1
 
 
 def ring_all_reduce_bytes(nbytes: int, size: int) -> int:
-    """Bytes each rank sends (and receives) in a ring all-reduce of ``nbytes`` over ``size`` ranks:
+    """Bytes each rank sends (and receives) in a ring all-reduce of ``nbytes`` over ``size`` ranks.
+
     2 (n - 1) / n * M (reduce-scatter, then all-gather; Patarasuk and Yuan, JPDC 2009; docs/design.md B.5),
     rounded to a byte. The one count of all-reduce traffic: the communicators' ``all_reduce`` and the DDP
-    baseline's gradient buckets both book it."""
+    baseline's gradient buckets both book it.
+
+    Args:
+        nbytes: M, the bytes of the reduced tensor.
+        size: n, the number of ranks.
+
+    Returns:
+        round(2 (n - 1) / n * M); 0 for one rank.
+    """
     return round(2 * (size - 1) / size * nbytes)
 
 
@@ -318,6 +455,12 @@ class Traffic:
     Filled by the communicator itself (:meth:`Communicator.exchange` and :meth:`Communicator.all_reduce` given a
     ``traffic``) from the tensors it was handed, so what is counted is what travelled: point-to-point payloads per
     peer (not the protocol's headers), and a collective under :data:`COLLECTIVE` as a ring all-reduce moves it.
+
+    Attributes:
+        sent: bytes sent to each peer since the start.
+        received: bytes received from each peer since the start.
+        last_sent: bytes sent to each peer since the last :meth:`new_step`.
+        last_received: bytes received from each peer since the last :meth:`new_step`.
     """
 
     sent: dict[int, int] = field(default_factory=dict)
@@ -326,36 +469,66 @@ class Traffic:
     last_received: dict[int, int] = field(default_factory=dict)
 
     def new_step(self) -> None:
+        """Start a step's account: clear ``last_sent`` and ``last_received``."""
         self.last_sent, self.last_received = {}, {}
 
     def record(self, peer: int, sent: int, received: int) -> None:
+        """Add one exchange's bytes with ``peer`` to the cumulative and the last step's counts.
+
+        Args:
+            peer: the other rank (or :data:`COLLECTIVE` for a collective).
+            sent: payload bytes sent to it.
+            received: payload bytes received from it.
+        """
         for total, last, nbytes in ((self.sent, self.last_sent, sent), (self.received, self.last_received, received)):
             total[peer] = total.get(peer, 0) + nbytes
             last[peer] = last.get(peer, 0) + nbytes
 
     @property
     def total_sent(self) -> int:
+        """Payload bytes sent to all peers since the start."""
         return sum(self.sent.values())
 
     @property
     def total_received(self) -> int:
+        """Payload bytes received from all peers since the start."""
         return sum(self.received.values())
 
 
 @dataclass
 class Progress:
-    """What an operation still waits for, kept up to date so that a timeout can name the missing peers."""
+    """What an operation still waits for, kept up to date so that a timeout can name the missing peers.
+
+    Attributes:
+        operation: the operation, in words (e.g. ``"exchange 12"``).
+        outstanding: the parts not yet complete (e.g. ``"receive from 3"``), in the order added.
+    """
 
     operation: str
     outstanding: dict[str, None] = field(default_factory=dict)
 
     def add(self, part: str) -> None:
+        """Mark ``part`` as outstanding.
+
+        Args:
+            part: what the operation waits for, in words.
+        """
         self.outstanding[part] = None
 
     def finish(self, part: str) -> None:
+        """Mark ``part`` as complete.
+
+        Args:
+            part: a part given to :meth:`add`.
+        """
         self.outstanding.pop(part, None)
 
     def describe(self) -> str:
+        """The operation and what it still waits for, for a timeout's message.
+
+        Returns:
+            The outstanding parts, comma-separated, or that the operation has yet to return when none is left.
+        """
         parts = list(self.outstanding)
         return ", ".join(parts) if parts else f"{self.operation} to return (every transfer is done)"
 
@@ -367,15 +540,29 @@ class Handle(abc.ABC):
 
     @abc.abstractmethod
     def done(self) -> bool:
-        """True once the operation has completed; never blocks and never drives progress itself."""
+        """True once the operation has completed; never blocks and never drives progress itself.
+
+        Returns:
+            Whether :meth:`wait` would return at once.
+        """
 
     @abc.abstractmethod
     def wait(self, timeout: float | None = None) -> None:
-        """Block until complete; raise :class:`CommTimeoutError` naming the missing peers after ``timeout``."""
+        """Block until complete; raise :class:`CommTimeoutError` naming the missing peers after ``timeout``.
+
+        Args:
+            timeout: seconds to wait at most; None waits the communicator's timeout.
+        """
 
 
 class FutureHandle(Handle):
-    """A handle on an operation run by a :class:`CommThread`."""
+    """A handle on an operation run by a :class:`CommThread`.
+
+    Args:
+        future: the future the thread completes.
+        progress: the operation's :class:`Progress`, to name what is missing on a timeout.
+        owner: the thread running it.
+    """
 
     def __init__(self, future: concurrent.futures.Future, progress: Progress, owner: CommThread):
         self._future = future
@@ -383,9 +570,23 @@ class FutureHandle(Handle):
         self._owner = owner
 
     def done(self) -> bool:
+        """True once the thread has completed the operation.
+
+        Returns:
+            Whether :meth:`wait` would return at once.
+        """
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> None:
+        """Block until the thread has completed the operation, and raise its error if it failed.
+
+        Args:
+            timeout: seconds to wait at most; None waits the thread's timeout.
+
+        Raises:
+            error: the operation's own error, or :class:`CommTimeoutError` naming what it still waits for when
+                ``timeout`` expires (the thread is then failed, so every later operation says so).
+        """
         timeout = self._owner.timeout if timeout is None else timeout
         start = time.perf_counter()
         try:
@@ -409,6 +610,11 @@ class CommThread:
     itself, while an MPI request only advances inside MPI calls, which this thread makes (polling with short
     sleeps rather than a busy wait, so it does not burn a core that the training needs). After one failure the
     communicator is unusable, as a Gloo process group is after a timeout, and every later operation says so.
+
+    Args:
+        name: the thread's name.
+        rank: this rank, for messages.
+        timeout: seconds a wait lasts by default.
     """
 
     def __init__(self, name: str, rank: int, timeout: float):
@@ -421,6 +627,15 @@ class CommThread:
         self._thread.start()
 
     def submit(self, operation: str, run: Callable[[Progress], Any]) -> FutureHandle:
+        """Queue ``run`` to run after every operation submitted before it.
+
+        Args:
+            operation: the operation, in words, for messages.
+            run: the operation itself; it reports what it waits for in the :class:`Progress` it is given.
+
+        Returns:
+            A handle whose ``wait`` returns (or raises) what ``run`` did.
+        """
         progress = Progress(operation)
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self._failure is not None:
@@ -436,16 +651,32 @@ class CommThread:
         )
 
     def call(self, operation: str, run: Callable[[Progress], Any], timeout: float | None = None) -> Any:
+        """Run ``run`` on the thread and wait for it: :meth:`submit`, then ``wait``.
+
+        Args:
+            operation: the operation, in words, for messages.
+            run: the operation itself.
+            timeout: seconds to wait at most; None waits the thread's timeout.
+
+        Returns:
+            What ``run`` returned.
+        """
         handle = self.submit(operation, run)
         handle.wait(timeout)
         return handle._future.result()
 
     def fail(self, error: BaseException) -> None:
+        """Mark the thread failed with ``error``: every later operation is refused, naming it.
+
+        Args:
+            error: the failure to report (the first one is kept).
+        """
         if self._failure is None:
             self._failure = error
 
     @property
     def failure(self) -> BaseException | None:
+        """The failure that made this thread unusable, or None."""
         return self._failure
 
     @property
@@ -454,6 +685,14 @@ class CommThread:
         return self._running
 
     def pending_description(self, progress: Progress) -> str:
+        """What ``progress``'s operation still waits for, and what runs before it, for a timeout's message.
+
+        Args:
+            progress: a submitted operation's progress.
+
+        Returns:
+            The operation and its missing parts, in words.
+        """
         running = self._running
         if running is not None and running is not progress:
             return f"an earlier operation ({running.operation}) still waiting for {running.describe()}"
@@ -478,6 +717,11 @@ class CommThread:
                 self._running = None
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread after the operations already queued, waiting for it at most ``timeout``.
+
+        Args:
+            timeout: seconds to wait for the thread to end.
+        """
         self._queue.put(None)
         self._thread.join(timeout)
 
@@ -518,14 +762,34 @@ class Communicator(abc.ABC):
         """Start sending ``sends`` and receiving into ``recvs``; ``seq`` (e.g. the step) must match the peers'.
 
         The payload bytes per peer are added to this communicator's ``bytes_sent`` / ``bytes_received`` and, when
-        given, to ``traffic`` (an algorithm's per-step account)."""
+        given, to ``traffic`` (an algorithm's per-step account).
+
+        Args:
+            sends: ``(peer, tensor)`` for each contiguous tensor to send; must not change until the handle completes.
+            recvs: ``(peer, tensor)`` for each contiguous tensor to receive into.
+            seq: the exchange's sequence number; the peers must use the same.
+            traffic: an account to add the payload bytes to, or None.
+
+        Returns:
+            A handle whose ``wait`` completes the exchange.
+        """
         return self.start_planned(self.plan_exchange(sends, recvs), seq=seq, traffic=traffic)
 
     def plan_exchange(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
     ) -> PlannedExchange:
-        """``sends`` and ``recvs`` checked (peers, dtypes, contiguity, device) and numbered per peer once, for
-        :meth:`start_planned` to post at every step: what :meth:`exchange` does at each call."""
+        """Check and number ``sends`` and ``recvs`` once, for :meth:`start_planned` to post at every step.
+
+        What :meth:`exchange` does at each call: the peers, dtypes, contiguity and device are checked and the tensors
+        numbered per peer.
+
+        Args:
+            sends: ``(peer, tensor)`` for each contiguous tensor to send.
+            recvs: ``(peer, tensor)`` for each contiguous tensor to receive into.
+
+        Returns:
+            The plan, to pass to :meth:`start_planned`.
+        """
         outgoing = plan_transfers(sends, "send to", self.rank, self.size, self.device)
         incoming = plan_transfers(recvs, "receive from", self.rank, self.size, self.device)
         totals: dict[int, list[int]] = {}
@@ -537,7 +801,16 @@ class Communicator(abc.ABC):
         return PlannedExchange(tuple(outgoing), tuple(incoming), nbytes)
 
     def start_planned(self, plan: PlannedExchange, *, seq: int = 0, traffic: Traffic | None = None) -> Handle:
-        """Start the exchange ``plan`` describes (see :meth:`exchange`, :class:`PlannedExchange`)."""
+        """Start the exchange ``plan`` describes (see :meth:`exchange`, :class:`PlannedExchange`).
+
+        Args:
+            plan: a plan from :meth:`plan_exchange`.
+            seq: the exchange's sequence number; the peers must use the same.
+            traffic: an account to add the payload bytes to, or None.
+
+        Returns:
+            A handle whose ``wait`` completes the exchange.
+        """
         for ledger in (self._lifetime_traffic, traffic):
             if ledger is not None:
                 for peer, sent, received in plan.nbytes:
@@ -548,13 +821,18 @@ class Communicator(abc.ABC):
     def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle: ...
 
     def closing_handshake(self, send_to: Sequence[int], receive_from: Sequence[int], steps: int) -> None:
-        """One header-checked message to ``send_to`` and from ``receive_from`` announcing ``close()`` after
-        ``steps`` optimizer steps; returns once every peer announced the same.
+        """Announce ``close()`` after ``steps`` optimizer steps to ``send_to`` and hear it from ``receive_from``.
 
-        ``close()`` calls it with the peers the next exchange would use. A peer that took one more step than this
-        rank is then inside that exchange: the two messages cross, and each end raises
-        :class:`ExchangeMismatchError` naming the other's exchange and step count (:func:`closing_seq`), instead
-        of both waiting out the timeout. Not counted in ``bytes_sent``/``bytes_received``: it carries no model.
+        One header-checked message each way; returns once every peer announced the same. ``close()`` calls it with the
+        peers the next exchange would use. A peer that took one more step than this rank is then inside that exchange:
+        the two messages cross, and each end raises :class:`ExchangeMismatchError` naming the other's exchange and step
+        count (:func:`closing_seq`), instead of both waiting out the timeout. Not counted in
+        ``bytes_sent``/``bytes_received``: it carries no model.
+
+        Args:
+            send_to: the peers this rank would send to next.
+            receive_from: the peers this rank would receive from next.
+            steps: the optimizer steps this rank took.
         """
         token = torch.tensor([steps], dtype=torch.int64, device=self.device)
         sends = plan_transfers([(peer, token) for peer in send_to], "send to", self.rank, self.size, self.device)
@@ -568,13 +846,30 @@ class Communicator(abc.ABC):
     def all_reduce(
         self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, traffic: Traffic | None = None
     ) -> Handle | None:
-        """Sum (or average) ``tensor`` over all ranks, in place; when given, ``traffic`` records the bytes under
-        :data:`COLLECTIVE` as a ring all-reduce moves them (:func:`ring_all_reduce_bytes`)."""
+        """Sum (or average) ``tensor`` over all ranks, in place.
+
+        Args:
+            tensor: a contiguous tensor on this communicator's device; holds the result afterwards.
+            op: ``"sum"`` or ``"avg"`` (one of :data:`REDUCE_OPS`).
+            async_op: return a handle instead of waiting.
+            traffic: when given, records the bytes under :data:`COLLECTIVE` as a ring all-reduce moves them
+                (:func:`ring_all_reduce_bytes`).
+
+        Returns:
+            A handle to wait on when ``async_op``, else None.
+
+        Raises:
+            InvalidArgumentError: ``op`` is not one of :data:`REDUCE_OPS`, or the tensor is not contiguous or on
+                another device.
+            ArgumentTypeError: ``"avg"`` of a tensor that is not floating-point, or a tensor of an unsupported dtype.
+        """
         if op not in REDUCE_OPS:
-            raise ValueError(f"rank {self.rank}: all_reduce op {op!r} is not one of {REDUCE_OPS}")
+            raise InvalidArgumentError(f"rank {self.rank}: all_reduce op {op!r} is not one of {REDUCE_OPS}")
         buffer = _check_tensor(tensor, f"rank {self.rank}: all_reduce tensor", self.device)
         if op == "avg" and not buffer.is_floating_point():
-            raise TypeError(f"rank {self.rank}: all_reduce 'avg' needs a floating-point tensor, got {buffer.dtype}")
+            raise ArgumentTypeError(
+                f"rank {self.rank}: all_reduce 'avg' needs a floating-point tensor, got {buffer.dtype}"
+            )
         if traffic is not None:
             nbytes = ring_all_reduce_bytes(buffer.numel() * buffer.element_size(), self.size)
             traffic.record(COLLECTIVE, nbytes, nbytes)
@@ -582,9 +877,22 @@ class Communicator(abc.ABC):
         return handle if async_op else handle.wait()
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Handle | None:
-        """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank."""
+        """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank.
+
+        Args:
+            tensor: a contiguous tensor on this communicator's device, of one shape and dtype on every rank.
+            src: the rank whose tensor is copied.
+            async_op: return a handle instead of waiting.
+
+        Returns:
+            A handle to wait on when ``async_op``, else None.
+
+        Raises:
+            InvalidArgumentError: ``src`` is not a rank in ``[0, size)``, or the tensor is not contiguous or on
+                another device.
+        """
         if not 0 <= src < self.size:
-            raise ValueError(f"rank {self.rank}: broadcast source {src} is not a rank in [0, {self.size})")
+            raise InvalidArgumentError(f"rank {self.rank}: broadcast source {src} is not a rank in [0, {self.size})")
         handle = self._broadcast(_check_tensor(tensor, f"rank {self.rank}: broadcast tensor", self.device), src)
         return handle if async_op else handle.wait()
 
@@ -596,11 +904,22 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def barrier(self, timeout: float | None = None) -> None:
-        """Wait until every rank arrives; on timeout name the ranks that did not (where the backend can tell)."""
+        """Wait until every rank arrives; on timeout name the ranks that did not (where the backend can tell).
+
+        Args:
+            timeout: seconds to wait at most; None waits the communicator's timeout.
+        """
 
     @abc.abstractmethod
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's picklable ``obj``, in rank order."""
+        """Every rank's picklable ``obj``, in rank order.
+
+        Args:
+            obj: a picklable object.
+
+        Returns:
+            One object per rank, index = rank.
+        """
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from gossip.backends.base import Communicator
 from gossip.backends.launch_env import LaunchInfo, detect_launch
 from gossip.backends.rendezvous import agent_serves_the_store, rendezvous_store
-from gossip.errors import BackendUnavailableError, LaunchError
+from gossip.errors import BackendUnavailableError, InvalidArgumentError, LaunchError
 
 BACKENDS = ("auto", "mpi", "gloo", "nccl")
 DEFAULT_TIMEOUT = 120.0
@@ -42,7 +42,7 @@ def _mpi4py_importable() -> bool:
 def choose_backend(requested: str, info: LaunchInfo) -> str:
     """Resolve ``requested`` (one of :data:`BACKENDS`) to a concrete backend, or explain why it cannot run."""
     if requested not in BACKENDS:
-        raise ValueError(f"unknown backend {requested!r}; choose one of {BACKENDS}")
+        raise InvalidArgumentError(f"unknown backend {requested!r}; choose one of {BACKENDS}")
     if requested == "auto":
         if torch.cuda.is_available() and dist.is_nccl_available():
             return "nccl"
@@ -155,7 +155,7 @@ def init(
     ``backend="mpi"`` always uses MPI, whatever torch.distributed holds.
     """
     if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
-        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+        raise InvalidArgumentError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
     if group is not None or (backend != "mpi" and dist.is_available() and dist.is_initialized()):
         return _adopt(backend, group, timeout)
     info = detect_launch()
@@ -179,9 +179,9 @@ def _adopted_backend(requested: str, group: dist.ProcessGroup) -> str:
     described = str(dist.get_backend(group))
     kinds = {part.split(":")[-1] for part in described.split(",")}
     if requested == "mpi":
-        raise ValueError("group= is a torch.distributed process group; backend 'mpi' does not use one")
+        raise InvalidArgumentError("group= is a torch.distributed process group; backend 'mpi' does not use one")
     if requested not in BACKENDS:
-        raise ValueError(f"unknown backend {requested!r}; choose one of {BACKENDS}")
+        raise InvalidArgumentError(f"unknown backend {requested!r}; choose one of {BACKENDS}")
     if requested == "auto":
         requested = "nccl" if "nccl" in kinds and torch.cuda.is_available() else "gloo"
     if requested not in kinds:

@@ -54,7 +54,14 @@ from gossip.backends.base import (
 )
 from gossip.backends.exit_guard import watch
 from gossip.backends.launch_env import LaunchInfo
-from gossip.errors import BackendUnavailableError, CommTimeoutError, GossipError, LaunchError, PeerFailedError
+from gossip.errors import (
+    ArgumentTypeError,
+    BackendUnavailableError,
+    CommTimeoutError,
+    GossipError,
+    LaunchError,
+    PeerFailedError,
+)
 
 _BARRIER_TAG = 9
 _POLL_SLEEP_MAX = 1e-3
@@ -333,7 +340,7 @@ class MPICommunicator(Communicator):
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
         if tensor.dtype == torch.bool:
-            raise TypeError(f"rank {self.rank}: all_reduce of a bool tensor is not supported")
+            raise ArgumentTypeError(f"rank {self.rank}: all_reduce of a bool tensor is not supported")
         narrow = tensor.dtype in (torch.float16, torch.bfloat16)
 
         def run(progress: Progress) -> None:

@@ -19,7 +19,14 @@ from typing import Any
 import torch
 
 from gossip.backends.base import CLOSING, Communicator, Handle, Transfer, check_header, exchange_name
-from gossip.errors import CommTimeoutError, ExchangeMismatchError, GossipError, PeerFailedError, UseAfterCloseError
+from gossip.errors import (
+    CommTimeoutError,
+    ExchangeMismatchError,
+    GossipError,
+    InvalidArgumentError,
+    PeerFailedError,
+    UseAfterCloseError,
+)
 
 
 class _World:
@@ -260,10 +267,10 @@ def simulate(
     their kernels ordered on its default stream, messages copied on the device.
     """
     if size < 1:
-        raise ValueError(f"simulate needs at least one rank, got size={size}")
+        raise InvalidArgumentError(f"simulate needs at least one rank, got size={size}")
     local_size = size if local_size is None else local_size
     if local_size < 1 or size % local_size:
-        raise ValueError(f"simulate: local_size {local_size} must divide size {size}")
+        raise InvalidArgumentError(f"simulate: local_size {local_size} must divide size {size}")
     world = _World(size)
     device = torch.device(device)
     results: list[Any] = [None] * size
