@@ -40,7 +40,22 @@ def _mpi4py_importable() -> bool:
 
 
 def choose_backend(requested: str, info: LaunchInfo) -> str:
-    """Resolve ``requested`` (one of :data:`BACKENDS`) to a concrete backend, or explain why it cannot run."""
+    """Resolve ``requested`` (one of :data:`BACKENDS`) to a concrete backend, or explain why it cannot run.
+
+    ``"auto"`` picks ``"nccl"`` with a visible GPU, else ``"mpi"`` under an MPI launcher with mpi4py importable,
+    else ``"gloo"``.
+
+    Args:
+        requested: one of :data:`BACKENDS`.
+        info: where this process sits in the job (its launcher decides whether MPI can run).
+
+    Returns:
+        ``"gloo"``, ``"nccl"`` or ``"mpi"``.
+
+    Raises:
+        InvalidArgumentError: ``requested`` is not one of :data:`BACKENDS`.
+        BackendUnavailableError: the backend cannot run in this process; the message names the fix.
+    """
     if requested not in BACKENDS:
         raise InvalidArgumentError(f"unknown backend {requested!r}; choose one of {BACKENDS}")
     if requested == "auto":
@@ -104,8 +119,20 @@ SLURM_PORT_RANGE = 20000
 
 
 def slurm_port(env: Mapping[str, str]) -> int:
-    """The rendezvous port of a Slurm job step without ``MASTER_PORT``: derived from the job id *and* the step id,
-    so that concurrent steps of one job (``srun ... &`` twice) do not meet at the same port."""
+    """The rendezvous port of a Slurm job step without ``MASTER_PORT``.
+
+    Derived from the job id *and* the step id, so that concurrent steps of one job (``srun ... &`` twice) do not
+    meet at the same port: ``SLURM_PORT_BASE + (job * 1009 + step) % SLURM_PORT_RANGE``.
+
+    Args:
+        env: the environment (``SLURM_JOB_ID``, ``SLURM_STEP_ID``; each 0 when absent).
+
+    Returns:
+        The port.
+
+    Raises:
+        LaunchError: ``SLURM_JOB_ID`` or ``SLURM_STEP_ID`` is not an integer.
+    """
     try:
         job, step = int(env.get("SLURM_JOB_ID", "0")), int(env.get("SLURM_STEP_ID", "0"))
     except ValueError:
@@ -145,14 +172,25 @@ def init(
 ) -> Communicator:
     """Return a communicator for this process, as launched (mpirun, srun, torchrun, or a single process).
 
-    ``timeout`` (seconds) bounds every wait; on expiry the error names this rank, the peer(s) it waited for
-    and the operation. ``mpi_device`` ("cpu" or "cuda": this rank's GPU by local rank) is where the tensors an MPI
-    communicator moves live; Gloo moves CPU tensors and NCCL GPU tensors.
-
     Code that already called ``torch.distributed.init_process_group()`` (a DDP script, HF Accelerate, Decent-DP)
     gets a communicator on that default group, or on ``group`` (e.g. from ``dist.new_group``) when given; ranks
     are then the group's. The communicator's ``close()`` leaves such a group alive: whoever created it destroys it.
     ``backend="mpi"`` always uses MPI, whatever torch.distributed holds.
+
+    Args:
+        backend: one of :data:`BACKENDS` (``"auto"``: see :func:`choose_backend`).
+        timeout: seconds that bound every wait; on expiry the error names this rank, the peer(s) it waited for
+            and the operation.
+        group: a torch.distributed process group to adopt instead of the default one.
+        mpi_device: ``"cpu"`` or ``"cuda"`` (this rank's GPU by local rank): where the tensors an MPI communicator
+            moves live; Gloo moves CPU tensors and NCCL GPU tensors.
+
+    Returns:
+        The communicator; ``close()`` it (or let the exit handler do so) when done.
+
+    Raises:
+        InvalidArgumentError: ``timeout`` is not a positive, finite number, ``backend`` is unknown, or ``group``
+            is given with ``backend="mpi"``.
     """
     if not (isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
         raise InvalidArgumentError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")

@@ -65,8 +65,12 @@ def _close_open_communicators() -> None:
 
 
 def watch(comm: Any) -> None:
-    """Apply the exit rules above to ``comm`` (with a ``failure`` attribute, None while healthy, a ``_closed``
-    flag and an idempotent ``close()``)."""
+    """Apply the exit rules above to ``comm``.
+
+    Args:
+        comm: a communicator with a ``failure`` attribute (None while healthy), a ``_closed`` flag and an
+            idempotent ``close()``.
+    """
     global _previous_hook, _atexit_registered
     with _lock:
         _watched[:] = [c for c in _watched if _open(c)]  # forget closed ones

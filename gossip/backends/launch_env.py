@@ -30,7 +30,19 @@ _MPI_LAUNCHERS = ("openmpi", "mpich")
 
 @dataclass(frozen=True)
 class LaunchInfo:
-    """Where this process sits in the job, as the launcher described it."""
+    """Where this process sits in the job, as the launcher described it.
+
+    Attributes:
+        rank: this process's rank in ``[0, size)``.
+        size: the number of processes.
+        local_rank: this process's rank on its node.
+        local_size: the number of processes on its node.
+        launcher: ``"torchrun"``, ``"openmpi"``, ``"mpich"``, ``"slurm"`` or ``"none"``.
+        master_addr: the rendezvous host (``MASTER_ADDR``), or None.
+        master_port: the rendezvous port (``MASTER_PORT``), or None.
+        mpi_launcher: the MPI launcher (``"openmpi"``, ``"mpich"``) that also started this process when torchrun's
+            RANK/WORLD_SIZE agree with its view on this rank, else None.
+    """
 
     rank: int
     size: int
@@ -46,6 +58,7 @@ class LaunchInfo:
 
     @property
     def launched_by_mpi(self) -> bool:
+        """True when an MPI launcher (Open MPI or MPICH) started this process."""
         return self.launcher in _MPI_LAUNCHERS
 
 
@@ -134,7 +147,18 @@ def _read(env: Mapping[str, str]) -> LaunchInfo:
 
 
 def detect_launch(env: Mapping[str, str] | None = None) -> LaunchInfo:
-    """Return this process's :class:`LaunchInfo`; raise :class:`LaunchError` if the environment is inconsistent."""
+    """Return this process's :class:`LaunchInfo`; raise :class:`LaunchError` if the environment is inconsistent.
+
+    Args:
+        env: the environment to read; None reads ``os.environ``.
+
+    Returns:
+        The rank, size, local rank and size, and launcher of this process.
+
+    Raises:
+        LaunchError: the size is below 1, the rank is outside ``[0, size)``, the local rank or size is out of
+            range, or a variable is not an integer; the message names the launcher and the variable.
+    """
     info = _read(os.environ if env is None else env)
     if info.size < 1:
         raise LaunchError(f"{info.launcher} environment: world size {info.size} must be at least 1")

@@ -77,7 +77,11 @@ logger = logging.getLogger(__name__)
 
 
 def cuda_aware() -> bool:
-    """Whether the loaded MPI library accepts CUDA device buffers (call after MPI is initialised)."""
+    """Whether the loaded MPI library accepts CUDA device buffers (call after MPI is initialised).
+
+    Returns:
+        True when the library reports CUDA support.
+    """
     forced = os.environ.get("GOSSIP_MPI_CUDA_AWARE")
     if forced in ("0", "1"):
         return forced == "1"
@@ -157,7 +161,19 @@ def _bytes(tensor: torch.Tensor) -> Any:
 
 
 class MPICommunicator(Communicator):
-    """A communicator on a duplicate of ``MPI.COMM_WORLD``."""
+    """A communicator on a duplicate of ``MPI.COMM_WORLD``.
+
+    Args:
+        info: this process's launch information; must come from an MPI launcher.
+        timeout: seconds that bound every wait.
+        device: where the tensors it moves live, ``"cpu"`` or ``"cuda"`` (this rank's GPU by local rank).
+        stage: copy every tensor through a pinned host buffer; None stages CUDA tensors only when the MPI library
+            is not CUDA-aware, True forces staging (also for CPU tensors).
+
+    Raises:
+        LaunchError: this process was not started by an MPI launcher consistent with ``info``.
+        BackendUnavailableError: ``device`` is neither cpu nor cuda, or cuda without a visible GPU.
+    """
 
     backend = "mpi"
 
@@ -205,14 +221,20 @@ class MPICommunicator(Communicator):
 
     @property
     def exit_delay(self) -> float:
-        """Seconds the exit guard waits before ending the process after an uncaught error: once the launcher has
-        reported a dead process, a moment for the other survivors to print their own report before Hydra, which
-        SIGKILLs them when this process exits, ends them (:mod:`gossip.backends.exit_guard`)."""
+        """Seconds the exit guard waits before ending the process after an uncaught error.
+
+        Once the launcher has reported a dead process, a moment for the other survivors to print their own report
+        before Hydra, which SIGKILLs them when this process exits, ends them (:mod:`gossip.backends.exit_guard`).
+        """
         return _REPORT_GRACE_SECONDS if _launcher_reported_failure.is_set() else 0.0
 
     def launcher_report(self) -> str:
-        """What this rank says when the launcher reports a dead process: the operation it was in and what it
-        still waited for (the dead peer, when this rank was exchanging with it), or that it was computing."""
+        """What this rank says when the launcher reports a dead process.
+
+        Returns:
+            The operation it was in and what it still waited for (the dead peer, when this rank was exchanging
+                with it), or that it was computing.
+        """
         running = self._thread.running
         doing = (
             f"during {running.operation}, waiting to {running.describe()}"
@@ -367,7 +389,11 @@ class MPICommunicator(Communicator):
         return self._thread.submit(f"broadcast from rank {src}", run)
 
     def barrier(self, timeout: float | None = None) -> None:
-        """A monitored barrier: rank 0 collects a token from every rank, so a timeout names who is missing."""
+        """A monitored barrier: rank 0 collects a token from every rank, so a timeout names who is missing.
+
+        Args:
+            timeout: seconds to wait at most; None waits the communicator's timeout.
+        """
 
         def run(progress: Progress) -> None:
             token = np.zeros(1, dtype=np.int8)
@@ -393,6 +419,15 @@ class MPICommunicator(Communicator):
         self._thread.call("barrier", run, timeout)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (see :meth:`Communicator.all_gather_object`).
+
+        Args:
+            obj: a picklable object.
+
+        Returns:
+            One object per rank, index = rank.
+        """
+
         def run(progress: Progress) -> list[Any]:
             data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
             sizes = np.zeros(self.size, dtype=np.int64)
@@ -405,6 +440,10 @@ class MPICommunicator(Communicator):
         return self._thread.call("all_gather_object", run)
 
     def close(self) -> None:
+        """Barrier (when healthy), stop the communication thread, then free the duplicate communicator.
+
+        Safe to call twice; after a failure only the thread is stopped.
+        """
         if self._closed:
             return
         self._closed = True

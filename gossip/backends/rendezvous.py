@@ -32,7 +32,11 @@ _KEY = "gossip/backends/rendezvous"
 
 
 def agent_serves_the_store() -> bool:
-    """True under torchrun (torch's elastic agent), whose own store on MASTER_PORT the workers join."""
+    """True under torchrun (torch's elastic agent), whose own store on MASTER_PORT the workers join.
+
+    Returns:
+        Whether the workers join the agent's store instead of serving one.
+    """
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 
 
@@ -153,7 +157,20 @@ def _check(store: dist.Store, info: LaunchInfo, where: str, timeout: float) -> N
 
 
 def rendezvous_store(address: str, info: LaunchInfo, timeout: float) -> dist.Store:
-    """The checked store of ``address`` (``tcp://host:port``) for ``info``'s rank and world size (see above)."""
+    """The checked store of ``address`` (``tcp://host:port``) for ``info``'s rank and world size (see above).
+
+    Args:
+        address: ``tcp://host:port`` of the store.
+        info: this process's launch information (rank and world size).
+        timeout: seconds the rendezvous waits for every rank.
+
+    Returns:
+        The store, joined by every rank.
+
+    Raises:
+        LaunchError: the address cannot be parsed or served, or the ranks do not all arrive or disagree; the
+            message names the rank and what to check.
+    """
     parsed = urlparse(address)
     host, port = parsed.hostname or "127.0.0.1", int(parsed.port or 0)
     where = f"{host}:{port}"

@@ -144,7 +144,15 @@ class _DoneHandle(Handle):
 
 
 class SimulatorCommunicator(Communicator):
-    """One virtual rank of a :func:`simulate` run."""
+    """One virtual rank of a :func:`simulate` run.
+
+    Args:
+        world: the state the virtual ranks share.
+        rank: this virtual rank.
+        local_size: ranks per virtual node.
+        timeout: seconds that bound every wait.
+        device: where the ranks' tensors live; None is the CPU.
+    """
 
     backend = "simulator"
 
@@ -243,12 +251,26 @@ class SimulatorCommunicator(Communicator):
         return _DoneHandle()
 
     def barrier(self, timeout: float | None = None) -> None:
+        """Wait until every virtual rank arrives (see :meth:`Communicator.barrier`).
+
+        Args:
+            timeout: seconds to wait at most; None waits the communicator's timeout.
+        """
         self._collective("barrier", None, lambda parts: None)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every virtual rank's ``obj``, in rank order (see :meth:`Communicator.all_gather_object`).
+
+        Args:
+            obj: any object (nothing is pickled).
+
+        Returns:
+            One object per rank, index = rank.
+        """
         return self._collective("all_gather_object", obj, list)
 
     def close(self) -> None:
+        """Mark this virtual rank closed: every later operation is refused; safe to call twice."""
         self._closed = True
 
 
@@ -263,8 +285,23 @@ def simulate(
 ) -> list[Any]:
     """Run ``fn(comm, *args, **kwargs)`` on ``size`` virtual ranks; return their results in rank order.
 
-    ``device``: where the ranks' tensors live (``comm.device``), e.g. ``"cuda"``: n virtual ranks share one GPU,
-    their kernels ordered on its default stream, messages copied on the device.
+    Each rank runs in its own thread of this process with a :class:`SimulatorCommunicator`.
+
+    Args:
+        size: the number of virtual ranks.
+        fn: the function every rank runs, given its communicator first.
+        *args: further positional arguments of ``fn``.
+        timeout: seconds that bound every wait.
+        local_size: ranks per virtual node; None puts every rank on one node. Must divide ``size``.
+        device: where the ranks' tensors live (``comm.device``), e.g. ``"cuda"``: n virtual ranks share one GPU,
+            their kernels ordered on its default stream, messages copied on the device.
+        **kwargs: further keyword arguments of ``fn``.
+
+    Returns:
+        What ``fn`` returned on each rank, index = rank.
+
+    Raises:
+        InvalidArgumentError: ``size`` is below 1, or ``local_size`` does not divide it.
     """
     if size < 1:
         raise InvalidArgumentError(f"simulate needs at least one rank, got size={size}")

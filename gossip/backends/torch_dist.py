@@ -62,6 +62,14 @@ class TorchDistCommunicator(Communicator):
     ``adopt=group`` it runs on a group the caller already created -- the default group (``dist.group.WORLD``) or
     a subgroup from ``new_group`` -- whose ranks ``info`` gives; it then leaves the group alive at :meth:`close`
     and, on NCCL, uses the CUDA device the caller selected.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``.
+        info: this process's launch information (rank, size, local rank and size).
+        init_method: the rendezvous URL (``tcp://host:port``), or None for torch's ``env://``.
+        timeout: seconds that bound every wait.
+        adopt: a process group the caller created, to run on instead of creating one.
+        **init: further keyword arguments of ``init_process_group``.
     """
 
     def __init__(
@@ -307,6 +315,14 @@ class TorchDistCommunicator(Communicator):
         )
 
     def barrier(self, timeout: float | None = None) -> None:
+        """Wait until every rank arrives (see :meth:`Communicator.barrier`).
+
+        Args:
+            timeout: seconds to wait at most; None waits the communicator's timeout.
+
+        Raises:
+            CommTimeoutError: a rank did not arrive in time; the message names this rank.
+        """
         timeout = self.timeout if timeout is None else timeout
         if self.backend == "gloo":
             # monitored_barrier names the ranks that did not arrive.
@@ -321,6 +337,18 @@ class TorchDistCommunicator(Communicator):
             self._collective("barrier", lambda: dist.barrier(self.group, async_op=True)).wait(timeout)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (see :meth:`Communicator.all_gather_object`).
+
+        Args:
+            obj: a picklable object.
+
+        Returns:
+            One object per rank, index = rank.
+
+        Raises:
+            CommTimeoutError: a rank did not take part in time.
+            PeerFailedError: the collective failed otherwise (a peer closed its connection).
+        """
         out: list[Any] = [None] * self.size
 
         def run(progress: Progress) -> None:
@@ -340,8 +368,10 @@ class TorchDistCommunicator(Communicator):
         return out
 
     def close(self) -> None:
-        """Barrier (when healthy), then destroy the process group if this communicator created it; a clean exit
-        needs both. An adopted group stays alive: its creator destroys it."""
+        """Barrier (when healthy), then destroy the process group if this communicator created it.
+
+        A clean exit needs both. An adopted group stays alive: its creator destroys it.
+        """
         if self._closed:
             return
         self._closed = True
