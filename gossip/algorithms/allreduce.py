@@ -27,7 +27,14 @@ class _Pending:
 
 
 class AllReduce(Algorithm):
-    """Global averaging of the parameters every step (needs no schedule)."""
+    """Global averaging of the parameters every step (needs no schedule).
+
+    Args:
+        gamma: the step size in x_i <- x_i + gamma (xbar - x_i); 1 is the exact average.
+
+    Raises:
+        InvalidArgumentError: ``gamma`` is not in (0, 1].
+    """
 
     name = "allreduce"
 

@@ -58,7 +58,18 @@ TEMPLATE_METHODS = (("start", "_start_step"), ("finish", "_finish_step"))
 
 
 def check_nonfinite_policy(owner: str, policy: str) -> str:
-    """Return ``policy`` if it is one of :data:`NONFINITE_POLICIES`, else raise a ValueError naming ``owner``."""
+    """Return ``policy`` if it is one of :data:`NONFINITE_POLICIES`, else raise naming ``owner``.
+
+    Args:
+        owner: the algorithm that was given ``policy``, for the message.
+        policy: the ``nonfinite`` setting to check.
+
+    Returns:
+        ``policy`` itself.
+
+    Raises:
+        InvalidArgumentError: ``policy`` is not one of :data:`NONFINITE_POLICIES`.
+    """
     if policy not in NONFINITE_POLICIES:
         raise InvalidArgumentError(f"{owner}: nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}")
     return policy
@@ -70,15 +81,29 @@ def extremes(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     They are finite exactly when the tensors are: a NaN anywhere makes both the minimum and the maximum NaN (as
     documented for ``torch.aminmax``), an Inf is itself the minimum or the maximum. One ``aminmax`` reads each
     tensor once and writes two numbers, where ``isfinite(t).all()`` first writes a bool tensor as large as ``t``.
+
+    Args:
+        tensors: the tensors to inspect; empty and non-floating ones are skipped.
+
+    Returns:
+        A 1-dim tensor of two numbers per inspected tensor, or None when no tensor was inspected.
     """
     checked = [t for t in tensors if t.numel() and t.is_floating_point()]
     return torch.stack([value for t in checked for value in torch.aminmax(t)]) if checked else None
 
 
 def all_finite_on_host(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether no element of ``tensors`` is NaN or +-Inf, read on the host (see :func:`extremes`). On the CPU each
-    extreme is read as it is (a read there is a load, not a sync), which is cheaper than stacking them first; on
-    another device the extremes are stacked and read back in one transfer."""
+    """Whether no element of ``tensors`` is NaN or +-Inf, read on the host (see :func:`extremes`).
+
+    On the CPU each extreme is read as it is (a read there is a load, not a sync), which is cheaper than stacking
+    them first; on another device the extremes are stacked and read back in one transfer.
+
+    Args:
+        tensors: the tensors to check; empty and non-floating ones count as finite.
+
+    Returns:
+        True when every element is finite.
+    """
     checked = [t for t in tensors if t.numel() and t.is_floating_point()]
     if checked and checked[0].device.type == "cpu":
         return all(math.isfinite(value) for t in checked for value in torch.aminmax(t))
@@ -87,8 +112,16 @@ def all_finite_on_host(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """A 0-dim bool tensor on the tensors' device: True when no element of ``tensors`` is NaN or +-Inf (empty
-    and non-floating tensors count as finite). Read on the device, without a host sync; see :func:`extremes`."""
+    """Whether no element of ``tensors`` is NaN or +-Inf, read on the device, without a host sync.
+
+    Empty and non-floating tensors count as finite; see :func:`extremes`.
+
+    Args:
+        tensors: the tensors to check, on one device.
+
+    Returns:
+        A 0-dim bool tensor on the tensors' device.
+    """
     values = extremes(tensors)
     if values is None:
         return torch.ones((), dtype=torch.bool, device=tensors[0].device if tensors else None)
@@ -96,14 +129,14 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 class Algorithm(abc.ABC):
-    """Base class: holds the binding (communicator, schedule, buckets) and the accounting of one step: bytes per
-    peer (``traffic``) and seconds blocked waiting for the exchange (``wait_seconds``, exposed communication).
+    """Base class: holds the binding (communicator, schedule, buckets) and the accounting of one step.
 
-    The accounting is done here, once: an algorithm communicates through :meth:`_exchange` and :meth:`_all_reduce`,
-    which hand ``traffic`` to the communicator, and so count what the communicator was given to move; and it waits
-    through :meth:`_wait`, which adds the time blocked. A part that a composite binds with :meth:`setup_part`
-    books into the composite's account (the same ``traffic``; its waits add to the composite's ``wait_seconds``),
-    so a composite's step reports everything its parts moved without copying their numbers.
+    The account: bytes per peer (``traffic``) and seconds blocked waiting for the exchange (``wait_seconds``,
+    exposed communication). It is kept here, once: an algorithm communicates through :meth:`_exchange` and
+    :meth:`_all_reduce`, which hand ``traffic`` to the communicator, and so count what the communicator was given to
+    move; and it waits through :meth:`_wait`, which adds the time blocked. A part that a composite binds with
+    :meth:`setup_part` books into the composite's account (the same ``traffic``; its waits add to the composite's
+    ``wait_seconds``), so a composite's step reports everything its parts moved without copying their numbers.
 
     A step is :meth:`start` then :meth:`finish`, which the base class runs (template methods) and no subclass may
     override (refused at class creation): ``start`` does the step's common bookkeeping and then calls the
@@ -142,7 +175,17 @@ class Algorithm(abc.ABC):
                 )
 
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
-        """Bind to ``comm``, ``schedule`` and ``buckets``; refuse a schedule this algorithm cannot run."""
+        """Bind to ``comm``, ``schedule`` and ``buckets``; refuse a schedule this algorithm cannot run.
+
+        Args:
+            comm: this rank's communicator.
+            schedule: the gossip schedule, or None for an algorithm that needs none.
+            buckets: the parameter buckets to mix in place.
+
+        Raises:
+            InvalidArgumentError: this object is already bound to another rank (create one per rank), or the
+                schedule does not fit the communicator or this algorithm.
+        """
         bound = getattr(self, "comm", None)
         if bound is not None and bound is not comm:
             raise InvalidArgumentError(
@@ -171,6 +214,11 @@ class Algorithm(abc.ABC):
         schedule on its own (e.g. the inter-node pairs of hierarchical gossip, disconnected on purpose). So
         ``level`` is checked for its size only; ``part`` binds to this composite's communicator, and books its
         bytes and waits into this composite's step account.
+
+        Args:
+            part: the algorithm to bind.
+            level: the schedule ``part`` runs.
+            buckets: the buckets ``part`` mixes.
         """
         part._part_of = self
         try:
@@ -193,8 +241,13 @@ class Algorithm(abc.ABC):
         return self.comm.all_reduce(tensor, op, async_op=True, traffic=self.traffic)
 
     def check_deferred(self) -> None:
-        """Raise :class:`NonFiniteError` if a deferred check found non-finite values from a peer (see the module
-        docstring); a no-op when nothing is pending. Waits only for the flags' copy, done long before."""
+        """Raise :class:`NonFiniteError` if a deferred check found non-finite values from a peer.
+
+        See the module docstring; a no-op when nothing is pending. Waits only for the flags' copy, done long before.
+
+        Raises:
+            NonFiniteError: a peer sent NaN or Inf in an earlier step; the message names the peer and the step.
+        """
         pending, self._unchecked = getattr(self, "_unchecked", []), []
         for step, peers, flags, event in pending:
             if event is not None:
@@ -277,9 +330,18 @@ class Algorithm(abc.ABC):
 
     @final
     def start(self, step: int) -> Any:
-        """Begin step ``step``: raise for non-finite values a deferred check found (:meth:`check_deferred`),
-        reset the step's account (``traffic``, ``wait_seconds``; a part leaves it alone, its composite reset it
-        when its own step began), then post the exchange (:meth:`_start_step`). Returns what ``finish`` needs."""
+        """Begin step ``step``.
+
+        Raises for non-finite values a deferred check found (:meth:`check_deferred`), resets the step's account
+        (``traffic``, ``wait_seconds``; a part leaves it alone, its composite reset it when its own step began), then
+        posts the exchange (:meth:`_start_step`).
+
+        Args:
+            step: the step's number, the same on every rank.
+
+        Returns:
+            What :meth:`finish` needs, to pass it unchanged.
+        """
         self.check_deferred()
         if self._account is self:
             self.traffic.new_step()
@@ -288,8 +350,11 @@ class Algorithm(abc.ABC):
 
     @final
     def finish(self, pending: Any) -> None:
-        """Complete the exchange ``start`` returned as ``pending`` and mix into the buckets in place
-        (:meth:`_finish_step`)."""
+        """Complete the exchange ``start`` returned as ``pending``; mix into the buckets (:meth:`_finish_step`).
+
+        Args:
+            pending: what :meth:`start` returned.
+        """
         self._finish_step(pending)
 
     @abc.abstractmethod
@@ -304,7 +369,11 @@ class Algorithm(abc.ABC):
         (:meth:`_nonfinite_peers`) and mix into the buckets in place."""
 
     def step(self, step: int) -> None:
-        """``start`` and ``finish`` back to back (no overlap): for consensus experiments and tests."""
+        """``start`` and ``finish`` back to back (no overlap): for consensus experiments and tests.
+
+        Args:
+            step: the step's number, the same on every rank.
+        """
         self.finish(self.start(step))
 
     def config(self) -> dict[str, Any]:
@@ -314,6 +383,9 @@ class Algorithm(abc.ABC):
         ``schedule``, ``buckets``, and ``deferred_nonfinite_check``, which follows the parameters' device) and the
         per-step accounting (``traffic``, ``wait_seconds``), so it is the same before and after :meth:`setup`.
         Override it when a setting is not a public scalar.
+
+        Returns:
+            Setting name -> value.
         """
         return {
             key: value
@@ -322,13 +394,29 @@ class Algorithm(abc.ABC):
         }
 
     def describe(self) -> dict[str, Any]:
-        """How this rank's instance treats the parameters it is bound to; default: every tensor travels exactly."""
+        """How this rank's instance treats the parameters it is bound to; default: every tensor travels exactly.
+
+        Returns:
+            A summary for logs (e.g. which tensors are compressed).
+        """
         return {"exact": [entry.name for bucket in getattr(self, "buckets", []) for entry in bucket.entries]}
 
     def state_dict(self) -> dict[str, Any]:
-        """Per-rank state to checkpoint (empty for stateless algorithms)."""
+        """Per-rank state to checkpoint (empty for stateless algorithms).
+
+        Returns:
+            The state, for :meth:`load_state_dict`.
+        """
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state :meth:`state_dict` returned; a stateless algorithm accepts only an empty one.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+
+        Raises:
+            InvalidArgumentError: ``state`` is not empty, for an algorithm that keeps none.
+        """
         if state:
             raise InvalidArgumentError(f"{self.name} keeps no state, but a non-empty state was given: {sorted(state)}")

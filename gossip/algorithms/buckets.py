@@ -18,7 +18,13 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 @dataclass(frozen=True)
 class Entry:
-    """Where one named tensor lives inside its bucket."""
+    """Where one named tensor lives inside its bucket.
+
+    Attributes:
+        name: the parameter's name (as ``named_parameters`` gives it).
+        offset: its first element's index in the bucket's flat buffer.
+        shape: its shape.
+    """
 
     name: str
     offset: int
@@ -26,21 +32,38 @@ class Entry:
 
     @property
     def numel(self) -> int:
+        """The number of elements of the tensor."""
         return self.shape.numel()
 
 
 @dataclass
 class Bucket:
+    """Named tensors of one dtype and device laid out back to back in one flat buffer.
+
+    Attributes:
+        buffer: the flat, contiguous buffer.
+        entries: where each tensor lives in it, in order.
+    """
+
     buffer: torch.Tensor
     entries: list[Entry]
 
     def view(self, entry: Entry, source: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor of ``entry`` inside ``source`` (a buffer laid out like this bucket's), default the bucket."""
+        """The tensor of ``entry`` inside ``source`` (a buffer laid out like this bucket's), default the bucket.
+
+        Args:
+            entry: one of this bucket's entries.
+            source: a flat buffer laid out like this bucket's; None is the bucket's own buffer.
+
+        Returns:
+            A view of ``entry``'s elements, shaped as the tensor.
+        """
         source = self.buffer if source is None else source
         return source[entry.offset : entry.offset + entry.numel].view(entry.shape)
 
     @property
     def nbytes(self) -> int:
+        """The bytes of the bucket's buffer."""
         return self.buffer.numel() * self.buffer.element_size()
 
 
@@ -64,7 +87,16 @@ def _groups(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> lis
 
 
 def pack(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
-    """Copy ``named`` tensors into new buckets (the tensors themselves are left alone)."""
+    """Copy ``named`` tensors into new buckets (the tensors themselves are left alone).
+
+    Args:
+        named: ``(name, tensor)`` pairs, in order.
+        bucket_bytes: the size a bucket fills up to before the next one starts (default
+            :data:`DEFAULT_BUCKET_BYTES`).
+
+    Returns:
+        The buckets, holding copies of the tensors.
+    """
     buckets = []
     for group in _groups(list(named), bucket_bytes):
         entries, offset = [], 0
@@ -81,7 +113,16 @@ def pack(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_
 
 
 def bucket_parameters(module: torch.nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
-    """Move ``module``'s trainable parameters into buckets; afterwards every parameter is a view of a bucket."""
+    """Move ``module``'s trainable parameters into buckets; afterwards every parameter is a view of a bucket.
+
+    Args:
+        module: the model; its parameters with ``requires_grad`` are moved.
+        bucket_bytes: the size a bucket fills up to before the next one starts (default
+            :data:`DEFAULT_BUCKET_BYTES`).
+
+    Returns:
+        The buckets, which the parameters now view.
+    """
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     buckets = pack(named, bucket_bytes)
     params = dict(named)

@@ -25,7 +25,15 @@ class _Pending:
 
 
 class ExactGossip(Algorithm):
-    """Uncompressed gossip of the full parameters over the schedule's edges."""
+    """Uncompressed gossip of the full parameters over the schedule's edges.
+
+    Args:
+        gamma: the step size of the mixing, x_i <- x_i + gamma sum_j w_ij (x_j - x_i).
+        nonfinite: what a NaN or Inf received from a peer does: ``"raise"`` or ``"drop"``.
+
+    Raises:
+        InvalidArgumentError: ``gamma`` is not positive, or ``nonfinite`` is not a known policy.
+    """
 
     name = "exact"
 

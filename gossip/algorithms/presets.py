@@ -48,6 +48,17 @@ def tagc_policy(*, min_numel: int = 0, positional: bool = False, extra: tuple[st
     True for matrices (>= 2 dims, >= ``min_numel`` elements) named like an MLP matrix, the token embedding or
     the LM head (plus positional embeddings if ``positional``, plus the regular expressions in ``extra``); False
     for attention and everything else.
+
+    Args:
+        min_numel: the fewest elements a compressed matrix has.
+        positional: compress positional embeddings too.
+        extra: further regular expressions of parameter names to compress.
+
+    Returns:
+        The policy, ``(name, shape) -> bool``.
+
+    Raises:
+        InvalidArgumentError: ``min_numel`` is not an integer >= 0.
     """
     if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:
         raise InvalidArgumentError(f"tagc_policy: min_numel must be an integer >= 0, got {min_numel!r}")
