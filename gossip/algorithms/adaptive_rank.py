@@ -44,7 +44,17 @@ from topologies import Schedule
 
 
 class LadderSearch:
-    """GraVAC's search (C.2, C.4) over a rank ladder: feed ``record(gain, throughput)`` once per window."""
+    """GraVAC's search (C.2, C.4) over a rank ladder: feed ``record(gain, throughput)`` once per window.
+
+    Args:
+        ladder: the ranks to search, strictly increasing integers >= 1.
+        epsilon: the least gain a rung must reach, in (0, 1].
+        omega: the search stops when the two best CT values are within this relative margin.
+
+    Raises:
+        InvalidArgumentError: ``ladder`` is empty, not strictly increasing or holds a non-integer or a value
+            below 1, or ``epsilon`` or ``omega`` is out of range.
+    """
 
     def __init__(self, ladder: Sequence[int], epsilon: float = 0.75, omega: float = 0.05):
         ladder = tuple(ladder)
@@ -60,7 +70,7 @@ class LadderSearch:
         self.reopen()
 
     def reopen(self) -> None:
-        """Forget the measurements and start again from the bottom rung."""
+        """Forget the recorded gains and throughputs and start again from the bottom rung."""
         self.rank, self.searching = self.ladder[0], True
         self.measured: dict[int, tuple[float, float]] = {}  # rank -> (gain, CT)
 
@@ -69,7 +79,15 @@ class LadderSearch:
         return rank
 
     def record(self, gain: float, throughput: float) -> int:
-        """Store the current rung's gain and CT = throughput x gain; return the rank for the next window."""
+        """Store the current rung's gain and CT = throughput x gain; return the rank for the next window.
+
+        Args:
+            gain: the fraction of the neighbour difference the factors captured over the window.
+            throughput: steps per second over the window.
+
+        Returns:
+            The rank to use next (the same rung once the search has stopped).
+        """
         self.measured[self.rank] = (gain, throughput * gain)
         if not self.searching:
             return self.rank
@@ -102,7 +120,22 @@ class _Pending:
 
 
 class AdaptivePowerGossip(PowerGossip):
-    """PowerGossip whose rank follows :class:`LadderSearch`, decided globally every ``every`` steps."""
+    """PowerGossip whose rank follows :class:`LadderSearch`, decided globally every ``every`` steps.
+
+    Args:
+        ladder: the ranks to search (see :class:`LadderSearch`).
+        every: steps per window between decisions, an integer >= 2.
+        epsilon: the least gain a rung must reach.
+        omega: the relative margin of CT at which the search stops.
+        sketch_size: shared coordinates per matrix that estimate ||X_hi - X_lo||_F^2, an integer >= 1.
+        alpha: the EWMA weight of the gain's numerator and denominator, in (0, 1].
+        distance_target: re-open the search when the sketched mean pair distance exceeds it; None never does.
+        clock: the clock that times the windows (seconds).
+        **powergossip: further :class:`PowerGossip` settings (its ``rank`` is the ladder's bottom rung).
+
+    Raises:
+        InvalidArgumentError: ``every``, ``sketch_size`` or ``alpha`` is out of range.
+    """
 
     name = "adaptive-powergossip"
 
@@ -136,11 +169,22 @@ class AdaptivePowerGossip(PowerGossip):
         self._reset_window()
 
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
+        """Bind as :meth:`PowerGossip.setup`, choosing the compressed matrices at the top rung's rank.
+
+        Args:
+            comm: this rank's communicator.
+            schedule: the gossip schedule.
+            buckets: the parameter buckets to mix in place.
+        """
         super().setup(comm, schedule, buckets)
         self._last_start: float | None = None
 
     def largest_matrix_rank(self) -> int:
-        """The ladder's top rung: the compressed matrices are chosen so that every rung fits them."""
+        """The ladder's top rung: the compressed matrices are chosen so that every rung fits them.
+
+        Returns:
+            The largest rank of the ladder.
+        """
         return self.search.ladder[-1]
 
     def _reset_window(self) -> None:
@@ -149,7 +193,14 @@ class AdaptivePowerGossip(PowerGossip):
 
     # -- rank changes ---------------------------------------------------------------------------------------
     def set_rank(self, new_rank: int) -> None:
-        """Change the rank of every edge now (call at the same step on every rank), keeping the warm factors."""
+        """Change the rank of every edge now (call at the same step on every rank), keeping the warm factors.
+
+        Args:
+            new_rank: the new rank, an integer >= 1 that every compressed matrix allows.
+
+        Raises:
+            InvalidArgumentError: ``new_rank`` is not an integer >= 1, or exceeds min(m, k) of a compressed matrix.
+        """
         if isinstance(new_rank, bool) or not isinstance(new_rank, int) or new_rank < 1:
             raise InvalidArgumentError(f"rank {self.comm.rank}: set_rank needs an integer >= 1, got {new_rank!r}")
         for matrix in self.matrices:
@@ -268,15 +319,30 @@ class AdaptivePowerGossip(PowerGossip):
 
     # -- state ----------------------------------------------------------------------------------------------
     def config(self) -> dict:
+        """The settings every rank must share: PowerGossip's but its rank, with the ladder and the search's.
+
+        Returns:
+            Setting name -> value.
+        """
         config = {k: v for k, v in super().config().items() if k != "rank"}
         return {**config, "ladder": list(self.search.ladder), "every": self.every, "epsilon": self.search.epsilon,
                 "omega": self.search.omega, "sketch_size": self.sketch_size, "alpha": self.alpha}  # fmt: skip
 
     def state_dict(self) -> dict:
+        """PowerGossip's state with the search's: the current rank, whether it is searching, and each rung's record.
+
+        Returns:
+            The state, for :meth:`load_state_dict`.
+        """
         search = {"rank": self.matrix_rank, "searching": self.search.searching, "measured": dict(self.search.measured)}
         return {**super().state_dict(), "search": search}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the state :meth:`state_dict` returned, rank included.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+        """
         super().load_state_dict(state)
         search = state["search"]
         self.matrix_rank = self.search.rank = search["rank"]

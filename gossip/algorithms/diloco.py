@@ -87,13 +87,23 @@ def outer_step(
     nesterov: bool,
     first: bool,
 ) -> None:
-    r"""One step of SGD with (Nesterov) momentum on ``params`` in place: for every tensor,
-    :math:`v \leftarrow \mu v + g` (:math:`v \leftarrow g` when ``first``), then :math:`p \leftarrow p - \text{lr}
-    (g + \mu v)` with ``nesterov``, else :math:`p \leftarrow p - \text{lr}\, v`; with ``momentum == 0``,
-    :math:`p \leftarrow p - \text{lr}\, g` (``momenta`` unused).
+    r"""One step of SGD with (Nesterov) momentum on ``params`` in place.
+
+    For every tensor, :math:`v \leftarrow \mu v + g` (:math:`v \leftarrow g` when ``first``), then
+    :math:`p \leftarrow p - \text{lr} (g + \mu v)` with ``nesterov``, else :math:`p \leftarrow p - \text{lr}\, v`;
+    with ``momentum == 0``, :math:`p \leftarrow p - \text{lr}\, g` (``momenta`` unused).
 
     The operations of ``torch.optim.SGD``'s single-tensor update (dampening 0, no weight decay), in its order, so
     the result has its bits. ``grads`` are read only.
+
+    Args:
+        params: the tensors to update in place.
+        momenta: their momentum buffers, updated in place.
+        grads: their gradients (here the mean pseudo-gradients).
+        lr: the learning rate.
+        momentum: :math:`\mu`.
+        nesterov: Nesterov momentum instead of heavy-ball.
+        first: the first step, which sets :math:`v \leftarrow g`.
     """
     for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
         step = grad
@@ -115,11 +125,20 @@ class _Sync:
 
 
 class DiLoCo(Algorithm):
-    """DiLoCo (module docstring): ``local_steps`` local steps, then the mean pseudo-gradient's outer step.
+    r"""DiLoCo (module docstring): ``local_steps`` local steps, then the mean pseudo-gradient's outer step.
 
     ``DiLoCo(local_steps=20, outer_lr=0.7, outer_momentum=0.9)`` synchronises on steps 19, 39, ... with Nesterov
     SGD as the outer optimizer (``nesterov=False``: heavy-ball momentum). Needs no schedule: the synchronisation is
     an all-reduce over all ranks.
+
+    Args:
+        local_steps: H, steps between synchronisations, an integer >= 1.
+        outer_lr: the outer learning rate, positive and finite.
+        outer_momentum: :math:`\mu` of the outer optimizer, in [0, 1).
+        nesterov: Nesterov momentum (True) or heavy-ball (False).
+
+    Raises:
+        InvalidArgumentError: a setting is out of range or of the wrong kind.
     """
 
     name = "diloco"
@@ -154,7 +173,13 @@ class DiLoCo(Algorithm):
         self._loaded = False  # a state was loaded: compare it across ranks at the next start
 
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
-        """Bind, and set theta to rank 0's parameters (a broadcast: every rank starts from the same theta)."""
+        """Bind, and set theta to rank 0's parameters (a broadcast: every rank starts from the same theta).
+
+        Args:
+            comm: this rank's communicator.
+            schedule: ignored (the synchronisation is an all-reduce); may be None.
+            buckets: the parameter buckets.
+        """
         super().setup(comm, schedule, buckets)
         with torch.no_grad():
             self._sync = [bucket.buffer.detach().clone() for bucket in buckets]
@@ -164,7 +189,14 @@ class DiLoCo(Algorithm):
         self._outer_steps = 0
 
     def syncs(self, step: int) -> bool:
-        """Whether ``step`` is a synchronisation step: (step + 1) % local_steps == 0."""
+        """Whether ``step`` is a synchronisation step: (step + 1) % local_steps == 0.
+
+        Args:
+            step: a training step.
+
+        Returns:
+            True on a synchronisation step.
+        """
         return (step + 1) % self.local_steps == 0
 
     @property
@@ -174,7 +206,12 @@ class DiLoCo(Algorithm):
 
     def synchronised(self) -> list[torch.Tensor]:
         """Theta, one tensor per bucket (laid out as the bucket): what every replica holds after a synchronisation.
-        Read only; the same bits on every rank."""
+
+        Read only; the same bits on every rank.
+
+        Returns:
+            One tensor per bucket.
+        """
         return list(self._sync)
 
     # -- the Algorithm interface ----------------------------------------------------------------------------
@@ -243,6 +280,11 @@ class DiLoCo(Algorithm):
 
     # -- state ----------------------------------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
+        """The settings every rank must share: ``local_steps``, ``outer_lr``, ``outer_momentum``, ``nesterov``.
+
+        Returns:
+            Setting name -> value.
+        """
         return {
             "local_steps": self.local_steps,
             "outer_lr": self.outer_lr,
@@ -251,7 +293,11 @@ class DiLoCo(Algorithm):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Theta, the outer momentum and the outer step count (copies), with the config they belong to."""
+        """Theta, the outer momentum and the outer step count (copies), with the config they belong to.
+
+        Returns:
+            The state, for :meth:`load_state_dict`.
+        """
         return {
             "config": self.config(),
             "outer_steps": self._outer_steps,
@@ -260,6 +306,15 @@ class DiLoCo(Algorithm):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state :meth:`state_dict` returned; the ranks compare it at the next ``start``.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+
+        Raises:
+            InvalidArgumentError: the state was saved with another config, or its tensors do not fit this run's
+                buckets.
+        """
         where = f"rank {self.comm.rank}" if getattr(self, "comm", None) is not None else "DiLoCo"
         if state.get("config") != self.config():
             raise InvalidArgumentError(

@@ -75,6 +75,14 @@ class PeriodicAverage(Algorithm):
     exactly on the 16th. ``every=1`` averages every step (All-Reduce of the parameters). The inner algorithm is
     bound by this wrapper's ``setup`` to the same communicator, schedule and buckets; its state is part of this
     wrapper's ``state_dict``.
+
+    Args:
+        inner: the algorithm run on the other steps.
+        every: steps between global averages, an integer >= 1.
+
+    Raises:
+        ArgumentTypeError: ``inner`` is not a :class:`gossip.Algorithm`.
+        InvalidArgumentError: ``every`` is not an integer >= 1.
     """
 
     name = "periodic-average"
@@ -99,17 +107,38 @@ class PeriodicAverage(Algorithm):
         return self.inner.nonfinite
 
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
-        """Bind this wrapper and the inner algorithm to ``comm``, ``schedule`` and ``buckets`` (the schedule is
-        validated once, here, for both: the inner algorithm's symmetry need is this wrapper's)."""
+        """Bind this wrapper and the inner algorithm to ``comm``, ``schedule`` and ``buckets``.
+
+        The schedule is validated once, here, for both: the inner algorithm's symmetry need is this wrapper's.
+
+        Args:
+            comm: this rank's communicator.
+            schedule: the gossip schedule of the inner algorithm.
+            buckets: the parameter buckets to mix in place.
+        """
         super().setup(comm, schedule, buckets)
         self.setup_part(self.inner, schedule, buckets)
 
     def averages(self, step: int) -> bool:
-        """Whether ``step`` is an averaging step: (step + 1) % every == 0."""
+        """Whether ``step`` is an averaging step: (step + 1) % every == 0.
+
+        Args:
+            step: a training step.
+
+        Returns:
+            True on an averaging step.
+        """
         return (step + 1) % self.every == 0
 
     def inner_step(self, step: int) -> int:
-        """The inner algorithm's own step number for training step ``step``: step - (step + 1) // every."""
+        """The inner algorithm's own step number for training step ``step``: step - (step + 1) // every.
+
+        Args:
+            step: a training step that is not an averaging step.
+
+        Returns:
+            The inner algorithm's step number.
+        """
         return step - (step + 1) // self.every
 
     @contextlib.contextmanager
@@ -186,16 +215,38 @@ class PeriodicAverage(Algorithm):
 
     # -- state ----------------------------------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
+        """The settings every rank must share: ``every`` and the inner algorithm's name and config.
+
+        Returns:
+            Setting name -> value.
+        """
         return {"every": self.every, "inner": {"name": self.inner.name, **self.inner.config()}}
 
     def describe(self) -> dict[str, Any]:
-        """The inner algorithm's treatment of the parameters (the averaging steps send every tensor exactly)."""
+        """The inner algorithm's treatment of the parameters (the averaging steps send every tensor exactly).
+
+        Returns:
+            The inner algorithm's description, with ``every``.
+        """
         return {"every": self.every, "inner": self.inner.describe()}
 
     def state_dict(self) -> dict[str, Any]:
+        """The inner algorithm's state, with this wrapper's config.
+
+        Returns:
+            The state, for :meth:`load_state_dict`.
+        """
         return {"config": self.config(), "inner": self.inner.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state :meth:`state_dict` returned, the inner algorithm's included.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+
+        Raises:
+            InvalidArgumentError: the state was saved with another config.
+        """
         if state.get("config") != self.config():
             raise InvalidArgumentError(
                 f"rank {self.comm.rank}: PeriodicAverage state was saved with {state.get('config')}, this run uses "
