@@ -63,6 +63,13 @@ def inter_node_pairs(nodes: int, per_node: int) -> Schedule:
 
     Disconnected on purpose (local ranks never mix with each other here): it is the slow level of the
     hierarchical step only, never a schedule on its own, so it is built without validation.
+
+    Args:
+        nodes: N, the number of nodes, a power of two.
+        per_node: L, the ranks per node.
+
+    Returns:
+        The schedule of the inter-node pairs, period log2 N.
     """
     dims = max(nodes.bit_length() - 1, 1)
     ranks = np.arange(nodes * per_node)
@@ -75,7 +82,15 @@ def inter_node_pairs(nodes: int, per_node: int) -> Schedule:
 
 
 def shard_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
-    """[start, stop) of ``parts`` contiguous shards of ``numel`` elements, sizes differing by at most one."""
+    """[start, stop) of ``parts`` contiguous shards of ``numel`` elements, sizes differing by at most one.
+
+    Args:
+        numel: the elements to split.
+        parts: the number of shards.
+
+    Returns:
+        ``(start, stop)`` per shard, in order.
+    """
     size, extra = divmod(numel, parts)
     bounds, start = [], 0
     for j in range(parts):
@@ -86,7 +101,15 @@ def shard_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
 
 
 def assign_whole_tensors(sizes: list[int], parts: int) -> list[int]:
-    """Owner (0..parts-1) of each tensor: largest first to the least loaded part, ties to the lower index."""
+    """Owner (0..parts-1) of each tensor: largest first to the least loaded part, ties to the lower index.
+
+    Args:
+        sizes: each tensor's elements.
+        parts: the number of owners.
+
+    Returns:
+        Each tensor's owner, in the order of ``sizes``.
+    """
     load = [0] * parts
     owner = [0] * len(sizes)
     for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
@@ -103,6 +126,16 @@ class HierarchicalGossip(Algorithm):
     :meth:`setup` binds it (:meth:`Algorithm.setup_part`) to the inter-node pairs, the slow level of the
     validated ``topologies.hierarchical`` schedule, on the local ranks that own tensors (``inner``; None
     elsewhere). Nothing of it is changed after that.
+
+    Args:
+        compress_rank: the PowerGossip rank of the inter-node level; None mixes it exactly.
+        local_size: L, ranks per node; None takes the communicator's.
+        min_compression: passed to the inner PowerGossip.
+        policy: passed to the inner PowerGossip.
+        seed: passed to the inner PowerGossip.
+
+    Raises:
+        InvalidArgumentError: ``compress_rank`` or ``local_size`` is neither None nor an integer >= 1.
     """
 
     name = "hierarchical"
@@ -141,7 +174,17 @@ class HierarchicalGossip(Algorithm):
 
     # -- binding --------------------------------------------------------------------------------------------
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
-        """Bind; ``schedule`` must be ``topologies.hierarchical(N, L)`` or None (then it is built)."""
+        """Bind; ``schedule`` must be ``topologies.hierarchical(N, L)`` or None (then it is built).
+
+        Args:
+            comm: this rank's communicator.
+            schedule: ``topologies.hierarchical(N, L)`` for this world, or None.
+            buckets: the parameter buckets to mix in place.
+
+        Raises:
+            InvalidArgumentError: L does not divide the world size, the ranks are not numbered node-major, or
+                ``schedule`` is another schedule.
+        """
         per_node = self.local_size if self.local_size is not None else comm.local_size
         if comm.size % per_node:
             raise InvalidArgumentError(
@@ -198,7 +241,11 @@ class HierarchicalGossip(Algorithm):
         return torch.cat(parts) if parts else self.buckets[0].buffer.new_empty(0)
 
     def describe(self) -> dict[str, Any]:
-        """Who owns what: per local rank, the tensor names (compressed) or the shard bounds per bucket (exact)."""
+        """Who owns what: per local rank, the tensor names (compressed) or the shard bounds per bucket (exact).
+
+        Returns:
+            The ownership, with the inner PowerGossip's description when it compresses.
+        """
         if self.compress_rank is None:
             return {"shards": self.bounds}
         owned = {j: [self.entries[k][1].name for k in ks] for j, ks in enumerate(self.owned_by)}
@@ -297,6 +344,11 @@ class HierarchicalGossip(Algorithm):
 
     # -- state ----------------------------------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
+        """The settings every rank must share: ``compress_rank``, ``local_size``, ``min_compression``, ``seed``.
+
+        Returns:
+            Setting name -> value.
+        """
         return {
             "compress_rank": self.compress_rank,
             "local_size": self.local_size,
@@ -305,9 +357,22 @@ class HierarchicalGossip(Algorithm):
         }
 
     def state_dict(self) -> dict[str, Any]:
+        """The inner PowerGossip's state (its factors), or nothing when this rank keeps none.
+
+        Returns:
+            The state, for :meth:`load_state_dict`.
+        """
         return {"inner": self.inner.state_dict()} if self.inner is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state :meth:`state_dict` returned.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+
+        Raises:
+            InvalidArgumentError: a non-empty state for a configuration that keeps none.
+        """
         if self.inner is not None:
             self.inner.load_state_dict(state["inner"])
         elif state:
