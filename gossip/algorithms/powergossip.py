@@ -25,28 +25,28 @@ Batching (as PyTorch's PowerSGD communication hook batches its matrices): matric
 (``blocks.#.mlp.fc.weight``) -- the layers of a transformer -- are one group with stacked factors. The products and
 the update run as one ``bmm`` / ``baddbmm_`` per run of the group's layers lying at equal distances in one bucket, a
 (count, m, k) strided view of the bucket without a copy (one run per bucket the layers span). Factors are stored
-transposed (r x rows), so the products are q^T X^T and p^T X, small dimension first (on the CPU several times faster
-than X q and X^T p: ``benchmarks/powergossip_compute.py --kernels``). Factors of equal rows are orthonormalised
-together, and so are those within a factor ``pad_ratio`` of each other (default ``PAD_RATIO`` on CUDA,
-``CPU_PAD_RATIO`` on the CPU), the smaller ones zero-padded: one batched call per class (on a GPT, every q in one
-call), not per group. The padding is stored: each edge keeps its factors in one flat buffer per side, ordered class
-by class, every factor padded with zero rows to its class's rows, so that a class is one contiguous block
-orthonormalised in place, and the factors are views of it (QR and Gram-Schmidt leave zero rows zero). At these sizes
-an operation costs more than its arithmetic, on the CPU as on a GPU, so padding pays (``pad_ratio`` bounds the work
-spent on zeros). Each edge plans each side's iteration once (both in :mod:`gossip.algorithms.powergossip_layout`):
-its message, the products, updates and orthonormalisations as views of the buffers and of the buckets. One message
-per peer and iteration carries the products of every group, then (in the step's first iteration, see below) the
-uncompressed tensors of all buckets packed (one ``cat`` of views taken at setup, unpacked with one
-``_foreach_copy_``); the difference of the two ends' products is one subtraction written over the received message,
-laid out as the factors it replaces with one ``_foreach_copy_`` (padded, a row per factor column), where one sum per
-class sums every column for the warm-start rule of step 4. So an iteration's operations -- on a GPU, kernel
-launches, whose fixed cost dominates at these sizes -- do not grow with the number of layers or of uncompressed
-tensors, except for the runs (keep the layers in few buckets), and no tensor is cut or allocated on the way. On CUDA
-no value is read back to the host on the hot path: the non-finite check is deferred (see gossip.algorithms.base)
-and the rule decided on the device. On the CPU, where a host read is a load, one read per peer and iteration
-serves both: the columns' sums in R (a NaN or Inf a peer sent is one in R and makes its column's sum non-finite; a
-column zero throughout sums to 0, and R has one only on identical replicas, so the rule mostly has nothing to do)
-and the sum of the uncompressed tensors received.
+transposed (r x rows), so the products are q^T X^T and p^T X, small dimension first (how they compare with X q and
+X^T p on the CPU: ``benchmarks/powergossip_compute.py --kernels``, timings in benchmarks/README.md). Factors of
+equal rows are orthonormalised together, and so are those within a factor ``pad_ratio`` of each other (default
+``PAD_RATIO`` on CUDA, ``CPU_PAD_RATIO`` on the CPU), the smaller ones zero-padded: one batched call per class (on a
+GPT, every q in one call), not per group. The padding is stored: each edge keeps its factors in one flat buffer per
+side, ordered class by class, every factor padded with zero rows to its class's rows, so that a class is one
+contiguous block orthonormalised in place, and the factors are views of it (QR and Gram-Schmidt leave zero rows
+zero). At these sizes an operation costs more than its arithmetic, on the CPU as on a GPU, so padding pays
+(``pad_ratio`` bounds the work spent on zeros). Each edge plans each side's iteration once (both in
+:mod:`gossip.algorithms.powergossip_layout`): its message, the products, updates and orthonormalisations as views of
+the buffers and of the buckets. One message per peer and iteration carries the products of every group, then (in the
+step's first iteration, see below) the uncompressed tensors of all buckets packed (one ``cat`` of views taken at
+setup, unpacked with one ``_foreach_copy_``); the difference of the two ends' products is one subtraction written
+over the received message, laid out as the factors it replaces with one ``_foreach_copy_`` (padded, a row per factor
+column), where one sum per class sums every column for the warm-start rule of step 4. So an iteration's operations
+-- on a GPU, kernel launches, whose fixed cost dominates at these sizes -- do not grow with the number of layers or
+of uncompressed tensors, except for the runs (keep the layers in few buckets), and no tensor is cut or allocated on
+the way. On CUDA no value is read back to the host on the hot path: the non-finite check is deferred (see
+gossip.algorithms.base) and the rule decided on the device. On the CPU, where a host read is a load, one read per
+peer and iteration serves both: the columns' sums in R (a NaN or Inf a peer sent is one in R and makes its column's
+sum non-finite; a column zero throughout sums to 0, and R has one only on identical replicas, so the rule mostly has
+nothing to do) and the sum of the uncompressed tensors received.
 
 Orthonormalisation (:func:`orthonormalize`): by default Householder QR on the CPU, Gram-Schmidt elsewhere (on
 CUDA, batched QR costs a cuSOLVER call per matrix); ``orthonormalization`` ("qr", "gram-schmidt") chooses.
@@ -57,16 +57,16 @@ both ends run the same kernel on the same input, so they agree bit for bit; both
 and so of checkpoints. These two, ``pad_ratio`` and ``uncompressed_every_iteration`` (below) are the seldom-tuned
 settings, passed together as ``PowerGossip(tuning=PowerGossipTuning(...))``.
 
-Message precision (``message_dtype``): by default the products travel in the parameters' dtype. With
-torch.float16 or torch.bfloat16 each end rounds its products to that dtype before sending, and both compute
-R = a_hi - a_lo in the parameters' dtype from the two rounded products (widened exactly for float32 or float64
-parameters): the same two operands on both ends, whatever the conversion, so the factors stay bit-identical and
-the corrections equal and opposite (the sum is preserved). The rounding perturbs R by about 2^-11 (float16) or
-2^-8 (bfloat16) of the products' magnitude; what it misses of X_hi - X_lo stays in the models for later iterations,
-like the part outside the projection. float16 keeps more bits but overflows above 65504 (the receiving end's
-non-finite error names it); bfloat16 has float32's range. Half-precision products halve the products' bytes, so
-twice the power iterations cost what one did. The uncompressed tensors keep the parameters' dtype (their exact
-gossip stays exact) in a second tensor of the message.
+Message precision (``message_dtype``): by default the products travel in the parameters' dtype. With torch.float16
+or torch.bfloat16 each end rounds its products to that dtype before sending, and both compute R = a_hi - a_lo in the
+parameters' dtype from the two rounded products (widened exactly for float32 or float64 parameters): the same two
+operands on both ends, whatever the conversion, so the factors stay bit-identical and the corrections equal and
+opposite (the sum is preserved). Rounding to nearest perturbs each product by at most the unit round-off of its
+magnitude, 2^-11 (float16) or 2^-8 (bfloat16), for normal numbers; what it misses of X_hi - X_lo stays in the models
+for later iterations, like the part outside the projection. float16 keeps more bits but overflows above 65504 (the
+receiving end's non-finite error names it); bfloat16 has float32's range. Half-precision products halve the
+products' bytes, so twice the power iterations cost what one did. The uncompressed tensors keep the parameters'
+dtype (their exact gossip stays exact) in a second tensor of the message.
 
 Factors of an idle edge are kept, so warm starts survive time-varying schedules that revisit pairs (A.8).
 Tensors with fewer than two dimensions and matrices whose compression ratio m k / (r (m + k)) is below
@@ -75,7 +75,7 @@ parameter name. Parameters with 0 elements travel as nothing. The uncompressed t
 in the message of the first power iteration (posted before forward and backward, so it overlaps them); the
 further iterations carry the products only. With one peer per step and gamma = 1 (the one-peer schedules) a
 second exact mixing would change nothing -- both ends already hold the pair's average -- and would cost the
-uncompressed tensors' bytes again (on the main job's GPT 14 kB of a 52 kB message at rank 4).
+uncompressed tensors' bytes again (their share of the main job's message: benchmarks/README.md).
 ``PowerGossipTuning(uncompressed_every_iteration=True)`` mixes them with every iteration, which repeats the
 averaging where the step has several peers or gamma < 1.
 
@@ -121,15 +121,32 @@ Policy = Callable[[str, torch.Size], "bool | None"]
 
 
 def exclude_names(*patterns: str) -> Policy:
-    """A policy sending every parameter whose name matches one of the regular expressions uncompressed."""
+    """A policy sending every parameter whose name matches one of the regular expressions uncompressed.
+
+    Args:
+        *patterns: regular expressions, searched in each parameter's name.
+
+    Returns:
+        The policy: False for a matching name, None (PowerGossip's own choice) for the others.
+    """
     compiled = [re.compile(pattern) for pattern in patterns]
     return lambda name, shape: False if any(p.search(name) for p in compiled) else None
 
 
 def gram_schmidt(matrix: torch.Tensor, eps: float = 1e-8, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Modified Gram-Schmidt on the columns of ``matrix`` (rows x r, or a batch ... x rows x r), computed in
-    ``dtype`` and returned in ``matrix.dtype``; a new tensor. Column c is divided by its norm (+ ``eps``, so a zero
-    column stays zero and finite), then removed from the columns after it: a few kernels per column."""
+    """Modified Gram-Schmidt on the columns of ``matrix`` (rows x r, or a batch ... x rows x r).
+
+    Computed in ``dtype`` and returned in ``matrix.dtype``; a new tensor. Column c is divided by its norm (+ ``eps``,
+    so a zero column stays zero and finite), then removed from the columns after it: a few kernels per column.
+
+    Args:
+        matrix: the columns to orthonormalise.
+        eps: added to each norm before dividing.
+        dtype: the precision of the computation.
+
+    Returns:
+        Orthonormal columns (zero where a column was zero or dependent), in ``matrix.dtype``.
+    """
     work = matrix.to(dtype, copy=True)
     columns = work.shape[-1]
     for c in range(columns):
@@ -146,30 +163,48 @@ MESSAGE_DTYPES = (None, torch.float16, torch.bfloat16, torch.float32, torch.floa
 
 
 def default_method(device: torch.device) -> str:
-    """The orthonormalisation :func:`orthonormalize` uses on ``device`` when none is given: QR on the CPU,
-    Gram-Schmidt elsewhere (see :func:`orthonormalize` for why)."""
+    """The orthonormalisation :func:`orthonormalize` uses on ``device`` when none is given.
+
+    QR on the CPU, Gram-Schmidt elsewhere (see :func:`orthonormalize` for why).
+
+    Args:
+        device: the device of the factors.
+
+    Returns:
+        ``"qr"`` or ``"gram-schmidt"``.
+    """
     return "qr" if device.type == "cpu" else "gram-schmidt"
 
 
 def orthonormalize(
     matrix: torch.Tensor, eps: float = 1e-8, dtype: torch.dtype | None = None, method: str | None = None
 ) -> torch.Tensor:
-    """Orthonormal columns spanning those of ``matrix`` (rows x r, or a batch ... x rows x r), computed in ``dtype``
-    and returned in ``matrix.dtype``; a new tensor, ``matrix`` is left alone.
+    """Orthonormal columns spanning those of ``matrix`` (rows x r, or a batch ... x rows x r).
+
+    Computed in ``dtype`` and returned in ``matrix.dtype``; a new tensor, ``matrix`` is left alone.
 
     ``method``: ``"qr"``, one batched Householder QR (``torch.linalg.qr``), or ``"gram-schmidt"``
     (:func:`gram_schmidt`). By default QR on the CPU, where LAPACK factors a batch of thin matrices in one call
     whose cost hardly grows with r (``python benchmarks/powergossip_compute.py --kernels`` times both on a model's
-    factors: QR is 1.2-1.5x cheaper at r = 1 and 5-7x at r = 4, benchmarks/README.md), and Gram-Schmidt elsewhere:
+    factors; the timings are in benchmarks/README.md), and Gram-Schmidt elsewhere:
     on CUDA ``torch.linalg.qr`` forms Q with one cuSOLVER call per matrix of the batch (cuSOLVER has no batched
     ``orgqr``), while Gram-Schmidt's few kernels per column cover the whole batch (PyTorch's PowerSGD hook takes
     QR only above r = 2, where it found QR usually faster). ``dtype`` by default: float64 for Gram-Schmidt,
     whose loss of orthogonality grows with the conditioning of ``matrix``; for QR, which is backward stable
-    (orthonormal to about the unit round-off whatever the conditioning), ``matrix``'s dtype, at least float32.
-    QR's columns are orthonormal even where the input's are zero or dependent (Householder completes the basis),
-    Gram-Schmidt's zero columns stay zero (``eps`` keeps them finite); the two may differ in sign, which does not
-    matter to PowerGossip (p and q flip together). Deterministic: equal inputs on the same device and thread count
-    give equal outputs, which is what keeps both ends of an edge bit-identical.
+    (orthonormal to within a small multiple of the unit round-off whatever the conditioning), ``matrix``'s dtype,
+    at least float32. QR's columns are orthonormal even where the input's are zero or dependent (Householder
+    completes the basis), Gram-Schmidt's zero columns stay zero (``eps`` keeps them finite); the two may differ in
+    sign, which does not matter to PowerGossip (p and q flip together). Deterministic: equal inputs on the same
+    device and thread count give equal outputs, which is what keeps both ends of an edge bit-identical.
+
+    Args:
+        matrix: the columns to orthonormalise.
+        eps: Gram-Schmidt's guard against a zero norm.
+        dtype: the precision of the computation; None as above.
+        method: ``"qr"``, ``"gram-schmidt"``, or None for :func:`default_method`.
+
+    Returns:
+        The orthonormal columns, in ``matrix.dtype``.
     """
     if method is None:
         method = default_method(matrix.device)
@@ -186,11 +221,20 @@ def orthonormalize_(
     method: str | None = None,
     triangle: torch.Tensor | None = None,
 ) -> None:
-    """:func:`orthonormalize` written over ``matrix``, with the same bits. QR in ``matrix``'s own dtype takes
-    ``matrix`` as its Q output and ``triangle`` (``... x r x r``, allocated when not given) as its R: LAPACK factors a
-    column-major batch in place (PowerGossip stores its factors transposed, so their ``mT`` views are column-major),
-    which saves copying a new Q back -- on the CPU at these sizes an operation costs more than its arithmetic.
-    Otherwise the result is computed aside and copied back."""
+    """:func:`orthonormalize` written over ``matrix``, with the same bits.
+
+    QR in ``matrix``'s own dtype takes ``matrix`` as its Q output and ``triangle`` (``... x r x r``, allocated when
+    not given) as its R: LAPACK factors a column-major batch in place (PowerGossip stores its factors transposed,
+    so their ``mT`` views are column-major), which saves copying a new Q back. Otherwise the result is computed
+    aside and copied back.
+
+    Args:
+        matrix: the columns to orthonormalise, in place.
+        eps: Gram-Schmidt's guard against a zero norm.
+        dtype: the precision of the computation; None as :func:`orthonormalize`.
+        method: ``"qr"``, ``"gram-schmidt"``, or None for :func:`default_method`.
+        triangle: a buffer for QR's triangular factor, or None.
+    """
     method = method or default_method(matrix.device)
     work_dtype = dtype or (torch.float64 if matrix.dtype == torch.float64 else torch.float32)
     if method == "qr" and work_dtype == matrix.dtype:
@@ -202,7 +246,8 @@ def orthonormalize_(
 
 
 def keep_nonzero_columns_(incoming: torch.Tensor, factor: torch.Tensor) -> None:
-    """The warm-start rule (step 4 above) on blocks whose rows are factor columns (factors stored transposed):
+    """The warm-start rule (step 4 above) on blocks whose rows are factor columns (factors stored transposed).
+
     ``factor``'s rows become ``incoming``'s (R's) except where ``incoming``'s row is zero throughout, which keep
     their values; in place, on the device (no host sync).
 
@@ -210,17 +255,31 @@ def keep_nonzero_columns_(incoming: torch.Tensor, factor: torch.Tensor) -> None:
     step after the initial broadcast, or right after a global average); taken as the next projection it would
     orthonormalise to a direction that knows nothing of the models (zero under Gram-Schmidt, silencing that column
     of the edge for good), while the previous factor still spans a useful one. Both ends hold the same R and the
-    same previous factors, so they choose alike."""
+    same previous factors, so they choose alike.
+
+    Args:
+        incoming: R, a row per factor column.
+        factor: the factors it replaces, laid out alike; overwritten in place.
+    """
     torch.where(incoming.abs().amax(dim=-1, keepdim=True) > 0, incoming, factor, out=factor)
 
 
 def column_sums(replaced: Replacement, received_exact: torch.Tensor | None) -> list[float]:
-    """Every factor column's sum in R (``replaced.incoming``) and, when given, the sum of ``received_exact``: one
-    ``sum`` per class and one for the uncompressed tensors, read on the host in one transfer (on the CPU a load).
-    Laid out as ``replaced.sums``. They answer two questions at the cost of one reduction: a NaN or Inf element
-    makes its sum non-finite (finite elements make a finite sum unless it overflows, which
+    """Every factor column's sum in R (``replaced.incoming``) and, when given, the sum of ``received_exact``.
+
+    One ``sum`` per class and one for the uncompressed tensors, read on the host in one transfer (on the CPU a
+    load). Laid out as ``replaced.sums``. They answer two questions at the cost of one reduction: a NaN or Inf
+    element makes its sum non-finite (finite elements make a finite sum unless it overflows, which
     :meth:`PowerGossip._check_on_host` tells apart with an exact check), and a column zero throughout sums to 0
-    (a column whose elements cancel does too: :func:`replace_factors` then decides column by column)."""
+    (a column whose elements cancel does too: :func:`replace_factors` then decides column by column).
+
+    Args:
+        replaced: where the plan's R goes.
+        received_exact: the received uncompressed tensors, packed, or None.
+
+    Returns:
+        The columns' sums, then the uncompressed tensors' sum when given.
+    """
     for incoming, _, sums in replaced.blocks:
         torch.sum(incoming, dim=-1, out=sums)
     if received_exact is not None:
@@ -230,10 +289,15 @@ def column_sums(replaced: Replacement, received_exact: torch.Tensor | None) -> l
 
 def replace_factors(replaced: Replacement, maybe_zero_column: bool | None) -> None:
     """R replaces the factors, but for its columns zero throughout (the warm-start rule, step 4 above).
-    ``maybe_zero_column``: False when no column of R sums to 0 (from :func:`column_sums`), so none is zero
-    throughout; in training R has zero elements at almost every iteration -- products of replicas that agree on
-    some rows, rounded alike -- but a zero column only on identical replicas. True or None (not known on the host)
-    decides it on the device, column by column."""
+
+    In training R has zero elements at almost every iteration -- products of replicas that agree on some rows,
+    rounded alike -- but a zero column only on identical replicas.
+
+    Args:
+        replaced: where the plan's R goes.
+        maybe_zero_column: False when no column of R sums to 0 (from :func:`column_sums`), so none is zero
+            throughout; True or None (not known on the host) decides it on the device, column by column.
+    """
     if maybe_zero_column is False:
         replaced.flat.copy_(replaced.incoming)
         return
@@ -243,21 +307,23 @@ def replace_factors(replaced: Replacement, maybe_zero_column: bool | None) -> No
 
 @dataclass(frozen=True, kw_only=True)
 class PowerGossipTuning:
-    """PowerGossip's seldom-tuned settings: how its power iterations are computed, chosen by benchmarks
-    (``benchmarks/powergossip_compute.py``, ``benchmarks/gpu_step.py``); the defaults suit the device. Pass one as
-    ``PowerGossip(tuning=PowerGossipTuning(...))`` to reproduce a measurement, or to give every rank of a world
-    that mixes CPU and GPU ranks the same choices (docs/design.md A).
+    """PowerGossip's seldom-tuned settings: how its power iterations are computed, chosen by benchmarks.
 
-    * ``orthonormalization``: ``"qr"`` or ``"gram-schmidt"``; None: QR on the CPU, Gram-Schmidt elsewhere
-      (:func:`default_method`). Part of :meth:`PowerGossip.config`.
-    * ``orthonormalize_dtype``: None, torch.float32 or torch.float64, the precision of the orthonormalisation
-      (None: float64 for Gram-Schmidt, the parameters' dtype and at least float32 for QR; :func:`orthonormalize`).
-      Part of :meth:`PowerGossip.config`.
-    * ``pad_ratio``: factors within this ratio of rows are orthonormalised in one zero-padded call
-      (:func:`gossip.algorithms.powergossip_layout.row_classes`); None: ``PAD_RATIO`` on CUDA, ``CPU_PAD_RATIO``
-      on the CPU. Changes only the rounding.
-    * ``uncompressed_every_iteration``: mix the uncompressed tensors with every power iteration instead of once
-      per step (the module docstring says when that repeats the averaging). Part of :meth:`PowerGossip.config`.
+    The benchmarks are ``benchmarks/powergossip_compute.py`` and ``benchmarks/gpu_step.py``; the defaults suit the
+    device. Pass one as ``PowerGossip(tuning=PowerGossipTuning(...))`` to reproduce a benchmark's setting, or to give
+    every rank of a world that mixes CPU and GPU ranks the same choices (docs/design.md A).
+
+    Attributes:
+        orthonormalization: ``"qr"`` or ``"gram-schmidt"``; None: QR on the CPU, Gram-Schmidt elsewhere
+            (:func:`default_method`). Part of :meth:`PowerGossip.config`.
+        orthonormalize_dtype: None, torch.float32 or torch.float64, the precision of the orthonormalisation
+            (None: float64 for Gram-Schmidt, the parameters' dtype and at least float32 for QR;
+            :func:`orthonormalize`). Part of :meth:`PowerGossip.config`.
+        pad_ratio: factors within this ratio of rows are orthonormalised in one zero-padded call
+            (:func:`gossip.algorithms.powergossip_layout.row_classes`); None: ``PAD_RATIO`` on CUDA,
+            ``CPU_PAD_RATIO`` on the CPU. Changes only the rounding.
+        uncompressed_every_iteration: mix the uncompressed tensors with every power iteration instead of once
+            per step (the module docstring says when that repeats the averaging). Part of :meth:`PowerGossip.config`.
     """
 
     orthonormalization: str | None = None
@@ -318,6 +384,22 @@ class PowerGossip(Algorithm):
     Implementation settings that benchmarks choose -- the orthonormalisation's method and precision, the padding
     of its batches, mixing the uncompressed tensors with every iteration -- are gathered in ``tuning``, a
     :class:`PowerGossipTuning`; the defaults suit the device. Every argument but the first three is keyword-only.
+
+    Args:
+        rank: r, the rank of the projection (an integer >= 1).
+        num_iterations: power iterations per step (an integer >= 1).
+        gamma: the step size of the correction (positive).
+        message_dtype: the products' dtype on the wire; None: the parameters'.
+        min_compression: the least ratio m k / (r (m + k)) at which a matrix is compressed (>= 1).
+        policy: a per-parameter override, ``(name, shape) -> True | False | None``.
+        seed: the seed of the pair-seeded initial factors.
+        nonfinite: ``"raise"`` or ``"drop"``, what a peer's NaN or Inf does.
+        warm_start: carry each edge's factors over from iteration to iteration.
+        tuning: the seldom-tuned settings; None: the defaults.
+
+    Raises:
+        InvalidArgumentError: a setting is out of range, or ``message_dtype`` is not a supported dtype.
+        ArgumentTypeError: ``tuning`` is not a :class:`PowerGossipTuning`.
     """
 
     name = "powergossip"
@@ -383,12 +465,30 @@ class PowerGossip(Algorithm):
         return bool(choice)
 
     def largest_matrix_rank(self) -> int:
-        """The largest projection rank this instance will use; :meth:`setup` compresses only the matrices that
-        allow it at ``min_compression``. A subclass that changes the rank while training overrides it (its ladder's
-        top rung), so that the set of compressed matrices never changes."""
+        """The largest projection rank this instance will use.
+
+        :meth:`setup` compresses only the matrices that allow it at ``min_compression``. A subclass that changes the
+        rank while training overrides it (its ladder's top rung), so that the set of compressed matrices never
+        changes.
+
+        Returns:
+            The rank.
+        """
         return self.matrix_rank
 
     def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
+        """Bind, choose the compressed matrices and batch them into groups (:func:`group_matrices`).
+
+        Args:
+            comm: this rank's communicator.
+            schedule: the gossip schedule (required).
+            buckets: the parameter buckets to mix in place, of one floating-point dtype.
+
+        Raises:
+            InvalidArgumentError: no schedule, or ``policy`` asks to compress a parameter that is not a matrix or is
+                too small for the rank.
+            ArgumentTypeError: the parameters have several dtypes, or a bucket is not floating-point.
+        """
         if schedule is None:
             raise InvalidArgumentError("PowerGossip needs a schedule (e.g. topologies.one_peer_hypercube(n))")
         super().setup(comm, schedule, buckets)
@@ -445,12 +545,25 @@ class PowerGossip(Algorithm):
             edge.plans.clear()
 
     def describe(self) -> dict[str, list[str]]:
-        """Which parameters are compressed and which travel exactly."""
+        """Which parameters are compressed and which travel exactly.
+
+        Returns:
+            ``{"compressed": names, "exact": names}``.
+        """
         return {"compressed": [m.entry.name for m in self.matrices], "exact": [e.name for _, e in self.exact]}
 
     # -- per-edge state -------------------------------------------------------------------------------------
     def edge(self, peer: int) -> EdgeState:
-        """The state of the edge to ``peer``, created on first use from the pair-seeded generator."""
+        """The state of the edge to ``peer``, created on first use from the pair-seeded generator.
+
+        The pair (lo, hi) is seeded with seed n^2 + lo n + hi, so both ends draw the same factors.
+
+        Args:
+            peer: the other end of the edge.
+
+        Returns:
+            The edge's state, shared by both directions.
+        """
         lo, hi = sorted((self.comm.rank, peer))
         key = (lo, hi)
         if key not in self.edges:
@@ -714,6 +827,11 @@ class PowerGossip(Algorithm):
             self._apply(self._post(pending.step, iteration, in_peers))
 
     def state_dict(self) -> dict:
+        """Every edge's factors, iteration counter and generator state (copies), with the config they belong to.
+
+        Returns:
+            The state, for :meth:`load_state_dict`.
+        """
         return {
             "config": self.config(),
             "edges": {
@@ -728,6 +846,14 @@ class PowerGossip(Algorithm):
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the edges :meth:`state_dict` returned.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+
+        Raises:
+            InvalidArgumentError: the state was saved with another config.
+        """
         if state.get("config") != self.config():
             raise InvalidArgumentError(
                 f"PowerGossip state was saved with {state.get('config')}, this run uses {self.config()}"
@@ -749,6 +875,11 @@ class PowerGossip(Algorithm):
             )
 
     def config(self) -> dict:
+        """The settings every rank must share, with ``tuning``'s except ``pad_ratio`` (it changes only the rounding).
+
+        Returns:
+            Setting name -> value.
+        """
         return {
             "rank": self.matrix_rank,
             "num_iterations": self.num_iterations,
