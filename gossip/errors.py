@@ -45,23 +45,32 @@ class GossipError(RuntimeError):
 
 # -- the groups: what the user does about it -------------------------------------------------------------------
 class ConfigurationError(GossipError):
-    """The run's settings, launch or environment cannot work (an option, an environment variable, a missing
-    package or device, a full disk): fix them, then start the run again. The message names the setting."""
+    """The run's settings, launch or environment cannot work: fix them, then start the run again.
+
+    An option, an environment variable, a missing package or device, a full disk; the message names the setting.
+    """
 
 
 class PeerFailureError(GossipError):
-    """A peer failed -- its process died, its network stopped answering or its replica diverged -- while this
-    rank depended on it: find the failing rank (the message names it) and restart from the last checkpoint."""
+    """A peer failed while this rank depended on it: find the failing rank and restart from the last checkpoint.
+
+    Its process died, its network stopped answering or its replica diverged; the message names the rank.
+    """
 
 
 class RankMismatchError(GossipError):
-    """The ranks disagree (model, schedule, algorithm, settings, step or checkpoint): run the same code, the same
-    settings and one checkpoint's files on every rank. The message names the rank that differs and the item."""
+    """The ranks disagree: run the same code, the same settings and one checkpoint's files on every rank.
+
+    Model, schedule, algorithm, settings, step or checkpoint; the message names the rank that differs and the item.
+    """
 
 
 class MisuseError(GossipError):
-    """The calling code breaks the API's contract (a call out of order, a model changed after wrapping, an
-    object used after close): change the code as the message says. Retrying the same call fails the same way."""
+    """The calling code breaks the API's contract: change the code as the message says.
+
+    A call out of order, a model changed after wrapping, an object used after close. Retrying the same call fails
+    the same way.
+    """
 
 
 # -- the topic base of the checkpoint errors -------------------------------------------------------------------
@@ -81,13 +90,20 @@ class BackendUnavailableError(ConfigurationError):
 
 
 class InvalidArgumentError(ConfigurationError, ValueError):
-    """An argument or setting passed to the library has a value it cannot use (a rank below 1, a negative
-    timeout, an unknown policy name, ...); the message names the argument, the value and what is accepted."""
+    """An argument or setting passed to the library has a value it cannot use.
+
+    A rank below 1, a negative timeout, an unknown policy name, a missing data file, ...; the message names the
+    argument, the value and what is accepted.
+    """
 
 
 class ConfigError(ConfigurationError, ValueError):
-    """A ``gossip-train`` command-line option has a value this run cannot use; ``option`` names it (e.g.
-    ``--schedule``)."""
+    """A ``gossip-train`` command-line option has a value this run cannot use.
+
+    Args:
+        option: the option at fault (e.g. ``--schedule``), kept as ``.option``.
+        message: what is wrong with its value.
+    """
 
     def __init__(self, option: str, message: str):
         super().__init__(f"{option}: {message}")
@@ -99,8 +115,11 @@ class DDPBackendError(ConfigurationError, ValueError):
 
 
 class CheckpointWriteError(CheckpointError, ConfigurationError):
-    """A checkpoint could not be written (disk full, quota, permission, ...); the message names the rank that
-    failed, its file, the cause and what to do. Every rank raises it; no rank replaced its previous checkpoint."""
+    """A checkpoint could not be written (disk full, quota, permission, ...).
+
+    The message names the rank that failed, its file, the cause and what to do. Every rank raises it; no rank
+    replaced its previous checkpoint.
+    """
 
 
 # -- peer failure ----------------------------------------------------------------------------------------------
@@ -113,7 +132,10 @@ class CommTimeoutError(PeerFailureError, TimeoutError):
 
 
 class NonFiniteError(PeerFailureError):
-    """A peer sent NaN or Inf (``nonfinite="raise"``); the message names this rank, the peer and the step."""
+    """A replica's numbers became NaN or Inf; the message names the rank, the peer (if any) and the step.
+
+    A peer sent NaN or Inf (``nonfinite="raise"``), or the main job's training loss on this rank is not finite.
+    """
 
 
 # -- rank mismatch ---------------------------------------------------------------------------------------------
@@ -131,8 +153,10 @@ class CheckpointMismatchError(CheckpointError, RankMismatchError, ValueError):
 
 # -- misuse ----------------------------------------------------------------------------------------------------
 class ModelChangedError(MisuseError):
-    """The wrapped model's parameters changed after wrapping (rebound, replaced, added, frozen or unfrozen), so
-    the wrapper would no longer mix what the optimizer trains; the message names the rank, step and parameter."""
+    """The wrapped model's parameters changed after wrapping (rebound, replaced, added, frozen or unfrozen).
+
+    The wrapper would no longer mix what the optimizer trains; the message names the rank, step and parameter.
+    """
 
 
 class StepPhaseError(MisuseError):
@@ -140,18 +164,24 @@ class StepPhaseError(MisuseError):
 
 
 class ArgumentTypeError(MisuseError, TypeError):
-    """An argument of a type the call cannot take (a tensor that is not contiguous, an object without
-    ``state_dict()``, a wrapper inside a wrapper, ...); the message names the argument and the type expected."""
+    """An argument of a type the call cannot take; the message names the argument and the type expected.
+
+    E.g. a tensor that is not contiguous, an object without ``state_dict()``, a wrapper inside a wrapper.
+    """
 
 
 class UseAfterCloseError(MisuseError):
-    """A communicator or a wrapper was used after ``close()``, or a communicator after an earlier failure left it
-    unusable; the message names the rank and the operation refused (and quotes that failure, the one to act on)."""
+    """A communicator or a wrapper was used after ``close()``, or a communicator after an earlier failure.
+
+    The message names the rank and the operation refused (and quotes that failure, the one to act on).
+    """
 
 
 class UntrustedCheckpointError(CheckpointError, MisuseError):
     """A checkpoint holds (or would hold) objects that a weights-only load refuses: it would run pickled code.
-    The message names the rank, the file and the object; ``trusted=True`` loads it, only for a file you wrote."""
+
+    The message names the rank, the file and the object; ``trusted=True`` loads it, only for a file you wrote.
+    """
 
 
 #: The groups: every error class except these, :class:`GossipError` and the topic bases derives from exactly one.
@@ -174,10 +204,14 @@ class AverageDriftWarning(GossipWarning, UserWarning):
 
 
 class MixingOnlyStepWarning(GossipWarning, UserWarning):
-    """An optimizer step with no forward or backward since the previous one: it only mixes, and on one rank only
-    it puts that rank a step ahead of its peers."""
+    """An optimizer step with no forward or backward since the previous one: it only mixes.
+
+    On one rank only it puts that rank a step ahead of its peers.
+    """
 
 
 class ProcessGroupLeakWarning(GossipWarning, RuntimeWarning):
-    """Something still references the torch.distributed process group after ``comm.close()`` destroyed it, so
-    its threads live until interpreter exit, where they can abort the process; the message names the backend."""
+    """Something still references the torch.distributed process group after ``comm.close()`` destroyed it.
+
+    Its threads then live until interpreter exit, where they can abort the process; the message names the backend.
+    """

@@ -16,6 +16,7 @@ from gossip.app.corpus import (
     stdlib_corpus_bytes,
     validation_batches,
 )
+from gossip.errors import InvalidArgumentError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -51,7 +52,7 @@ def test_corpus_missing_default_file_raises_naming_it(tmp_path):
         if name != absent:
             (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / name).write_text("pass\n")
-    with pytest.raises(FileNotFoundError, match=absent):
+    with pytest.raises(InvalidArgumentError, match=absent):
         stdlib_corpus_bytes(tmp_path)
 
 
@@ -66,7 +67,7 @@ def test_corpus_data_file_splits_into_train_then_last_tenth_as_validation(tmp_pa
 
 
 def test_corpus_missing_data_file_raises_naming_it(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"nothing\.txt"):
+    with pytest.raises(InvalidArgumentError, match=r"nothing\.txt"):
         load_corpus(str(tmp_path / "nothing.txt"))
 
 

@@ -12,11 +12,9 @@ Two ways to run it:
 Defaults (:data:`gossip.app.train.DEFAULTS`, the best configuration of the learning-per-step study at this scale:
 experiments/learning_per_step/README.md): PowerGossip at rank 4 with 2 power iterations per step and its products
 in float16 on one_peer_hypercube (ring when the number of workers is not a power of two), AdamW, 500 steps of 16 x 64
-bytes per worker, lr 3e-3 with warmup and cosine decay. Measured with ``gossip-train --nproc 4`` (seed 0, 2 cores):
-validation loss of the averaged model 1.88, consensus distance 0.39, 51.7 kB sent per worker per step (float32
-messages: 1.86, 0.38, 89.1 kB; rank 1 with 4 iterations: 1.91, 0.75, 94.7 kB then, 51.7 kB now); the exact gossip +
-AccumAdamW defaults before them ended at 1.87 while sending 1.75 MB per worker per step. ``--algorithm exact
---optimizer accum-adamw`` (accum_iter = max(1, n // 4)) runs them.
+bytes per worker, lr 3e-3 with warmup and cosine decay. What a run with them reaches is in docs/results.md,
+section "The main job, one run". ``--algorithm exact --optimizer accum-adamw`` (accum_iter = max(1, n // 4)) runs
+the exact gossip + AccumAdamW configuration.
 
 Baselines: ``--algorithm ddp`` (torch DistributedDataParallel) and ``--algorithm diloco`` (DiLoCo: ``--local-steps``
 H = 20 local AdamW steps, then an all-reduce of the pseudo-gradient and an outer Nesterov SGD step, ``--outer-lr``
@@ -90,8 +88,11 @@ def _nonnegative_int(text: str) -> int:
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends ``(default: X)`` to an option's help only where it says something: not when the help already
-    states the default in its own words (it mentions "default"), and not when X is None (resolved later)."""
+    """Appends ``(default: X)`` to an option's help only where it says something.
+
+    Not when the help already states the default in its own words (it mentions "default"), and not when X is None
+    (resolved later).
+    """
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -101,6 +102,11 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``gossip-train`` argument parser.
+
+    Returns:
+        The parser; its defaults are :class:`~gossip.app.train.TrainConfig`'s.
+    """
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(
         prog="gossip-train",
@@ -195,6 +201,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from(args: argparse.Namespace) -> TrainConfig:
+    """The :class:`~gossip.app.train.TrainConfig` of parsed options (not yet resolved for a world size).
+
+    Args:
+        args: what :func:`build_parser`'s parser returned.
+
+    Returns:
+        The config.
+    """
     return TrainConfig(
         steps=args.steps,
         batch_size=args.batch_size,
@@ -270,11 +284,19 @@ def _root_cause(failed: dict[int, int], errors: Path) -> tuple[int, str]:
 
 
 def launch_local(nproc: int, argv: Sequence[str], out: str) -> int:
-    """Run ``nproc`` workers of this command on Gloo through torch's elastic launcher (what torchrun runs, with
-    ``--standalone``); return 0, or 1 with the failed worker to blame and its error.
+    """Run ``nproc`` workers of this command on Gloo through torch's elastic launcher.
 
-    The launcher sets torchrun's environment for each worker, stops the others when one fails, and forwards
-    SIGTERM, SIGINT and SIGHUP to the workers and waits for them (a scheduler's ``kill`` leaves nothing running).
+    What torchrun runs, with ``--standalone``. The launcher sets torchrun's environment for each worker, stops the
+    others when one fails, and forwards SIGTERM, SIGINT and SIGHUP to the workers and waits for them (a scheduler's
+    ``kill`` leaves nothing running).
+
+    Args:
+        nproc: the number of worker processes.
+        argv: the command line of each worker (without ``--nproc``).
+        out: the run directory, shared by the workers.
+
+    Returns:
+        0, or 1 with the failed worker to blame and its error printed.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -323,7 +345,14 @@ def _show_library_messages() -> None:
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    """Train as one worker of the job as launched; print the summary on rank 0; 0 on success, 1 on error."""
+    """Train as one worker of the job as launched; print the summary on rank 0.
+
+    Args:
+        args: the parsed options.
+
+    Returns:
+        0 on success, 1 on error (the error is printed).
+    """
     _show_library_messages()
     try:
         rank = gossip.detect_launch().rank
@@ -349,6 +378,14 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``gossip-train`` command.
+
+    Args:
+        argv: the command-line arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -36,21 +36,32 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from gossip.backends.base import Communicator, ring_all_reduce_bytes
-from gossip.errors import DDPBackendError
+from gossip.errors import DDPBackendError, InvalidArgumentError
 from gossip.wrapper import optimizer_hooks
 from gossip.wrapper.consensus import exact_consensus_sq
 from gossip.wrapper.metrics import StepMetrics
 
 
 class DDPBaseline:
-    """Torch DDP around ``module`` with DecentralizedDataParallel's loop surface: ``model(x, y)``, ``.module``,
-    ``log(**values)``, ``averaged()``, ``consensus_distance()`` and ``close()``.
+    """Torch DDP around ``module`` with DecentralizedDataParallel's loop surface.
 
-    Construction is a collective (it creates DDP's process group and broadcasts rank 0's parameters). Per-step
-    metrics rows (:class:`gossip.wrapper.metrics.StepMetrics`, same columns as the wrapper's) are recorded at every step
-    of any optimizer over ``module``'s parameters (through :mod:`gossip.wrapper.optimizer_hooks`, as the wrapper does);
-    ``consensus`` is the exact distance every ``consensus_every`` steps (one all-reduce of the parameters; 0 turns
-    it off).
+    That surface is ``model(x, y)``, ``.module``, ``log(**values)``, ``averaged()``, ``consensus_distance()`` and
+    ``close()``. Construction is a collective (it creates DDP's process group and broadcasts rank 0's parameters).
+    Per-step metrics rows (:class:`gossip.wrapper.metrics.StepMetrics`, same columns as the wrapper's) are recorded at
+    every step of any optimizer over ``module``'s parameters (through :mod:`gossip.wrapper.optimizer_hooks`, as the
+    wrapper does).
+
+    Args:
+        module: the model.
+        comm: a communicator with a torch.distributed process group (Gloo or NCCL).
+        run_dir: where this rank writes its metrics, or None.
+        consensus_every: the exact consensus distance every this many steps (one all-reduce of the parameters;
+            0 turns it off).
+        bucket_cap_mb: DDP's gradient bucket size in MiB.
+
+    Raises:
+        DDPBackendError: ``comm`` has no torch.distributed process group (e.g. MPI).
+        InvalidArgumentError: ``consensus_every`` is negative.
     """
 
     def __init__(
@@ -76,7 +87,9 @@ class DDPBaseline:
                 f"NCCL), but this communicator is {type(comm).__name__}; use --backend gloo (or nccl)"
             )
         if consensus_every < 0:
-            raise ValueError(f"rank {comm.rank}: consensus_every must be >= 0 (0 = off), got {consensus_every}")
+            raise InvalidArgumentError(
+                f"rank {comm.rank}: consensus_every must be >= 0 (0 = off), got {consensus_every}"
+            )
         self.comm = comm
         self.module = module
         on_gpu = any(p.is_cuda for p in module.parameters())
@@ -101,6 +114,15 @@ class DDPBaseline:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run DDP's forward (its backward all-reduces the gradients).
+
+        Args:
+            *args: positional arguments of the module's forward.
+            **kwargs: keyword arguments of the module's forward.
+
+        Returns:
+            What the module returns.
+        """
         self.metrics.flush()
         if math.isnan(self._forward_at):
             self._forward_at = time.perf_counter()
@@ -109,7 +131,11 @@ class DDPBaseline:
         return self.ddp(*args, **kwargs)
 
     def log(self, **values: Any) -> None:
-        """Add ``values`` (e.g. ``loss=loss``) to this step's metrics row (see :meth:`StepMetrics.note`)."""
+        """Add ``values`` to this step's metrics row (see :meth:`StepMetrics.note`).
+
+        Args:
+            **values: the row's entries, e.g. ``loss=loss``.
+        """
         self.metrics.note(**values)
 
     def _all_reduce_bucket(self, group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -126,18 +152,34 @@ class DDPBaseline:
 
     # -- the optimizer-step hooks (gossip.wrapper.optimizer_hooks calls these) ---------------------------------
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        """True when ``optimizer`` trains any of the module's parameters."""
+        """True when ``optimizer`` trains any of the module's parameters.
+
+        Args:
+            optimizer: an optimizer about to step.
+
+        Returns:
+            Whether its steps concern this baseline.
+        """
         return any(id(p) in self._parameter_ids for group in optimizer.param_groups for p in group["params"])
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer, computes_gradients: bool) -> None:
-        """Note the step's timing: compute since the first forward, and the all-reduce backward did not hide."""
+        """Note the step's timing: compute since the first forward, and the all-reduce backward did not hide.
+
+        Args:
+            optimizer: the optimizer that steps.
+            computes_gradients: a closure was passed (unused: DDP's all-reduce runs in the backward).
+        """
         now = time.perf_counter()
         exposed = max(0.0, max(self._done_at) - max(self._ready_at)) if self._done_at and self._ready_at else 0.0
         compute_from = self._forward_at if not math.isnan(self._forward_at) else now
         self._timing = {"compute_seconds": now - compute_from, "wait_seconds": exposed, "finish_seconds": exposed}
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Record step t's metrics row (the replicas applied the same update) and advance to t + 1."""
+        """Record step t's metrics row (the replicas applied the same update) and advance to t + 1.
+
+        Args:
+            optimizer: the optimizer that stepped.
+        """
         now = time.perf_counter()
         sent = ring_all_reduce_bytes(self._bucket_bytes, self.comm.size)
         timing = self._timing or {"compute_seconds": 0.0, "wait_seconds": 0.0, "finish_seconds": 0.0}
@@ -160,19 +202,34 @@ class DDPBaseline:
     # -- evaluation and consensus ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def averaged(self, buffers: bool = False) -> Iterator[nn.Module]:
-        """The replicas are identical under DDP: the module itself is the average. Not a collective."""
+        """The replicas are identical under DDP: the module itself is the average. Not a collective.
+
+        Args:
+            buffers: accepted for the wrapper's signature; the buffers are the module's own.
+
+        Yields:
+            The module.
+        """
         yield self.module
 
     def consensus_distance(self) -> float:
-        """Exact consensus distance Xi = sqrt((1/n) sum_i ||x_i - xbar||^2) (0 for DDP up to rounding). A
-        collective: one all-reduce of the parameters in float64."""
+        """Exact consensus distance Xi = sqrt((1/n) sum_i ||x_i - xbar||^2) (0 for DDP up to rounding).
+
+        A collective: one all-reduce of the parameters in float64.
+
+        Returns:
+            Xi, the same on every rank.
+        """
         flat = torch.cat([p.detach().reshape(-1) for p in self._parameters])
         return math.sqrt(exact_consensus_sq([flat], self.comm))
 
     # -- teardown -------------------------------------------------------------------------------------------
     def close(self) -> dict[str, float] | None:
-        """Stop following the optimizer steps and summarise the metrics (a collective); the summary on rank 0, None
-        elsewhere."""
+        """Stop following the optimizer steps and summarise the metrics (a collective).
+
+        Returns:
+            The summary on rank 0, None elsewhere.
+        """
         optimizer_hooks.unsubscribe(self)
         summary = self.metrics.summarize(self.comm)
         self.metrics.close()

@@ -4,12 +4,12 @@ The shape follows nanoGPT (karpathy/nanoGPT, `model.py`), which follows GPT-2 (R
 
     h_0     = tok_emb[idx] + pos_emb[0..T-1]                       token + learned position embeddings
     h'_l    = h_{l-1} + attn.proj(CausalSelfAttention(ln1(h_{l-1})))   pre-LayerNorm residual blocks
-    h_l     = h'_l + mlp.proj(GELU(mlp.fc(ln2(h'_l))))             MLP with a 4x hidden width
+    h_l     = h'_l + mlp.proj(GELU(mlp.fc(ln2(h'_l))))             MLP with a hidden width 4 * n_embd
     logits  = ln_f(h_L) @ tok_emb.weightᵀ                          LM head tied to the token embedding
     loss    = cross_entropy(logits, targets)
 
-Tokens are raw bytes (vocab_size 256), so no tokenizer is needed and the loss at initialisation is about
-ln(256) ≈ 5.545 nats.
+Tokens are raw bytes (vocab_size 256), so no tokenizer is needed; a uniform guess over the 256 bytes has the
+loss ln(256) ≈ 5.545, where training starts.
 
 Parameter names say which role a matrix plays, because compression (docs/design.md D.2, layer-selective
 compression) treats roles differently: MLP matrices `*.mlp.fc.weight` and `*.mlp.proj.weight`, the embeddings
@@ -26,10 +26,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gossip.errors import InvalidArgumentError
+
 
 @dataclass
 class GPTConfig:
-    """Model size. The defaults (~0.44 M parameters) train visibly in minutes on 2 CPU cores."""
+    """Model size; the defaults are the main job's model (437 760 parameters).
+
+    Attributes:
+        block_size: the context length in tokens.
+        vocab_size: the number of token values (256 bytes).
+        n_layer: the number of transformer blocks.
+        n_head: attention heads per block (divides ``n_embd``).
+        n_embd: the width of the residual stream.
+        dropout: the dropout probability, in [0, 1).
+        bias: whether the linear layers and LayerNorms have biases.
+    """
 
     block_size: int = 64
     vocab_size: int = 256
@@ -42,15 +54,19 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
             if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise InvalidArgumentError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.n_embd % self.n_head != 0:
-            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+            raise InvalidArgumentError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+            raise InvalidArgumentError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where position t attends only to positions <= t."""
+    """Multi-head self-attention where position t attends only to positions <= t.
+
+    Args:
+        config: the model size.
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -61,6 +77,14 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attend causally over the sequence.
+
+        Args:
+            x: activations of shape (B, T, n_embd).
+
+        Returns:
+            The attention output, of the same shape.
+        """
         batch, time, channels = x.shape
         # (B, T, 3C) -> three tensors of shape (B, n_head, T, head_size)
         q, k, v = self.qkv(x).split(channels, dim=2)
@@ -72,7 +96,11 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward layer: proj(GELU(fc(x))) with a 4x hidden width."""
+    """Position-wise feed-forward layer: proj(GELU(fc(x))) with a hidden width 4 * n_embd.
+
+    Args:
+        config: the model size.
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -81,11 +109,23 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer at every position.
+
+        Args:
+            x: activations of shape (B, T, n_embd).
+
+        Returns:
+            The output, of the same shape.
+        """
         return self.dropout(self.proj(F.gelu(self.fc(x))))
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(x))."""
+    """One pre-LayerNorm transformer block: x + attn(ln1(x)), then + mlp(ln2(x)).
+
+    Args:
+        config: the model size.
+    """
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -95,12 +135,24 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the block.
+
+        Args:
+            x: activations of shape (B, T, n_embd).
+
+        Returns:
+            The output, of the same shape.
+        """
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
-    """A decoder-only transformer language model over bytes (see the module docstring for the math)."""
+    """A decoder-only transformer language model over bytes (see the module docstring for the math).
+
+    Args:
+        config: the model size (default :class:`GPTConfig`'s defaults).
+    """
 
     def __init__(self, config: GPTConfig | None = None) -> None:
         super().__init__()
@@ -122,16 +174,31 @@ class GPT(nn.Module):
                 nn.init.normal_(parameter, mean=0.0, std=residual_std)
 
     def num_parameters(self) -> int:
-        """Number of distinct parameters (the tied embedding / LM head counted once)."""
+        """Number of distinct parameters (the tied embedding / LM head counted once).
+
+        Returns:
+            The count.
+        """
         return sum(p.numel() for p in self.parameters())
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits of shape (B, T, vocab_size) for int64 tokens idx (B, T); mean cross-entropy if targets."""
+        """Logits for int64 tokens ``idx``, and the mean cross-entropy if ``targets`` are given.
+
+        Args:
+            idx: tokens of shape (B, T), T <= block_size.
+            targets: the next tokens, of the same shape, or None.
+
+        Returns:
+            Logits of shape (B, T, vocab_size) and the loss (None without targets).
+
+        Raises:
+            InvalidArgumentError: T exceeds block_size.
+        """
         _, time = idx.shape
         if time > self.config.block_size:
-            raise ValueError(f"sequence length {time} exceeds block_size {self.config.block_size}")
+            raise InvalidArgumentError(f"sequence length {time} exceeds block_size {self.config.block_size}")
         positions = torch.arange(time, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
@@ -149,9 +216,21 @@ class GPT(nn.Module):
         """Append max_new_tokens sampled tokens to idx (B, T), feeding back the last block_size tokens.
 
         Sampling uses torch's global RNG, so it is reproducible after torch.manual_seed.
+
+        Args:
+            idx: the prompt, tokens of shape (B, T).
+            max_new_tokens: how many tokens to append.
+            temperature: divides the logits (> 0).
+            top_k: sample among the k most likely tokens only, or None for all.
+
+        Returns:
+            The tokens, of shape (B, T + max_new_tokens).
+
+        Raises:
+            InvalidArgumentError: ``temperature`` is not positive.
         """
         if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+            raise InvalidArgumentError(f"temperature must be > 0, got {temperature}")
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size :])
             logits = logits[:, -1, :] / temperature

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gossip.backends.base import Communicator
+from gossip.errors import ConfigError
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -50,7 +51,18 @@ FINAL_WINDOW = 10  # the final training loss is the mean over the last FINAL_WIN
 
 @dataclasses.dataclass
 class RunSummary:
-    """What rank 0 knows at the end of a run."""
+    """What rank 0 knows at the end of a run.
+
+    Attributes:
+        config: the resolved :class:`~gossip.app.train.TrainConfig`.
+        losses_by_rank: every rank's training loss at every step.
+        initial_val_loss: the averaged model's validation loss before training.
+        final_val_loss: its validation loss at the end.
+        consensus_distance: the exact consensus distance at the end.
+        train_seconds: the wall time of the training loop.
+        traffic: the wrapper's summary (bytes and times).
+        sample: a text sample from the averaged model, or None.
+    """
 
     config: Any  # gossip.app.train.TrainConfig
     losses_by_rank: list[list[float]]
@@ -63,18 +75,26 @@ class RunSummary:
 
     @property
     def mean_losses(self) -> list[float]:
+        """The training loss at every step, averaged over ranks."""
         return [sum(values) / len(values) for values in zip(*self.losses_by_rank, strict=True)]
 
     @property
     def initial_loss(self) -> float:
+        """The mean training loss of the first step (NaN without steps)."""
         return self.mean_losses[0] if self.mean_losses else math.nan
 
     @property
     def final_loss(self) -> float:
+        """The mean training loss over the last FINAL_WINDOW steps (NaN without steps)."""
         tail = self.mean_losses[-FINAL_WINDOW:]
         return sum(tail) / len(tail) if tail else math.nan
 
     def numbers(self) -> dict[str, float]:
+        """The run's results as numbers, the content of ``result.json``.
+
+        Returns:
+            Losses, consensus distance, bytes per worker per step, times and tokens per second, by name.
+        """
         steps = max(1, len(self.mean_losses))
         ranks = max(1, len(self.losses_by_rank))
         config = self.config
@@ -95,20 +115,32 @@ class RunSummary:
 
 
 def prepare_run_dir(config: Any, comm: Communicator) -> Path:
-    """Agree on the run directory (``config.out``, default ``runs/<timestamp>``), create it and write
-    ``config.json`` (rank 0). A collective; raises ``ValueError`` on every rank if it already holds a run."""
+    """Agree on the run directory (``config.out``, default ``runs/<timestamp>``), create it and write ``config.json``.
+
+    Rank 0 creates and writes; a collective.
+
+    Args:
+        config: the resolved config; its ``out`` is set to the directory.
+        comm: this worker's communicator.
+
+    Returns:
+        The run directory.
+
+    Raises:
+        ConfigError: naming ``--out``, on every rank, when the directory already holds a run.
+    """
     path, problem = None, None
     if comm.rank == 0:
         path = Path(config.out) if config.out else Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         if (path / "config.json").exists() or any(path.glob("metrics_rank*.jsonl")):
-            problem = f"--out: {str(path)!r} already holds a run; choose another directory"
+            problem = f"{str(path)!r} already holds a run; choose another directory"
         else:
             path.mkdir(parents=True, exist_ok=True)
             config.out = str(path)
             (path / "config.json").write_text(json.dumps(config.to_json(), indent=2) + "\n")
     path, problem = comm.all_gather_object((path, problem))[0]
     if problem is not None:
-        raise ValueError(problem)
+        raise ConfigError("--out", problem)
     config.out = str(path)
     return path
 
@@ -126,6 +158,12 @@ def _rows(run_dir: Path, summary: RunSummary) -> list[dict[str, Any]]:
 
 
 def write_metrics_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` as a CSV file with the union of their keys as columns.
+
+    Args:
+        path: the file.
+        rows: one dict per step.
+    """
     extra = sorted({key for row in rows for key in row} - set(CSV_COLUMNS))
     with open(path, "w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=[*CSV_COLUMNS, *extra], restval="")
@@ -142,8 +180,17 @@ def _smoothed(values: list[float], window: int = FINAL_WINDOW) -> list[float]:
 
 
 def describe_mixing(config: Any) -> str:
-    """How the run mixes, e.g. "powergossip on one_peer_hypercube (rank 1, 4 power iterations), exact average
-    every 16 steps": every setting that tells two runs' mixing apart (DiLoCo's schedule is none of them)."""
+    """How the run mixes, in words: every setting that tells two runs' mixing apart.
+
+    E.g. "powergossip on one_peer_hypercube (rank 1, 4 power iterations), exact average every 16 steps" (DiLoCo's
+    schedule is none of them).
+
+    Args:
+        config: a resolved config.
+
+    Returns:
+        The description.
+    """
     if config.algorithm == "ddp":
         return "torch DDP (gradient all-reduce)"
     if config.algorithm == "diloco":
@@ -163,7 +210,14 @@ def describe_mixing(config: Any) -> str:
 
 
 def plot_title(config: Any) -> str:
-    """The run's configuration in one line, the title of every plot (two runs' plots side by side stay apart)."""
+    """The run's configuration in one line, the title of every plot (two runs' plots side by side stay apart).
+
+    Args:
+        config: a resolved config.
+
+    Returns:
+        The title.
+    """
     return (
         f"{describe_mixing(config)}, {config.world_size} workers, {config.optimizer} lr {config.lr:g}, "
         f"{config.steps} steps x {config.batch_size}, {config.split}, seed {config.seed}"
@@ -175,12 +229,15 @@ MIN_TITLE_CHARS = 20
 
 
 def fit_titles(figure: Figure) -> None:
-    """Lay ``figure`` out (``tight_layout``) with every axes title inside the figure: a title wider than the
-    figure is wrapped at word boundaries onto as few lines as fit (its words and their order unchanged).
+    """Lay ``figure`` out (``tight_layout``) with every axes title inside the figure.
 
-    Each try wraps an overflowing title at 85 % of its previous line length and lays the figure out again (the
-    axes move to make room for the extra lines), until every title fits or its lines are :data:`MIN_TITLE_CHARS`
-    characters long.
+    A title wider than the figure is wrapped at word boundaries onto as few lines as fit (its words and their order
+    unchanged). Each try wraps an overflowing title at 0.85 times its previous line length and lays the figure out
+    again (the axes move to make room for the extra lines), until every title fits or its lines are
+    :data:`MIN_TITLE_CHARS` characters long.
+
+    Args:
+        figure: a matplotlib figure.
     """
     titles = [(axis.title, axis.title.get_text()) for axis in figure.axes if axis.title.get_text()]
     chars = {id(title): len(text) for title, text in titles}
@@ -202,8 +259,18 @@ def fit_titles(figure: Figure) -> None:
 
 
 def validation_curve(rows: list[dict[str, Any]], key: str, initial_val_loss: float) -> tuple[list[float], list[float]]:
-    """(x, validation loss) from the first point on: the averaged model before training at x = 0, then each
-    evaluation. On the step axis an evaluation after step s's update sits at s + 1 (updates applied so far)."""
+    """(x, validation loss) from the first point on: the averaged model before training at x = 0, then each evaluation.
+
+    On the step axis an evaluation after step s's update sits at s + 1 (updates applied so far).
+
+    Args:
+        rows: the metrics rows, some with ``val_loss``.
+        key: the x axis: ``"step"`` or another column of the rows.
+        initial_val_loss: the validation loss before training.
+
+    Returns:
+        The x values and the losses.
+    """
     xs, ys = [0.0], [initial_val_loss]
     for row in rows:
         if "val_loss" in row:
@@ -213,9 +280,17 @@ def validation_curve(rows: list[dict[str, Any]], key: str, initial_val_loss: flo
 
 
 def write_plots(run_dir: Path, rows: list[dict[str, Any]], title: str = "", initial_val_loss: float = math.nan) -> None:
-    """The four plots of :data:`PLOTS`, titled ``title``: mean training loss (smoothed over FINAL_WINDOW steps) and
-    validation loss (from ``initial_val_loss`` before training on) against step, wall clock and bytes sent; the
-    sampled consensus distance against step (log scale)."""
+    """The four plots of :data:`PLOTS`, titled ``title``.
+
+    Mean training loss (smoothed over FINAL_WINDOW steps) and validation loss (from ``initial_val_loss`` before
+    training on) against step, wall clock and bytes sent; the sampled consensus distance against step (log scale).
+
+    Args:
+        run_dir: the run directory.
+        rows: the metrics rows.
+        title: the plots' title.
+        initial_val_loss: the validation loss before training.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -255,7 +330,12 @@ def write_plots(run_dir: Path, rows: list[dict[str, Any]], title: str = "", init
 
 
 def write_outputs(run_dir: Path, summary: RunSummary) -> None:
-    """metrics.csv, result.json and the plots (rank 0, after the wrapper has closed its metrics file)."""
+    """metrics.csv, result.json and the plots (rank 0, after the wrapper has closed its metrics file).
+
+    Args:
+        run_dir: the run directory.
+        summary: the run's summary.
+    """
     rows = _rows(run_dir, summary)
     write_metrics_csv(run_dir / "metrics.csv", rows)
     result = {**summary.numbers(), "sample": summary.sample}
@@ -265,7 +345,14 @@ def write_outputs(run_dir: Path, summary: RunSummary) -> None:
 
 
 def summary_table(summary: RunSummary) -> str:
-    """The end-of-run table printed by rank 0."""
+    """The end-of-run table printed by rank 0.
+
+    Args:
+        summary: the run's summary.
+
+    Returns:
+        The table, as text.
+    """
     numbers = summary.numbers()
     lines = [
         ("train loss (mean over ranks)", f"{numbers['initial_train_loss']:.3f} -> {numbers['final_train_loss']:.3f}"),

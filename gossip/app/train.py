@@ -42,7 +42,7 @@ from gossip.app.ddp_baseline import DDPBaseline
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.app.run_dir import RunSummary, describe_mixing, prepare_run_dir, write_outputs
 from gossip.backends.base import Communicator
-from gossip.errors import ConfigError
+from gossip.errors import ConfigError, NonFiniteError
 from gossip.wrapper.parallel import DecentralizedDataParallel
 
 logger = logging.getLogger(__name__)
@@ -65,15 +65,16 @@ class MixingDefaults:
 
     ``power_iterations`` applies when the algorithm is PowerGossip and ``average_every`` to the gossip algorithms
     (not to ``ddp`` or ``allreduce``, which average every step); :func:`resolve` fills them in where unset.
-    The values are the best configuration the learning-per-step study measured (3 seeds each;
-    experiments/learning_per_step/README.md): PowerGossip at rank 4 with 2 power iterations per step and AdamW. At the
-    job's scale (n = 4, 300 steps) it ends within the seed spread of DDP, of exact gossip and of rank 1 with 4
-    iterations (+0.060 against +0.042 to DDP) with half the latter's consensus distance; at n = 8 and 1000 steps it is
-    the best PowerGossip configuration, 0.04 nats from exact gossip at 1/30 of DDP's bytes, and better than rank 1 with
-    4 iterations on every seed. AccumAdamW was 0.42 (n = 4) to 0.99 (n = 8) nats worse than AdamW at this scale (it pays
-    with one sequence per worker over 10^4 steps: 0.05 better at n = 16, "AccumAdamW with 16 workers"). The products
-    travel in float16 ("Half-precision messages"): the same loss and consensus as float32 on every seed at n = 4 and
-    n = 8, at 58 % of the bytes (1/51 of DDP's at n = 4, 1/59 at n = 8).
+    Why these values: experiments/learning_per_step/README.md, section "Why these are the main job's defaults".
+
+    Attributes:
+        algorithm: the mixing algorithm.
+        rank: PowerGossip's rank.
+        power_iterations: PowerGossip's power iterations per step.
+        message_dtype: the dtype PowerGossip's products travel in.
+        average_every: an exact global average every this many steps (0: never).
+        optimizer: the local optimizer.
+        lr: the peak learning rate.
     """
 
     algorithm: str = "powergossip"
@@ -92,7 +93,39 @@ MESSAGE_DTYPES = ("float32", "float16", "bfloat16")
 
 @dataclasses.dataclass
 class TrainConfig:
-    """Everything one run depends on; ``None`` fields are resolved per world size by :func:`resolve`."""
+    """Everything one run depends on; ``None`` fields are resolved per world size by :func:`resolve`.
+
+    Each field is the ``gossip-train`` option of the same name (``--batch-size`` for ``batch_size``, ...).
+
+    Attributes:
+        steps: optimizer steps per worker.
+        batch_size: sequences per worker per step.
+        lr: the peak learning rate.
+        warmup_steps: linear warmup steps (None: ``steps // 10`` capped at 100).
+        weight_decay: AdamW's weight decay, on matrices only.
+        optimizer: the local optimizer, one of :data:`OPTIMIZERS`.
+        accum_iter: AccumAdamW's accumulation (None: max(1, n // 4)).
+        algorithm: the mixing algorithm (see :data:`ALGORITHM_CHOICES`).
+        rank: PowerGossip's rank.
+        power_iterations: PowerGossip's power iterations per step (None: :data:`DEFAULTS`').
+        message_dtype: the dtype PowerGossip's products travel in, one of :data:`MESSAGE_DTYPES`.
+        average_every: an exact global average every this many steps (0: never; None: :data:`DEFAULTS`').
+        local_steps: DiLoCo's local steps per round (None: :data:`DILOCO_DEFAULTS`' for DiLoCo).
+        outer_lr: DiLoCo's outer learning rate.
+        outer_momentum: DiLoCo's outer Nesterov momentum.
+        schedule: the schedule name (None: :func:`default_schedule`).
+        split: how the corpus is split between workers.
+        seed: the seed of the model, the batches and the sampling.
+        data: the text file to train on (None: the built-in corpus).
+        backend: the communication backend (``auto`` picks one).
+        timeout: seconds a communication may wait before it fails.
+        out: the run directory (None: ``runs/<timestamp>``).
+        eval_every: evaluate the averaged model every this many steps.
+        eval_batches: validation batches per evaluation.
+        log_every: steps between progress updates.
+        world_size: the number of workers (set by :func:`resolve`).
+        model: the :class:`~gossip.app.gpt.GPTConfig` fields.
+    """
 
     steps: int = 500
     batch_size: int = 16
@@ -123,6 +156,11 @@ class TrainConfig:
     model: dict[str, Any] = dataclasses.field(default_factory=lambda: dataclasses.asdict(GPTConfig()))
 
     def to_json(self) -> dict[str, Any]:
+        """The config as plain JSON data (what ``config.json`` holds).
+
+        Returns:
+            Every field, by name.
+        """
         return dataclasses.asdict(self)
 
 
@@ -130,15 +168,34 @@ Replicated = DecentralizedDataParallel | DDPBaseline
 
 
 def default_schedule(world_size: int) -> str:
-    """one_peer_hypercube when ``world_size`` is a power of two >= 2 (one peer per step, exact average after
-    log2 n steps), else ring (any n)."""
+    """The default schedule for ``world_size`` workers.
+
+    one_peer_hypercube when ``world_size`` is a power of two >= 2 (one peer per step, exact average after
+    log2 n steps), else ring (any n).
+
+    Args:
+        world_size: the number of workers.
+
+    Returns:
+        The schedule's name.
+    """
     if world_size >= 2 and world_size & (world_size - 1) == 0:
         return DEFAULT_SCHEDULE
     return FALLBACK_SCHEDULE
 
 
 def build_schedule(config: TrainConfig) -> topologies.Schedule:
-    """The schedule of ``config`` for its world size; :class:`ConfigError` naming ``--schedule`` if unusable."""
+    """The schedule of ``config`` for its world size.
+
+    Args:
+        config: a resolved config.
+
+    Returns:
+        The schedule.
+
+    Raises:
+        ConfigError: naming ``--schedule``, when it is unknown or unusable for the world size.
+    """
     try:
         schedule = topologies.by_name(config.schedule, config.world_size)
         if gossip.ALGORITHMS[config.algorithm].needs_symmetric_schedule:
@@ -150,12 +207,22 @@ def build_schedule(config: TrainConfig) -> topologies.Schedule:
 
 
 def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str]]:
-    """Fill the per-world-size defaults; return the resolved copy and notes on the choices made.
+    """Fill the per-world-size defaults.
 
     ``accum_iter`` defaults to max(1, n // 4) (docs/design.md B.3: A ~ n/4 ... n/2); ``warmup_steps`` to
     ``steps // 10`` capped at 100; ``power_iterations``, ``message_dtype`` and ``average_every`` to
     :data:`DEFAULTS`' where they apply (else 1, float32 and 0); ``local_steps``, ``outer_lr`` and ``outer_momentum``
-    to :data:`DILOCO_DEFAULTS` for DiLoCo (else None). Raises :class:`ConfigError` naming the option at fault.
+    to :data:`DILOCO_DEFAULTS` for DiLoCo (else None).
+
+    Args:
+        config: the config as given.
+        world_size: the number of workers.
+
+    Returns:
+        The resolved copy and notes on the choices made.
+
+    Raises:
+        ConfigError: naming the option at fault.
     """
     resolved = dataclasses.replace(config, world_size=world_size, model=dict(config.model))
     notes = []
@@ -248,7 +315,15 @@ def _check_ddp(config: TrainConfig) -> None:
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
-    """Linear warmup over ``warmup_steps``, then a cosine from ``lr`` down to ``lr / 10`` at the last step."""
+    """Linear warmup over ``warmup_steps``, then a cosine from ``lr`` down to ``lr / 10`` at the last step.
+
+    Args:
+        config: a resolved config.
+        step: the step (from 0).
+
+    Returns:
+        The learning rate of ``step``.
+    """
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
@@ -262,6 +337,13 @@ def make_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer) -> Lam
     itself, because ``1 * x`` is exactly ``x`` while ``lr * (x / lr)`` or ``lr * ((s + 1) / w)`` differ from the
     formula in the last bit for about a third of the warmup steps: this way the run is bit-identical to one that
     writes ``learning_rate(config, step)`` into the param groups.
+
+    Args:
+        config: a resolved config.
+        optimizer: the optimizer whose groups' base learning rate is set to 1.
+
+    Returns:
+        The scheduler.
     """
     for group in optimizer.param_groups:
         group["lr"] = 1.0
@@ -269,7 +351,14 @@ def make_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer) -> Lam
 
 
 def make_algorithm(config: TrainConfig) -> gossip.Algorithm:
-    """The gossip algorithm of ``config``, wrapped in :class:`gossip.PeriodicAverage` when ``average_every > 0``."""
+    """The gossip algorithm of ``config``, wrapped in :class:`gossip.PeriodicAverage` when ``average_every > 0``.
+
+    Args:
+        config: a resolved config (not ``ddp``).
+
+    Returns:
+        The algorithm.
+    """
     if config.algorithm == DILOCO:
         return gossip.DiLoCo(
             local_steps=config.local_steps, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum
@@ -287,7 +376,16 @@ def make_algorithm(config: TrainConfig) -> gossip.Algorithm:
 
 
 def make_model(config: TrainConfig, comm: Communicator, run_dir: Path) -> Replicated:
-    """The GPT wrapped for ``config.algorithm``: DecentralizedDataParallel, or DDPBaseline for ``ddp``."""
+    """The GPT wrapped for ``config.algorithm``: DecentralizedDataParallel, or DDPBaseline for ``ddp``. A collective.
+
+    Args:
+        config: a resolved config.
+        comm: this worker's communicator.
+        run_dir: the run directory (the per-rank metrics go there).
+
+    Returns:
+        The wrapped model.
+    """
     module = GPT(GPTConfig(**config.model))
     if config.algorithm == DDP:
         return DDPBaseline(module, comm, run_dir=run_dir, consensus_every=config.log_every)
@@ -308,6 +406,13 @@ def make_optimizer(config: TrainConfig, module: torch.nn.Module) -> torch.optim.
     ``adamw`` is :class:`torch.optim.AdamW` and ``accum-adamw`` :class:`optim.AccumAdamW` with ``accum_iter``
     (its moments advance once per ``accum_iter`` steps; with 1 it is AdamW's update rule), both with betas
     (0.9, 0.95) and eps 1e-8; ``sgd`` is SGD with Nesterov momentum 0.9.
+
+    Args:
+        config: a resolved config.
+        module: the model to optimize (create the optimizer after wrapping).
+
+    Returns:
+        The optimizer.
     """
     groups = optim.param_groups(module, config.weight_decay)
     if config.optimizer == "sgd":
@@ -318,7 +423,14 @@ def make_optimizer(config: TrainConfig, module: torch.nn.Module) -> torch.optim.
 
 
 def worker_threads(local_size: int) -> int:
-    """Intra-op threads: ``OMP_NUM_THREADS`` when set, else max(1, cores // processes on this node)."""
+    """Intra-op threads: ``OMP_NUM_THREADS`` when set, else max(1, cores // processes on this node).
+
+    Args:
+        local_size: the number of worker processes on this node.
+
+    Returns:
+        The number of threads.
+    """
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
     return max(1, (os.cpu_count() or 1) // local_size)
@@ -326,7 +438,16 @@ def worker_threads(local_size: int) -> int:
 
 @torch.no_grad()
 def validation_loss(model: Replicated, batches: list, comm: Communicator) -> float:
-    """Mean loss of the averaged model on the fixed validation batches; each rank evaluates a share. A collective."""
+    """Mean loss of the averaged model on the fixed validation batches; each rank evaluates a share. A collective.
+
+    Args:
+        model: the wrapped model.
+        batches: the validation batches (the same on every rank).
+        comm: this worker's communicator.
+
+    Returns:
+        The mean loss, the same on every rank.
+    """
     totals = torch.zeros(2, dtype=torch.float64)
     with model.averaged() as module:
         module.eval()
@@ -344,7 +465,17 @@ def train_step(
     batch: tuple[torch.Tensor, torch.Tensor],
     scheduler: LRScheduler,
 ) -> float:
-    """One step: forward, backward, optimizer step (the wrapper mixes inside it), scheduler step; the loss."""
+    """One step: forward, backward, optimizer step (the wrapper mixes inside it), scheduler step.
+
+    Args:
+        model: the wrapped model.
+        optimizer: its optimizer.
+        batch: the step's ``(x, y)``.
+        scheduler: the learning-rate scheduler.
+
+    Returns:
+        The step's training loss.
+    """
     x, y = batch
     _, loss = model(x, y)
     loss.backward()
@@ -363,7 +494,18 @@ def _progress(config: TrainConfig, rank: int) -> Any:
 
 
 def train(config: TrainConfig) -> RunSummary | None:
-    """Run one worker of the job described by ``config``; return the run's summary on rank 0, None elsewhere."""
+    """Run one worker of the job described by ``config``.
+
+    Args:
+        config: the config (resolved here for the world size).
+
+    Returns:
+        The run's summary on rank 0, None elsewhere.
+
+    Raises:
+        ConfigError: an option cannot work for this run.
+        NonFiniteError: the training loss became NaN or Inf (lower ``--lr``).
+    """
     comm = gossip.init(config.backend, timeout=config.timeout)
     try:
         return _train(config, comm)
@@ -406,7 +548,7 @@ def _train(config: TrainConfig, comm: Communicator) -> RunSummary | None:
     for step in range(config.steps):
         losses.append(train_step(model, optimizer, batches.batch(step), scheduler))
         if not math.isfinite(losses[-1]):
-            raise FloatingPointError(f"rank {comm.rank}: training loss is {losses[-1]} at step {step}; lower --lr")
+            raise NonFiniteError(f"rank {comm.rank}: training loss is {losses[-1]} at step {step}; lower --lr")
         row = {"loss": losses[-1], "elapsed_seconds": time.perf_counter() - started}
         if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
             row["val_loss"] = validation_loss(model, held_out, comm)

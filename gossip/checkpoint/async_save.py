@@ -40,6 +40,12 @@ class CheckpointFuture:
     otherwise every rank removes its temporary file and raises :class:`~gossip.errors.CheckpointWriteError`.
     Until :meth:`wait` (or the model's next save or load, which call it) the previous checkpoint is the one on
     disk. :meth:`done` is local and does not block.
+
+    Args:
+        model: the wrapper whose state is saved (its communicator commits the save).
+        path: this rank's checkpoint file.
+        state: the state to write, already copied to host memory.
+        step: the step the state belongs to.
     """
 
     def __init__(self, model: DecentralizedDataParallel, path: Path, state: dict[str, Any], step: int) -> None:
@@ -58,13 +64,24 @@ class CheckpointFuture:
             self._problem = ("write", write_failure(self._comm.rank, self.path, error, self.step))
 
     def done(self) -> bool:
-        """Whether this rank's write has ended (successfully or not); the file is committed by :meth:`wait`."""
+        """Whether this rank's write has ended (successfully or not); the file is committed by :meth:`wait`.
+
+        Returns:
+            True once the background write has ended.
+        """
         return not self._thread.is_alive()
 
     def wait(self) -> Path:
-        """Wait for this rank's write, then commit every rank's file or none; a collective. Raise
-        :class:`~gossip.errors.CheckpointWriteError` on every rank if any rank's write failed. Return this rank's
-        file. A second call returns at once."""
+        """Wait for this rank's write, then commit every rank's file or none; a collective.
+
+        A second call returns at once.
+
+        Returns:
+            This rank's checkpoint file.
+
+        Raises:
+            CheckpointWriteError: on every rank, when any rank's write failed (no rank replaced its previous file).
+        """
         self._thread.join()
         if self._waited:
             return self.path
@@ -87,8 +104,19 @@ _PENDING: weakref.WeakKeyDictionary[DecentralizedDataParallel, CheckpointFuture]
 def start_async_save(
     model: DecentralizedDataParallel, path: Path, state: dict[str, Any], step: int
 ) -> CheckpointFuture:
-    """Snapshot ``state`` to host memory and write it to ``path`` in the background; ``model``'s next save or
-    load waits for it."""
+    """Snapshot ``state`` to host memory and write it to ``path`` in the background.
+
+    ``model``'s next save or load waits for it.
+
+    Args:
+        model: the wrapper whose state is saved.
+        path: this rank's checkpoint file.
+        state: the state (:func:`gossip.checkpoint.state.rank_state`); its buckets are already copies.
+        step: the step the state belongs to.
+
+    Returns:
+        The future to ``wait()`` on.
+    """
     owned = {id(t) for t in state["training"]["buckets"]}
     future = CheckpointFuture(model, path, _host_copy(state, owned), step)
     _PENDING[model] = future
@@ -96,7 +124,14 @@ def start_async_save(
 
 
 def wait_pending(model: DecentralizedDataParallel) -> None:
-    """Wait for ``model``'s pending asynchronous save, if any: a collective, so its error is raised on every rank."""
+    """Wait for ``model``'s pending asynchronous save, if any: a collective, so its error is raised on every rank.
+
+    Args:
+        model: the wrapper whose save may be pending.
+
+    Raises:
+        CheckpointWriteError: the pending save failed on some rank.
+    """
     pending = _PENDING.pop(model, None)
     if pending is not None:
         pending.wait()

@@ -18,7 +18,7 @@ from gossip.checkpoint.agreement import capture_state, commit_on_every_rank, wri
 from gossip.checkpoint.async_save import wait_pending
 from gossip.checkpoint.safe_loading import SAFE_GLOBALS, weights_only_refusal
 from gossip.checkpoint.save_load import begin_save, load_on_every_rank
-from gossip.errors import UntrustedCheckpointError
+from gossip.errors import CheckpointMismatchError, UntrustedCheckpointError
 from gossip.wrapper.parallel import DecentralizedDataParallel
 
 _TENSOR = "__gossip_dcp_tensor__"
@@ -26,6 +26,15 @@ _STRUCTURE = "gossip.structure"
 
 
 def dcp_path(path_dir: str | Path, rank: int) -> Path:
+    """Rank ``rank``'s DCP checkpoint directory in ``path_dir``.
+
+    Args:
+        path_dir: the checkpoint directory.
+        rank: the rank.
+
+    Returns:
+        ``path_dir/rank<r>.dcp``.
+    """
     return Path(path_dir) / f"rank{rank}.dcp"
 
 
@@ -86,8 +95,9 @@ def save_dcp(
     extra: Mapping[str, Any] | None = None,
     trusted: bool = False,
 ) -> Path:
-    """Write this rank's checkpoint as a ``torch.distributed.checkpoint`` directory ``path_dir/rank<r>.dcp``
-    (each rank's replica is its own state: one DCP checkpoint per rank, saved with ``no_dist=True``). A
+    """Write this rank's checkpoint as a ``torch.distributed.checkpoint`` directory ``path_dir/rank<r>.dcp``.
+
+    Each rank's replica is its own state: one DCP checkpoint per rank, saved with ``no_dist=True``. A
     collective with the same two-phase commit and errors as :func:`save_checkpoint`: the directory is written as
     ``.rank<r>.dcp.<random>.tmp`` and renamed in place (the previous one moved aside, then removed) only if
     every rank wrote its own.
@@ -97,6 +107,21 @@ def save_dcp(
     state (``training.buckets.<i>`` are the flat parameter buckets x_t, ``optimizer.state.<i>.<name>``,
     ``buffers.<name>``, ``frozen.<name>``, ``extra.<key>.state...``), the rest of the state as the uint8 tensor
     ``gossip.structure``. :func:`load_dcp` restores it with the checks of :func:`load_checkpoint`.
+
+    Args:
+        path_dir: the checkpoint directory.
+        model: the wrapper to save.
+        optimizer: its optimizer.
+        extra: more state for the same checkpoint (as for :func:`save_checkpoint`).
+        trusted: allow state that only a pickling (trusted) load restores.
+
+    Returns:
+        This rank's directory.
+
+    Raises:
+        CheckpointWriteError: on every rank, when a rank could not write its directory.
+        UntrustedCheckpointError: the state needs ``trusted=True``.
+        ArgumentTypeError: an ``extra`` value cannot be restored in place.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -134,7 +159,19 @@ def save_dcp(
 
 
 def read_dcp(path: str | Path, *, trusted: bool = False) -> dict[str, Any]:
-    """The state saved by :func:`save_dcp` in one rank's DCP directory (read without a process group)."""
+    """The state saved by :func:`save_dcp` in one rank's DCP directory (read without a process group).
+
+    Args:
+        path: the rank's ``.dcp`` directory.
+        trusted: unpickle objects other than plain data (only for your own files).
+
+    Returns:
+        The state, as :func:`gossip.checkpoint.state.rank_state` built it.
+
+    Raises:
+        CheckpointMismatchError: the directory is unreadable, truncated or not a gossip-train DCP checkpoint.
+        UntrustedCheckpointError: it holds objects a weights-only load refuses and ``trusted`` is False.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -149,7 +186,7 @@ def read_dcp(path: str | Path, *, trusted: bool = False) -> dict[str, Any]:
         dcp.load(template, checkpoint_id=path, no_dist=True)
         structure = template.pop(_STRUCTURE).numpy().tobytes()
     except Exception as error:
-        raise ValueError(
+        raise CheckpointMismatchError(
             f"{path} is unreadable, truncated or not a gossip-train DCP checkpoint ({type(error).__name__}: {error})"
         ) from error
     try:
@@ -171,8 +208,24 @@ def load_dcp(
     extra: Mapping[str, Any] | None = None,
     trusted: bool = False,
 ) -> int:
-    """Restore this rank's state from the DCP directory ``path_dir/rank<r>.dcp`` written by :func:`save_dcp`;
-    return the step to resume at. A collective, with the checks and errors of :func:`load_checkpoint`."""
+    """Restore this rank's state from the DCP directory ``path_dir/rank<r>.dcp`` written by :func:`save_dcp`.
+
+    A collective, with the checks and errors of :func:`load_checkpoint`.
+
+    Args:
+        path_dir: the checkpoint directory.
+        model: the wrapper to restore.
+        optimizer: its optimizer.
+        extra: the objects to restore in place, under the keys given to :func:`save_dcp`.
+        trusted: unpickle objects other than plain data (only for your own files).
+
+    Returns:
+        The step to resume at.
+
+    Raises:
+        CheckpointMismatchError: a rank's checkpoint is missing, corrupt, of another run or of another save.
+        UntrustedCheckpointError: a rank's checkpoint needs ``trusted=True``.
+    """
     model._require_usable("load_dcp()")
     wait_pending(model)
     return load_on_every_rank(dcp_path(path_dir, model.comm.rank), read_dcp, model, optimizer, extra, trusted)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from gossip.checkpoint.safe_loading import SAFE_GLOBALS, weights_only_refusal
-from gossip.errors import UntrustedCheckpointError
+from gossip.errors import CheckpointMismatchError, UntrustedCheckpointError
 
 FORMAT_VERSION = 3
 MAGIC = b"GOSSIPCK"
@@ -27,6 +27,15 @@ _CHUNK = 1 << 20
 
 
 def checkpoint_path(path_dir: str | Path, rank: int) -> Path:
+    """Rank ``rank``'s checkpoint file in ``path_dir``.
+
+    Args:
+        path_dir: the checkpoint directory.
+        rank: the rank.
+
+    Returns:
+        ``path_dir/rank<r>.pt``.
+    """
     return Path(path_dir) / f"rank{rank}.pt"
 
 
@@ -53,20 +62,47 @@ class _HashingWriter:
     def flush(self) -> None:
         self.file.flush()
 
+    def raise_cause(self, error: RuntimeError) -> None:
+        """Re-raise torch's ``error`` as the ``OSError`` of the file that caused it, if one did."""
+        if self.error is not None:
+            raise self.error from error
+
 
 def temporaries(path: Path) -> list[Path]:
-    """The temporary files of saves of ``path`` (``.rank<r>.pt.<random>.tmp``) left in its directory."""
+    """The temporary files of saves of ``path`` (``.rank<r>.pt.<random>.tmp``) left in its directory.
+
+    Args:
+        path: a rank's checkpoint file.
+
+    Returns:
+        The temporary files, sorted.
+    """
     return sorted(path.parent.glob(f".{path.name}.*.tmp")) if path.parent.is_dir() else []
 
 
 def remove_temporaries(path: Path) -> None:
-    """Remove the temporary files that killed saves of ``path`` left behind."""
+    """Remove the temporary files that killed saves of ``path`` left behind.
+
+    Args:
+        path: a rank's checkpoint file.
+    """
     for stale in temporaries(path):
         stale.unlink(missing_ok=True)
 
 
 def write_temporary(state: Any, path: Path) -> Path:
-    """Stream ``state`` into a temporary file next to ``path`` (header, payload, fsync); return the file."""
+    """Stream ``state`` into a temporary file next to ``path`` (header, payload, fsync).
+
+    Args:
+        state: what to save.
+        path: the checkpoint file the temporary will replace.
+
+    Returns:
+        The temporary file.
+
+    Raises:
+        OSError: the file could not be written (the file system's own error; the temporary file is removed).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     temporary = Path(name)
@@ -77,8 +113,7 @@ def write_temporary(state: Any, path: Path) -> Path:
             try:
                 torch.save(state, writer)
             except RuntimeError as error:
-                if writer.error is not None:
-                    raise writer.error from error
+                writer.raise_cause(error)
                 raise
             file.seek(0)
             file.write(HEADER.pack(MAGIC, FORMAT_VERSION, writer.size, writer.sha256.digest()))
@@ -91,6 +126,12 @@ def write_temporary(state: Any, path: Path) -> Path:
 
 
 def commit_temporary(temporary: Path, path: Path) -> None:
+    """Rename ``temporary`` over ``path`` and fsync the directory.
+
+    Args:
+        temporary: the file :func:`write_temporary` wrote.
+        path: the checkpoint file it replaces.
+    """
     os.replace(temporary, path)
     directory = os.open(path.parent, os.O_RDONLY)
     try:
@@ -100,7 +141,12 @@ def commit_temporary(temporary: Path, path: Path) -> None:
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file next to ``path``, fsync it, rename it over ``path``, fsync the dir."""
+    """``torch.save`` to a temporary file next to ``path``, fsync it, rename it over ``path``, fsync the directory.
+
+    Args:
+        obj: what to save.
+        path: the file to replace.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -161,18 +207,28 @@ def _read_legacy(path: Path, trusted: bool) -> dict[str, Any]:
     envelope = torch.load(path, weights_only=False)
     if not isinstance(envelope, dict) or envelope.get("format") != 2:
         found = envelope.get("format") if isinstance(envelope, dict) else type(envelope).__name__
-        raise ValueError(f"{path} has format {found!r}, this version reads {FORMAT_VERSION}")
+        raise CheckpointMismatchError(f"{path} has format {found!r}, this version reads {FORMAT_VERSION}")
     if hashlib.sha256(envelope["state"]).hexdigest() != envelope["sha256"]:
-        raise ValueError(f"{path} fails its SHA-256 checksum: the file is corrupt; restore it from a good copy")
+        raise CheckpointMismatchError(
+            f"{path} fails its SHA-256 checksum: the file is corrupt; restore it from a good copy"
+        )
     return torch.load(io.BytesIO(envelope["state"]), weights_only=False)
 
 
 def read_checkpoint(path: str | Path, *, trusted: bool = False) -> dict[str, Any]:
     """The state saved in one rank's file, after verifying the file's checksum.
 
-    ``ValueError`` says what is wrong with an unreadable, truncated or corrupt file;
-    :class:`~gossip.errors.UntrustedCheckpointError` refuses a file that holds objects other than plain data
-    (``trusted=True`` loads it, running whatever code it names: only for a file you wrote yourself).
+    Args:
+        path: the rank's file.
+        trusted: load objects other than plain data, running whatever code they name (only for your own files).
+
+    Returns:
+        The state, as :func:`gossip.checkpoint.state.rank_state` built it.
+
+    Raises:
+        CheckpointMismatchError: the file is unreadable, truncated, corrupt or of an unknown format; the message
+            says what is wrong.
+        UntrustedCheckpointError: the file holds objects other than plain data and ``trusted`` is False.
     """
     path = Path(path)
     with open(path, "rb") as file:
@@ -181,15 +237,15 @@ def read_checkpoint(path: str | Path, *, trusted: bool = False) -> dict[str, Any
             return _read_legacy(path, trusted)
         size_on_disk = os.fstat(file.fileno()).st_size
         if len(header) < HEADER.size or header[:8] != MAGIC:
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"{path} is unreadable, truncated or not a checkpoint (no gossip-train header: {len(header)} bytes "
                 f"start with {header[:8]!r})"
             )
         _, version, size, digest = HEADER.unpack(header)
         if version != FORMAT_VERSION:
-            raise ValueError(f"{path} has format {version!r}, this version reads {FORMAT_VERSION}")
+            raise CheckpointMismatchError(f"{path} has format {version!r}, this version reads {FORMAT_VERSION}")
         if size_on_disk != HEADER.size + size:
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"{path} is unreadable, truncated or not a checkpoint (OSError: the file has {size_on_disk} bytes, its "
                 f"header says {HEADER.size + size})"
             )
@@ -197,7 +253,9 @@ def read_checkpoint(path: str | Path, *, trusted: bool = False) -> dict[str, Any
         while chunk := file.read(_CHUNK):
             sha256.update(chunk)
         if sha256.digest() != digest:
-            raise ValueError(f"{path} fails its SHA-256 checksum: the file is corrupt; restore it from a good copy")
+            raise CheckpointMismatchError(
+                f"{path} fails its SHA-256 checksum: the file is corrupt; restore it from a good copy"
+            )
         window = _Window(file, HEADER.size, size)
         if trusted:
             return torch.load(window, weights_only=False)
@@ -211,6 +269,6 @@ def read_checkpoint(path: str | Path, *, trusted: bool = False) -> dict[str, Any
                 "yourself"
             ) from error
         except Exception as error:
-            raise ValueError(
+            raise CheckpointMismatchError(
                 f"{path} is unreadable, truncated or not a checkpoint ({type(error).__name__}: {error})"
             ) from error

@@ -15,7 +15,15 @@ _PLAIN = (int, float, bool, str, bytes, bytearray, complex, type(None), torch.dt
 
 
 def first_unsafe_item(obj: Any, where: str) -> tuple[str, str] | None:
-    """``(where, type)`` of the first object in ``obj`` that ``torch.load(weights_only=True)`` refuses, or None."""
+    """The first object in ``obj`` that ``torch.load(weights_only=True)`` refuses, or None.
+
+    Args:
+        obj: the state to inspect.
+        where: how the path to ``obj`` is written in the result (e.g. ``"state"``).
+
+    Returns:
+        ``(where, type)`` of that object, or None when everything is plain data.
+    """
     kind = type(obj)
     if kind in _PLAIN or kind in (torch.Tensor, torch.nn.Parameter) or kind in SAFE_GLOBALS:
         return None
@@ -35,7 +43,14 @@ def first_unsafe_item(obj: Any, where: str) -> tuple[str, str] | None:
 
 
 def weights_only_refusal(error: Exception) -> str:
-    """The line of torch's weights-only refusal that names the global it refused (else its first line)."""
+    """The line of torch's weights-only refusal that names the global it refused (else its first line).
+
+    Args:
+        error: torch's ``UnpicklingError``.
+
+    Returns:
+        That line.
+    """
     text = str(error)
     line = next((line.strip() for line in text.splitlines() if "GLOBAL" in line), text.splitlines()[0])
     return line

@@ -30,9 +30,15 @@ from gossip.wrapper.parallel import DecentralizedDataParallel
 
 
 def begin_save(model: DecentralizedDataParallel, operation: str) -> None:
-    """What every save does first, on every rank: refuse a closed wrapper, wait for (and commit) a pending
-    asynchronous save, and compare the schedules since their last check (a run whose schedules diverged never
-    saves)."""
+    """What every save does first, on every rank.
+
+    Refuse a closed wrapper, wait for (and commit) a pending asynchronous save, and compare the schedules since
+    their last check (a run whose schedules diverged never saves).
+
+    Args:
+        model: the wrapper to save.
+        operation: the caller, for the messages (e.g. ``"save_checkpoint()"``).
+    """
     model._require_usable(operation)
     wait_pending(model)
     model._check_schedule_agreement()
@@ -51,16 +57,28 @@ def save_checkpoint(
     async_save: bool = False,
     trusted: bool = False,
 ) -> Path | CheckpointFuture:
-    """Write this rank's checkpoint to ``path_dir/rank<r>.pt``; return its path. A collective (see
-    :mod:`gossip.checkpoint`): every rank calls it at the same step.
+    """Write this rank's checkpoint to ``path_dir/rank<r>.pt``.
 
-    ``extra``: more state for the same file (see :mod:`gossip.checkpoint`): objects with ``state_dict()``, a
-    ``torch.Generator``, or plain dicts. ``async_save``: snapshot to host memory and write in the background;
-    return a :class:`CheckpointFuture`. ``trusted``: allow state that only a pickling (trusted) load restores.
+    A collective (see :mod:`gossip.checkpoint`): every rank calls it at the same step.
 
-    Raises :class:`~gossip.errors.CheckpointWriteError` on every rank when a rank could not write its file (no
-    rank replaced its previous checkpoint), :class:`~gossip.errors.UntrustedCheckpointError` for state that needs
-    ``trusted=True``, ``TypeError`` for an ``extra`` value that cannot be restored in place.
+    Args:
+        path_dir: the checkpoint directory.
+        model: the wrapper to save.
+        optimizer: its optimizer.
+        extra: more state for the same file (see :mod:`gossip.checkpoint`): objects with ``state_dict()``, a
+            ``torch.Generator``, or plain dicts.
+        async_save: snapshot to host memory and write in the background.
+        trusted: allow state that only a pickling (trusted) load restores.
+
+    Returns:
+        This rank's file, or with ``async_save`` a :class:`CheckpointFuture` to ``wait()`` on.
+
+    Raises:
+        CheckpointWriteError: on every rank, when a rank could not write its file (no rank replaced its previous
+            checkpoint).
+        UntrustedCheckpointError: the state needs ``trusted=True``.
+        ArgumentTypeError: an ``extra`` value cannot be restored in place.
+        UseAfterCloseError: the wrapper was closed.
     """
     begin_save(model, "save_checkpoint()")
     rank, step = model.comm.rank, model.step_count
@@ -89,12 +107,25 @@ def load_checkpoint(
     extra: Mapping[str, Any] | None = None,
     trusted: bool = False,
 ) -> int:
-    """Restore this rank's state from ``path_dir/rank<r>.pt``; return the step t to resume at. A collective.
+    """Restore this rank's state from ``path_dir/rank<r>.pt``. A collective.
 
-    ``extra``: the objects to restore in place, under the keys given to :func:`save_checkpoint` (a dict saved as
-    a plain value is cleared and refilled: pass e.g. ``{"progress": {}}`` and read it after the call).
-    ``trusted``: unpickle objects other than plain data (runs code named by the file: only for your own files).
     Waits for a pending asynchronous save of ``model`` first, and removes this rank's stale temporary files.
+
+    Args:
+        path_dir: the checkpoint directory.
+        model: the wrapper to restore.
+        optimizer: its optimizer.
+        extra: the objects to restore in place, under the keys given to :func:`save_checkpoint` (a dict saved as
+            a plain value is cleared and refilled: pass e.g. ``{"progress": {}}`` and read it after the call).
+        trusted: unpickle objects other than plain data (runs code named by the file: only for your own files).
+
+    Returns:
+        The step t to resume at.
+
+    Raises:
+        CheckpointMismatchError: a rank's file is missing, corrupt, of another run or of another save.
+        UntrustedCheckpointError: a rank's file needs ``trusted=True``.
+        UseAfterCloseError: the wrapper was closed.
     """
     model._require_usable("load_checkpoint()")  # a closed wrapper or communicator: refused before any collective
     wait_pending(model)
@@ -111,8 +142,25 @@ def load_on_every_rank(
     extra: Mapping[str, Any] | None,
     trusted: bool,
 ) -> int:
-    """Read this rank's ``path`` with ``read(path, trusted=...)``, agree with the other ranks that every file
-    belongs to this run and to one save (:func:`agree_on_load`), restore it; return the step to resume at."""
+    """Read this rank's ``path``, check it on every rank and restore it.
+
+    The ranks agree that every file belongs to this run and to one save (:func:`agree_on_load`).
+
+    Args:
+        path: this rank's checkpoint.
+        read: reads it, called as ``read(path, trusted=...)``.
+        model: the wrapper to restore.
+        optimizer: its optimizer.
+        extra: the objects to restore in place.
+        trusted: passed to ``read``.
+
+    Returns:
+        The step to resume at.
+
+    Raises:
+        CheckpointMismatchError: a rank's file is missing, corrupt, of another run or of another save.
+        UntrustedCheckpointError: a rank's file needs ``trusted=True``.
+    """
     extra = dict(extra or {})
     rank = model.comm.rank
     state, problem = None, None

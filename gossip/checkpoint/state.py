@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from gossip.checkpoint.safe_loading import first_unsafe_item
-from gossip.errors import UntrustedCheckpointError
+from gossip.errors import ArgumentTypeError, UntrustedCheckpointError
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from gossip.wrapper.replicas import first_difference
 
@@ -44,7 +44,7 @@ def _extra_entry(key: str, value: Any, rank: int) -> dict[str, Any]:
         return {"kind": "state_dict", "state": value.state_dict()}
     if isinstance(value, dict):
         return {"kind": "dict", "state": dict(value)}
-    raise TypeError(
+    raise ArgumentTypeError(
         f"rank {rank}: save_checkpoint: extra[{key!r}] (type {type(value).__name__}) cannot be restored in place: "
         "extra values must have state_dict()/load_state_dict(), be a torch.Generator, or be a dict (wrap a plain "
         f"value in one: extra={{{key!r}: {{{key!r}: value}}}})"
@@ -62,7 +62,22 @@ def _extra_kind(value: Any) -> str:
 def rank_state(
     model: DecentralizedDataParallel, optimizer: torch.optim.Optimizer, extra: Mapping[str, Any], trusted: bool
 ) -> dict[str, Any]:
-    """This rank's state; tensors other than the buckets (copied by ``training_state``) are the live ones."""
+    """This rank's state; tensors other than the buckets (copied by ``training_state``) are the live ones.
+
+    Args:
+        model: the wrapper to save.
+        optimizer: its optimizer.
+        extra: the user's extra state (objects with ``state_dict()``, generators, dicts).
+        trusted: allow objects that only a pickling load restores.
+
+    Returns:
+        The state: rank, signature, training state, buffers, frozen parameters, optimizer, RNG streams, extra.
+
+    Raises:
+        ArgumentTypeError: an ``extra`` value cannot be restored in place.
+        UntrustedCheckpointError: the state holds objects a weights-only load refuses and ``trusted`` is False.
+        StepPhaseError: called between the mixing and the optimizer's update.
+    """
     rank = model.comm.rank
     state = {
         "rank": rank,
@@ -89,6 +104,17 @@ def rank_state(
 def mismatch(
     path: Path, state: dict[str, Any] | None, model: DecentralizedDataParallel, extra: Mapping[str, Any]
 ) -> str | None:
+    """Why the saved ``state`` does not belong to this run (or is missing), or None when it does.
+
+    Args:
+        path: the file it was read from.
+        state: the saved state, or None when there is no file.
+        model: the wrapper to restore.
+        extra: the ``extra`` objects passed to the load.
+
+    Returns:
+        A sentence naming the rank and the difference, or None.
+    """
     rank = model.comm.rank
     if state is None:
         return f"rank {rank}: no checkpoint file {path}"
@@ -133,6 +159,17 @@ def restore(
     optimizer: torch.optim.Optimizer,
     extra: Mapping[str, Any],
 ) -> int:
+    """Restore ``state`` into the wrapper, the optimizer, the RNG streams and ``extra`` (in place).
+
+    Args:
+        state: a state :func:`mismatch` accepted.
+        model: the wrapper.
+        optimizer: its optimizer.
+        extra: the objects to restore in place.
+
+    Returns:
+        The step to resume at.
+    """
     model.load_training_state(state["training"])
     tensors = {**dict(model.module.named_buffers()), **dict(model.module.named_parameters())}
     with torch.no_grad():

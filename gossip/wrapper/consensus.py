@@ -14,8 +14,7 @@ The squared consensus distance of n replicas x_i (Kong et al. 2021) is
   :math:`\sum_i v_{ic}` and :math:`\sum_i v_{ic}^2` (float64) give the spread
   :math:`\frac1n\sum_i v_{ic}^2 - \bar v_c^2`; tensor k contributes the mean spread over its s_k coordinates times
   its size. The estimate is unbiased (sampling with replacement) and exact when s_k >= numel_k (all coordinates
-  are then taken once). F.4 [sim]: median relative error about 2% at s = 16384, 0.9% stratified; measured
-  in tests/test_parallel_consensus.py (4 ranks, 300 k parameters, per-layer spreads 1e-3..1): 1.8% at s = 16384.
+  are then taken once). Its accuracy is measured in docs/results.md, section "Consensus-distance estimate".
 * :func:`global_average` computes the global average of the parameters into new tensors, and :func:`reading` lets
   the parameters read it for an evaluation without writing their own memory (nothing to restore afterwards).
 """
@@ -28,13 +27,22 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from gossip.backends.base import Communicator
+from gossip.errors import InvalidArgumentError
 
 DEFAULT_SAMPLES = 16384
 _SEED_STRIDE = 1_000_003
 
 
 def exact_consensus_sq(tensors: Sequence[torch.Tensor], comm: Communicator) -> float:
-    """:math:`\\Xi^2` over ``tensors`` (e.g. the flat buckets); a collective: every rank must call it."""
+    r""":math:`\Xi^2` over ``tensors`` (e.g. the flat buckets); a collective: every rank must call it.
+
+    Args:
+        tensors: this rank's replica x_i, as tensors of the same sizes on every rank.
+        comm: the communicator of the replicas.
+
+    Returns:
+        :math:`\Xi^2`, the same on every rank.
+    """
     local_sq = torch.zeros(1, dtype=torch.float64)
     for tensor in tensors:
         local = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
@@ -56,11 +64,23 @@ def _all_reduce_on(comm: Communicator, cpu_tensor: torch.Tensor, op: str = "avg"
 
 
 def allocate_samples(sizes: Sequence[int], samples: int) -> list[int]:
-    """Coordinates drawn per tensor: proportional to its size, at most all of it, and at least
-    ``samples // (4 * len(sizes))`` (at least 1) -- so small tensors (biases, norms), whose spread can dominate,
-    are not estimated from one or two coordinates. The total exceeds ``samples`` by at most a quarter."""
+    """Coordinates drawn per tensor: proportional to its size, at most all of it, and at least a floor.
+
+    The floor is ``samples // (4 * len(sizes))`` (at least 1), so small tensors (biases, norms), whose spread can
+    dominate, are not estimated from one or two coordinates. The total exceeds ``samples`` by at most a quarter.
+
+    Args:
+        sizes: the number of elements of each tensor.
+        samples: the number of coordinates to spread over them (at least 1).
+
+    Returns:
+        The number of coordinates drawn in each tensor.
+
+    Raises:
+        InvalidArgumentError: ``samples`` is below 1.
+    """
     if samples < 1:
-        raise ValueError(f"consensus sampling needs at least 1 coordinate, got samples={samples}")
+        raise InvalidArgumentError(f"consensus sampling needs at least 1 coordinate, got samples={samples}")
     total = sum(sizes)
     if samples >= total:
         return list(sizes)
@@ -69,7 +89,13 @@ def allocate_samples(sizes: Sequence[int], samples: int) -> list[int]:
 
 
 class ConsensusSampler:
-    """Shared-coordinate estimate of :math:`\\Xi^2`, stratified by tensor (see the module docstring)."""
+    r"""Shared-coordinate estimate of :math:`\Xi^2`, stratified by tensor (see the module docstring).
+
+    Args:
+        sizes: the number of elements of each tensor the estimate covers.
+        samples: the number of coordinates sampled per estimate (see :func:`allocate_samples`).
+        seed: with the step, seeds the generator that picks the coordinates (equal on every rank).
+    """
 
     def __init__(self, sizes: Sequence[int], samples: int = DEFAULT_SAMPLES, seed: int = 0):
         self.sizes = [int(s) for s in sizes]
@@ -84,9 +110,23 @@ class ConsensusSampler:
         ]
 
     def estimate_sq(self, tensors: Sequence[torch.Tensor], comm: Communicator, step: int) -> float:
-        """Estimate :math:`\\Xi^2` at ``step``; a collective (one all-reduce of 2 s float64 values)."""
+        r"""Estimate :math:`\Xi^2` at ``step``; a collective (one all-reduce of ``2 * s`` float64 values).
+
+        Args:
+            tensors: this rank's replica, tensors of the sizes given at construction.
+            comm: the communicator of the replicas.
+            step: picks the coordinates (every rank passes the same).
+
+        Returns:
+            The estimate of :math:`\Xi^2`, the same on every rank.
+
+        Raises:
+            InvalidArgumentError: ``tensors`` do not have the sizes given at construction.
+        """
         if [t.numel() for t in tensors] != self.sizes:
-            raise ValueError(f"ConsensusSampler was built for tensor sizes {self.sizes}, got a different model")
+            raise InvalidArgumentError(
+                f"ConsensusSampler was built for tensor sizes {self.sizes}, got a different model"
+            )
         values = []
         for tensor, indices in zip(tensors, self._indices(step), strict=True):
             flat = tensor.detach().reshape(-1)
@@ -110,6 +150,13 @@ def global_average(tensors: Sequence[torch.Tensor], comm: Communicator) -> list[
 
     One clone per tensor, then an in-place ``all_reduce(..., "avg")`` of the clone: the same arithmetic, so the
     same bits, as averaging the tensor itself.
+
+    Args:
+        tensors: this rank's tensors (the same shapes on every rank).
+        comm: the communicator of the replicas.
+
+    Returns:
+        The averages, one new tensor per tensor.
     """
     averages = []
     for tensor in tensors:
@@ -127,12 +174,22 @@ def reading(tensors: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> 
     :func:`gossip.algorithms.buckets.bucket_parameters` makes parameters views of a bucket): the tensors' memory is
     neither copied nor written, so restoring costs nothing and is exact. What is written into a tensor inside the block
     lands in ``value``.
+
+    Args:
+        tensors: the tensors (e.g. parameters) that read other values within the block.
+        values: one tensor of the same shape and dtype per tensor.
+
+    Yields:
+        Nothing; the block runs with the tensors reading ``values``.
+
+    Raises:
+        InvalidArgumentError: the counts, shapes or dtypes of ``tensors`` and ``values`` differ.
     """
     if len(tensors) != len(values):
-        raise ValueError(f"reading: {len(tensors)} tensors but {len(values)} values")
+        raise InvalidArgumentError(f"reading: {len(tensors)} tensors but {len(values)} values")
     for tensor, value in zip(tensors, values, strict=True):
         if value.shape != tensor.shape or value.dtype != tensor.dtype or value.device != tensor.device:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"reading: a value of {value.dtype}{list(value.shape)} on {value.device} cannot stand in for a "
                 f"tensor of {tensor.dtype}{list(tensor.shape)} on {tensor.device}"
             )

@@ -39,6 +39,11 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 def tensorboard_available() -> bool:
+    """Whether the tensorboard package is installed (the metrics then also go to TensorBoard).
+
+    Returns:
+        True when ``tensorboard`` can be imported.
+    """
     return importlib.util.find_spec("tensorboard") is not None
 
 
@@ -71,7 +76,12 @@ class _Totals:
 
 
 class StepMetrics:
-    """Collects one row per step; writes it when ``run_dir`` is set; keeps running totals either way."""
+    """Collects one row per step; writes it when ``run_dir`` is set; keeps running totals either way.
+
+    Args:
+        run_dir: the directory of ``metrics_rank<r>.jsonl`` (and ``summary.json`` on rank 0), or None to write nothing.
+        rank: this rank.
+    """
 
     def __init__(self, run_dir: str | Path | None, rank: int):
         self.rank = rank
@@ -88,15 +98,25 @@ class StepMetrics:
             self._tensorboard = _tensorboard_writer(self.run_dir, rank)
 
     def note(self, **values: Any) -> None:
-        """Values for a step's row (e.g. ``loss=loss``). Logged before ``optimizer.step()`` they belong to that
-        step; logged after it, before the next forward, to the step just finished (its row is held until then)."""
+        """Values for a step's row.
+
+        Logged before ``optimizer.step()`` they belong to that step; logged after it, before the next forward, to the
+        step just finished (its row is held until then).
+
+        Args:
+            **values: the row's entries (e.g. ``loss=loss``); a one-element tensor is written as a number.
+        """
         if self._held is not None:
             self._held.update({key: _plain(value) for key, value in values.items()})
         else:
             self._extra.update(values)
 
     def record(self, row: dict[str, Any]) -> None:
-        """Hold the row of the step just finished (written by :meth:`flush` at the next forward or step)."""
+        """Hold the row of the step just finished (written by :meth:`flush` at the next forward or step).
+
+        Args:
+            row: the step's metrics (step, times, bytes, consensus, ...); the running totals take its times and bytes.
+        """
         self.flush()
         self._held = {**row, **{key: _plain(value) for key, value in self._extra.items()}}
         self._extra = {}
@@ -109,6 +129,7 @@ class StepMetrics:
             totals.wait_seconds += row["wait_seconds"]
 
     def flush(self) -> None:
+        """Write the held row (to the JSON lines file, and to TensorBoard when available), if any."""
         if self._held is not None and self._file is not None:
             self._file.write(json.dumps(self._held) + "\n")
             self._file.flush()
@@ -120,13 +141,24 @@ class StepMetrics:
         self._held = None
 
     def totals(self) -> dict[str, float]:
+        """The running totals over the steps recorded so far.
+
+        Returns:
+            ``steps``, the summed ``*_seconds`` and ``bytes_sent`` / ``bytes_received``.
+        """
         return dataclasses.asdict(self._totals)
 
     def summarize(self, comm: Communicator) -> dict[str, float] | None:
-        """A collective: rank 0 gets (and writes to ``summary.json``) the summary over ranks; others get None.
+        """The summary over ranks. A collective: rank 0 gets it (and writes it to ``summary.json``); others get None.
 
         ``exposed_fraction`` is the share of the step's wall time spent blocked on communication, averaged over
         ranks; ``total_bytes_sent`` sums all ranks; times are per-step means averaged over ranks.
+
+        Args:
+            comm: the communicator of the run.
+
+        Returns:
+            The summary on rank 0, None on the other ranks.
         """
         gathered = comm.all_gather_object(self.totals())
         if comm.rank != 0:
@@ -153,6 +185,7 @@ class StepMetrics:
         return summary
 
     def close(self) -> None:
+        """Write the held row and close the files."""
         self.flush()
         if self._file is not None:
             self._file.close()

@@ -29,15 +29,31 @@ class StepListener(Protocol):
     """What the registry calls; the gossip wrapper and the DDP baseline implement it."""
 
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        """True when ``optimizer``'s steps concern this listener (it may raise on a partial optimizer)."""
+        """Whether ``optimizer``'s steps concern this listener (it may raise on a partial optimizer).
+
+        Args:
+            optimizer: the optimizer about to step.
+
+        Returns:
+            True when the listener handles its steps.
+        """
         ...
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer, computes_gradients: bool) -> None:
-        """Called before the outermost ``optimizer.step()``; ``computes_gradients``: a closure was passed."""
+        """Called before the outermost ``optimizer.step()``.
+
+        Args:
+            optimizer: the optimizer that steps.
+            computes_gradients: a closure was passed, so the step computes its own gradients.
+        """
         ...
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Called after the outermost ``optimizer.step()`` returned."""
+        """Called after the outermost ``optimizer.step()`` returned.
+
+        Args:
+            optimizer: the optimizer that stepped.
+        """
         ...
 
 
@@ -48,7 +64,11 @@ _torch_hooks: list[Any] = []
 
 
 def subscribe(listener: StepListener) -> None:
-    """Dispatch every later optimizer step to ``listener`` (held weakly) until :func:`unsubscribe`."""
+    """Dispatch every later optimizer step to ``listener`` (held weakly) until :func:`unsubscribe`.
+
+    Args:
+        listener: the wrapper (or baseline) to call around each optimizer step.
+    """
     with _lock:
         _live.add(listener)
         _depth[listener] = 0
@@ -59,7 +79,11 @@ def subscribe(listener: StepListener) -> None:
 
 
 def unsubscribe(listener: StepListener) -> None:
-    """Stop dispatching to ``listener``; the torch hooks go when the last listener does."""
+    """Stop dispatching to ``listener``; the torch hooks go when the last listener does.
+
+    Args:
+        listener: a subscribed listener (one not subscribed is ignored).
+    """
     with _lock:
         _live.discard(listener)
         _depth.pop(listener, None)
@@ -70,7 +94,11 @@ def unsubscribe(listener: StepListener) -> None:
 
 
 def listeners() -> list[StepListener]:
-    """The subscribed listeners (a snapshot)."""
+    """The subscribed listeners (a snapshot).
+
+    Returns:
+        The listeners alive now, in subscription order.
+    """
     with _lock:
         return list(_live)
 

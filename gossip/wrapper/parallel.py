@@ -39,9 +39,11 @@ from gossip.algorithms.base import Algorithm
 from gossip.algorithms.buckets import DEFAULT_BUCKET_BYTES, Bucket, bucket_parameters, pack
 from gossip.backends.base import Communicator
 from gossip.errors import (
+    ArgumentTypeError,
     AverageDriftWarning,
     CommTimeoutError,
     GossipError,
+    InvalidArgumentError,
     MixingOnlyStepWarning,
     ModelChangedError,
     NonFiniteError,
@@ -116,7 +118,7 @@ class DecentralizedDataParallel(nn.Module):
 
     Construction (a collective: every rank constructs its wrapper at the same point) checks that all ranks have
     the same parameter and buffer names, shapes, dtypes and device types, the same schedule (fingerprint) and
-    algorithm config, and a schedule of ``comm.size`` ranks (else :class:`gossip.wrapper.replicas.ReplicaMismatchError`
+    algorithm config, and a schedule of ``comm.size`` ranks (else :class:`gossip.errors.ReplicaMismatchError`
     on every rank, naming the rank and the first difference); copies rank 0's parameters and buffers to all;
     moves the parameters into flat buckets (they become views; create the optimizer *after* wrapping); and binds
     ``algorithm`` to ``comm``, ``schedule`` and the buckets.
@@ -153,32 +155,47 @@ class DecentralizedDataParallel(nn.Module):
     Without a torch optimizer, drive the step by hand: ``model.finish_mixing()`` before the update and
     ``model.next_step()`` after it (this is what the hooks call).
 
-    ``buffers``: ``"local"`` (default) never mixes buffers (BatchNorm statistics stay per rank, as in Decent-DP);
-    ``"average"`` all-reduces the floating-point buffers to their average at every step, blocking, right after
-    the mixing (integer buffers such as ``num_batches_tracked`` stay local); the algorithm's ``nonfinite`` policy
-    applies to them as to the parameters.
-
-    Metrics: with ``run_dir`` a rank appends one JSON line per step (see :mod:`gossip.wrapper.metrics`), including the
-    sampled consensus distance every ``consensus_every`` steps (one small all-reduce of ``2 * consensus_samples``
-    float64 values; 0 turns it off). When any rank has a ``run_dir`` the sampling runs on every rank, so
-    passing one on rank 0 only is fine; ``consensus_every``, ``consensus_samples``, ``seed``, ``bucket_bytes``,
-    ``buffers`` and the algorithm's ``nonfinite`` policy must be equal on every rank (checked at construction).
-    ``close()`` completes an in-flight exchange and returns the summary on rank 0.
-
     Invariants, checked where they are cheap: the parameters stay the ones wrapped -- at every step one pass
     over ``named_parameters()`` (identities and storage addresses, no copy) raises
     :class:`gossip.errors.ModelChangedError` naming the parameter if one was rebound (``model.double()``,
     ``.to(...)``, ``load_state_dict(..., assign=True)``), replaced, added or removed, or changed
     ``requires_grad`` (convert, move, freeze and materialise lazy modules *before* wrapping). Frozen parameters
     are broadcast from rank 0 at construction, as DDP does, and never gossiped. A schedule whose matrices are not
-    doubly stochastic draws an :class:`AverageDriftWarning`. A closed communicator, a module that already
-    contains a wrapper, and every use after ``close()`` are refused; inside ``averaged()`` the wrapper's own
-    forward and optimizer steps are refused (evaluate with the module it yields).
+    doubly stochastic draws an :class:`~gossip.errors.AverageDriftWarning`. Every use after ``close()`` is
+    refused; inside ``averaged()`` the wrapper's own forward and optimizer steps are refused (evaluate with the
+    module it yields).
 
     One optimizer must cover all of the wrapper's trainable parameters (a partial one is refused at its first
     ``step``); parameters added to it later with ``add_param_group`` are not seen. An optimizer subclass whose
     ``step`` calls ``super().step()`` is one step (the outermost call counts). If ``optimizer.step()`` raises, torch
     skips the post-hooks and this wrapper's step is left open: do not continue training with this wrapper.
+
+    Args:
+        module: the model to train; every rank passes the same architecture. Convert, move, freeze and
+            materialise it before wrapping.
+        comm: this rank's communicator (open); its ``size`` must equal the schedule's number of ranks.
+        schedule: the mixing schedule W(t), the same on every rank.
+        algorithm: how x_t is mixed (e.g. ``ExactGossip()``), configured the same on every rank; bound here to
+            ``comm``, ``schedule`` and the buckets.
+        bucket_bytes: the size of one flat parameter bucket in bytes (positive; equal on every rank).
+        buffers: ``"local"`` (default) never mixes buffers (BatchNorm statistics stay per rank); ``"average"``
+            all-reduces the floating-point buffers to their average at every step, blocking, right after the mixing
+            (integer buffers such as ``num_batches_tracked`` stay local); the algorithm's ``nonfinite`` policy
+            applies to them as to the parameters.
+        run_dir: where this rank appends one JSON line of metrics per step (see :mod:`gossip.wrapper.metrics`), or
+            None. When any rank has one the consensus sampling runs on every rank, so passing it on rank 0 only is
+            fine.
+        consensus_every: sample the consensus distance every this many steps (one small all-reduce of
+            ``2 * consensus_samples`` float64 values); 0 turns it off.
+        consensus_samples: how many coordinates the consensus estimate samples.
+        seed: the seed of the sampled coordinates. ``consensus_every``, ``consensus_samples``, ``seed``,
+            ``bucket_bytes``, ``buffers`` and the algorithm's ``nonfinite`` policy must be equal on every rank.
+
+    Raises:
+        ArgumentTypeError: ``module`` already contains a wrapper.
+        UseAfterCloseError: ``comm`` is closed.
+        InvalidArgumentError: ``buffers``, ``bucket_bytes`` or ``consensus_every`` has a value it cannot take.
+        ReplicaMismatchError: the ranks disagree on the model, the schedule, the algorithm or a setting above.
     """
 
     def __init__(
@@ -197,7 +214,7 @@ class DecentralizedDataParallel(nn.Module):
     ):
         super().__init__()
         if any(isinstance(inner, DecentralizedDataParallel) for inner in module.modules()):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"rank {comm.rank}: the module already contains a DecentralizedDataParallel; wrap the plain model "
                 "once (a wrapper inside a wrapper would mix the parameters twice per step)"
             )
@@ -207,11 +224,13 @@ class DecentralizedDataParallel(nn.Module):
                 "gossip.init() before wrapping"
             )
         if buffers not in BUFFER_POLICIES:
-            raise ValueError(f"rank {comm.rank}: buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
+            raise InvalidArgumentError(f"rank {comm.rank}: buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
         if bucket_bytes <= 0:
-            raise ValueError(f"rank {comm.rank}: bucket_bytes must be positive, got {bucket_bytes}")
+            raise InvalidArgumentError(f"rank {comm.rank}: bucket_bytes must be positive, got {bucket_bytes}")
         if consensus_every < 0:
-            raise ValueError(f"rank {comm.rank}: consensus_every must be >= 0 (0 = off), got {consensus_every}")
+            raise InvalidArgumentError(
+                f"rank {comm.rank}: consensus_every must be >= 0 (0 = off), got {consensus_every}"
+            )
         self.module = module
         self.comm, self.schedule, self.algorithm = comm, schedule, algorithm
         self.buffers_policy = buffers
@@ -285,6 +304,19 @@ class DecentralizedDataParallel(nn.Module):
 
     # -- the loop -------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module; the first forward of step t starts x_t's exchange.
+
+        Args:
+            *args: positional arguments of the module's forward.
+            **kwargs: keyword arguments of the module's forward.
+
+        Returns:
+            What the module returns.
+
+        Raises:
+            StepPhaseError: called inside ``averaged()``.
+            UseAfterCloseError: called after ``close()``.
+        """
         self._require_usable("forward")
         if self._averaging:
             raise StepPhaseError(
@@ -313,19 +345,35 @@ class DecentralizedDataParallel(nn.Module):
         DDP all-reduces gradients in every backward, and ``no_sync()`` defers that to the last micro-batch.
         Gossip never communicates gradients: the parameters are mixed once per ``optimizer.step()``, so
         micro-batches accumulate locally with or without this context, and the result is the same.
+
+        Returns:
+            A context manager that does nothing.
+
+        Raises:
+            UseAfterCloseError: called after ``close()``.
         """
         self._require_usable("no_sync")
         return contextlib.nullcontext()
 
     def log(self, **values: Any) -> None:
-        """Add ``values`` (e.g. ``loss=loss``) to this step's metrics row: call it before ``optimizer.step()``, or
-        after it and before the next forward (see :meth:`gossip.wrapper.metrics.StepMetrics.note`)."""
+        """Add ``values`` to this step's metrics row.
+
+        Call it before ``optimizer.step()``, or after it and before the next forward (see
+        :meth:`gossip.wrapper.metrics.StepMetrics.note`).
+
+        Args:
+            **values: the row's entries, e.g. ``loss=loss``.
+        """
         self.metrics.note(**values)
 
     def finish_mixing(self) -> None:
         """Complete step t's exchange and write the mixed parameters (called before the optimizer's update).
 
         Idempotent within a step. When no exchange is in flight (no forward this step) it runs one blocking.
+
+        Raises:
+            StepPhaseError: called inside ``averaged()``.
+            UseAfterCloseError: called after ``close()``.
         """
         self._require_usable("optimizer step (mixing)")
         if self._averaging:
@@ -354,7 +402,15 @@ class DecentralizedDataParallel(nn.Module):
             self._average_buffers()
 
     def next_step(self, **values: Any) -> None:
-        """End step t after the update: record its metrics, advance to t + 1 and start x_{t+1}'s exchange."""
+        """End step t after the update: record its metrics, advance to t + 1 and start x_{t+1}'s exchange.
+
+        Args:
+            **values: more entries of step t's metrics row.
+
+        Raises:
+            StepPhaseError: step t's mixing is not finished (:meth:`finish_mixing` first).
+            UseAfterCloseError: called after ``close()``.
+        """
         self._require_usable("next_step")
         self._move("advance", "next_step()", check_only=True)  # refused before anything is recorded
         self._backward_since_step = self._forward_since_step = False
@@ -518,14 +574,24 @@ class DecentralizedDataParallel(nn.Module):
 
     # -- the optimizer-step hooks (gossip.wrapper.optimizer_hooks calls these) ---------------------------------
     def owns(self, optimizer: torch.optim.Optimizer) -> bool:
-        """True when ``optimizer`` trains this wrapper's parameters; a ValueError when it covers only part."""
+        """Whether ``optimizer`` trains this wrapper's parameters.
+
+        Args:
+            optimizer: an optimizer about to step.
+
+        Returns:
+            True when it covers the wrapper's trainable parameters, False when it covers none of them.
+
+        Raises:
+            InvalidArgumentError: it covers only part of them.
+        """
         owned = self._ownership.get(optimizer)
         if owned is None:
             ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
             missing = [self._names[id(p)] for p in self._parameters_in_order if id(p) not in ids]
             owned = len(missing) < len(self._parameters_in_order)
             if owned and missing:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"rank {self.comm.rank}: the optimizer covers only part of the wrapped model; parameter "
                     f"'{missing[0]}' (and {len(missing) - 1} more) is missing: create it over model.parameters()"
                 )
@@ -533,13 +599,22 @@ class DecentralizedDataParallel(nn.Module):
         return owned
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer, computes_gradients: bool) -> None:
-        """Before the update: complete step t's mixing (warn first if the step had no forward or backward)."""
+        """Before the update: complete step t's mixing (warn first if the step had no forward or backward).
+
+        Args:
+            optimizer: the optimizer that steps (one this wrapper :meth:`owns`).
+            computes_gradients: whether its ``step`` computes gradients itself (a closure), so no backward is due.
+        """
         if not computes_gradients:
             self._warn_if_mixing_only()
         self.finish_mixing()
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """After the update: end step t and start x_{t+1}'s exchange."""
+        """After the update: end step t and start x_{t+1}'s exchange.
+
+        Args:
+            optimizer: the optimizer that stepped.
+        """
         self.next_step(lr=optimizer.param_groups[0].get("lr"))
 
     def _drain_exchange(self) -> None:
@@ -607,14 +682,23 @@ class DecentralizedDataParallel(nn.Module):
     # -- evaluation and consensus ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def averaged(self, buffers: bool = False) -> Iterator[nn.Module]:
-        """Within the block the module holds the global average of the parameters (and of the floating-point
-        buffers if ``buffers``); on exit every rank's own values are back, untouched. A collective.
+        """Let the module hold the global average of the parameters within the block. A collective.
 
-        The average is computed into one new buffer per bucket (a clone of x_t, then ``all_reduce``) and the
+        With ``buffers`` the floating-point buffers are averaged too; on exit every rank's own values are back,
+        untouched. The average is computed into one new buffer per bucket (a clone of x_t, then ``all_reduce``) and the
         module's parameters are pointed at it for the block (:func:`gossip.wrapper.consensus.reading`); the buckets are
         only read. So an exchange in flight, which sends the buckets' memory, keeps running undisturbed and is
         completed by the optimizer step as usual: the training trajectory is the same as without the evaluation,
         and the only full-model copy is the average itself.
+
+        Args:
+            buffers: average the floating-point buffers as well.
+
+        Yields:
+            The module, holding the average.
+
+        Raises:
+            UseAfterCloseError: called after ``close()``.
         """
         self._require_usable("averaged()")
         with self._naming_step():
@@ -639,12 +723,28 @@ class DecentralizedDataParallel(nn.Module):
         """Exact consensus distance Xi = sqrt((1/n) sum_i ||x_i - xbar||^2) over the parameters. A collective.
 
         Of the replicas themselves, also inside ``averaged()`` (where the module reads the average).
+
+        Returns:
+            Xi, the same on every rank.
+
+        Raises:
+            UseAfterCloseError: called after ``close()``.
         """
         self._require_usable("consensus_distance()")
         return math.sqrt(exact_consensus_sq([bucket.buffer for bucket in self.buckets], self.comm))
 
     def estimate_consensus_distance(self, step: int | None = None) -> float:
-        """Sampled (stratified, shared-coordinate) estimate of Xi; the coordinates depend on ``step``. A collective."""
+        """Sampled (stratified, shared-coordinate) estimate of Xi. A collective.
+
+        Args:
+            step: the step that picks the sampled coordinates (default: the current step).
+
+        Returns:
+            The estimate of Xi, the same on every rank.
+
+        Raises:
+            UseAfterCloseError: called after ``close()``.
+        """
         self._require_usable("estimate_consensus_distance()")
         step = self.step_count if step is None else step
         return math.sqrt(self._sampler.estimate_sq(self._replica_views, self.comm, step))
@@ -655,6 +755,12 @@ class DecentralizedDataParallel(nn.Module):
 
         Valid between ``optimizer.step()`` and the next step's update; an exchange in flight is not saved -- a
         run resumed from this state starts step t's exchange anew, which is bit-identical.
+
+        Returns:
+            ``{"step": t, "buckets": [copies of the buckets], "algorithm": the algorithm's state}``.
+
+        Raises:
+            StepPhaseError: called between the mixing and the optimizer's update.
         """
         if self._step.mixed:
             raise StepPhaseError(
@@ -670,7 +776,11 @@ class DecentralizedDataParallel(nn.Module):
         }
 
     def load_training_state(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`training_state`; an exchange in flight is completed (all ranks do it) and discarded."""
+        """Restore :meth:`training_state`; an exchange in flight is completed (all ranks do it) and discarded.
+
+        Args:
+            state: what :meth:`training_state` returned, on this rank of a run of the same model and settings.
+        """
         if self._step.in_flight:
             self.algorithm.finish(self._exchange)
             self._exchange = None
@@ -700,10 +810,16 @@ class DecentralizedDataParallel(nn.Module):
     def close(self) -> dict[str, float] | None:
         """Complete an exchange in flight (parameters keep x_t), summarise the metrics and retire the wrapper.
 
-        A collective (the summary gathers one dict per rank); returns the summary on rank 0, None elsewhere.
-        A step whose update was skipped just before (a backward, no ``optimizer.step()``) still mixes first, as
-        during training. Afterwards every forward, optimizer step over these parameters, ``averaged()`` or
-        consensus call raises :class:`~gossip.errors.UseAfterCloseError`; a second ``close()`` does nothing.
+        A collective (the summary gathers one dict per rank). A step whose update was skipped just before (a backward,
+        no ``optimizer.step()``) still mixes first, as during training. Afterwards every forward, optimizer step over
+        these parameters, ``averaged()`` or consensus call raises :class:`~gossip.errors.UseAfterCloseError`; a second
+        ``close()`` does nothing.
+
+        Returns:
+            The run's summary on rank 0, None on the other ranks (and on a second call).
+
+        Raises:
+            CommTimeoutError: a peer never started the last exchange (it took fewer steps than this rank).
         """
         if self.closed:
             return None

@@ -29,7 +29,14 @@ from topologies import Schedule
 
 
 def algorithm_config(algorithm: Algorithm) -> dict[str, Any]:
-    """The algorithm's name and hyper-parameters (:meth:`gossip.algorithms.base.Algorithm.config`)."""
+    """The algorithm's name and hyper-parameters (:meth:`gossip.algorithms.base.Algorithm.config`).
+
+    Args:
+        algorithm: the algorithm to describe.
+
+    Returns:
+        ``{"name": ..., **config}``, comparable across ranks.
+    """
     return {"name": algorithm.name, **algorithm.config()}
 
 
@@ -38,6 +45,12 @@ def tensor_signature(module: torch.nn.Module) -> list[tuple[str, str, tuple[int,
 
     ``kind`` is ``"parameter"`` for a trainable parameter and ``"frozen parameter"`` for one with
     ``requires_grad=False`` (broadcast from rank 0 at construction, never gossiped).
+
+    Args:
+        module: the model.
+
+    Returns:
+        One tuple per parameter and buffer.
     """
     rows = [
         (
@@ -61,7 +74,14 @@ def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
 
 
 def is_lazy(tensor: torch.Tensor) -> bool:
-    """True for a parameter or buffer of a lazy module (``nn.LazyLinear``) not materialised by a forward yet."""
+    """True for a parameter or buffer of a lazy module (``nn.LazyLinear``) not materialised by a forward yet.
+
+    Args:
+        tensor: a parameter or buffer.
+
+    Returns:
+        Whether it is still uninitialised.
+    """
     return isinstance(tensor, UninitializedTensorMixin)
 
 
@@ -74,8 +94,16 @@ def run_signature(
 ) -> dict:
     """What must be equal on every rank (and in a checkpoint that this run resumes).
 
-    ``settings`` are the wrapper's own options that every rank must share (``bucket_bytes``, ``buffers``,
-    ``seed``, ...): compared at construction like the parameters.
+    Args:
+        module: the model.
+        comm: the communicator (its size is part of the signature).
+        schedule: the schedule (its fingerprint).
+        algorithm: the algorithm (its config).
+        settings: the wrapper's own options that every rank must share (``bucket_bytes``, ``buffers``, ``seed``,
+            ...), compared at construction like the parameters.
+
+    Returns:
+        The signature, a dict of plain data.
     """
     return {
         "world_size": comm.size,
@@ -91,7 +119,15 @@ def first_difference(
 ) -> str | None:
     """A sentence naming the first item in which ``mine`` differs from ``reference``, or None when equal.
 
-    ``settings``: the names of the wrapper settings to compare (default all of them).
+    Args:
+        mine: a signature (:func:`run_signature`).
+        reference: the signature to compare with.
+        who: how the sentence names ``mine`` (e.g. ``"rank 1"``).
+        reference_who: how it names ``reference`` (e.g. ``"rank 0"``).
+        settings: the names of the wrapper settings to compare (default all of them).
+
+    Returns:
+        The sentence, or None when the signatures agree.
     """
     if mine["world_size"] != reference["world_size"]:
         return f"{who} has world size {mine['world_size']} but {reference_who} has {reference['world_size']}"
@@ -140,7 +176,21 @@ def check_replicas(
     algorithm: Algorithm,
     settings: dict[str, Any] | None = None,
 ) -> dict:
-    """Raise :class:`ReplicaMismatchError` on every rank unless all ranks agree; return this rank's signature."""
+    """Check that all ranks agree on the model, schedule, algorithm and settings. A collective.
+
+    Args:
+        module: the model.
+        comm: the communicator.
+        schedule: the schedule.
+        algorithm: the algorithm.
+        settings: the wrapper settings every rank must share.
+
+    Returns:
+        This rank's signature (:func:`run_signature`).
+
+    Raises:
+        ReplicaMismatchError: on every rank, when any rank differs from rank 0; names the rank and the item.
+    """
     problem = None
     trainable = [p for p in module.parameters() if p.requires_grad]
     lazy = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if is_lazy(t)]
@@ -171,7 +221,12 @@ def broadcast_from_rank0(module: torch.nn.Module, buckets: list[Bucket], comm: C
     """Copy rank 0's parameters (the flat buckets), frozen parameters and buffers into every rank's replica.
 
     Frozen parameters (``requires_grad=False``) are not gossiped; like ``DistributedDataParallel`` the wrapper
-    broadcasts them once here, so every rank starts from rank 0's values.
+    broadcasts them once here, so every rank starts from rank 0's values. A collective.
+
+    Args:
+        module: the model.
+        buckets: its flat parameter buckets.
+        comm: the communicator.
     """
     for bucket in buckets:
         comm.broadcast(bucket.buffer, 0)

@@ -56,17 +56,34 @@ class StepState:
         self.phase = StepPhase.IDLE
 
     def move(self, event: str, where: str) -> StepPhase:
-        """Apply ``event`` and return the new phase, or raise :class:`StepPhaseError` naming ``where``.
+        """Apply ``event`` and return the new phase.
 
-        ``where`` says who and when, e.g. ``"rank 1: step 7: next_step()"``.
+        Args:
+            event: a step event of :data:`TRANSITIONS` (e.g. ``"advance"``).
+            where: who and when, for the message, e.g. ``"rank 1: step 7: next_step()"``.
+
+        Returns:
+            The phase after the event.
+
+        Raises:
+            StepPhaseError: ``event`` is not legal in the current phase; the message names ``where``.
         """
         self.check(event, where)
         self.phase = TRANSITIONS[event][self.phase]
         return self.phase
 
     def check(self, event: str, where: str) -> None:
-        """Raise :class:`StepPhaseError` unless ``event`` is legal now (call it before an action that cannot be
-        undone, then :meth:`move` once the action succeeded)."""
+        """Refuse ``event`` unless it is legal now, without applying it.
+
+        Call it before an action that cannot be undone, then :meth:`move` once the action succeeded.
+
+        Args:
+            event: a step event of :data:`TRANSITIONS`.
+            where: who and when, for the message.
+
+        Raises:
+            StepPhaseError: ``event`` is not legal in the current phase.
+        """
         legal = TRANSITIONS[event]
         if self.phase not in legal:
             allowed = " or ".join(phase.name for phase in legal)
@@ -88,4 +105,5 @@ class StepState:
 
     @property
     def closed(self) -> bool:
+        """The wrapper was closed: every further move is refused."""
         return self.phase is StepPhase.CLOSED
