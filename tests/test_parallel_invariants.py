@@ -295,7 +295,7 @@ def test_wrapping_a_wrapper_is_refused():
     def build(comm) -> None:
         DecentralizedDataParallel(wrap(comm, make_mlp(comm.rank)), comm, topologies.ring(comm.size), ExactGossip())
 
-    assert "TypeError: rank 0: the module already contains a DecentralizedDataParallel" in error_of(build)
+    assert "ArgumentTypeError: rank 0: the module already contains a DecentralizedDataParallel" in error_of(build)
 
 
 @pytest.mark.parametrize("operation", ["forward", "optimizer.step", "averaged", "load_checkpoint", "comm closed too"])
@@ -390,7 +390,9 @@ def test_mixed_dtypes_with_powergossip_are_refused_at_construction():
         wrap(comm, module, PowerGossip(rank=1))
 
     message = error_of(build)
-    assert message.startswith("TypeError: rank 0: PowerGossip sends each step's factors in one message of one dtype")
+    assert message.startswith(
+        "ArgumentTypeError: rank 0: PowerGossip sends each step's factors in one message of one dtype"
+    )
     assert "the parameters have dtypes ['float32', 'float64']" in message
 
 
