@@ -93,3 +93,23 @@ def test_a_closed_communicator_is_refused_by_the_wrapper(results):
     for rank, result in enumerate(per_rank):
         expected = f"rank {rank}: the communicator was already closed (comm.close()); create a new one with"
         assert result["closed"].startswith(expected), f"{backend}: {result['closed']}"
+
+
+def test_gradient_tracking_equals_the_simulator_bit_for_bit(results, oracle):
+    backend, per_rank = results
+    for rank in range(N):
+        got, expected = per_rank[rank]["tracking"], oracle[rank]["tracking"]
+        assert torch.equal(got["params"], expected["params"]), f"{backend} rank {rank}"
+        assert got["losses"] == expected["losses"], f"{backend} rank {rank}"
+        # parameters and trackers: two exact exchanges of the model per step
+        sent = (got["metrics"]["bytes_sent"], expected["metrics"]["bytes_sent"])
+        assert sent == (2 * 4 * got["params"].numel(),) * 2, f"{backend} rank {rank}"
+
+
+def test_resume_with_gradient_tracking_is_bit_identical(results, oracle):
+    backend, per_rank = results
+    for rank, result in enumerate(per_rank):
+        checkpoint = result["tracking_checkpoint"]
+        assert checkpoint["resumed_at"] == 3
+        assert torch.equal(checkpoint["resumed"], checkpoint["uninterrupted"]), f"{backend} rank {rank}"
+        assert torch.equal(checkpoint["resumed"], oracle[rank]["tracking_checkpoint"]["resumed"]), f"rank {rank}"

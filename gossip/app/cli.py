@@ -154,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="exact global average (all-reduce) every K steps instead of gossip (gossip.PeriodicAverage); 0 = off; "
         f"default: {DEFAULTS.average_every} (0 for ddp and allreduce)",
     )
+    gossip_options.add_argument(
+        "--gradient-tracking",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="step on a tracker of the mean gradient, mixed like the parameters (one more exchange of model size "
+        "per step); needs a doubly stochastic schedule; default: off",
+    )
     diloco = parser.add_argument_group("diloco (--algorithm diloco only)")
     diloco.add_argument(
         "--local-steps",
@@ -221,6 +228,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         power_iterations=args.power_iterations,
         message_dtype=args.message_dtype,
         average_every=args.average_every,
+        gradient_tracking=args.gradient_tracking,
         local_steps=args.local_steps,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,

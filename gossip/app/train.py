@@ -110,6 +110,8 @@ class TrainConfig:
         power_iterations: PowerGossip's power iterations per step (None: :data:`DEFAULTS`').
         message_dtype: the dtype PowerGossip's products travel in, one of :data:`MESSAGE_DTYPES`.
         average_every: an exact global average every this many steps (0: never; None: :data:`DEFAULTS`').
+        gradient_tracking: the optimizer steps on a tracker of the mean gradient, mixed like the parameters
+            (``DecentralizedDataParallel(..., gradient_tracking=True)``); one more exchange of model size per step.
         local_steps: DiLoCo's local steps per round (None: :data:`DILOCO_DEFAULTS`' for DiLoCo).
         outer_lr: DiLoCo's outer learning rate.
         outer_momentum: DiLoCo's outer Nesterov momentum.
@@ -139,6 +141,7 @@ class TrainConfig:
     power_iterations: int | None = None
     message_dtype: str | None = None
     average_every: int | None = None
+    gradient_tracking: bool = False
     local_steps: int | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
@@ -312,6 +315,10 @@ def _check_ddp(config: TrainConfig) -> None:
         raise ConfigError(
             "--backend", "--algorithm ddp runs torch DistributedDataParallel, which needs Gloo or NCCL, not mpi"
         )
+    if config.gradient_tracking:
+        raise ConfigError(
+            "--gradient-tracking", "--algorithm ddp all-reduces the gradients already; drop --gradient-tracking"
+        )
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
@@ -397,6 +404,7 @@ def make_model(config: TrainConfig, comm: Communicator, run_dir: Path) -> Replic
         run_dir=run_dir,
         consensus_every=config.log_every,
         seed=config.seed,
+        gradient_tracking=config.gradient_tracking,
     )
 
 

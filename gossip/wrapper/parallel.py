@@ -41,6 +41,7 @@ from gossip.backends.base import Communicator
 from gossip.errors import (
     ArgumentTypeError,
     AverageDriftWarning,
+    CheckpointMismatchError,
     CommTimeoutError,
     GossipError,
     InvalidArgumentError,
@@ -63,6 +64,7 @@ from gossip.wrapper.consensus import (
 from gossip.wrapper.metrics import StepMetrics
 from gossip.wrapper.replicas import ReplicaMismatchError, broadcast_from_rank0, check_replicas
 from gossip.wrapper.step_phase import StepPhase, StepState
+from gossip.wrapper.tracking import GradientTracker, require_doubly_stochastic
 from topologies import Schedule
 from topologies.validation import find_violation
 
@@ -189,12 +191,21 @@ class DecentralizedDataParallel(nn.Module):
             ``2 * consensus_samples`` float64 values); 0 turns it off.
         consensus_samples: how many coordinates the consensus estimate samples.
         seed: the seed of the sampled coordinates. ``consensus_every``, ``consensus_samples``, ``seed``,
-            ``bucket_bytes``, ``buffers`` and the algorithm's ``nonfinite`` policy must be equal on every rank.
+            ``bucket_bytes``, ``buffers``, ``gradient_tracking`` and the algorithm's ``nonfinite`` policy must be
+            equal on every rank.
+        gradient_tracking: the optimizer steps on a tracker y_i of the mean gradient instead of this rank's own
+            gradient (:mod:`gossip.wrapper.tracking`: y_i <- sum_j W_ij(t) (y_j + g_j^t - g_j^{t-1}), so that
+            sum_i y_i = sum_i g_i^t at every step; NEXT, DIGing, Pu & Nedić 2020). At ``optimizer.step()``, after the
+            parameters' mixing, the trackers are exchanged over W(t) -- one more exchange of model size per step,
+            *blocking* in this version (it needs the fresh gradient) -- and y_i is written into the parameters'
+            ``.grad`` before the update. Needs a doubly stochastic schedule; call ``optimizer.zero_grad()`` every
+            step (a backward without it would accumulate onto y_i). The trackers are part of the checkpoint.
 
     Raises:
         ArgumentTypeError: ``module`` already contains a wrapper.
         UseAfterCloseError: ``comm`` is closed.
-        InvalidArgumentError: ``buffers``, ``bucket_bytes`` or ``consensus_every`` has a value it cannot take.
+        InvalidArgumentError: ``buffers``, ``bucket_bytes`` or ``consensus_every`` has a value it cannot take, or
+            ``gradient_tracking`` is asked for with a schedule that is not doubly stochastic.
         ReplicaMismatchError: the ranks disagree on the model, the schedule, the algorithm or a setting above.
     """
 
@@ -211,6 +222,7 @@ class DecentralizedDataParallel(nn.Module):
         consensus_every: int = 10,
         consensus_samples: int = DEFAULT_SAMPLES,
         seed: int = 0,
+        gradient_tracking: bool = False,
     ):
         super().__init__()
         if any(isinstance(inner, DecentralizedDataParallel) for inner in module.modules()):
@@ -242,8 +254,11 @@ class DecentralizedDataParallel(nn.Module):
             "seed": int(seed),
             # the algorithm's non-finite policy (one rank dropping what another raises on would split the run)
             "nonfinite": algorithm.nonfinite,
+            "gradient_tracking": bool(gradient_tracking),
         }
         self.signature = check_replicas(module, comm, schedule, algorithm, settings)
+        if gradient_tracking:
+            require_doubly_stochastic(schedule, comm.rank)  # before the parameters move into buckets
         self.buckets = bucket_parameters(module, bucket_bytes)
         algorithm.setup(comm, schedule, self.buckets)  # refuses a bad schedule or configuration on every rank
         broadcast_from_rank0(module, self.buckets, comm)
@@ -262,6 +277,10 @@ class DecentralizedDataParallel(nn.Module):
         # replica holds even while averaged() lets the parameters read the average.
         self._replica_views = [bucket.view(entry) for bucket in self.buckets for entry in bucket.entries]
         self._names = {id(p): name for name, p in named}
+        #: The gradient tracker (gradient_tracking=True), else None; its exchange runs in finish_mixing.
+        self.tracker = (
+            GradientTracker(algorithm, schedule, self.buckets, self._parameters_in_order) if gradient_tracking else None
+        )
         self._ownership: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.step_count = 0
         self._exchange: Any = None  # what algorithm.start(t) returned, while the step is EXCHANGING
@@ -395,6 +414,8 @@ class DecentralizedDataParallel(nn.Module):
         begin = time.perf_counter()
         self.algorithm.finish(self._exchange)
         self._exchange = None
+        if self.tracker is not None:
+            self.tracker.track(self.step_count)
         self._move("finish", "finish_mixing()")
         self._timing["wait_seconds"] = self.algorithm.wait_seconds
         self._timing["finish_seconds"] = time.perf_counter() - begin
@@ -754,10 +775,12 @@ class DecentralizedDataParallel(nn.Module):
         """The gossip state at step t: the step, x_t (the buckets) and the algorithm's state before start(t).
 
         Valid between ``optimizer.step()`` and the next step's update; an exchange in flight is not saved -- a
-        run resumed from this state starts step t's exchange anew, which is bit-identical.
+        run resumed from this state starts step t's exchange anew, which is bit-identical. With gradient tracking
+        the trackers y_i^{t-1} and the gradients g_i^{t-1} are saved too (under ``"tracker"``).
 
         Returns:
-            ``{"step": t, "buckets": [copies of the buckets], "algorithm": the algorithm's state}``.
+            ``{"step": t, "buckets": [copies of the buckets], "algorithm": the algorithm's state}``, plus
+                ``"tracker"`` with gradient tracking.
 
         Raises:
             StepPhaseError: called between the mixing and the optimizer's update.
@@ -769,18 +792,31 @@ class DecentralizedDataParallel(nn.Module):
             )
         in_flight = self._step.in_flight and not self.algorithm.start_keeps_state
         algorithm_state = self._state_before_start if in_flight else self.algorithm.state_dict()
-        return {
+        state = {
             "step": self.step_count,
             "buckets": [bucket.buffer.detach().clone() for bucket in self.buckets],
             "algorithm": copy.deepcopy(algorithm_state),
         }
+        if self.tracker is not None:
+            state["tracker"] = self.tracker.state_dict()
+        return state
 
     def load_training_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`training_state`; an exchange in flight is completed (all ranks do it) and discarded.
 
         Args:
             state: what :meth:`training_state` returned, on this rank of a run of the same model and settings.
+
+        Raises:
+            CheckpointMismatchError: the state was saved with gradient tracking and this run has none, or the
+                other way round.
         """
+        if ("tracker" in state) != (self.tracker is not None):
+            saved, here = ("with", "without") if "tracker" in state else ("without", "with")
+            raise CheckpointMismatchError(
+                f"rank {self.comm.rank}: the state was saved {saved} gradient tracking, but this run is {here} it; "
+                "resume with the same gradient_tracking setting"
+            )
         if self._step.in_flight:
             self.algorithm.finish(self._exchange)
             self._exchange = None
@@ -789,6 +825,8 @@ class DecentralizedDataParallel(nn.Module):
             for bucket, saved in zip(self.buckets, state["buckets"], strict=True):
                 bucket.buffer.copy_(saved)
         self.algorithm.load_state_dict(copy.deepcopy(state["algorithm"]))
+        if self.tracker is not None:
+            self.tracker.load_state_dict(state["tracker"])
         self.step_count = int(state["step"])
         self._schedule_checked_to = max(self.schedule.window, self.step_count)
         self._last_step_end = math.nan

@@ -102,10 +102,13 @@ def train(
     return result
 
 
-def checkpoint_resume(comm, directory: str | Path, algorithm_factory=ExactGossip, dcp: bool = False) -> dict[str, Any]:
+def checkpoint_resume(
+    comm, directory: str | Path, algorithm_factory=ExactGossip, dcp: bool = False, **wrap_kwargs: Any
+) -> dict[str, Any]:
     """6 steps uninterrupted vs 3 + save + fresh objects + load + 3 (AccumAdamW, accum_iter=2), with an LR
     scheduler, a private generator that perturbs each batch, and a plain dict saved as ``extra`` state;
-    ``dcp``: through a torch.distributed.checkpoint directory per rank (save_dcp / load_dcp)."""
+    ``dcp``: through a torch.distributed.checkpoint directory per rank (save_dcp / load_dcp); ``wrap_kwargs`` go
+    to the wrapper (e.g. ``gradient_tracking=True``)."""
     save, load = (save_dcp, load_dcp) if dcp else (save_checkpoint, load_checkpoint)
 
     def run(model, optimizer, scheduler, generator, progress, steps: range) -> None:
@@ -118,7 +121,7 @@ def checkpoint_resume(comm, directory: str | Path, algorithm_factory=ExactGossip
             progress["batches"] = progress.get("batches", 0) + 1
 
     def fresh(seed: int) -> tuple:
-        model = wrap(comm, make_mlp(seed), algorithm_factory())
+        model = wrap(comm, make_mlp(seed), algorithm_factory(), **wrap_kwargs)
         optimizer = optim.AccumAdamW(model.parameters(), lr=1e-2, accum_iter=2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
         return model, optimizer, scheduler, torch.Generator().manual_seed(seed), {}
@@ -195,6 +198,8 @@ def run_all(comm, directory: Path) -> dict[str, Any]:
         "checkpoint": checkpoint_resume(comm, directory / "checkpoint"),
         "averaged": averaged_and_consensus(comm),
         "grad_scaler_skip": skip_one_update(comm, True),
+        "tracking": train(comm, 8, gradient_tracking=True),
+        "tracking_checkpoint": checkpoint_resume(comm, directory / "tracking", gradient_tracking=True),
     }
 
 

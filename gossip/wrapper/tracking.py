@@ -1,0 +1,221 @@
+r"""Gradient tracking: the optimizer steps on a tracker of the mean gradient instead of its own gradient.
+
+Each rank i keeps a tracker :math:`y_i` of the mean gradient :math:`\bar g = \frac1n \sum_j g_j`, mixed by the
+same schedule W(t) as the parameters (adapt-then-combine form; NEXT, Di Lorenzo & Scutari 2016; DIGing, Nedić,
+Olshevsky & Shi 2017; Pu & Nedić 2020):
+
+.. math::  y_i^{t} = \sum_j W_{ij}(t)\,\big(y_j^{t-1} + g_j^{t} - g_j^{t-1}\big), \qquad y^{-1} = g^{-1} = 0
+
+so that at step 0 :math:`y_i^0 = \sum_j W_{ij}(0)\, g_j^0`. With column sums of 1
+(:math:`\mathbf 1^\top W(t) = \mathbf 1^\top`) summing over i gives :math:`\sum_i y_i^t = \sum_i y_i^{t-1} +
+\sum_i g_i^t - \sum_i g_i^{t-1}`, hence by induction :math:`\sum_i y_i^t = \sum_i g_i^t` at every step: the
+trackers' mean is the mean gradient exactly (up to float rounding), while the mixing removes the per-rank
+deviation from it. A schedule that is not doubly stochastic is therefore refused.
+
+The tracker's exchange needs :math:`g^t`, which exists only after the backward, so this first version runs it
+*blocking* inside the optimizer's pre-step hook, right after the parameters' mixing: one more exchange of model
+size per step, not overlapped with computation. The received trackers are summed in rank order (this rank
+included), so ranks whose rows of W(t) are equal compute bit-identical trackers (the complete graph, W = J, gives
+every rank the same mean gradient).
+
+What the optimizer sees: :meth:`GradientTracker.track` writes :math:`y_i^t` into the parameters' ``.grad`` before
+``optimizer.step()`` applies its update, so any ``torch.optim`` optimizer steps on the tracker unchanged. A step
+without gradients (every ``.grad`` is None: an update skipped by ``GradScaler``, a mixing-only step) brings no new
+gradient (:math:`g^t = g^{t-1}`) and leaves ``.grad`` alone; a parameter without ``.grad`` in a step that has
+gradients counts as a zero gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gossip.algorithms.base import Algorithm
+from gossip.algorithms.buckets import Bucket
+from gossip.backends.base import Handle
+from gossip.errors import CheckpointMismatchError, InvalidArgumentError
+from topologies import PeerView, Schedule
+from topologies.validation import find_violation
+
+
+def require_doubly_stochastic(schedule: Schedule, rank: int) -> None:
+    """Refuse ``schedule`` for gradient tracking unless every W(t) it is checked on has rows and columns summing to 1.
+
+    Args:
+        schedule: the wrapper's schedule.
+        rank: this rank, for the message.
+
+    Raises:
+        InvalidArgumentError: some W(t) has a column that does not sum to 1 (the message names the step and rank).
+    """
+    if not schedule.is_doubly_stochastic:
+        violation = find_violation(schedule, "column-stochastic")
+        raise InvalidArgumentError(
+            f"rank {rank}: gradient_tracking=True needs a doubly stochastic schedule, but '{schedule.name}' is not "
+            f"({violation}); the trackers' mean equals the mean gradient only if every W(t) has column sums of 1. "
+            "Use weights='metropolis' (or another doubly stochastic schedule), or turn gradient tracking off"
+        )
+
+
+@dataclass
+class _Pending:
+    step: int
+    view: PeerView
+    handle: Handle
+    received: list[list[torch.Tensor]]  # per in-peer, per bucket
+
+
+class TrackerMixing(Algorithm):
+    """Exact mixing of the trackers, y_i <- sum_j W_ij(t) z_j, summed in rank order (this rank's own term included).
+
+    The part of :class:`GradientTracker` that moves bytes; it is bound as a part of the wrapper's algorithm
+    (:meth:`Algorithm.setup_part`), so its bytes and waits are booked into that algorithm's step account.
+
+    Args:
+        nonfinite: what a NaN or Inf received from a peer does: ``"raise"`` or ``"drop"`` (the peer's weight
+            stays with this rank's own tracker, which breaks the invariant of the sum for that step).
+    """
+
+    name = "tracker"
+
+    def __init__(self, *, nonfinite: str = "raise"):
+        self._nonfinite = nonfinite
+        self._receive_buffers: list[list[torch.Tensor]] = []
+        self._sum: list[torch.Tensor] = []
+
+    @property
+    def nonfinite(self) -> str:
+        """What a NaN or Inf received from a peer does: "raise" or "drop"."""
+        return self._nonfinite
+
+    def _buffers(self, count: int) -> list[list[torch.Tensor]]:
+        while len(self._receive_buffers) < count:
+            self._receive_buffers.append([torch.empty_like(bucket.buffer) for bucket in self.buckets])
+        return self._receive_buffers[:count]
+
+    def _start_step(self, step: int) -> _Pending:
+        view = self.schedule.peers(self.comm.rank, step)
+        received = self._buffers(len(view.in_peers))
+        sends = [(peer, bucket.buffer) for peer, _ in view.out_peers for bucket in self.buckets]
+        recvs = [
+            (peer, buffer) for (peer, _), buffers in zip(view.in_peers, received, strict=True) for buffer in buffers
+        ]
+        return _Pending(step, view, self._exchange(sends, recvs, step), received)
+
+    def _finish_step(self, pending: _Pending) -> None:
+        self._wait(pending.handle)
+        received = [(peer, buffers) for (peer, _), buffers in zip(pending.view.in_peers, pending.received, strict=True)]
+        dropped = self._nonfinite_peers(pending.step, self._nonfinite, received)
+        kept = [
+            (peer, weight, buffers)
+            for (peer, weight), buffers in zip(pending.view.in_peers, pending.received, strict=True)
+            if peer not in dropped
+        ]
+        me = self.comm.rank
+        own = 1.0 - sum(weight for _, weight, _ in kept)
+        terms = sorted([(me, own, None), *kept], key=lambda term: term[0])
+        if not self._sum:
+            self._sum = [torch.empty_like(bucket.buffer) for bucket in self.buckets]
+        for index, bucket in enumerate(self.buckets):
+            total = self._sum[index]
+            total.zero_()
+            for _, weight, buffers in terms:
+                total.add_(bucket.buffer if buffers is None else buffers[index], alpha=weight)
+            bucket.buffer.copy_(total)
+
+
+class GradientTracker:
+    """One rank's gradient tracker y_i and its previous gradient g_i^{t-1}, one flat buffer per parameter bucket.
+
+    See the module docstring for the math and the sources. :class:`~gossip.wrapper.parallel.DecentralizedDataParallel`
+    builds one with ``gradient_tracking=True`` and calls :meth:`track` after the parameters' mixing, before the
+    optimizer's update.
+
+    Args:
+        algorithm: the wrapper's algorithm, already bound; the tracker's exchange books into its step account.
+        schedule: the wrapper's schedule, whose W(t) mixes the trackers.
+        buckets: the wrapper's parameter buckets (the trackers take their layout).
+        parameters: the trainable parameters, in the order of the buckets' entries.
+
+    Raises:
+        InvalidArgumentError: the schedule is not doubly stochastic over the steps it is checked on (raised by
+            :func:`require_doubly_stochastic`).
+    """
+
+    def __init__(self, algorithm: Algorithm, schedule: Schedule, buckets: list[Bucket], parameters: list[torch.Tensor]):
+        require_doubly_stochastic(schedule, algorithm.comm.rank)
+        self.trackers = [Bucket(torch.zeros_like(bucket.buffer), bucket.entries) for bucket in buckets]
+        self.previous = [torch.zeros_like(bucket.buffer) for bucket in buckets]
+        self._fresh = [torch.zeros_like(bucket.buffer) for bucket in buckets]
+        self._parameters = parameters
+        self.mixing = TrackerMixing(nonfinite=algorithm.nonfinite)
+        algorithm.setup_part(self.mixing, schedule, self.trackers)
+
+    def track(self, step: int) -> None:
+        """Step ``step``: y_i <- sum_j W_ij(t) (y_j + g_j^t - g_j^{t-1}) (blocking), then ``.grad`` <- y_i.
+
+        A collective over W(t)'s edges: every rank calls it once per step. When no parameter has a gradient, the
+        step brings none (g^t = g^{t-1}) and ``.grad`` is left as it is.
+
+        Args:
+            step: the step's number, the same on every rank.
+        """
+        parameters = self._parameters
+        has_gradient = any(p.grad is not None for p in parameters)
+        with torch.no_grad():
+            position = 0
+            for tracker, previous, fresh in zip(self.trackers, self.previous, self._fresh, strict=True):
+                if has_gradient:
+                    for entry in tracker.entries:
+                        grad = parameters[position].grad
+                        position += 1
+                        target = tracker.view(entry, fresh)
+                        if grad is None:
+                            target.zero_()
+                        else:
+                            target.copy_(grad)
+                    tracker.buffer.add_(fresh).sub_(previous)
+                    previous.copy_(fresh)
+            self.mixing.step(step)
+            if not has_gradient:
+                return
+            position = 0
+            for tracker in self.trackers:
+                for entry in tracker.entries:
+                    parameter = parameters[position]
+                    position += 1
+                    if parameter.grad is None:
+                        parameter.grad = tracker.view(entry).clone()
+                    else:
+                        parameter.grad.copy_(tracker.view(entry))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Copies of the trackers y_i and of the previous gradients g_i^{t-1}, for a checkpoint.
+
+        Returns:
+            ``{"trackers": [...], "previous": [...]}``, one tensor per bucket each.
+        """
+        return {
+            "trackers": [tracker.buffer.detach().clone() for tracker in self.trackers],
+            "previous": [previous.detach().clone() for previous in self.previous],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Args:
+            state: the saved trackers and previous gradients.
+
+        Raises:
+            CheckpointMismatchError: the saved buffers do not have the layout of this run's buckets.
+        """
+        saved = [*state["trackers"], *state["previous"]]
+        mine = [*(tracker.buffer for tracker in self.trackers), *self.previous]
+        if [(t.shape, t.dtype) for t in saved] != [(t.shape, t.dtype) for t in mine]:
+            raise CheckpointMismatchError(
+                f"rank {self.mixing.comm.rank}: the saved gradient trackers do not have this run's bucket layout"
+            )
+        for target, value in zip(mine, saved, strict=True):
+            target.copy_(value)
