@@ -67,14 +67,19 @@ class ExactGossip(Algorithm):
         self._wait(pending.handle)
         received = [(peer, buffers) for (peer, _), buffers in zip(pending.view.in_peers, pending.received, strict=True)]
         dropped = self._nonfinite_peers(pending.step, self._nonfinite, received)
+        self._combine(
+            [
+                (peer, weight, buffers)
+                for (peer, weight), buffers in zip(pending.view.in_peers, pending.received, strict=True)
+                if peer not in dropped
+            ]
+        )
+
+    def _combine(self, kept: list[tuple[int, float, list[torch.Tensor]]]) -> None:
+        """x_i <- (1 - gamma sum_j w_ij) x_i + gamma sum_j w_ij x_j over the ``kept`` (peer, weight, buffers)."""
         gamma = self.gamma
-        kept = [
-            (weight, buffers)
-            for (peer, weight), buffers in zip(pending.view.in_peers, pending.received, strict=True)
-            if peer not in dropped
-        ]
-        keep = 1.0 - gamma * sum(weight for weight, _ in kept)
+        keep = 1.0 - gamma * sum(weight for _, weight, _ in kept)
         for index, bucket in enumerate(self.buckets):
             bucket.buffer.mul_(keep)
-            for weight, buffers in kept:
+            for _, weight, buffers in kept:
                 bucket.buffer.add_(buffers[index], alpha=gamma * weight)

@@ -27,16 +27,15 @@ gradients counts as a zero gradient.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gossip.algorithms.base import Algorithm
 from gossip.algorithms.buckets import Bucket
-from gossip.backends.base import Handle
+from gossip.algorithms.exact import ExactGossip
 from gossip.errors import CheckpointMismatchError, InvalidArgumentError
-from topologies import PeerView, Schedule
+from topologies import Schedule
 from topologies.validation import find_violation
 
 
@@ -59,15 +58,7 @@ def require_doubly_stochastic(schedule: Schedule, rank: int) -> None:
         )
 
 
-@dataclass
-class _Pending:
-    step: int
-    view: PeerView
-    handle: Handle
-    received: list[list[torch.Tensor]]  # per in-peer, per bucket
-
-
-class TrackerMixing(Algorithm):
+class TrackerMixing(ExactGossip):
     """Exact mixing of the trackers, y_i <- sum_j W_ij(t) z_j, summed in rank order (this rank's own term included).
 
     The part of :class:`GradientTracker` that moves bytes; it is bound as a part of the wrapper's algorithm
@@ -81,38 +72,11 @@ class TrackerMixing(Algorithm):
     name = "tracker"
 
     def __init__(self, *, nonfinite: str = "raise"):
-        self._nonfinite = nonfinite
-        self._receive_buffers: list[list[torch.Tensor]] = []
+        super().__init__(gamma=1.0, nonfinite=nonfinite)
         self._sum: list[torch.Tensor] = []
 
-    @property
-    def nonfinite(self) -> str:
-        """What a NaN or Inf received from a peer does: "raise" or "drop"."""
-        return self._nonfinite
-
-    def _buffers(self, count: int) -> list[list[torch.Tensor]]:
-        while len(self._receive_buffers) < count:
-            self._receive_buffers.append([torch.empty_like(bucket.buffer) for bucket in self.buckets])
-        return self._receive_buffers[:count]
-
-    def _start_step(self, step: int) -> _Pending:
-        view = self.schedule.peers(self.comm.rank, step)
-        received = self._buffers(len(view.in_peers))
-        sends = [(peer, bucket.buffer) for peer, _ in view.out_peers for bucket in self.buckets]
-        recvs = [
-            (peer, buffer) for (peer, _), buffers in zip(view.in_peers, received, strict=True) for buffer in buffers
-        ]
-        return _Pending(step, view, self._exchange(sends, recvs, step), received)
-
-    def _finish_step(self, pending: _Pending) -> None:
-        self._wait(pending.handle)
-        received = [(peer, buffers) for (peer, _), buffers in zip(pending.view.in_peers, pending.received, strict=True)]
-        dropped = self._nonfinite_peers(pending.step, self._nonfinite, received)
-        kept = [
-            (peer, weight, buffers)
-            for (peer, weight), buffers in zip(pending.view.in_peers, pending.received, strict=True)
-            if peer not in dropped
-        ]
+    def _combine(self, kept: list[tuple[int, float, list[torch.Tensor]]]) -> None:
+        """y_i <- sum_j W_ij z_j over this rank and the ``kept`` (peer, weight, buffers), summed in rank order."""
         me = self.comm.rank
         own = 1.0 - sum(weight for _, weight, _ in kept)
         terms = sorted([(me, own, None), *kept], key=lambda term: term[0])
