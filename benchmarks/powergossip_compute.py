@@ -62,7 +62,9 @@ import topologies  # noqa: E402
 from gossip.algorithms.buckets import DEFAULT_BUCKET_BYTES, Bucket, bucket_parameters  # noqa: E402
 from gossip.app.gpt import GPT, GPTConfig  # noqa: E402
 from gossip.app.train import DEFAULTS  # noqa: E402
-from gossip.backends.base import Communicator, Handle, Transfer  # noqa: E402
+from gossip.backends.base import Communicator  # noqa: E402
+from gossip.backends.comm_thread import Handle  # noqa: E402
+from gossip.backends.wire import Transfer  # noqa: E402
 
 BASELINE_REVISION = "40b881d"  # the last revision with the matrix-by-matrix PowerGossip
 

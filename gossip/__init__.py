@@ -21,8 +21,9 @@ from gossip.algorithms import (
     exclude_names,
     tagc_policy,
 )
-from gossip.backends.base import Communicator, Handle
+from gossip.backends.base import Communicator
 from gossip.backends.bootstrap import BACKENDS, init
+from gossip.backends.comm_thread import Handle
 from gossip.backends.launch_env import LaunchInfo, detect_launch
 from gossip.backends.simulator import SimulatorCommunicator, simulate
 from gossip.checkpoint import CheckpointFuture, load_checkpoint, save_checkpoint

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from gossip.backends.base import Transfer, steady_header
 from gossip.backends.torch_dist import TorchDistCommunicator
+from gossip.backends.wire import Transfer, steady_header
 from gossip.errors import CommTimeoutError, ExchangeMismatchError
 
 

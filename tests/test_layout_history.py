@@ -1,11 +1,11 @@
-"""The prediction that makes an exchange steady (:class:`gossip.backends.base.LayoutHistory`): repeated and cyclic
+"""The prediction that makes an exchange steady (:class:`gossip.backends.wire.LayoutHistory`): repeated and cyclic
 layouts settle, and both ends of a pair, holding the same history, always predict each other's layout."""
 
 from __future__ import annotations
 
 import itertools
 
-from gossip.backends.base import LayoutHistory
+from gossip.backends.wire import LayoutHistory
 
 
 def checked_at(layouts: list[str]) -> list[int]:

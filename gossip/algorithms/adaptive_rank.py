@@ -38,7 +38,8 @@ import torch
 
 from gossip.algorithms.buckets import Bucket
 from gossip.algorithms.powergossip import PowerGossip
-from gossip.backends.base import Communicator, Handle
+from gossip.backends.base import Communicator
+from gossip.backends.comm_thread import Handle
 from gossip.errors import InvalidArgumentError
 from topologies import Schedule
 

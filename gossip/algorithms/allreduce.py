@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from gossip.algorithms.base import COLLECTIVE, Algorithm
-from gossip.backends.base import Handle
+from gossip.backends.comm_thread import Handle
 from gossip.errors import InvalidArgumentError
 
 __all__ = ["COLLECTIVE", "AllReduce"]

@@ -42,7 +42,8 @@ from typing import Any, final
 import torch
 
 from gossip.algorithms.buckets import Bucket
-from gossip.backends.base import COLLECTIVE, Communicator, Handle, PlannedExchange, Traffic
+from gossip.backends.base import COLLECTIVE, Communicator, PlannedExchange, Traffic
+from gossip.backends.comm_thread import Handle
 from gossip.errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, NonFiniteWarning
 from topologies import Schedule
 

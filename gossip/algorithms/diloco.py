@@ -63,7 +63,8 @@ import torch
 
 from gossip.algorithms.base import Algorithm
 from gossip.algorithms.buckets import Bucket
-from gossip.backends.base import Communicator, Handle
+from gossip.backends.base import Communicator
+from gossip.backends.comm_thread import Handle
 from gossip.errors import CheckpointMismatchError, InvalidArgumentError, NonFiniteError
 from topologies import Schedule
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from gossip.algorithms.base import Algorithm, check_nonfinite_policy
-from gossip.backends.base import Handle
+from gossip.backends.comm_thread import Handle
 from gossip.errors import InvalidArgumentError
 from topologies import PeerView
 

@@ -41,7 +41,8 @@ import torch
 from gossip.algorithms.base import Algorithm
 from gossip.algorithms.buckets import Bucket, Entry, pack
 from gossip.algorithms.powergossip import Policy, PowerGossip
-from gossip.backends.base import Communicator, Handle
+from gossip.backends.base import Communicator
+from gossip.backends.comm_thread import Handle
 from gossip.errors import ArgumentTypeError, InvalidArgumentError
 from topologies import Schedule, hierarchical
 

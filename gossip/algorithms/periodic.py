@@ -50,7 +50,8 @@ import torch
 
 from gossip.algorithms.base import Algorithm
 from gossip.algorithms.buckets import Bucket
-from gossip.backends.base import Communicator, Handle
+from gossip.backends.base import Communicator
+from gossip.backends.comm_thread import Handle
 from gossip.errors import ArgumentTypeError, GossipError, InvalidArgumentError, NonFiniteError, NonFiniteWarning
 from topologies import Schedule
 

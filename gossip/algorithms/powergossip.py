@@ -113,7 +113,8 @@ from gossip.algorithms.powergossip_layout import (
     Side,
     group_matrices,
 )
-from gossip.backends.base import Communicator, Handle
+from gossip.backends.base import Communicator
+from gossip.backends.comm_thread import Handle
 from gossip.errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, NonFiniteWarning
 from topologies import Schedule
 

@@ -4,32 +4,16 @@ A communicator offers a handful of primitives with identical semantics on every 
 
 * ``rank``, ``size``, ``local_rank``, ``local_size``;
 * ``exchange(sends, recvs, seq=...)``: in one non-blocking call, send these contiguous tensors to these peers and
-  receive into those tensors from those peers; returns a :class:`Handle` whose ``wait(timeout)`` completes it;
+  receive into those tensors from those peers; returns a :class:`~gossip.backends.comm_thread.Handle` whose
+  ``wait(timeout)`` completes it;
 * ``plan_exchange(sends, recvs)`` and ``start_planned(plan, seq=...)``: the same exchange split in two, for
   buffers an algorithm sends and receives into at every step: the tensors are checked and numbered once, and each
   step only posts them (:class:`PlannedExchange`);
 * ``all_reduce`` (sum or average, in place), ``broadcast``, ``barrier``, ``all_gather_object``, ``close``.
 
-The wire protocol of ``exchange``. Every tensor travels behind a small int64 header
-``[MAGIC, seq, index, count, dtype code, numel]``. The receiver reads the header first and compares it with the
-buffer it posted, so a wrong dtype, a wrong size, a different number of tensors or a peer that is at another
-sequence number (another step) raises :class:`ExchangeMismatchError` naming the peer -- instead of Gloo
-aborting the process on a too-small buffer or silently accepting a wrong dtype. The payload receive is posted
-only after its header matched. Messages between one pair of ranks are delivered in order (MPI and Gloo both
-guarantee this per tag), so headers and payloads travel on two tags.
-
-Checked once, then trusted (torch.distributed): the per-tensor headers travel only at the first exchange with a
-peer and again when what this rank sends to or expects from that peer (its :func:`signature`) is not what the
-pair's earlier exchanges predict (:class:`LayoutHistory`: the same as last time, or, for messages that cycle
-through a few layouts like PowerGossip's left and right products, the next layout of the cycle). Every other
-exchange sends one *steady* header per peer, ``[MAGIC, seq, STEADY, count, digest of what it sends, digest of
-what it expects]``, posted together with the payloads: a peer at another step, or one whose tensors changed
-while this rank's did not, is still named (:func:`check_steady_header`) without a header round trip.
-
-Closing. ``DecentralizedDataParallel.close()`` ends with :meth:`Communicator.closing_handshake`: one message to and
-from the peers of the exchange that would come next, numbered :func:`closing_seq` (below :data:`CLOSING`, never an
-exchange's number). A rank that took one more optimizer step than its peers is inside that very exchange, so the
-two messages cross and the header checks name it on both ends, at once, instead of a timeout.
+The wire protocol (checked headers, steady headers, the closing handshake's numbering) is
+:mod:`gossip.backends.wire`; the thread that runs every operation of a communicator in order is
+:mod:`gossip.backends.comm_thread`.
 
 Send buffers must not be modified until the handle's ``wait`` returns. Receive buffers hold the peer's data
 when ``wait`` returns.
@@ -38,11 +22,6 @@ when ``wait`` returns.
 from __future__ import annotations
 
 import abc
-import concurrent.futures
-import queue
-import threading
-import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -50,291 +29,14 @@ from typing import Any
 
 import torch
 
+from gossip.backends.comm_thread import Handle
+from gossip.backends.wire import DTYPE_CODES, DTYPE_NAMES, Transfer, closing_seq
 from gossip.errors import (
     ArgumentTypeError,
-    CommTimeoutError,
-    ExchangeMismatchError,
     InvalidArgumentError,
-    UseAfterCloseError,
 )
 
-MAGIC = 0x60551B
-HEADER_LEN = 6
-HEADER_TAG = 7
-PAYLOAD_TAG = 8
-DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1,
-    torch.float64: 2,
-    torch.float16: 3,
-    torch.bfloat16: 4,
-    torch.int64: 5,
-    torch.int32: 6,
-    torch.uint8: 7,
-    torch.int8: 8,
-    torch.bool: 9,
-}
-_CODE_NAMES = {code: str(dtype).removeprefix("torch.") for dtype, code in DTYPE_CODES.items()}
 REDUCE_OPS = ("sum", "avg")
-STEADY = -1  # the index field of a steady header: one per peer, announcing tensors already checked
-#: Sequence numbers at or below this one announce a rank in ``close()`` (:func:`closing_seq`), not an exchange.
-CLOSING = -2
-
-
-def closing_seq(steps: int) -> int:
-    """The sequence number of :meth:`Communicator.closing_handshake` after ``steps`` optimizer steps.
-
-    Args:
-        steps: optimizer steps this rank took before ``close()``.
-
-    Returns:
-        ``CLOSING - steps``: at or below :data:`CLOSING`, so never an exchange's number.
-    """
-    return CLOSING - steps
-
-
-def exchange_name(seq: int) -> str:
-    """How messages and errors name the exchange numbered ``seq``.
-
-    Args:
-        seq: the exchange's sequence number (at or below :data:`CLOSING` for the closing handshake).
-
-    Returns:
-        ``"exchange <seq>"``, or ``"close() after <k> optimizer steps"`` for a closing sequence number.
-    """
-    return f"close() after {CLOSING - seq} optimizer steps" if seq <= CLOSING else f"exchange {seq}"
-
-
-def _closing_mismatch(where: str, peer: int, seq: int, their_seq: int) -> str | None:
-    """The message for a rank in ``close()`` meeting a peer that still exchanges (either end), else None."""
-    if seq <= CLOSING and their_seq <= CLOSING and seq != their_seq:
-        return (
-            f"{where}: peer {peer} is in close() after {CLOSING - their_seq} optimizer steps: the two ranks took "
-            "different numbers of steps; every rank must take the same number"
-        )
-    if (seq <= CLOSING) == (their_seq <= CLOSING):
-        return None
-    hint = (
-        "an optimizer.step() without a forward is a mixing-only step, which puts the rank that took it one "
-        "exchange ahead of its peers; every rank must take the same number of steps"
-    )
-    if their_seq <= CLOSING:
-        return (
-            f"{where}: peer {peer} is in close() after {CLOSING - their_seq} optimizer steps: this rank took more "
-            f"steps than peer {peer} ({hint})"
-        )
-    return f"{where} belongs to exchange {their_seq}: peer {peer} took more steps than this rank ({hint})"
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One tensor to or from one peer, the ``index``-th of ``count`` with that peer in this exchange.
-
-    Attributes:
-        peer: the other rank.
-        tensor: the contiguous tensor sent, or received into.
-        index: its position among the tensors exchanged with ``peer``, from 0.
-        count: how many tensors this exchange carries with ``peer`` in this direction.
-    """
-
-    peer: int
-    tensor: torch.Tensor
-    index: int
-    count: int
-
-    @property
-    def nbytes(self) -> int:
-        """Payload bytes of the tensor (``numel * element_size``)."""
-        return self.tensor.numel() * self.tensor.element_size()
-
-    def header(self, seq: int) -> list[int]:
-        """The per-tensor header announcing this tensor: ``[MAGIC, seq, index, count, dtype code, numel]``.
-
-        Args:
-            seq: the exchange's sequence number.
-
-        Returns:
-            The :data:`HEADER_LEN` integers of the header.
-        """
-        return [MAGIC, seq, self.index, self.count, DTYPE_CODES[self.tensor.dtype], self.tensor.numel()]
-
-    def describe(self, direction: str) -> str:
-        """How errors name this transfer.
-
-        Args:
-            direction: ``"send to"`` or ``"receive from"`` (any verb phrase placed before the peer).
-
-        Returns:
-            ``"<direction> peer <p> (tensor <i>/<count>)"``.
-        """
-        return f"{direction} peer {self.peer} (tensor {self.index + 1}/{self.count})"
-
-
-def _spec(code: int, numel: int) -> str:
-    return f"{_CODE_NAMES.get(code, f'dtype code {code}')}[{numel}]"
-
-
-def check_header(header: Sequence[int], expected: Transfer, seq: int, rank: int) -> None:
-    """Raise :class:`ExchangeMismatchError` unless ``header`` announces exactly what ``expected`` can hold.
-
-    Args:
-        header: the per-tensor header the peer sent (see :meth:`Transfer.header`).
-        expected: the receive posted for it on this rank.
-        seq: this rank's sequence number for the exchange.
-        rank: this rank, for the message.
-
-    Raises:
-        ExchangeMismatchError: the header is not a gossip-train header, or its sequence number, index, count, dtype
-            or size differs from what this rank expects; the message names the peer.
-    """
-    magic, their_seq, index, count, code, numel = (int(v) for v in header)
-    where = f"rank {rank}: {exchange_name(seq)}: message from peer {expected.peer}"
-    if magic != MAGIC:
-        raise ExchangeMismatchError(f"{where} is not a gossip-train header (magic {magic:#x})")
-    closing = _closing_mismatch(where, expected.peer, seq, their_seq)
-    if closing is not None:
-        raise ExchangeMismatchError(closing)
-    if index == STEADY:
-        raise ExchangeMismatchError(
-            f"{where}: peer {expected.peer} sends and expects what it did before, while rank {rank} changed what it "
-            "sends to or expects from it: both ends must change their tensors at the same exchange"
-        )
-    if their_seq != seq:
-        raise ExchangeMismatchError(
-            f"{where} belongs to exchange {their_seq}: the two ranks are at different steps or their schedules disagree"
-        )
-    if count != expected.count:
-        raise ExchangeMismatchError(
-            f"{where}: peer {expected.peer} sends {count} tensor(s), rank {rank} expects {expected.count}"
-        )
-    mine = (DTYPE_CODES[expected.tensor.dtype], expected.tensor.numel())
-    if index != expected.index or (code, numel) != mine:
-        raise ExchangeMismatchError(
-            f"{where}: tensor {index + 1}/{count} is {_spec(code, numel)} but the receive buffer is {_spec(*mine)}"
-        )
-
-
-def signature(transfers: Sequence[Transfer]) -> tuple[tuple[int, int], ...]:
-    """What a list of transfers with one peer carries: (dtype code, numel) per tensor, in order.
-
-    Args:
-        transfers: the transfers with one peer in one direction.
-
-    Returns:
-        One ``(dtype code, numel)`` pair per transfer.
-    """
-    return tuple((DTYPE_CODES[t.tensor.dtype], t.tensor.numel()) for t in transfers)
-
-
-def digest(sig: tuple[tuple[int, int], ...]) -> int:
-    """A digest of a :func:`signature`, equal on every process (CRC-32 of its text).
-
-    Args:
-        sig: a :func:`signature`.
-
-    Returns:
-        The CRC-32 of ``repr(sig)``, an integer in ``[0, 2^32)``.
-    """
-    return zlib.crc32(repr(sig).encode())
-
-
-class LayoutHistory:
-    """Which layout the next exchange with one peer is predicted to carry.
-
-    A layout is a pair of :func:`signature` s: what this rank sends a peer, what it expects from it. An exchange that
-    matches the prediction is *steady* (no per-tensor headers), any other re-checks its tensors.
-
-    The prediction: the layout of ``p`` exchanges ago, for the shortest period ``p`` (up to ``MAX_PERIOD``) over
-    which the last ``2 p`` exchanges repeat; without one, the last layout. An unchanged layout is steady from its
-    second exchange, and a cycle of a few layouts -- PowerGossip's products alternate between the left and the
-    right side (two sizes), and with the uncompressed tensors in a step's first message only, an odd number of
-    power iterations makes a cycle of 2 x iterations -- once it has been seen twice, where "the same as last time"
-    would re-check every exchange (under NCCL a host sync each). Safe because both ends of a pair make every
-    exchange together, so they hold the same history and predict the same layout: both go steady only when both
-    carry the predicted (so each other's) layout, and an end that does not re-checks, which names the
-    disagreement. (Trusting every layout checked before would not be: two ends on different such layouts would
-    both go steady, and a Gloo receive posted for fewer bytes than arrive aborts the process.)
-    """
-
-    MAX_PERIOD = 16
-
-    def __init__(self) -> None:
-        self.recent: list[tuple] = []  # the last 2 x MAX_PERIOD layouts, oldest first
-
-    def predicted(self) -> tuple | None:
-        """The layout a steady exchange carries next; None before the first exchange.
-
-        Returns:
-            The predicted ``(sends signature, receives signature)`` pair, or None when there is no history yet.
-        """
-        recent = self.recent
-        for period in range(1, len(recent) // 2 + 1):
-            if recent[-period:] == recent[-2 * period : -period]:
-                return recent[-period]
-        return recent[-1] if recent else None
-
-    def record(self, layout: tuple) -> None:
-        """``layout`` was exchanged (checked now or steady).
-
-        Args:
-            layout: the ``(sends signature, receives signature)`` pair the exchange carried.
-        """
-        self.recent.append(layout)
-        del self.recent[: -2 * self.MAX_PERIOD]
-
-
-def steady_header(seq: int, sends: Sequence[Transfer], recvs: Sequence[Transfer]) -> list[int]:
-    """The one header per peer of a steady exchange: ``[MAGIC, seq, STEADY, count, digest(sends), digest(recvs)]``.
-
-    Args:
-        seq: the exchange's sequence number.
-        sends: the transfers this rank sends the peer.
-        recvs: the transfers this rank receives from the peer.
-
-    Returns:
-        The :data:`HEADER_LEN` integers of the header.
-    """
-    return [MAGIC, seq, STEADY, len(sends), digest(signature(sends)), digest(signature(recvs))]
-
-
-def check_steady_header(
-    header: Sequence[int], peer: int, seq: int, rank: int, sends: Sequence[Transfer], recvs: Sequence[Transfer]
-) -> None:
-    """Raise :class:`ExchangeMismatchError` unless ``header`` is ``peer``'s steady header matching this exchange.
-
-    Args:
-        header: the header ``peer`` sent.
-        peer: the rank that sent it.
-        seq: this rank's sequence number for the exchange.
-        rank: this rank, for the message.
-        sends: what this rank sends ``peer`` (the peer's header must expect it).
-        recvs: what this rank expects from ``peer`` (the peer's header must announce it).
-
-    Raises:
-        ExchangeMismatchError: the header is not a steady gossip-train header, or ``peer`` is at another sequence
-            number, or what it sends or expects differs from this rank's; the message names the peer.
-    """
-    magic, their_seq, index, count, their_sends, their_recvs = (int(v) for v in header)
-    where = f"rank {rank}: {exchange_name(seq)}: message from peer {peer}"
-    if magic != MAGIC:
-        raise ExchangeMismatchError(f"{where} is not a gossip-train header (magic {magic:#x})")
-    closing = _closing_mismatch(where, peer, seq, their_seq)
-    if closing is not None:
-        raise ExchangeMismatchError(closing)
-    if index != STEADY:
-        raise ExchangeMismatchError(
-            f"{where}: peer {peer} changed what it sends or expects and re-checks it, while rank {rank} sends and "
-            "expects what it did before: both ends must change their tensors at the same exchange"
-        )
-    if their_seq != seq:
-        raise ExchangeMismatchError(
-            f"{where} belongs to exchange {their_seq}: the two ranks are at different steps or their schedules disagree"
-        )
-    if their_sends != digest(signature(recvs)) or their_recvs != digest(signature(sends)) or count != len(recvs):
-        raise ExchangeMismatchError(
-            f"{where}: peer {peer} sends {count} tensor(s) laid out unlike the {len(recvs)} receive buffer(s) of "
-            f"rank {rank} {list(signature(recvs))} (or expects other tensors than rank {rank} sends), although both "
-            "were checked before: the two ends changed their tensors at different exchanges"
-        )
 
 
 def _check_tensor(tensor: Any, what: str | Callable[[], str], device: torch.device) -> torch.Tensor:
@@ -352,7 +54,7 @@ def _check_tensor(tensor: Any, what: str | Callable[[], str], device: torch.devi
     if not isinstance(tensor, torch.Tensor):
         raise ArgumentTypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in DTYPE_CODES:
-        raise ArgumentTypeError(f"{what} has dtype {tensor.dtype}; supported: {', '.join(_CODE_NAMES.values())}")
+        raise ArgumentTypeError(f"{what} has dtype {tensor.dtype}; supported: {', '.join(DTYPE_NAMES.values())}")
     if not tensor.is_contiguous():
         raise InvalidArgumentError(f"{what} is not contiguous; pass a contiguous (flat) buffer")
     raise InvalidArgumentError(f"{what} is on {tensor.device} but this communicator moves {device.type} tensors")
@@ -495,237 +197,6 @@ class Traffic:
         return sum(self.received.values())
 
 
-@dataclass
-class Progress:
-    """What an operation still waits for, kept up to date so that a timeout can name the missing peers.
-
-    Attributes:
-        operation: the operation, in words (e.g. ``"exchange 12"``).
-        outstanding: the parts not yet complete (e.g. ``"receive from 3"``), in the order added.
-    """
-
-    operation: str
-    outstanding: dict[str, None] = field(default_factory=dict)
-
-    def add(self, part: str) -> None:
-        """Mark ``part`` as outstanding.
-
-        Args:
-            part: what the operation waits for, in words.
-        """
-        self.outstanding[part] = None
-
-    def finish(self, part: str) -> None:
-        """Mark ``part`` as complete.
-
-        Args:
-            part: a part given to :meth:`add`.
-        """
-        self.outstanding.pop(part, None)
-
-    def describe(self) -> str:
-        """The operation and what it still waits for, for a timeout's message.
-
-        Returns:
-            The outstanding parts, comma-separated, or that the operation has yet to return when none is left.
-        """
-        parts = list(self.outstanding)
-        return ", ".join(parts) if parts else f"{self.operation} to return (every transfer is done)"
-
-
-class Handle(abc.ABC):
-    """A started operation. ``wait`` completes it (or raises); ``wait_seconds`` is the time spent blocked."""
-
-    wait_seconds: float = 0.0
-
-    @abc.abstractmethod
-    def done(self) -> bool:
-        """True once the operation has completed; never blocks and never drives progress itself.
-
-        Returns:
-            Whether :meth:`wait` would return at once.
-        """
-
-    @abc.abstractmethod
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until complete; raise :class:`CommTimeoutError` naming the missing peers after ``timeout``.
-
-        Args:
-            timeout: seconds to wait at most; None waits the communicator's timeout.
-        """
-
-
-class FutureHandle(Handle):
-    """A handle on an operation run by a :class:`CommThread`.
-
-    Args:
-        future: the future the thread completes.
-        progress: the operation's :class:`Progress`, to name what is missing on a timeout.
-        owner: the thread running it.
-    """
-
-    def __init__(self, future: concurrent.futures.Future, progress: Progress, owner: CommThread):
-        self._future = future
-        self.progress = progress
-        self._owner = owner
-
-    def done(self) -> bool:
-        """True once the thread has completed the operation.
-
-        Returns:
-            Whether :meth:`wait` would return at once.
-        """
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the thread has completed the operation, and raise its error if it failed.
-
-        Args:
-            timeout: seconds to wait at most; None waits the thread's timeout.
-
-        Raises:
-            error: the operation's own error, or :class:`CommTimeoutError` naming what it still waits for when
-                ``timeout`` expires (the thread is then failed, so every later operation says so).
-        """
-        timeout = self._owner.timeout if timeout is None else timeout
-        start = time.perf_counter()
-        try:
-            self._future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            error = CommTimeoutError(
-                f"rank {self._owner.rank}: {self.progress.operation} timed out after {timeout:.1f} s; "
-                f"still waiting for {self._owner.pending_description(self.progress)}"
-            )
-            self._owner.fail(error)
-            raise error from None
-        finally:
-            self.wait_seconds += time.perf_counter() - start
-
-
-class CommThread:
-    """One thread that runs a communicator's operations in submission order.
-
-    Every rank submits the same operations in the same order, so running them in FIFO order on one thread keeps
-    the ranks matched. The thread, not the training thread, drives transfers forward: Gloo progresses by
-    itself, while an MPI request only advances inside MPI calls, which this thread makes (polling with short
-    sleeps rather than a busy wait, so it does not burn a core that the training needs). After one failure the
-    communicator is unusable, as a Gloo process group is after a timeout, and every later operation says so.
-
-    Args:
-        name: the thread's name.
-        rank: this rank, for messages.
-        timeout: seconds a wait lasts by default.
-    """
-
-    def __init__(self, name: str, rank: int, timeout: float):
-        self.rank = rank
-        self.timeout = timeout
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._failure: BaseException | None = None
-        self._running: Progress | None = None
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, operation: str, run: Callable[[Progress], Any]) -> FutureHandle:
-        """Queue ``run`` to run after every operation submitted before it.
-
-        Args:
-            operation: the operation, in words, for messages.
-            run: the operation itself; it reports what it waits for in the :class:`Progress` it is given.
-
-        Returns:
-            A handle whose ``wait`` returns (or raises) what ``run`` did.
-        """
-        progress = Progress(operation)
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        if self._failure is not None:
-            future.set_exception(self._refusal(operation))
-        else:
-            self._queue.put((run, progress, future))
-        return FutureHandle(future, progress, self)
-
-    def _refusal(self, operation: str) -> UseAfterCloseError:
-        return UseAfterCloseError(
-            f"rank {self.rank}: {operation} refused: this communicator is unusable after an earlier failure: "
-            f"{self._failure}"
-        )
-
-    def call(self, operation: str, run: Callable[[Progress], Any], timeout: float | None = None) -> Any:
-        """Run ``run`` on the thread and wait for it: :meth:`submit`, then ``wait``.
-
-        Args:
-            operation: the operation, in words, for messages.
-            run: the operation itself.
-            timeout: seconds to wait at most; None waits the thread's timeout.
-
-        Returns:
-            What ``run`` returned.
-        """
-        handle = self.submit(operation, run)
-        handle.wait(timeout)
-        return handle._future.result()
-
-    def fail(self, error: BaseException) -> None:
-        """Mark the thread failed with ``error``: every later operation is refused, naming it.
-
-        Args:
-            error: the failure to report (the first one is kept).
-        """
-        if self._failure is None:
-            self._failure = error
-
-    @property
-    def failure(self) -> BaseException | None:
-        """The failure that made this thread unusable, or None."""
-        return self._failure
-
-    @property
-    def running(self) -> Progress | None:
-        """The operation this thread is running now (None when idle)."""
-        return self._running
-
-    def pending_description(self, progress: Progress) -> str:
-        """What ``progress``'s operation still waits for, and what runs before it, for a timeout's message.
-
-        Args:
-            progress: a submitted operation's progress.
-
-        Returns:
-            The operation and its missing parts, in words.
-        """
-        running = self._running
-        if running is not None and running is not progress:
-            return f"an earlier operation ({running.operation}) still waiting for {running.describe()}"
-        return progress.describe()
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            run, progress, future = item
-            if self._failure is not None:
-                future.set_exception(self._refusal(progress.operation))
-                continue
-            self._running = progress
-            try:
-                future.set_result(run(progress))
-            except BaseException as error:  # handed to the waiting thread, which re-raises it
-                self.fail(error)
-                future.set_exception(error)
-            finally:
-                self._running = None
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread after the operations already queued, waiting for it at most ``timeout``.
-
-        Args:
-            timeout: seconds to wait for the thread to end.
-        """
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-
 class Communicator(abc.ABC):
     """The primitives every backend offers. See the module docstring for the exchange protocol."""
 
@@ -826,7 +297,7 @@ class Communicator(abc.ABC):
         One header-checked message each way; returns once every peer announced the same. ``close()`` calls it with the
         peers the next exchange would use. A peer that took one more step than this rank is then inside that exchange:
         the two messages cross, and each end raises :class:`ExchangeMismatchError` naming the other's exchange and step
-        count (:func:`closing_seq`), instead of both waiting out the timeout. Not counted in
+        count (:func:`~gossip.backends.wire.closing_seq`), instead of both waiting out the timeout. Not counted in
         ``bytes_sent``/``bytes_received``: it carries no model.
 
         Args:

@@ -40,20 +40,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from gossip.backends.base import (
-    HEADER_LEN,
-    HEADER_TAG,
-    PAYLOAD_TAG,
-    CommThread,
-    Communicator,
-    Handle,
-    Progress,
-    Transfer,
-    check_header,
-    exchange_name,
-)
+from gossip.backends.base import Communicator
+from gossip.backends.comm_thread import CommThread, Handle, Progress
 from gossip.backends.exit_guard import watch
 from gossip.backends.launch_env import LaunchInfo
+from gossip.backends.wire import HEADER_LEN, HEADER_TAG, PAYLOAD_TAG, Transfer, check_header, exchange_name
 from gossip.errors import (
     ArgumentTypeError,
     BackendUnavailableError,

@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from gossip.backends.base import CLOSING, Communicator, Handle, Transfer, check_header, exchange_name
+from gossip.backends.base import Communicator
+from gossip.backends.comm_thread import Handle
+from gossip.backends.wire import CLOSING, Transfer, check_header, exchange_name
 from gossip.errors import (
     CommTimeoutError,
     ExchangeMismatchError,

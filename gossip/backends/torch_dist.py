@@ -34,15 +34,15 @@ import torch.distributed as dist
 # teardown. Imported here, before any process group exists, the defaults are None.
 import torch.distributed.nn.functional
 
-from gossip.backends.base import (
+from gossip.backends.base import Communicator
+from gossip.backends.comm_thread import CommThread, Handle, Progress
+from gossip.backends.exit_guard import watch
+from gossip.backends.launch_env import LaunchInfo
+from gossip.backends.wire import (
     HEADER_LEN,
     HEADER_TAG,
     PAYLOAD_TAG,
-    CommThread,
-    Communicator,
-    Handle,
     LayoutHistory,
-    Progress,
     Transfer,
     check_header,
     check_steady_header,
@@ -50,8 +50,6 @@ from gossip.backends.base import (
     signature,
     steady_header,
 )
-from gossip.backends.exit_guard import watch
-from gossip.backends.launch_env import LaunchInfo
 from gossip.errors import CommTimeoutError, GossipError, PeerFailedError, ProcessGroupLeakWarning
 
 
