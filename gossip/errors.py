@@ -131,6 +131,12 @@ class CommTimeoutError(PeerFailureError, TimeoutError):
     """A wait expired; the message names this rank, the missing peer(s) and the operation."""
 
 
+class MembershipError(PeerFailureError):
+    """Elastic training could not agree on a new member set in time, or this rank was left out of it (it was
+    declared dead while alive, or the store holding the membership is gone); the message names the epoch, the
+    members and what to do."""
+
+
 class NonFiniteError(PeerFailureError):
     """A replica's numbers became NaN or Inf; the message names the rank, the peer (if any) and the step.
 
@@ -168,6 +174,11 @@ class ArgumentTypeError(MisuseError, TypeError):
 
     E.g. a tensor that is not contiguous, an object without ``state_dict()``, a wrapper inside a wrapper.
     """
+
+
+class ElasticUnsupportedError(ConfigurationError):
+    """``elastic`` was asked for where it cannot work: the MPI backend (an MPI communicator cannot shrink without
+    ULFM), gradient tracking, or a launch without a membership store; the message names the fix."""
 
 
 class UseAfterCloseError(MisuseError):

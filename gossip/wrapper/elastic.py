@@ -1,0 +1,178 @@
+"""Elastic gossip, the wrapper's side: a new member set at a step boundary, and a joiner's state from a neighbour.
+
+When the member set changes (a rank left or died, a rank joined), every member of the new set calls
+:func:`rebind` at the same step boundary t with a communicator over the new members, a schedule of the same family
+over the new size (:func:`schedule_for`) and a fresh, unbound algorithm. The wrapper keeps its replica x_t, its step
+count, its metrics and the optimizer; whatever exchange of step t was in flight on the old communicator is dropped
+without being applied (the step's mixing runs again, on the new group), and the algorithm starts with no per-edge
+state: the edges of the new schedule start as on step 0, the vanished ones are gone. A joiner builds its wrapper
+over a one-rank communicator (:func:`solo_communicator`), rebinds like the others, and receives the parameters and
+the optimizer state of one member (:func:`hand_over`, the *donor*: its first peer in the new schedule at t).
+
+Exact gossip over a doubly stochastic W preserves the members' sum at every step (docs/design.md B.1), so the
+members' mean after a departure at t is the mean of the survivors' replicas at t, and after a join it moves by the
+joiner's copy only: (m x̄ + x_donor) / (m + 1). The simulator runs these epochs deterministically
+(:func:`gossip.wrapper.elastic_sim.simulate_elastic`); the real processes (:mod:`gossip.wrapper.elastic_run`)
+agree on the new member set first and then do exactly this.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+import torch
+
+from gossip.algorithms.base import Algorithm
+from gossip.backends.base import Communicator
+from gossip.backends.simulator import SimulatorCommunicator, _World
+from gossip.errors import ElasticUnsupportedError, InvalidArgumentError
+from gossip.wrapper.parallel import DecentralizedDataParallel
+from topologies import Schedule, registry
+from topologies.schedule import ScheduleError
+
+#: Families tried, in order, when the requested one cannot be built for the new number of ranks (e.g. a
+#: hypercube needs n = 2^k): a one-peer ring (n even), the ring (any n), the complete graph (any n).
+FALLBACKS = ("one_peer_ring", "ring", "complete")
+
+#: The sequence number of the hand-over's two exchanges (the size, then the state): far above any step's.
+HANDOVER_SEQ = 2**40
+
+
+def schedule_for(name: str, n: int, **options: object) -> tuple[Schedule, str]:
+    """The schedule of family ``name`` over ``n`` ranks, or the first of :data:`FALLBACKS` that exists for ``n``.
+
+    Args:
+        name: a built-in schedule family (:func:`topologies.registry.names`).
+        n: the number of members, >= 1.
+        **options: the family's options (ignored by a fallback).
+
+    Returns:
+        The schedule and a note: ``name`` itself, or ``"<fallback> (fallback: <name> needs ...)"`` naming why.
+
+    Raises:
+        InvalidArgumentError: no family, not even the complete graph, can be built for ``n``.
+    """
+    try:
+        return registry.by_name(name, n, **options), name
+    except ScheduleError as error:
+        reason = str(error)
+    for fallback in FALLBACKS:
+        try:
+            return registry.by_name(fallback, n), f"{fallback} (fallback: {name} over {n} ranks: {reason})"
+        except ScheduleError:
+            continue
+    raise InvalidArgumentError(f"elastic: no schedule for {n} members ({name}: {reason})")
+
+
+def solo_communicator(timeout: float = 60.0) -> Communicator:
+    """A communicator of one rank, for a joiner to build its wrapper before it meets the group.
+
+    Args:
+        timeout: seconds that bound its waits (it never waits for anyone).
+
+    Returns:
+        A one-rank simulator communicator.
+    """
+    return SimulatorCommunicator(_World(1), 0, 1, timeout)
+
+
+def rebind(model: DecentralizedDataParallel, comm: Communicator, schedule: Schedule, algorithm: Algorithm) -> None:
+    """Move ``model`` to a new member set at a step boundary: ``comm``, ``schedule``, a fresh ``algorithm``.
+
+    Every member of the new set calls it at the same step. The exchange in flight on the old communicator, if
+    any, is dropped unapplied (the parameters keep x_t); the step's mixing runs on ``comm`` at the next forward.
+
+    Args:
+        model: the wrapper.
+        comm: the communicator over the new members (this rank's rank in it).
+        schedule: the schedule over ``comm.size`` ranks (e.g. from :func:`schedule_for`).
+        algorithm: a new, unbound algorithm configured like the old one; its per-edge state starts empty.
+
+    Raises:
+        ElasticUnsupportedError: the wrapper tracks gradients (the trackers' sum would lose the dead rank's share).
+        InvalidArgumentError: the schedule does not fit ``comm`` or the algorithm (from ``algorithm.setup``).
+    """
+    if model.tracker is not None:
+        raise ElasticUnsupportedError(
+            f"rank {model.comm.rank}: step {model.step_count}: elastic membership with gradient_tracking=True is not "
+            "supported (the trackers' sum would lose the departed rank's gradient); train without it"
+        )
+    model._step.move("discard", f"rank {model.comm.rank}: step {model.step_count}: elastic rebind")
+    model._exchange = None
+    model._state_before_start = None
+    algorithm.setup(comm, schedule, model.buckets)
+    model.comm, model.schedule, model.algorithm = comm, schedule, algorithm
+    model._schedule_checked_to = max(schedule.window, model.step_count)
+
+
+def choose_donor(schedule: Schedule, joiner: int, step: int, old: Sequence[int]) -> int:
+    """The member that hands its state to ``joiner``: its first in-peer at ``step`` that is not joining, else the
+    lowest such rank.
+
+    Args:
+        schedule: the new schedule.
+        joiner: the joiner's rank in the new group.
+        step: the first step of the new group.
+        old: the ranks (in the new group) that were members before.
+
+    Returns:
+        The donor's rank in the new group.
+
+    Raises:
+        InvalidArgumentError: no member was there before (nobody holds a replica).
+    """
+    if not old:
+        raise InvalidArgumentError(f"elastic: rank {joiner} joins a group with no earlier member to copy")
+    for peer, _ in schedule.peers(joiner, step).in_peers:
+        if peer in old:
+            return peer
+    return min(old)
+
+
+def _pack(optimizer: torch.optim.Optimizer | None) -> torch.Tensor:
+    if optimizer is None:
+        return torch.zeros(0, dtype=torch.uint8)
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def hand_over(
+    model: DecentralizedDataParallel,
+    optimizer: torch.optim.Optimizer | None,
+    donors: dict[int, int],
+) -> int:
+    """Send a joiner the parameters and optimizer state of its donor; every member calls it after :func:`rebind`.
+
+    Two exchanges between each donor and its joiners (the state's size, then the buckets and the state); members
+    that are neither do nothing. The joiner's per-edge algorithm state stays empty (it starts fresh).
+
+    Args:
+        model: the wrapper, rebound to the new group.
+        optimizer: its optimizer (its state travels too), or None.
+        donors: joiner's rank -> donor's rank, in the new group (the same on every member).
+
+    Returns:
+        The payload bytes this rank sent or received.
+    """
+    comm, rank = model.comm, model.comm.rank
+    mine = [joiner for joiner, donor in donors.items() if donor == rank]
+    moved = 0
+    if rank in donors:
+        size = torch.zeros(1, dtype=torch.int64)
+        comm.exchange([], [(donors[rank], size)], seq=HANDOVER_SEQ).wait()
+        state = torch.empty(int(size.item()), dtype=torch.uint8, device=comm.device)
+        recvs = [(donors[rank], bucket.buffer) for bucket in model.buckets] + [(donors[rank], state)]
+        comm.exchange([], recvs, seq=HANDOVER_SEQ + 1).wait()
+        if optimizer is not None and state.numel():
+            optimizer.load_state_dict(torch.load(io.BytesIO(state.cpu().numpy().tobytes()), weights_only=True))
+        moved = sum(bucket.nbytes for bucket in model.buckets) + state.numel()
+    elif mine:
+        state = _pack(optimizer).to(comm.device)
+        size = torch.tensor([state.numel()], dtype=torch.int64)
+        comm.exchange([(joiner, size) for joiner in mine], [], seq=HANDOVER_SEQ).wait()
+        sends = [(joiner, t) for joiner in mine for t in [b.buffer for b in model.buckets] + [state]]
+        comm.exchange(sends, [], seq=HANDOVER_SEQ + 1).wait()
+        moved = len(mine) * (sum(bucket.nbytes for bucket in model.buckets) + state.numel())
+    return moved
