@@ -107,8 +107,7 @@ def rebind(model: DecentralizedDataParallel, comm: Communicator, schedule: Sched
 
 
 def choose_donor(schedule: Schedule, joiner: int, step: int, old: Sequence[int]) -> int:
-    """The member that hands its state to ``joiner``: its first in-peer at ``step`` that is not joining, else the
-    lowest such rank.
+    """The member that hands its state to ``joiner``: its first earlier-member in-peer at ``step``, else the lowest.
 
     Args:
         schedule: the new schedule.
