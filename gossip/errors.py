@@ -137,6 +137,11 @@ class MembershipError(PeerFailureError):
     members and what to do."""
 
 
+class MembershipChangedError(PeerFailureError):
+    """Elastic training: an exchange or collective was interrupted, or not posted, because the member set is
+    changing; the elastic controller (:mod:`gossip.wrapper.elastic_run`) catches it and re-forms the group."""
+
+
 class NonFiniteError(PeerFailureError):
     """A replica's numbers became NaN or Inf; the message names the rank, the peer (if any) and the step.
 

@@ -77,7 +77,7 @@ def test_exact_gossip_mean_after_departure_and_join():
     expected = (7 * before_join + snapshots[16][donor]) / 8
     torch.testing.assert_close(mean(members, range(8)), expected, rtol=0, atol=1e-12)
     # the 7-rank epoch could not be a hypercube: it fell back and said why
-    assert epochs[1].schedule.startswith("ring (fallback: one_peer_hypercube")
+    assert epochs[1].schedule.startswith("random_matchings (fallback: one_peer_hypercube")
     assert epochs[2].schedule == "one_peer_hypercube"
 
 
@@ -116,7 +116,9 @@ def test_schedule_fallback_and_family_kept():
     assert schedule_for("one_peer_hypercube", 4)[1] == "one_peer_hypercube"
     schedule, note = schedule_for("one_peer_hypercube", 6)
     assert note.startswith("one_peer_ring (fallback") and schedule.n == 6
-    assert schedule_for("one_peer_hypercube", 5)[1].startswith("ring (fallback")
+    assert schedule_for("one_peer_hypercube", 5)[1].startswith("random_matchings (fallback")
+    assert schedule_for("torus", 5)[1].startswith("ring (fallback")
+    assert schedule_for("one_peer_hypercube", 1)[1].startswith("complete (fallback")
     assert schedule_for("ring", 5)[1] == "ring"
 
 

@@ -77,6 +77,15 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _kill(text: str) -> tuple[int, int]:
+    from gossip.app.elastic_launch import parse_kill
+
+    try:
+        return parse_kill(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _nonnegative_int(text: str) -> int:
     try:
         value = int(text)
@@ -118,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--nproc", type=_positive(int), help="start N local workers on Gloo (else: as launched)")
     launch.add_argument("--backend", choices=gossip.BACKENDS, default=defaults.backend, help="communication backend")
     launch.add_argument("--timeout", type=_positive(float), default=defaults.timeout, help="seconds per wait")
+    launch.add_argument(
+        "--elastic", action="store_true", help="survive dead workers: drop them and train on (with --nproc)"
+    )
+    launch.add_argument(
+        "--kill", type=_kill, action="append", default=[], metavar="RANK@STEP",
+        help="(--elastic) worker RANK SIGKILLs itself at step STEP; repeatable",
+    )  # fmt: skip
     gossip_options = parser.add_argument_group("gossip")
     gossip_options.add_argument(
         "--algorithm",
@@ -368,7 +384,12 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"gossip-train: {err}", file=sys.stderr, flush=True)
         return 1
     try:
-        summary = train(config_from(args))
+        if args.elastic:
+            from gossip.app.train_elastic import train_elastic
+
+            summary = train_elastic(config_from(args), dict(args.kill))
+        else:
+            summary = train(config_from(args))
     except Exception as err:
         message = f"rank {rank}: {type(err).__name__}: {err}"
         traceback.print_exc()
@@ -398,10 +419,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _validate(parser, args, args.nproc)
+    if args.kill and not args.elastic:
+        parser.error("argument --kill: needs --elastic (without it, a dead worker stops the job)")
     if args.nproc is not None:
         if args.backend not in ("auto", "gloo"):
             parser.error(f"argument --backend: --nproc starts Gloo workers; got --backend {args.backend}")
         out = args.out or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        if args.elastic:
+            from gossip.app.elastic_launch import launch_elastic
+
+            return launch_elastic(args.nproc, _worker_argv(argv, out), dict(args.kill))
         return launch_local(args.nproc, argv, out)
     code = run_worker(args)
     sys.stdout.flush()

@@ -32,15 +32,18 @@ from topologies import Schedule, registry
 from topologies.schedule import ScheduleError
 
 #: Families tried, in order, when the requested one cannot be built for the new number of ranks (e.g. a
-#: hypercube needs n = 2^k): a one-peer ring (n even), the ring (any n), the complete graph (any n).
-FALLBACKS = ("one_peer_ring", "ring", "complete")
+#: hypercube needs n = 2^k). A one-peer family falls back to one-peer families -- the one-peer ring (n even),
+#: random matchings (any n >= 2, one rank idle per step when n is odd) -- any other to the ring; the complete
+#: graph is the last resort (one rank).
+ONE_PEER_FALLBACKS = ("one_peer_ring", "random_matchings", "complete")
+FALLBACKS = ("ring", "complete")
 
 #: The sequence number of the hand-over's two exchanges (the size, then the state): far above any step's.
 HANDOVER_SEQ = 2**40
 
 
 def schedule_for(name: str, n: int, **options: object) -> tuple[Schedule, str]:
-    """The schedule of family ``name`` over ``n`` ranks, or the first of :data:`FALLBACKS` that exists for ``n``.
+    """The schedule of family ``name`` over ``n`` ranks, or the first fallback that exists for ``n``.
 
     Args:
         name: a built-in schedule family (:func:`topologies.registry.names`).
@@ -57,7 +60,8 @@ def schedule_for(name: str, n: int, **options: object) -> tuple[Schedule, str]:
         return registry.by_name(name, n, **options), name
     except ScheduleError as error:
         reason = str(error)
-    for fallback in FALLBACKS:
+    one_peer = name.startswith("one_peer") or name == "random_matchings"
+    for fallback in ONE_PEER_FALLBACKS if one_peer else FALLBACKS:
         try:
             return registry.by_name(fallback, n), f"{fallback} (fallback: {name} over {n} ranks: {reason})"
         except ScheduleError:

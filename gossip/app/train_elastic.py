@@ -1,0 +1,188 @@
+"""One worker of ``gossip-train --elastic``: the main job's training, surviving dead peers.
+
+Launched by ``gossip-train --nproc N --elastic`` (:mod:`gossip.app.elastic_launch`), which hosts the membership
+store and reports a worker's exit at once. The loop is :func:`gossip.app.train.train_step`'s, driven through
+:class:`gossip.wrapper.elastic_run.ElasticRun`: ``before_step`` at the top of each step, ``update`` for the
+optimizer step. ``--kill RANK@STEP`` makes worker RANK SIGKILL itself at the top of step STEP -- its exchange of
+that step is already posted, so the kill lands mid-exchange, with no clean-up, as a node loss would.
+
+Elastic settings: PowerGossip runs one power iteration and no periodic average unless given (real-process elastic
+needs one exchange per step); the default schedule is ``one_peer_hypercube`` (a power of two) or
+``random_matchings``; the sampled consensus distance is off (a collective in the middle of a step); the data shards
+stay those of the original ranks (a departed worker's shard is not reassigned). The summary is written by the
+lowest surviving member; its ``result.json`` has a ``membership`` list naming who left, when, and the new schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from gossip.app.corpus import ShardedBatches, load_corpus, validation_batches
+from gossip.app.gpt import GPT, GPTConfig
+from gossip.app.run_dir import RunSummary, prepare_run_dir, write_outputs
+from gossip.app.train import (
+    TrainConfig,
+    _sample,
+    build_schedule,
+    make_algorithm,
+    make_optimizer,
+    make_scheduler,
+    resolve,
+    validation_loss,
+    worker_threads,
+)
+from gossip.backends.elastic_comm import open_epoch
+from gossip.backends.membership import STORE_VARIABLE, connect
+from gossip.errors import ConfigError, ElasticUnsupportedError, NonFiniteError
+from gossip.wrapper.elastic_run import ElasticRun
+from gossip.wrapper.parallel import DecentralizedDataParallel
+
+logger = logging.getLogger("gossip")
+
+#: The schedule of an elastic run when none is given and the world size is not a power of two.
+ELASTIC_FALLBACK_SCHEDULE = "random_matchings"
+
+
+def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str]]:
+    """:func:`gossip.app.train.resolve`, with the elastic defaults (see the module docstring).
+
+    Args:
+        config: the config as given.
+        world_size: the number of workers at the start.
+
+    Returns:
+        The resolved config and notes.
+
+    Raises:
+        ConfigError: an option elastic runs cannot take (``--average-every``, ``--power-iterations`` > 1,
+            ``--gradient-tracking``, DDP or DiLoCo).
+    """
+    if config.algorithm not in ("exact", "powergossip"):
+        raise ConfigError("--algorithm", f"--elastic runs exact or powergossip, not {config.algorithm}")
+    if config.average_every:
+        raise ConfigError("--average-every", "--elastic cannot run a periodic global average (a collective)")
+    if config.power_iterations not in (None, 1):
+        raise ConfigError("--power-iterations", "--elastic runs one power iteration per step")
+    if config.gradient_tracking:
+        raise ConfigError("--gradient-tracking", "--elastic cannot track gradients (the dead rank's share is lost)")
+    elastic = dataclasses.replace(config, average_every=0, power_iterations=1)
+    if config.schedule is None and not (world_size >= 2 and world_size & (world_size - 1) == 0):
+        elastic.schedule = ELASTIC_FALLBACK_SCHEDULE
+    return resolve(elastic, world_size)
+
+
+def train_elastic(config: TrainConfig, kills: dict[int, int]) -> RunSummary | None:
+    """Run one elastic worker of the job ``config`` describes.
+
+    Args:
+        config: the config (resolved here).
+        kills: worker uid -> the step at whose top it SIGKILLs itself.
+
+    Returns:
+        The summary on the lowest surviving member, None elsewhere.
+
+    Raises:
+        ElasticUnsupportedError: no membership store in the environment (not launched with ``--elastic``).
+        NonFiniteError: the training loss became NaN or Inf.
+    """
+    if STORE_VARIABLE not in os.environ:
+        raise ElasticUnsupportedError(
+            f"--elastic needs the membership store ({STORE_VARIABLE}): launch with gossip-train --nproc N --elastic"
+        )
+    uid, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(worker_threads(size))
+    config, notes = resolve_elastic(config, size)
+    membership = connect(os.environ[STORE_VARIABLE], uid, timeout=config.timeout)
+    holder: list[DecentralizedDataParallel] = []
+    comm = open_epoch(membership, 0, membership.current.members, config.timeout,
+                      lambda: holder[0].step_count if holder else 0)  # fmt: skip
+    run_dir = prepare_run_dir(config, comm)
+    for note in notes if uid == 0 else []:
+        logger.info(note)
+    corpus = load_corpus(config.data, block_size=config.model["block_size"])
+    torch.manual_seed(config.seed)
+    module, algorithm = GPT(GPTConfig(**config.model)), make_algorithm(config)
+    model = DecentralizedDataParallel(
+        module, comm, build_schedule(config), algorithm, run_dir=run_dir, consensus_every=0, seed=config.seed
+    )
+    holder.append(model)
+    optimizer = make_optimizer(config, model.module)
+    scheduler = make_scheduler(config, optimizer)
+    elastic = ElasticRun(model, optimizer, membership, schedule=config.schedule,
+                         algorithm=lambda: make_algorithm(config), timeout=config.timeout)  # fmt: skip
+    batches = ShardedBatches(corpus.train, uid, size, config.batch_size, config.model["block_size"], config.seed,
+                             config.split)  # fmt: skip
+    held_out = validation_batches(corpus.validation, config.batch_size, config.model["block_size"], config.eval_batches)
+    if uid == 0:
+        logger.info("gossip-train --elastic: %d worker(s), schedule %s, run dir %s", size, config.schedule, run_dir)
+    initial_validation = validation_loss(model, held_out, comm)
+    started, losses = time.perf_counter(), []
+    while model.step_count < config.steps:
+        step = model.step_count
+        elastic.before_step()
+        if kills.get(uid) == step:
+            os.kill(os.getpid(), signal.SIGKILL)  # no clean-up: as a node loss
+        x, y = batches.batch(step)
+        _, loss = model(x, y)
+        loss.backward()
+        elastic.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            raise NonFiniteError(f"member {uid}: training loss is {losses[-1]} at step {step}; lower --lr")
+        model.log(loss=losses[-1], elapsed_seconds=time.perf_counter() - started, members=len(elastic.members))
+    elastic.finish()
+    train_seconds = time.perf_counter() - started
+    comm = model.comm
+    final_validation = validation_loss(model, held_out, comm)
+    consensus = model.consensus_distance()
+    sample = _sample(model, config.seed, comm.rank)
+    all_losses = comm.all_gather_object(losses)
+    traffic = model.close()
+    membership.close()
+    if comm.rank != 0:
+        return None
+    summary = RunSummary(config=config, losses_by_rank=all_losses, initial_val_loss=initial_validation,
+                         final_val_loss=final_validation, consensus_distance=consensus, train_seconds=train_seconds,
+                         traffic=traffic or {}, sample=sample)  # fmt: skip
+    write_elastic_outputs(run_dir, summary, uid, elastic.events)
+    return summary
+
+
+def write_elastic_outputs(run_dir: Path, summary: RunSummary, uid: int, events: list[dict]) -> None:
+    """The run's outputs, with the membership changes in ``result.json`` (and ``membership.json``).
+
+    The curves and ``metrics.csv`` come from ``metrics_rank0.jsonl``: when member 0 did not survive, only
+    ``result.json`` is written.
+
+    Args:
+        run_dir: the run directory.
+        summary: the run's summary.
+        uid: the writing member.
+        events: the membership changes (:attr:`ElasticRun.events`).
+    """
+    if uid == 0:
+        write_outputs(run_dir, summary)
+        result = json.loads((run_dir / "result.json").read_text())
+    else:
+        result = {**summary.numbers(), "sample": summary.sample}
+    result["membership"] = events
+    for event in events:
+        left = ", ".join(f"{u} ({how})" for u, how in event["left"].items()) or "nobody"
+        logger.info(
+            "membership: epoch %d: left %s, noticed at step %d; %d members from step %d on %s",
+            event["epoch"], left, event["noticed_at_step"], len(event["members"]), event["resume_step"],
+            event["schedule"],
+        )  # fmt: skip
+    (run_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    (run_dir / "membership.json").write_text(json.dumps(events, indent=2) + "\n")

@@ -1,0 +1,171 @@
+"""The communicator of one membership epoch: a Gloo group over the epoch's members, whose waits a change interrupts.
+
+:func:`open_epoch` creates the epoch's Gloo default group on the store prefix ``elastic/<epoch>/`` (the previous
+epoch's group must have been abandoned first: :meth:`ElasticCommunicator.abandon`). :class:`ElasticCommunicator`
+delegates every operation to a :class:`~gossip.backends.torch_dist.TorchDistCommunicator` on it, with two changes:
+
+* an exchange is posted only while :meth:`Membership.try_post` allows it (no change under way); otherwise its handle
+  raises :class:`MembershipChangedError` when waited for, and nothing was sent;
+* a wait returns, or raises :class:`MembershipChangedError` as soon as a change is under way (the transfers stay
+  posted: waiting on the handle again after the decision completes them when the peer posted them too).
+
+A collective (all-reduce, all-gather) is refused with :class:`MembershipChangedError` while a change is under way.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gossip.backends.base import Communicator
+from gossip.backends.comm_thread import Handle
+from gossip.backends.launch_env import LaunchInfo
+from gossip.backends.membership import Membership
+from gossip.backends.torch_dist import TorchDistCommunicator
+from gossip.backends.wire import Transfer
+from gossip.errors import MembershipChangedError, MembershipError
+
+#: Seconds between two looks at the membership while a wait is blocked.
+POLL = 0.02
+
+
+class _NotPosted(Handle):
+    def __init__(self, rank: int, seq: int):
+        self._rank, self._seq = rank, seq
+
+    def done(self) -> bool:
+        return False
+
+    def wait(self, timeout: float | None = None) -> None:
+        raise MembershipChangedError(f"rank {self._rank}: exchange {self._seq} not posted: the membership is changing")
+
+
+class _Interruptible(Handle):
+    def __init__(self, inner: Any, membership: Membership, rank: int):
+        self._inner, self._membership, self._rank = inner, membership, rank
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        start = time.perf_counter()
+        future = getattr(self._inner, "_future", None)
+        try:
+            while future is not None and not future.done():
+                if self._membership.changed.is_set():
+                    raise MembershipChangedError(
+                        f"rank {self._rank}: a wait was interrupted: the membership is changing"
+                    )
+                concurrent.futures.wait([future], timeout=POLL)
+            self._inner.wait(timeout)
+        finally:
+            self.wait_seconds += time.perf_counter() - start
+
+
+class ElasticCommunicator(Communicator):
+    """One epoch's Gloo communicator, interrupted by a membership change (see the module docstring).
+
+    Args:
+        inner: the Gloo communicator on the epoch's group.
+        membership: this worker's membership.
+        step_of: returns the training step being posted (the wrapper's ``step_count``).
+    """
+
+    def __init__(self, inner: TorchDistCommunicator, membership: Membership, step_of: Any):
+        super().__init__()
+        self.inner, self.membership, self._step_of = inner, membership, step_of
+        self.backend, self.rank, self.size = inner.backend, inner.rank, inner.size
+        self.local_rank, self.local_size = inner.local_rank, inner.local_size
+        self.device, self.timeout = inner.device, inner.timeout
+        self._closed = False
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The inner communicator's first error (None while healthy)."""
+        return self.inner.failure
+
+    def _refuse_during_change(self, operation: str) -> None:
+        if self.membership.changed.is_set():
+            raise MembershipChangedError(f"rank {self.rank}: {operation} refused: the membership is changing")
+
+    def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle:
+        if not self.membership.try_post(self._step_of()):
+            return _NotPosted(self.rank, seq)
+        return _Interruptible(self.inner._start_exchange(sends, recvs, seq), self.membership, self.rank)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
+        self._refuse_during_change("all_reduce")
+        return _Interruptible(self.inner._all_reduce(tensor, op), self.membership, self.rank)
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
+        self._refuse_during_change("broadcast")
+        return _Interruptible(self.inner._broadcast(tensor, src), self.membership, self.rank)
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Wait until every member of the epoch arrives (see :meth:`Communicator.barrier`).
+
+        Args:
+            timeout: seconds to wait at most; None waits the communicator's timeout.
+        """
+        self._refuse_during_change("barrier")
+        self.inner.barrier(timeout)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every member's ``obj``, in rank order (see :meth:`Communicator.all_gather_object`).
+
+        Args:
+            obj: a picklable object.
+
+        Returns:
+            One object per member of the epoch.
+        """
+        self._refuse_during_change("all_gather_object")
+        return self.inner.all_gather_object(obj)
+
+    def abandon(self) -> None:
+        """Leave the epoch's group without a barrier (members are gone): stop its thread, destroy the group."""
+        self._closed = self.inner._closed = True
+        self.inner._thread.stop(timeout=0.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def close(self) -> None:
+        """Close the epoch's group as a communicator closes (barrier when healthy); safe to call twice."""
+        if not self._closed:
+            self._closed = True
+            self.inner.close()
+
+
+def open_epoch(
+    membership: Membership, epoch: int, members: tuple[int, ...], timeout: float, step_of: Any
+) -> ElasticCommunicator:
+    """Create epoch ``epoch``'s Gloo group over ``members`` and its communicator (a collective of the members).
+
+    Args:
+        membership: this worker's membership (its store hosts the group's rendezvous).
+        epoch: the epoch.
+        members: the uids in rank order.
+        timeout: seconds that bound every wait of the group (and its creation).
+        step_of: returns the training step being posted.
+
+    Returns:
+        The communicator; this worker's rank is its index in ``members``.
+
+    Raises:
+        MembershipError: the group could not be formed (a member died during the re-formation).
+    """
+    rank = members.index(membership.uid)
+    info = LaunchInfo(rank=rank, size=len(members), local_rank=rank, local_size=len(members), launcher="none")
+    store = dist.PrefixStore(f"elastic/{epoch}/", membership.store)
+    try:
+        inner = TorchDistCommunicator("gloo", info, None, timeout, store=store)
+    except Exception as error:  # c10d raises DistStoreError / RuntimeError when a member never arrives
+        raise MembershipError(
+            f"member {membership.uid}: epoch {epoch}'s group over {list(members)} could not be formed within "
+            f"{timeout:.0f} s ({str(error).splitlines()[0]}): a member failed during the re-formation"
+        ) from error
+    return ElasticCommunicator(inner, membership, step_of)

@@ -1,0 +1,294 @@
+"""Elastic membership on a c10d ``TCPStore``: heartbeats, failure detection and one agreed member set per epoch.
+
+The store is hosted outside the workers (by ``gossip-train --nproc N --elastic``, :func:`host_store`), so that any
+worker may die. Keys (docs/ARCHITECTURE.md, "Elastic membership"):
+
+* ``hb/<uid>``: a counter each member's background thread bumps every ``interval`` seconds;
+* ``dead/<uid>`` and the counter ``deaths``: set by the launcher the moment a worker process exits unfinished;
+* ``epoch``: the current epoch e; a member that sees a failure moves it to e + 1 (``compare_set``: once);
+* ``e<e>/in/<uid>``: a member's check-in for epoch e, with the last step whose exchange it posted on the old group;
+* ``joins`` and ``join/<k>``: joiners waiting for the next epoch;
+* ``e<e>/decision``: the epoch's members and every member's last posted step, written once (first writer wins).
+
+A member *checks in* at most once per epoch, under the lock that posting takes (:meth:`Membership.try_post`):
+after it, it posts nothing more on the old group, so the check-in's posted step is final. The decision of epoch
+e + 1 is written when every member of e has checked in or is dead (its ``dead`` key, or its heartbeat unchanged
+for ``detect`` seconds); it lists the checked-in members that are not dead, plus the joiners. Failure detection
+therefore takes at most ``interval`` when the launcher reports the exit, ``detect + interval`` otherwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from torch.distributed import TCPStore
+
+from gossip.errors import MembershipError
+
+logger = logging.getLogger("gossip")
+
+#: The environment variable that gives a worker the membership store, ``host:port``.
+STORE_VARIABLE = "GOSSIP_ELASTIC_STORE"
+
+
+def host_store(size: int, timeout: float = 300.0) -> TCPStore:
+    """Start the membership store (in the launcher) with epoch 0 of members ``0 .. size - 1``.
+
+    Args:
+        size: the members at the start.
+        timeout: seconds a store operation may wait.
+
+    Returns:
+        The hosting store; its ``port`` goes to the workers.
+    """
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
+    store.set("epoch", "0")
+    store.set("deaths", "0")
+    store.set("joins", "0")
+    store.set("e0/decision", json.dumps({"members": list(range(size)), "posted": {}, "joined": []}))
+    for uid in range(size):
+        store.set(f"hb/{uid}", "0")
+    return store
+
+
+def mark_dead(store: TCPStore, uid: int, how: str) -> None:
+    """Record that worker ``uid`` exited unfinished (called by the launcher when it sees the exit).
+
+    Args:
+        store: the membership store.
+        uid: the worker.
+        how: how it ended, for the survivors' log line (e.g. "killed by SIGKILL").
+    """
+    store.set(f"dead/{uid}", how)
+    store.add("deaths", 1)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The member set of one epoch, as agreed.
+
+    Attributes:
+        epoch: the epoch.
+        members: the uids, in rank order of the epoch's group.
+        posted: for every member of the previous epoch that checked in: the last step it posted there (-1: none).
+        joined: the uids that joined at this epoch.
+        left: the uids of the previous epoch that are not members, with how they ended.
+    """
+
+    epoch: int
+    members: tuple[int, ...]
+    posted: dict[int, int]
+    joined: tuple[int, ...]
+    left: dict[int, str]
+
+
+class Membership:
+    """One worker's view of the membership: its heartbeat, its watch on the epoch, its part in each decision.
+
+    Args:
+        store: a client of the membership store.
+        uid: this worker's identity.
+        interval: seconds between heartbeats (and checks of the epoch and of the others' heartbeats).
+        detect: seconds without a heartbeat after which a member is declared dead.
+        decide_timeout: seconds a decision may take before :class:`MembershipError`.
+    """
+
+    def __init__(
+        self, store: TCPStore, uid: int, *, interval: float = 0.1, detect: float = 3.0, decide_timeout: float = 60.0
+    ):
+        self.store, self.uid = store, uid
+        self.interval, self.detect, self.decide_timeout = interval, detect, decide_timeout
+        self.epoch = int(store.get("epoch"))
+        self.current = self._read_decision(self.epoch)
+        self.posted = -1
+        #: set when this member has checked in for the next epoch (a change is under way)
+        self.changed = threading.Event()
+        self._lock = threading.Lock()
+        self._frozen = False
+        self._deaths = -1
+        self._dead: dict[int, str] = {}
+        self._seen: dict[int, tuple[bytes, float]] = {}
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        store.add(f"hb/{uid}", 1)
+        self._thread = threading.Thread(target=self._loop, name=f"gossip-membership-{uid}", daemon=True)
+        self._thread.start()
+
+    # -- the background thread ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._tick()
+            except Exception as error:  # the store is gone (its host died): every later decision fails, named
+                self.error = error
+                self.changed.set()
+                return
+
+    def _tick(self) -> None:
+        self.store.add(f"hb/{self.uid}", 1)
+        epoch = int(self.store.get("epoch"))
+        if epoch > self.epoch:
+            self._check_in(self.epoch + 1)
+        elif not self._frozen and self.dead(self.current.members):
+            self.request_change()
+
+    def dead(self, uids: tuple[int, ...]) -> dict[int, str]:
+        """The members among ``uids`` that are dead: reported by the launcher, or silent for ``detect`` seconds.
+
+        Args:
+            uids: the members to look at.
+
+        Returns:
+            uid -> how it was found dead.
+        """
+        deaths = int(self.store.get("deaths"))
+        if deaths != self._deaths:
+            self._deaths = deaths
+            for uid in uids:
+                if uid not in self._dead and self.store.check([f"dead/{uid}"]):
+                    self._dead[uid] = self.store.get(f"dead/{uid}").decode()
+        now = time.monotonic()
+        others = [uid for uid in uids if uid != self.uid]
+        for uid, value in zip(others, self.store.multi_get([f"hb/{uid}" for uid in others]) if others else [],
+                              strict=True):  # fmt: skip
+            last = self._seen.get(uid)
+            if last is None or last[0] != value:
+                self._seen[uid] = (value, now)
+            elif now - last[1] >= self.detect and uid not in self._dead:
+                self._dead[uid] = f"silent for {self.detect:.1f} s"
+        return {uid: self._dead[uid] for uid in uids if uid in self._dead}
+
+    # -- the main thread ------------------------------------------------------------------------------------
+    def try_post(self, step: int) -> bool:
+        """Record that this member posts the exchange of ``step`` on the current group, unless it checked in.
+
+        Args:
+            step: the training step whose exchange is about to be posted.
+
+        Returns:
+            False when a change is under way: post nothing on the old group.
+        """
+        with self._lock:
+            if self._frozen:
+                return False
+            self.posted = step
+            return True
+
+    def _check_in(self, epoch: int) -> None:
+        with self._lock:
+            if self._frozen:
+                return
+            self._frozen = True
+            self.store.set(f"e{epoch}/in/{self.uid}", str(self.posted))
+        self.changed.set()
+
+    def request_change(self) -> None:
+        """Start epoch e + 1 (a peer failed): move the store's epoch once, and check in."""
+        self.store.compare_set("epoch", str(self.epoch), str(self.epoch + 1))
+        self._check_in(self.epoch + 1)
+
+    def decide(self) -> Decision:
+        """Check in (if not yet), help write the next epoch's decision, and return it (posting stays off: :meth:`open`).
+
+        Returns:
+            The decision of epoch e + 1.
+
+        Raises:
+            MembershipError: no decision within ``decide_timeout``, the store is unreachable, or this member is not
+                in the decision (it was declared dead while alive).
+        """
+        epoch = self.epoch + 1
+        self.request_change()
+        key, deadline = f"e{epoch}/decision", time.monotonic() + self.decide_timeout
+        try:
+            while not self.store.check([key]):
+                if self.error is not None:
+                    raise MembershipError(f"member {self.uid}: the membership thread failed: {self.error}")
+                if time.monotonic() > deadline:
+                    raise MembershipError(
+                        f"member {self.uid}: no decision on epoch {epoch}'s members within {self.decide_timeout:.0f} s "
+                        f"(members of epoch {self.epoch}: {list(self.current.members)})"
+                    )
+                self._propose(epoch)
+                time.sleep(self.interval / 4)
+            decision = self._read_decision(epoch)
+        except MembershipError:
+            raise
+        except Exception as error:  # TCPStore raises plain RuntimeErrors / DistStoreErrors when its host is gone
+            raise MembershipError(
+                f"member {self.uid}: the membership store is unreachable during epoch {epoch}'s decision ({error}); "
+                "the store's host (the launcher) is gone: the job cannot continue, restart it from its checkpoint"
+            ) from error
+        if self.uid not in decision.members:
+            raise MembershipError(
+                f"member {self.uid}: left out of epoch {epoch} (members {list(decision.members)}): it was declared "
+                f"dead while alive; restart this worker with the same command to join again"
+            )
+        with self._lock:  # still frozen: nothing is posted until the new group exists (open())
+            self.epoch, self.current = epoch, decision
+            self.changed.clear()
+        return decision
+
+    def open(self) -> None:
+        """The new epoch's group exists: posting is allowed again (the posted step starts afresh)."""
+        with self._lock:
+            self.posted = -1
+            self._frozen = False
+
+    def _propose(self, epoch: int) -> None:
+        old = self.current.members
+        checked = [uid for uid in old if self.store.check([f"e{epoch}/in/{uid}"])]
+        dead = self.dead(old)
+        if set(old) - set(checked) - set(dead):
+            return  # a live member has not checked in yet
+        joins = int(self.store.get("joins"))
+        joiners = sorted({int(self.store.get(f"join/{k}")) for k in range(joins)} - set(old))
+        members = sorted(set(checked) - set(dead)) + [uid for uid in joiners if uid not in self._dead]
+        posted = {uid: int(self.store.get(f"e{epoch}/in/{uid}")) for uid in checked}
+        left = {uid: dead.get(uid, "left") for uid in old if uid not in members}
+        text = json.dumps({"members": members, "posted": posted, "joined": joiners, "left": left})
+        self.store.compare_set(f"e{epoch}/decision", "", text)
+
+    def _read_decision(self, epoch: int) -> Decision:
+        data = json.loads(self.store.get(f"e{epoch}/decision"))
+        return Decision(
+            epoch=epoch,
+            members=tuple(data["members"]),
+            posted={int(uid): step for uid, step in data["posted"].items()},
+            joined=tuple(data["joined"]),
+            left={int(uid): how for uid, how in data.get("left", {}).items()},
+        )
+
+    def close(self) -> None:
+        """Stop the heartbeat (at the end of the run: the others are done too)."""
+        self._stop.set()
+        self._thread.join(timeout=2 * self.interval + 1.0)
+
+
+def connect(address: str, uid: int, timeout: float = 60.0, **options: float) -> Membership:
+    """Join the membership store at ``address`` (``host:port``) as ``uid``.
+
+    Args:
+        address: the store, as :data:`STORE_VARIABLE` gives it.
+        uid: this worker's identity.
+        timeout: seconds a store operation may wait.
+        **options: ``interval``, ``detect``, ``decide_timeout`` of :class:`Membership`.
+
+    Returns:
+        This worker's membership.
+
+    Raises:
+        MembershipError: the store cannot be reached.
+    """
+    host, port = address.rsplit(":", 1)
+    try:
+        store = TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    except Exception as error:  # c10d raises DistNetworkError / RuntimeError
+        raise MembershipError(f"member {uid}: cannot reach the membership store at {address}: {error}") from error
+    return Membership(store, uid, **options)

@@ -1,0 +1,198 @@
+"""Elastic gossip with real processes: survive a dead peer, agree on the survivors, rebuild, train on.
+
+:class:`ElasticRun` drives one worker's wrapper through membership changes (:mod:`gossip.backends.membership`,
+:mod:`gossip.backends.elastic_comm`). The training loop calls :meth:`ElasticRun.before_step` at the top of each
+step and :meth:`ElasticRun.update` instead of ``optimizer.step()``. When a peer dies, the first wait that notices
+(Gloo's "connection closed", or the membership's interruption) raises inside ``optimizer.step()``; ``update``
+catches it, takes part in the decision of the next epoch, resolves the step in flight, and completes the update.
+
+**A mixing step with a peer that died or left mid-exchange is completed or skipped on both ends, never on one.**
+Real-process elastic runs need a schedule with at most one partner per rank and step (in-peer = out-peer:
+``one_peer_hypercube``, ``one_peer_ring``, ``random_matchings``) and an algorithm whose step is one exchange
+(``ExactGossip``, ``PowerGossip`` with one iteration). For the step s a rank was in (its exchange posted, or not):
+
+* *completed* when its partner is a member of the new epoch and posted its own step-s exchange (the decision holds
+  every member's last posted step): both posted, neither abandons a posted transfer, so both ends apply it;
+* *skipped* otherwise (the partner is dead, or never posted s: it cannot post it any more): the rank keeps x_s and
+  applies its update without mixing; the partner did not apply it either (it is dead, or never posted).
+
+The new group starts at R = 1 + the highest step any member posted; a member behind R trains alone (identity
+mixing, a one-rank group) until it reaches R. Everyone then rebinds (:func:`gossip.wrapper.elastic.rebind`:
+schedule of the same family over the new size or its named fallback, fresh per-edge state) and logs one line
+naming who left, at which step, and the new schedule. Failure detection takes at most the membership's
+``interval`` when the launcher reports the exit (``gossip-train --nproc N --elastic``), ``detect + interval``
+otherwise; the re-formation adds one Gloo group creation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gossip.algorithms.base import Algorithm
+from gossip.algorithms.exact import ExactGossip
+from gossip.algorithms.powergossip import PowerGossip
+from gossip.backends.elastic_comm import ElasticCommunicator, open_epoch
+from gossip.backends.membership import Decision, Membership
+from gossip.errors import CommTimeoutError, ElasticUnsupportedError, MembershipChangedError, PeerFailedError
+from gossip.wrapper.elastic import rebind, schedule_for, solo_communicator
+from gossip.wrapper.parallel import DecentralizedDataParallel
+from topologies import Schedule
+
+logger = logging.getLogger("gossip")
+
+#: What a wait raises when a peer is gone or a change is under way: the step is resolved, not failed.
+CHANGE_SIGNALS = (MembershipChangedError, PeerFailedError, CommTimeoutError)
+
+
+def check_supported(schedule: Schedule, algorithm: Algorithm) -> None:
+    """Refuse what real-process elastic runs cannot keep consistent (see the module docstring).
+
+    Args:
+        schedule: the schedule of an epoch.
+        algorithm: the algorithm.
+
+    Raises:
+        ElasticUnsupportedError: a rank has several partners at a step, or different in- and out-peers; or the
+            algorithm's step is not one exchange.
+    """
+    for step in schedule.check_steps:
+        for rank in range(schedule.n):
+            view = schedule.peers(rank, step)
+            ins, outs = {p for p, _ in view.in_peers}, {p for p, _ in view.out_peers}
+            if len(ins) > 1 or ins != outs:
+                raise ElasticUnsupportedError(
+                    f"elastic: schedule '{schedule.name}' gives rank {rank} the partners {sorted(ins | outs)} at "
+                    f"step {step}; elastic runs need one partner per step (one_peer_hypercube, one_peer_ring, "
+                    "random_matchings), so that a step with a dead peer is skipped on both ends"
+                )
+    if not isinstance(algorithm, ExactGossip | PowerGossip) or getattr(algorithm, "num_iterations", 1) != 1:
+        raise ElasticUnsupportedError(
+            f"elastic: algorithm {type(algorithm).__name__} is not supported on real processes (its step is not one "
+            "exchange); use ExactGossip or PowerGossip with num_iterations=1"
+        )
+
+
+class ElasticRun:
+    """One worker's elastic driver (see the module docstring).
+
+    Args:
+        model: the wrapper, built over epoch 0's :class:`ElasticCommunicator`.
+        optimizer: its optimizer.
+        membership: this worker's membership.
+        schedule: the schedule family, rebuilt at every change.
+        algorithm: makes a fresh, unbound algorithm (configured as the one in ``model``).
+        timeout: the Gloo groups' wait bound, and their creation's.
+    """
+
+    def __init__(
+        self,
+        model: DecentralizedDataParallel,
+        optimizer: torch.optim.Optimizer,
+        membership: Membership,
+        *,
+        schedule: str,
+        algorithm: Callable[[], Algorithm],
+        timeout: float,
+    ):
+        check_supported(model.schedule, model.algorithm)
+        self.model, self.optimizer, self.membership = model, optimizer, membership
+        self.schedule_name, self.make_algorithm, self.timeout = schedule, algorithm, timeout
+        #: one dict per membership change, for the run's summary
+        self.events: list[dict[str, Any]] = []
+        self._comm: ElasticCommunicator | None = model.comm if isinstance(model.comm, ElasticCommunicator) else None
+        self._pending: tuple[Decision, int, float, int, str] | None = None  # decision, R, start, step, outcome
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The uids of the current epoch, in rank order."""
+        return self.membership.current.members
+
+    def step_of(self) -> int:
+        """The step the wrapper is at (what an exchange posted now belongs to).
+
+        Returns:
+            The wrapper's step count.
+        """
+        return self.model.step_count
+
+    def before_step(self) -> None:
+        """At the top of a step: enter the new epoch once this worker reached its first step R."""
+        if self._pending is not None and self.model.step_count >= self._pending[1]:
+            self._enter()
+
+    def finish(self) -> None:
+        """At the end of the loop: enter a pending epoch even if its first step is past the run's last."""
+        if self._pending is not None:
+            self._enter()
+
+    def update(self) -> None:
+        """``optimizer.step()`` (mixing and update), resolving a membership change that interrupts it."""
+        try:
+            self.optimizer.step()
+            return
+        except CHANGE_SIGNALS as error:
+            if self._pending is not None or self._comm is None:
+                raise
+            self._resolve(error)
+        self.optimizer.step()  # completes the step: the mixing (completed) or the local update (skipped)
+        if self._pending is not None and self.model.step_count < self._pending[1] and self.model.comm is self._comm:
+            self._go_solo()
+
+    def _go_solo(self) -> None:
+        rebind(self.model, solo_communicator(self.timeout), schedule_for(self.schedule_name, 1)[0],
+               self.make_algorithm())  # fmt: skip
+
+    def _resolve(self, error: BaseException) -> None:
+        started = time.perf_counter()
+        old = self.members
+        step, posted = self.model.step_count, self.membership.posted
+        schedule = self.model.schedule
+        decision = self.membership.decide()
+        completed = False
+        if posted == step:
+            view = schedule.peers(old.index(self.membership.uid), step)
+            partners = {old[p] for p, _ in (*view.in_peers, *view.out_peers)}
+            completed = all(u in decision.members and decision.posted.get(u, -1) >= step for u in partners)
+        if not completed:
+            self._go_solo()  # step `step` is mixed with nobody: its exchange is dropped on both ends
+        first = max([s + 1 for s in decision.posted.values()] + [step])
+        outcome = "completed" if completed else "skipped"
+        self._pending = (decision, first, started, step, outcome)
+        logger.debug("member %d: step %d %s after %s", self.membership.uid, step, outcome, type(error).__name__)
+
+    def _enter(self) -> None:
+        decision, first, started, step, outcome = self._pending
+        if self._comm is not None:
+            self._comm.abandon()
+        self._comm = open_epoch(self.membership, decision.epoch, decision.members, self.timeout, self.step_of)
+        schedule, note = schedule_for(self.schedule_name, len(decision.members))
+        algorithm = self.make_algorithm()
+        check_supported(schedule, algorithm)
+        rebind(self.model, self._comm, schedule, algorithm)
+        self.membership.open()
+        self._pending = None
+        seconds = time.perf_counter() - started
+        left = ", ".join(f"{uid} ({how})" for uid, how in sorted(decision.left.items())) or "nobody"
+        logger.info(
+            "gossip elastic: member %d: epoch %d: left: %s, noticed at step %d (its exchange %s); members %s resume "
+            "at step %d on schedule %s; re-formed %.2f s after the failure was noticed",
+            self.membership.uid, decision.epoch, left, step, outcome, list(decision.members), first, note, seconds,
+        )  # fmt: skip
+        self.events.append(
+            {
+                "epoch": decision.epoch,
+                "left": {str(uid): how for uid, how in decision.left.items()},
+                "joined": list(decision.joined),
+                "noticed_at_step": step,
+                "step_outcome": outcome,
+                "resume_step": first,
+                "members": list(decision.members),
+                "schedule": note,
+                "reform_seconds": seconds,
+            }
+        )
