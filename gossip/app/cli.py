@@ -428,11 +428,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.elastic:
             from gossip.app.elastic_launch import launch_elastic
 
-            return launch_elastic(args.nproc, _worker_argv(argv, out), dict(args.kill))
+            return launch_elastic(
+                args.nproc, [sys.executable, "-m", "gossip", *_worker_argv(argv, out)], dict(args.kill)
+            )
         return launch_local(args.nproc, argv, out)
     code = run_worker(args)
     sys.stdout.flush()
     sys.stderr.flush()
+    if args.elastic:
+        # Groups abandoned with a dead peer may still hold a receive that will never complete; their teardown at
+        # interpreter exit can abort the process. Everything is written and flushed: leave at once.
+        os._exit(code)
     if code != 0 and gossip.detect_launch().size > 1:
         # A failed job: leave at once, without the teardown that would wait for peers that are not coming.
         # A successful one exits normally, so that MPI_Finalize runs when mpi4py initialised MPI (under

@@ -53,12 +53,12 @@ def _how(code: int) -> str:
     return f"exited with status {code}"
 
 
-def launch_elastic(nproc: int, worker_argv: Sequence[str], kills: dict[int, int]) -> int:
-    """Run ``nproc`` elastic workers of ``python -m gossip worker_argv`` and wait for all of them.
+def launch_elastic(nproc: int, command: Sequence[str], kills: dict[int, int]) -> int:
+    """Run ``nproc`` elastic workers of ``command`` and wait for all of them.
 
     Args:
         nproc: the number of workers.
-        worker_argv: each worker's command line (without ``--nproc``).
+        command: each worker's command line (e.g. ``python -m gossip ...`` without ``--nproc``).
         kills: worker -> the step at which it kills itself (``--kill``), to tell those deaths from failures.
 
     Returns:
@@ -73,7 +73,7 @@ def launch_elastic(nproc: int, worker_argv: Sequence[str], kills: dict[int, int]
         place = {"RANK": rank, "WORLD_SIZE": nproc, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": nproc}
         worker_env = {**env, **{k: str(v) for k, v in place.items()}, "MASTER_ADDR": "127.0.0.1",
                       "MASTER_PORT": str(store.port)}  # fmt: skip
-        workers[rank] = subprocess.Popen([sys.executable, "-m", "gossip", *worker_argv], env=worker_env)
+        workers[rank] = subprocess.Popen(list(command), env=worker_env)
 
     def forward(signum: int, _frame: object) -> None:
         for process in workers.values():

@@ -63,9 +63,15 @@ def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, 
         The resolved config and notes.
 
     Raises:
+        ElasticUnsupportedError: a backend other than Gloo (MPI cannot shrink a communicator without ULFM).
         ConfigError: an option elastic runs cannot take (``--average-every``, ``--power-iterations`` > 1,
             ``--gradient-tracking``, DDP or DiLoCo).
     """
+    if config.backend not in ("auto", "gloo"):
+        raise ElasticUnsupportedError(
+            f"--elastic runs on Gloo only, not --backend {config.backend}: an MPI communicator cannot shrink without "
+            "ULFM (and NCCL groups are not rebuilt here); without --elastic a dead peer fails the job fast, named"
+        )
     if config.algorithm not in ("exact", "powergossip"):
         raise ConfigError("--algorithm", f"--elastic runs exact or powergossip, not {config.algorithm}")
     if config.average_every:

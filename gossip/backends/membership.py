@@ -65,6 +65,7 @@ def mark_dead(store: TCPStore, uid: int, how: str) -> None:
         uid: the worker.
         how: how it ended, for the survivors' log line (e.g. "killed by SIGKILL").
     """
+    store.set(f"dead_at/{uid}", repr(time.time()))
     store.set(f"dead/{uid}", how)
     store.add("deaths", 1)
 
@@ -264,6 +265,18 @@ class Membership:
             joined=tuple(data["joined"]),
             left={int(uid): how for uid, how in data.get("left", {}).items()},
         )
+
+    def exit_time(self, uid: int) -> float | None:
+        """When the launcher saw member ``uid`` exit (wall clock, seconds since the epoch), if it did.
+
+        Args:
+            uid: a member.
+
+        Returns:
+            The time, or None when the launcher did not report it (a silent member).
+        """
+        key = f"dead_at/{uid}"
+        return float(self.store.get(key)) if self.store.check([key]) else None
 
     def close(self) -> None:
         """Stop the heartbeat (at the end of the run: the others are done too)."""

@@ -106,6 +106,10 @@ class ElasticRun:
         self.events: list[dict[str, Any]] = []
         self._comm: ElasticCommunicator | None = model.comm if isinstance(model.comm, ElasticCommunicator) else None
         self._pending: tuple[Decision, int, float, int, str] | None = None  # decision, R, start, step, outcome
+        #: the uids of the group the wrapper is bound to, in rank order (this worker alone while behind R)
+        self.group: tuple[int, ...] = membership.current.members
+        #: the group of the last completed mixing step (what its schedule ran over)
+        self.last_group: tuple[int, ...] = self.group
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -134,16 +138,19 @@ class ElasticRun:
         """``optimizer.step()`` (mixing and update), resolving a membership change that interrupts it."""
         try:
             self.optimizer.step()
+            self.last_group = self.group
             return
         except CHANGE_SIGNALS as error:
             if self._pending is not None or self._comm is None:
                 raise
             self._resolve(error)
         self.optimizer.step()  # completes the step: the mixing (completed) or the local update (skipped)
+        self.last_group = self.group
         if self._pending is not None and self.model.step_count < self._pending[1] and self.model.comm is self._comm:
             self._go_solo()
 
     def _go_solo(self) -> None:
+        self.group = (self.membership.uid,)
         rebind(self.model, solo_communicator(self.timeout), schedule_for(self.schedule_name, 1)[0],
                self.make_algorithm())  # fmt: skip
 
@@ -174,14 +181,19 @@ class ElasticRun:
         algorithm = self.make_algorithm()
         check_supported(schedule, algorithm)
         rebind(self.model, self._comm, schedule, algorithm)
+        self.group = decision.members
         self.membership.open()
         self._pending = None
         seconds = time.perf_counter() - started
+        exits = [t for t in (self.membership.exit_time(uid) for uid in decision.left) if t is not None]
+        since_exit = time.time() - min(exits) if exits else None
         left = ", ".join(f"{uid} ({how})" for uid, how in sorted(decision.left.items())) or "nobody"
+        since = f"{since_exit:.2f} s" if since_exit is not None else "unknown time"
         logger.info(
             "gossip elastic: member %d: epoch %d: left: %s, noticed at step %d (its exchange %s); members %s resume "
-            "at step %d on schedule %s; re-formed %.2f s after the failure was noticed",
+            "at step %d on schedule %s; re-formed %.2f s after the failure was noticed, %s after the exit",
             self.membership.uid, decision.epoch, left, step, outcome, list(decision.members), first, note, seconds,
+            since,
         )  # fmt: skip
         self.events.append(
             {
@@ -194,5 +206,6 @@ class ElasticRun:
                 "members": list(decision.members),
                 "schedule": note,
                 "reform_seconds": seconds,
+                "seconds_since_exit": since_exit,
             }
         )

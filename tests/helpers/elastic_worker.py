@@ -1,0 +1,82 @@
+"""One worker of tests/test_elastic_processes.py: pure exact-gossip mixing of a 4-number replica, elastic.
+
+Usage: ``elastic_worker.py OUT STEPS KILLS`` under gossip.app.elastic_launch.launch_elastic (KILLS: ``r@s,r@s``).
+Worker RANK starts from x = [RANK, 10 RANK, 100 RANK, 1000 RANK]. Every step it writes one JSON line to
+OUT/rank<uid>.jsonl with the step, the group its mixing ran over (uids in rank order; itself alone while behind),
+x before the step and x after it. The update (SGD, lr 1, gradient set by hand) adds delta(uid, step), known to the
+test, so after - delta is exactly what the mixing made of x. A worker named in KILLS SIGKILLs itself at the top of
+that step, after writing its x: its exchange of that step is already posted (the kill lands mid-exchange).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import warnings
+
+import torch
+from torch import nn
+
+from gossip import DecentralizedDataParallel, ExactGossip
+from gossip.backends.elastic_comm import open_epoch
+from gossip.backends.membership import STORE_VARIABLE, connect
+from gossip.wrapper.elastic_run import ElasticRun
+from topologies import registry
+
+TIMEOUT = 20.0
+
+
+def delta(uid: int, step: int) -> torch.Tensor:
+    """The update worker ``uid`` adds at ``step`` (distinct per worker: no two replicas stay equal)."""
+    return torch.tensor([1.0, 2.0, 4.0, 8.0], dtype=torch.float64) * (uid + 1) * (1 + step % 3)
+
+
+def main() -> None:
+    out, steps = sys.argv[1], int(sys.argv[2])
+    kills = {int(r): int(s) for r, s in (item.split("@") for item in sys.argv[3].split(",") if item)}
+    uid, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    membership = connect(os.environ[STORE_VARIABLE], uid, timeout=TIMEOUT, detect=2.0)
+    holder = []
+    comm = open_epoch(membership, 0, membership.current.members, TIMEOUT, lambda: holder[0].step_count)
+    net = nn.Linear(4, 1, bias=False).double()
+    model = DecentralizedDataParallel(net, comm, registry.by_name("one_peer_hypercube", size), ExactGossip(),
+                                      consensus_every=0)  # fmt: skip
+    holder.append(model)
+    with torch.no_grad():
+        model.buckets[0].buffer.copy_(torch.tensor([1.0, 10.0, 100.0, 1000.0], dtype=torch.float64) * uid)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    elastic = ElasticRun(model, optimizer, membership, schedule="one_peer_hypercube", algorithm=ExactGossip,
+                         timeout=TIMEOUT)  # fmt: skip
+    with open(os.path.join(out, f"rank{uid}.jsonl"), "w") as log:
+        while model.step_count < steps:
+            step = model.step_count
+            elastic.before_step()
+            before = model.buckets[0].buffer.tolist()
+            row = {"step": step, "before": before}
+            if kills.get(uid) == step:
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            model(torch.zeros(1, 4, dtype=torch.float64)).sum().backward()
+            net.weight.grad.copy_(-delta(uid, step).view(1, 4))
+            elastic.update()
+            optimizer.zero_grad()
+            row["after"] = model.buckets[0].buffer.tolist()
+            row["group"] = list(elastic.last_group)
+            log.write(json.dumps(row) + "\n")
+        elastic.finish()
+        log.write(json.dumps({"events": elastic.events, "final": model.buckets[0].buffer.tolist()}) + "\n")
+    model.close()
+    membership.close()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)  # as gossip-train --elastic: no teardown of the groups abandoned with a dead peer

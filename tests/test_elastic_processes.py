@@ -1,0 +1,151 @@
+"""Elastic gossip with real Gloo processes: SIGKILLed workers are dropped and the survivors train on.
+
+tests/helpers/elastic_worker.py mixes a 4-number replica with exact gossip on one_peer_hypercube, elastic, under
+gossip.app.elastic_launch; its update adds a known per-worker delta, so each logged step shows exactly what the
+mixing did: nothing (skipped) or the average with its partner (completed). A killed worker dies at the top of its
+step, with that step's exchange already posted: the kill lands mid-exchange. Pinned:
+
+* the launcher exits 0; every survivor logs one line naming who left, the step and the new schedule (with the
+  fallback of a hypercube over 3 ranks), and records the change;
+* every survivor takes every step once; every mixing step between two survivors was applied on both ends or on
+  neither; an applied one is the exact average of the two replicas; with the dead worker, a survivor either kept its
+  replica or averaged with the dead worker's last replica (its share, nothing else);
+* the time from the exit to the new group stays under the documented bound;
+* two workers killed at once: the two survivors go on, over a 2-rank hypercube;
+* ``--elastic`` with MPI is refused with a named error; ``--kill`` without ``--elastic`` is an argparse error; and
+  the main job ``gossip-train --nproc 4 --elastic --kill 2@STEP`` exits 0 with the change in result.json.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.elastic_worker import delta
+from helpers.launch import REPO, run_main_job
+
+from gossip.app.cli import main
+from gossip.app.train import TrainConfig
+from gossip.app.train_elastic import resolve_elastic
+from gossip.errors import ElasticUnsupportedError
+from gossip.wrapper.elastic import schedule_for
+
+WORKER = REPO / "tests" / "helpers" / "elastic_worker.py"
+#: the documented bound from a reported exit to the new group: the membership's interval plus one group creation,
+#: with room for a loaded 2-core machine
+BOUND_SECONDS = 5.0
+
+
+def launch(out: Path, n: int, steps: int, kills: str) -> subprocess.CompletedProcess:
+    code = (
+        "import sys; from gossip.app.elastic_launch import launch_elastic; "
+        f"kills = {{int(r): int(s) for r, s in (i.split('@') for i in {kills!r}.split(',') if i)}}; "
+        f"sys.exit(launch_elastic({n}, [sys.executable, {str(WORKER)!r}, {str(out)!r}, '{steps}', {kills!r}], kills))"
+    )
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "PATH": "/usr/bin:/bin"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=150)
+
+
+def logs(out: Path) -> dict[int, list[dict]]:
+    return {int(p.stem[4:]): [json.loads(line) for line in p.read_text().splitlines()] for p in out.glob("rank*.jsonl")}
+
+
+@pytest.fixture(scope="module", params=[("one", 4, 90, "2@30"), ("two", 4, 90, "1@30,3@30")], ids=lambda p: p[0])
+def job(request, tmp_path_factory):
+    name, n, steps, kills = request.param
+    out = tmp_path_factory.mktemp(f"elastic_{name}")
+    result = launch(out, n, steps, kills)
+    dead = {int(item.split("@")[0]) for item in kills.split(",")}
+    return result, logs(out), n, steps, dead
+
+
+def vector(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def mixing_outcome(rows: dict[int, dict], uid: int, step: int) -> tuple[str, int | None]:
+    """What the mixing did to ``uid`` at ``step``: ("kept" or "averaged", its partner in the step's group)."""
+    row = rows[step]
+    before, mixed = vector(row["before"]), vector(row["after"]) - delta(uid, step)
+    group = row["group"]
+    schedule, _ = schedule_for("one_peer_hypercube", len(group))
+    partners = [group[p] for p, _ in schedule.peers(group.index(uid), step).in_peers]
+    if torch.allclose(mixed, before, rtol=1e-12, atol=0):
+        return "kept", partners[0] if partners else None
+    assert partners, f"member {uid} step {step}: replica changed with no partner"
+    return "averaged", partners[0]
+
+
+@pytest.mark.multiprocess
+def test_survivors_finish_and_log_who_left(job):
+    result, runs, n, steps, dead = job
+    assert result.returncode == 0, result.stdout + result.stderr
+    survivors = sorted(set(range(n)) - dead)
+    for uid in survivors:
+        *rows, last = runs[uid]
+        assert [row["step"] for row in rows] == list(range(steps))
+        (event,) = last["events"]
+        assert {int(u) for u in event["left"]} == dead
+        assert all(how == "killed by SIGKILL" for how in event["left"].values())
+        assert event["members"] == survivors
+        assert event["seconds_since_exit"] < BOUND_SECONDS
+    lines = [line for line in result.stdout.splitlines() if line.startswith("gossip elastic: member")]
+    assert sorted(int(line.split()[3].rstrip(":")) for line in lines) == survivors
+    wanted = "random_matchings (fallback: one_peer_hypercube over 3 ranks" if len(survivors) == 3 else "one_peer_hyp"
+    assert all(f"left: {min(dead)} (killed by SIGKILL)" in line and wanted in line for line in lines)
+
+
+@pytest.mark.multiprocess
+def test_every_mixing_step_is_applied_on_both_ends_or_neither(job):
+    _, runs, n, steps, dead = job
+    survivors = sorted(set(range(n)) - dead)
+    by_step = {uid: {row["step"]: row for row in runs[uid] if "step" in row} for uid in range(n)}
+    checked_with_dead = 0
+    for step in range(steps):
+        for uid in survivors:
+            outcome, partner = mixing_outcome(by_step[uid], uid, step)
+            if partner is None:
+                continue
+            mine = vector(by_step[uid][step]["before"])
+            theirs = vector(by_step[partner][step]["before"]) if step in by_step[partner] else None
+            if outcome == "averaged":  # exactly the average with the partner's replica of this step
+                mixed = vector(by_step[uid][step]["after"]) - delta(uid, step)
+                torch.testing.assert_close(mixed, (mine + theirs) / 2, rtol=1e-12, atol=0)
+            if partner in dead:
+                checked_with_dead += 1
+                continue
+            assert by_step[partner][step]["group"] == by_step[uid][step]["group"] or outcome == "kept"
+            other, back = mixing_outcome(by_step[partner], partner, step)
+            if outcome == "averaged":
+                assert (other, back) == ("averaged", uid), f"step {step}: {uid} averaged with {partner}, not back"
+            else:
+                assert other == "kept" or back != uid, f"step {step}: {partner} averaged with {uid}, not back"
+    assert checked_with_dead >= 1  # the kill step's partner was looked at
+
+
+def test_elastic_refuses_mpi_by_name():
+    with pytest.raises(ElasticUnsupportedError, match="cannot shrink without ULFM"):
+        resolve_elastic(TrainConfig(backend="mpi", algorithm="exact"), 4)
+
+
+def test_kill_without_elastic_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["--nproc", "2", "--kill", "1@3"])
+    assert "--kill: needs --elastic" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_main_job_elastic_kill_exits_zero_and_names_the_change(tmp_path):
+    out = tmp_path / "run"
+    args = ["--nproc", "4", "--elastic", "--kill", "2@8", "--steps", "16", "--batch-size", "4", "--algorithm",
+            "exact", "--eval-every", "100", "--out", str(out)]  # fmt: skip
+    result = run_main_job(args, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (event,) = json.loads((out / "result.json").read_text())["membership"]
+    assert event["left"] == {"2": "killed by SIGKILL"} and event["members"] == [0, 1, 3]
+    assert event["noticed_at_step"] in (8, 9) and event["resume_step"] in (9, 10)
+    assert "membership: epoch 1: left 2 (killed by SIGKILL)" in result.stdout
