@@ -12,6 +12,8 @@ step, with that step's exchange already posted: the kill lands mid-exchange. Pin
   replica or averaged with the dead worker's last replica (its share, nothing else);
 * the time from the exit to the new group stays under the documented bound;
 * two workers killed at once: the two survivors go on, over a 2-rank hypercube;
+* the store's host (the launcher) SIGKILLed mid-run: every worker ends within a bounded time with a
+  ``MembershipError`` naming the store, none hangs;
 * ``--elastic`` with MPI is refused with a named error; ``--kill`` without ``--elastic`` is an argparse error; and
   the main job ``gossip-train --nproc 4 --elastic --kill 2@STEP`` exits 0 with the change in result.json.
 """
@@ -19,8 +21,11 @@ step, with that step's exchange already posted: the kill lands mid-exchange. Pin
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,14 +45,21 @@ WORKER = REPO / "tests" / "helpers" / "elastic_worker.py"
 BOUND_SECONDS = 5.0
 
 
-def launch(out: Path, n: int, steps: int, kills: str) -> subprocess.CompletedProcess:
+def launcher_command(out: Path, n: int, steps: int, kills: str) -> list[str]:
     code = (
         "import sys; from gossip.app.elastic_launch import launch_elastic; "
         f"kills = {{int(r): int(s) for r, s in (i.split('@') for i in {kills!r}.split(',') if i)}}; "
         f"sys.exit(launch_elastic({n}, [sys.executable, {str(WORKER)!r}, {str(out)!r}, '{steps}', {kills!r}], kills))"
     )
-    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=150)
+    return [sys.executable, "-c", code]
+
+
+ENV = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "PATH": "/usr/bin:/bin"}
+
+
+def launch(out: Path, n: int, steps: int, kills: str) -> subprocess.CompletedProcess:
+    command = launcher_command(out, n, steps, kills)
+    return subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=150)
 
 
 def logs(out: Path) -> dict[int, list[dict]]:
@@ -149,3 +161,46 @@ def test_main_job_elastic_kill_exits_zero_and_names_the_change(tmp_path):
     assert event["left"] == {"2": "killed by SIGKILL"} and event["members"] == [0, 1, 3]
     assert event["noticed_at_step"] in (8, 9) and event["resume_step"] in (9, 10)
     assert "membership: epoch 1: left 2 (killed by SIGKILL)" in result.stdout
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+
+
+def _wait_for(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not within {seconds} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.multiprocess
+def test_store_host_death_ends_every_worker_with_a_named_error(tmp_path):
+    launcher = subprocess.Popen(launcher_command(tmp_path, 3, 10**6, ""), env=ENV, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)  # fmt: skip
+    pids: list[int] = []
+    try:
+        logs_ready = lambda: all(  # noqa: E731
+            (tmp_path / f"rank{r}.jsonl").exists() and len((tmp_path / f"rank{r}.jsonl").read_text().splitlines()) > 20
+            for r in range(3)
+        )
+        _wait_for(logs_ready, 90, "20 steps on every worker")
+        pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in range(3)]
+        launcher.kill()
+        launcher.wait()
+        killed = time.monotonic()
+        _wait_for(lambda: not any(_alive(pid) for pid in pids), 30, "every worker's exit")
+        print(f"every worker ended {time.monotonic() - killed:.2f} s after the store's host was killed")
+        for r in range(3):
+            error = (tmp_path / f"rank{r}.error").read_text()
+            assert error.startswith("MembershipError: member ") and "membership store is unreachable" in error
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()

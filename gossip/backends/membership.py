@@ -205,12 +205,12 @@ class Membership:
                 in the decision (it was declared dead while alive).
         """
         epoch = self.epoch + 1
-        self.request_change()
         key, deadline = f"e{epoch}/decision", time.monotonic() + self.decide_timeout
         try:
+            if self.error is not None:
+                raise MembershipError(f"member {self.uid}: the membership thread failed: {self.error}")
+            self.request_change()
             while not self.store.check([key]):
-                if self.error is not None:
-                    raise MembershipError(f"member {self.uid}: the membership thread failed: {self.error}")
                 if time.monotonic() > deadline:
                     raise MembershipError(
                         f"member {self.uid}: no decision on epoch {epoch}'s members within {self.decide_timeout:.0f} s "
@@ -219,13 +219,12 @@ class Membership:
                 self._propose(epoch)
                 time.sleep(self.interval / 4)
             decision = self._read_decision(epoch)
-        except MembershipError:
-            raise
+        except MembershipError as error:
+            if self.error is None:
+                raise
+            raise self._store_lost(epoch) from error
         except Exception as error:  # TCPStore raises plain RuntimeErrors / DistStoreErrors when its host is gone
-            raise MembershipError(
-                f"member {self.uid}: the membership store is unreachable during epoch {epoch}'s decision ({error}); "
-                "the store's host (the launcher) is gone: the job cannot continue, restart it from its checkpoint"
-            ) from error
+            raise self._store_lost(epoch) from error
         if self.uid not in decision.members:
             raise MembershipError(
                 f"member {self.uid}: left out of epoch {epoch} (members {list(decision.members)}): it was declared "
@@ -235,6 +234,13 @@ class Membership:
             self.epoch, self.current = epoch, decision
             self.changed.clear()
         return decision
+
+    def _store_lost(self, epoch: int) -> MembershipError:
+        return MembershipError(
+            f"member {self.uid}: the membership store is unreachable during epoch {epoch}'s decision "
+            f"({self.error or 'no answer'}); the store's host (the launcher) is gone: the job cannot continue, restart "
+            "it from its last checkpoint"
+        )
 
     def open(self) -> None:
         """The new epoch's group exists: posting is allowed again (the posted step starts afresh)."""

@@ -207,5 +207,6 @@ class ElasticRun:
                 "schedule": note,
                 "reform_seconds": seconds,
                 "seconds_since_exit": since_exit,
+                "exit_wall_time": min(exits) if exits else None,
             }
         )

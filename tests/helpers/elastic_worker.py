@@ -23,8 +23,8 @@ from torch import nn
 from gossip import DecentralizedDataParallel, ExactGossip
 from gossip.backends.elastic_comm import open_epoch
 from gossip.backends.membership import STORE_VARIABLE, connect
+from gossip.wrapper.elastic import schedule_for
 from gossip.wrapper.elastic_run import ElasticRun
-from topologies import registry
 
 TIMEOUT = 20.0
 
@@ -45,7 +45,7 @@ def main() -> None:
     holder = []
     comm = open_epoch(membership, 0, membership.current.members, TIMEOUT, lambda: holder[0].step_count)
     net = nn.Linear(4, 1, bias=False).double()
-    model = DecentralizedDataParallel(net, comm, registry.by_name("one_peer_hypercube", size), ExactGossip(),
+    model = DecentralizedDataParallel(net, comm, schedule_for("one_peer_hypercube", size)[0], ExactGossip(),
                                       consensus_every=0)  # fmt: skip
     holder.append(model)
     with torch.no_grad():
@@ -70,6 +70,7 @@ def main() -> None:
             row["after"] = model.buckets[0].buffer.tolist()
             row["group"] = list(elastic.last_group)
             log.write(json.dumps(row) + "\n")
+            log.flush()
         elastic.finish()
         log.write(json.dumps({"events": elastic.events, "final": model.buckets[0].buffer.tolist()}) + "\n")
     model.close()
@@ -77,6 +78,14 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pid"), "w") as pid:
+        pid.write(str(os.getpid()))
+    try:
+        main()
+    except Exception as error:  # the test reads what ended the worker
+        with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.error"), "w") as file:
+            file.write(f"{type(error).__name__}: {error}")
+        sys.stdout.flush()
+        os._exit(1)
     sys.stdout.flush()
     os._exit(0)  # as gossip-train --elastic: no teardown of the groups abandoned with a dead peer
