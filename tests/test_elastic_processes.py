@@ -12,6 +12,8 @@ step, with that step's exchange already posted: the kill lands mid-exchange. Pin
   replica or averaged with the dead worker's last replica (its share, nothing else);
 * the time from the exit to the new group stays under the documented bound;
 * two workers killed at once: the two survivors go on, over a 2-rank hypercube;
+* a killed worker restarted with the same command joins: it starts at the group's resume step with its donor's
+  replica, bit for bit, and from then on every mixing step with it is applied on both ends or neither;
 * the store's host (the launcher) SIGKILLed mid-run: every worker ends within a bounded time with a
   ``MembershipError`` naming the store, none hangs;
 * ``--elastic`` with MPI is refused with a named error; ``--kill`` without ``--elastic`` is an argparse error; and
@@ -25,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +39,7 @@ from helpers.launch import REPO, run_main_job
 from gossip.app.cli import main
 from gossip.app.train import TrainConfig
 from gossip.app.train_elastic import resolve_elastic
+from gossip.backends.membership import STORE_VARIABLE
 from gossip.errors import ElasticUnsupportedError
 from gossip.wrapper.elastic import schedule_for
 
@@ -62,8 +66,10 @@ def launch(out: Path, n: int, steps: int, kills: str) -> subprocess.CompletedPro
     return subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=150)
 
 
-def logs(out: Path) -> dict[int, list[dict]]:
-    return {int(p.stem[4:]): [json.loads(line) for line in p.read_text().splitlines()] for p in out.glob("rank*.jsonl")}
+def logs(out: Path, suffix: str = "") -> dict[int, list[dict]]:
+    paths = [p for p in out.glob(f"rank*{suffix}.jsonl") if p.name.removeprefix("rank").split(".")[0].isdigit()]
+    paths = [p for p in paths if p.name.count(".") == 1 + bool(suffix)]
+    return {int(p.name[4:].split(".")[0]): [json.loads(line) for line in p.read_text().splitlines()] for p in paths}
 
 
 @pytest.fixture(scope="module", params=[("one", 4, 90, "2@30"), ("two", 4, 90, "1@30,3@30")], ids=lambda p: p[0])
@@ -204,3 +210,45 @@ def test_store_host_death_ends_every_worker_with_a_named_error(tmp_path):
                 os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()
+
+
+@pytest.mark.multiprocess
+def test_restarted_worker_joins_with_its_donors_replica(tmp_path):
+    steps = 120
+    hold = {**ENV, "ELASTIC_WORKER_HOLD_AT": "60"}
+    launcher = subprocess.Popen(launcher_command(tmp_path, 4, steps, "2@20"), env=hold, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        address = next(line for line in launcher.stderr if "membership store at" in line).split()[4]
+        drain = threading.Thread(target=launcher.stderr.read, daemon=True)
+        drain.start()
+        env = {**ENV, "RANK": "2", "WORLD_SIZE": "4", STORE_VARIABLE: address, "ELASTIC_WORKER_AFTER_DEATH": "1"}
+        joiner = subprocess.run([sys.executable, str(WORKER), str(tmp_path), str(steps), ""], env=env,
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        error = tmp_path / "rank2.error"
+        assert joiner.returncode == 0, error.read_text() if error.exists() else joiner.stderr[-3000:]
+        assert launcher.wait(timeout=120) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    runs = logs(tmp_path)
+    *rows, last = logs(tmp_path, ".joined")[2]
+    first = rows[0]["step"]
+    assert [row["step"] for row in rows] == list(range(first, steps))
+    join_event = last["events"][0]
+    donor = join_event["joined"]["2"]
+    assert join_event["members"] == [0, 1, 3, 2] and join_event["resume_step"] == first  # joiners come last
+    donor_row = next(row for row in runs[donor] if row.get("step") == first)
+    assert rows[0]["before"] == donor_row["before"]  # the donor's replica at the join, bit for bit
+    for uid in (0, 1, 3):
+        events = runs[uid][-1]["events"]
+        assert [e["joined"] for e in events] == [{}, {"2": donor}]
+    by_step = {uid: {row["step"]: row for row in runs[uid] if "step" in row} for uid in (0, 1, 3)}
+    by_step[2] = {row["step"]: row for row in rows}
+    for step in range(first, steps):
+        for uid in (0, 1, 2, 3):
+            outcome, partner = mixing_outcome(by_step[uid], uid, step)
+            if partner is None:
+                continue
+            other, back = mixing_outcome(by_step[partner], partner, step)
+            assert (outcome == "averaged") == (other == "averaged" and back == uid), f"step {step}: {uid}/{partner}"

@@ -68,6 +68,8 @@ def launch_elastic(nproc: int, command: Sequence[str], kills: dict[int, int]) ->
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_"))}
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     env[STORE_VARIABLE] = f"127.0.0.1:{store.port}"
+    print(f"gossip-train: membership store at {env[STORE_VARIABLE]} (a worker restarted with the same command and "
+          f"RANK, and {STORE_VARIABLE} set to it, joins the run)", file=sys.stderr, flush=True)  # fmt: skip
     workers = {}
     for rank in range(nproc):
         place = {"RANK": rank, "WORLD_SIZE": nproc, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": nproc}

@@ -80,6 +80,7 @@ class Decision:
         posted: for every member of the previous epoch that checked in: the last step it posted there (-1: none).
         joined: the uids that joined at this epoch.
         left: the uids of the previous epoch that are not members, with how they ended.
+        joins: the join requests taken into account so far (the store's ``joins`` counter then).
     """
 
     epoch: int
@@ -87,6 +88,7 @@ class Decision:
     posted: dict[int, int]
     joined: tuple[int, ...]
     left: dict[int, str]
+    joins: int = 0
 
 
 class Membership:
@@ -133,6 +135,8 @@ class Membership:
 
     def _tick(self) -> None:
         self.store.add(f"hb/{self.uid}", 1)
+        if self.uid not in self.current.members:
+            return  # joining: join() follows the epochs itself
         epoch = int(self.store.get("epoch"))
         if epoch > self.epoch:
             self._check_in(self.epoch + 1)
@@ -233,6 +237,57 @@ class Membership:
         with self._lock:  # still frozen: nothing is posted until the new group exists (open())
             self.epoch, self.current = epoch, decision
             self.changed.clear()
+        self._forget(decision.joined)
+        return decision
+
+    def _forget(self, uids: tuple[int, ...]) -> None:
+        """Members that joined (again) are alive: drop what was known of their death and heartbeat."""
+        for uid in uids:
+            self._dead.pop(uid, None)
+            self._seen.pop(uid, None)
+
+    @property
+    def joining(self) -> bool:
+        """Whether this worker must join (it is not a member of the current epoch, or was declared dead: restarted)."""
+        return self.uid not in self.current.members or self.store.check([f"dead/{self.uid}"])
+
+    def join(self) -> Decision:
+        """Ask to join and wait for the epoch that takes this worker in (a new epoch is started for it).
+
+        Returns:
+            The decision of the epoch this worker joins.
+
+        Raises:
+            MembershipError: not taken in within ``decide_timeout``, or the store is unreachable.
+        """
+        deadline = time.monotonic() + self.decide_timeout
+        try:
+            if self.store.check([f"dead/{self.uid}"]):
+                self.store.delete_key(f"dead/{self.uid}")
+            index = self.store.add("joins", 1) - 1
+            self.store.set(f"join/{index}", str(self.uid))
+            while True:
+                epoch = int(self.store.get("epoch"))
+                if self.store.check([f"e{epoch}/decision"]):
+                    decision = self._read_decision(epoch)
+                    if self.uid in decision.members and index < decision.joins:
+                        break
+                    if index >= decision.joins:  # decided without this request: start the next epoch for it
+                        self.store.compare_set("epoch", str(epoch), str(epoch + 1))
+                if time.monotonic() > deadline:
+                    raise MembershipError(
+                        f"member {self.uid}: not taken in within {self.decide_timeout:.0f} s of asking to join"
+                    )
+                time.sleep(self.interval / 4)
+        except MembershipError:
+            raise
+        except Exception as error:  # the store's host is gone
+            self.error = error
+            raise self._store_lost(self.epoch + 1) from error
+        with self._lock:
+            self.epoch, self.current, self._frozen, self.posted = epoch, decision, True, -1
+            self.changed.clear()
+        self._forget(decision.joined)
         return decision
 
     def _store_lost(self, epoch: int) -> MembershipError:
@@ -242,10 +297,14 @@ class Membership:
             "it from its last checkpoint"
         )
 
-    def open(self) -> None:
-        """The new epoch's group exists: posting is allowed again (the posted step starts afresh)."""
+    def open(self, first: int) -> None:
+        """The new epoch's group exists: posting is allowed again.
+
+        Args:
+            first: the group's first step (the posted step is ``first - 1`` until the first exchange is posted).
+        """
         with self._lock:
-            self.posted = -1
+            self.posted = first - 1
             self._frozen = False
 
     def _propose(self, epoch: int) -> None:
@@ -255,11 +314,12 @@ class Membership:
         if set(old) - set(checked) - set(dead):
             return  # a live member has not checked in yet
         joins = int(self.store.get("joins"))
-        joiners = sorted({int(self.store.get(f"join/{k}")) for k in range(joins)} - set(old))
-        members = sorted(set(checked) - set(dead)) + [uid for uid in joiners if uid not in self._dead]
+        fresh = range(self.current.joins, joins)  # join requests not yet taken by an earlier decision
+        joiners = sorted({int(self.store.get(f"join/{k}")) for k in fresh} - set(old))
+        members = sorted(set(checked) - set(dead)) + joiners
         posted = {uid: int(self.store.get(f"e{epoch}/in/{uid}")) for uid in checked}
         left = {uid: dead.get(uid, "left") for uid in old if uid not in members}
-        text = json.dumps({"members": members, "posted": posted, "joined": joiners, "left": left})
+        text = json.dumps({"members": members, "posted": posted, "joined": joiners, "left": left, "joins": joins})
         self.store.compare_set(f"e{epoch}/decision", "", text)
 
     def _read_decision(self, epoch: int) -> Decision:
@@ -270,6 +330,7 @@ class Membership:
             posted={int(uid): step for uid, step in data["posted"].items()},
             joined=tuple(data["joined"]),
             left={int(uid): how for uid, how in data.get("left", {}).items()},
+            joins=data.get("joins", 0),
         )
 
     def exit_time(self, uid: int) -> float | None:

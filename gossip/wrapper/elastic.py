@@ -145,6 +145,7 @@ def hand_over(
     model: DecentralizedDataParallel,
     optimizer: torch.optim.Optimizer | None,
     donors: dict[int, int],
+    comm: Communicator | None = None,
 ) -> int:
     """Send a joiner the parameters and optimizer state of its donor; every member calls it after :func:`rebind`.
 
@@ -155,11 +156,13 @@ def hand_over(
         model: the wrapper, rebound to the new group.
         optimizer: its optimizer (its state travels too), or None.
         donors: joiner's rank -> donor's rank, in the new group (the same on every member).
+        comm: the communicator to move the state on; None is the model's.
 
     Returns:
         The payload bytes this rank sent or received.
     """
-    comm, rank = model.comm, model.comm.rank
+    comm = model.comm if comm is None else comm
+    rank = comm.rank
     mine = [joiner for joiner, donor in donors.items() if donor == rank]
     moved = 0
     if rank in donors:

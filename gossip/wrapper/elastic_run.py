@@ -39,7 +39,7 @@ from gossip.algorithms.powergossip import PowerGossip
 from gossip.backends.elastic_comm import ElasticCommunicator, open_epoch
 from gossip.backends.membership import Decision, Membership
 from gossip.errors import CommTimeoutError, ElasticUnsupportedError, MembershipChangedError, PeerFailedError
-from gossip.wrapper.elastic import rebind, schedule_for, solo_communicator
+from gossip.wrapper.elastic import choose_donor, hand_over, rebind, schedule_for, solo_communicator
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from topologies import Schedule
 
@@ -129,6 +129,16 @@ class ElasticRun:
         if self._pending is not None and self.model.step_count >= self._pending[1]:
             self._enter()
 
+    def join(self) -> None:
+        """A joiner (restarted or new worker, its wrapper built over a one-rank communicator): wait to be taken in,
+        then enter the new group at its first step, with the parameters and optimizer state of its donor."""
+        started = time.perf_counter()
+        decision = self.membership.join()
+        first = max([s + 1 for s in decision.posted.values()], default=0)
+        self.model.step_count = first
+        self._pending = (decision, first, started, first, "joined")
+        self._enter()
+
     def finish(self) -> None:
         """At the end of the loop: enter a pending epoch even if its first step is past the run's last."""
         if self._pending is not None:
@@ -144,10 +154,12 @@ class ElasticRun:
             if self._pending is not None or self._comm is None:
                 raise
             self._resolve(error)
-        self.optimizer.step()  # completes the step: the mixing (completed) or the local update (skipped)
+        if self.model.step_count >= self._pending[1]:
+            self._enter()  # this step was never posted and the new group starts with it: mix it there
+        self.optimizer.step()  # completes the step: the mixing (completed, or in the new group) or a local update
         self.last_group = self.group
         if self._pending is not None and self.model.step_count < self._pending[1] and self.model.comm is self._comm:
-            self._go_solo()
+            self._go_solo()  # behind the new group's first step: train alone until it
 
     def _go_solo(self) -> None:
         self.group = (self.membership.uid,)
@@ -181,13 +193,22 @@ class ElasticRun:
         algorithm = self.make_algorithm()
         check_supported(schedule, algorithm)
         rebind(self.model, self._comm, schedule, algorithm)
+        old = [rank for rank, uid in enumerate(decision.members) if uid not in decision.joined]
+        donors = {
+            decision.members.index(uid): choose_donor(schedule, decision.members.index(uid), first, old)
+            for uid in decision.joined
+        }
+        moved = hand_over(self.model, self.optimizer, donors, self._comm.inner) if donors else 0
         self.group = decision.members
-        self.membership.open()
+        self.membership.open(first)
         self._pending = None
         seconds = time.perf_counter() - started
         exits = [t for t in (self.membership.exit_time(uid) for uid in decision.left) if t is not None]
         since_exit = time.time() - min(exits) if exits else None
         left = ", ".join(f"{uid} ({how})" for uid, how in sorted(decision.left.items())) or "nobody"
+        if donors:
+            left += "; joined: " + ", ".join(f"{decision.members[j]} (from {decision.members[d]}, {moved:,} bytes)"
+                                             for j, d in donors.items())  # fmt: skip
         since = f"{since_exit:.2f} s" if since_exit is not None else "unknown time"
         logger.info(
             "gossip elastic: member %d: epoch %d: left: %s, noticed at step %d (its exchange %s); members %s resume "
@@ -199,7 +220,8 @@ class ElasticRun:
             {
                 "epoch": decision.epoch,
                 "left": {str(uid): how for uid, how in decision.left.items()},
-                "joined": list(decision.joined),
+                "joined": {str(decision.members[j]): decision.members[d] for j, d in donors.items()},
+                "handover_bytes": moved,
                 "noticed_at_step": step,
                 "step_outcome": outcome,
                 "resume_step": first,

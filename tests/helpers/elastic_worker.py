@@ -5,11 +5,15 @@ Worker RANK starts from x = [RANK, 10 RANK, 100 RANK, 1000 RANK]. Every step it 
 OUT/rank<uid>.jsonl with the step, the group its mixing ran over (uids in rank order; itself alone while behind),
 x before the step and x after it. The update (SGD, lr 1, gradient set by hand) adds delta(uid, step), known to the
 test, so after - delta is exactly what the mixing made of x. A worker named in KILLS SIGKILLs itself at the top of
-that step, after writing its x: its exchange of that step is already posted (the kill lands mid-exchange).
+that step, after writing its x: its exchange of that step is already posted (the kill lands mid-exchange). A
+worker started again with the same RANK joins the run (OUT/rank<uid>.joined.jsonl); with ELASTIC_WORKER_AFTER_DEATH
+set it first waits for the launcher to report that RANK's exit (so the test can start it early); with
+ELASTIC_WORKER_HOLD_AT=STEP the others wait at STEP until a join is asked (so that it lands mid-run).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -19,11 +23,12 @@ import warnings
 
 import torch
 from torch import nn
+from torch.distributed import TCPStore
 
 from gossip import DecentralizedDataParallel, ExactGossip
 from gossip.backends.elastic_comm import open_epoch
 from gossip.backends.membership import STORE_VARIABLE, connect
-from gossip.wrapper.elastic import schedule_for
+from gossip.wrapper.elastic import schedule_for, solo_communicator
 from gossip.wrapper.elastic_run import ElasticRun
 
 TIMEOUT = 20.0
@@ -34,6 +39,12 @@ def delta(uid: int, step: int) -> torch.Tensor:
     return torch.tensor([1.0, 2.0, 4.0, 8.0], dtype=torch.float64) * (uid + 1) * (1 + step % 3)
 
 
+def own_client(address: str) -> TCPStore:
+    """A store client of its own: a long wait on the membership's client would hold up its heartbeats."""
+    host, port = address.rsplit(":", 1)
+    return TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT))
+
+
 def main() -> None:
     out, steps = sys.argv[1], int(sys.argv[2])
     kills = {int(r): int(s) for r, s in (item.split("@") for item in sys.argv[3].split(",") if item)}
@@ -41,21 +52,31 @@ def main() -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    if os.environ.get("ELASTIC_WORKER_AFTER_DEATH"):  # a restart: wait until the launcher reported this uid's exit
+        own_client(os.environ[STORE_VARIABLE]).wait([f"dead/{uid}"], datetime.timedelta(seconds=60))
     membership = connect(os.environ[STORE_VARIABLE], uid, timeout=TIMEOUT, detect=2.0)
     holder = []
-    comm = open_epoch(membership, 0, membership.current.members, TIMEOUT, lambda: holder[0].step_count)
     net = nn.Linear(4, 1, bias=False).double()
-    model = DecentralizedDataParallel(net, comm, schedule_for("one_peer_hypercube", size)[0], ExactGossip(),
-                                      consensus_every=0)  # fmt: skip
+    joining = membership.joining
+    if joining:  # restarted: a one-rank wrapper, then the hand-over from a neighbour
+        comm, schedule = solo_communicator(TIMEOUT), schedule_for("one_peer_hypercube", 1)[0]
+    else:
+        comm = open_epoch(membership, 0, membership.current.members, TIMEOUT, lambda: holder[0].step_count)
+        schedule = schedule_for("one_peer_hypercube", size)[0]
+    model = DecentralizedDataParallel(net, comm, schedule, ExactGossip(), consensus_every=0)
     holder.append(model)
     with torch.no_grad():
         model.buckets[0].buffer.copy_(torch.tensor([1.0, 10.0, 100.0, 1000.0], dtype=torch.float64) * uid)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     elastic = ElasticRun(model, optimizer, membership, schedule="one_peer_hypercube", algorithm=ExactGossip,
                          timeout=TIMEOUT)  # fmt: skip
-    with open(os.path.join(out, f"rank{uid}.jsonl"), "w") as log:
+    if joining:
+        elastic.join()
+    with open(os.path.join(out, f"rank{uid}{'.joined' if joining else ''}.jsonl"), "w") as log:
         while model.step_count < steps:
             step = model.step_count
+            if not joining and step == int(os.environ.get("ELASTIC_WORKER_HOLD_AT", -1)):  # until a join is asked
+                own_client(os.environ[STORE_VARIABLE]).wait(["join/0"], datetime.timedelta(seconds=90))
             elastic.before_step()
             before = model.buckets[0].buffer.tolist()
             row = {"step": step, "before": before}
