@@ -226,9 +226,9 @@ class Membership:
         except MembershipError as error:
             if self.error is None:
                 raise
-            raise self._store_lost(epoch) from error
+            raise MembershipError(self._store_lost(epoch)) from error
         except Exception as error:  # TCPStore raises plain RuntimeErrors / DistStoreErrors when its host is gone
-            raise self._store_lost(epoch) from error
+            raise MembershipError(self._store_lost(epoch)) from error
         if self.uid not in decision.members:
             raise MembershipError(
                 f"member {self.uid}: left out of epoch {epoch} (members {list(decision.members)}): it was declared "
@@ -283,15 +283,15 @@ class Membership:
             raise
         except Exception as error:  # the store's host is gone
             self.error = error
-            raise self._store_lost(self.epoch + 1) from error
+            raise MembershipError(self._store_lost(self.epoch + 1)) from error
         with self._lock:
             self.epoch, self.current, self._frozen, self.posted = epoch, decision, True, -1
             self.changed.clear()
         self._forget(decision.joined)
         return decision
 
-    def _store_lost(self, epoch: int) -> MembershipError:
-        return MembershipError(
+    def _store_lost(self, epoch: int) -> str:
+        return (
             f"member {self.uid}: the membership store is unreachable during epoch {epoch}'s decision "
             f"({self.error or 'no answer'}); the store's host (the launcher) is gone: the job cannot continue, restart "
             "it from its last checkpoint"

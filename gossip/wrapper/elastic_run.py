@@ -130,8 +130,11 @@ class ElasticRun:
             self._enter()
 
     def join(self) -> None:
-        """A joiner (restarted or new worker, its wrapper built over a one-rank communicator): wait to be taken in,
-        then enter the new group at its first step, with the parameters and optimizer state of its donor."""
+        """Join: wait to be taken in, then enter the new group with its donor's parameters and optimizer state.
+
+        For a restarted or new worker whose wrapper was built over a one-rank communicator
+        (:func:`gossip.wrapper.elastic.solo_communicator`); it starts at the group's first step.
+        """
         started = time.perf_counter()
         decision = self.membership.join()
         first = max([s + 1 for s in decision.posted.values()], default=0)
