@@ -38,9 +38,13 @@ def run(workers: int, steps: int, floats: int, elastic: bool, kill: int | None) 
         times = [row["t"] for row in rows if "t" in row]
         if len(times) > 12:
             step_times.append((times[-1] - times[10]) / (len(times) - 11))
-    result = {"code": code, "step_seconds": statistics.median(step_times)}
+    changes = [e for rows in logs.values() if rows and "events" in rows[-1] for e in rows[-1]["events"]]
+    result = {"code": code, "step_seconds": statistics.median(step_times), "changes_seen": len(changes)}
     if kill is not None:
-        events = [rows[-1]["events"][0] for rows in logs.values() if rows and "events" in rows[-1]]
+        events = [e for rows in logs.values() if rows and "events" in rows[-1] for e in rows[-1]["events"] if e["left"]]
+        result["spurious_changes"] = sum(
+            1 for rows in logs.values() if rows and "events" in rows[-1] for e in rows[-1]["events"] if not e["left"]
+        )
         resume = events[0]["resume_step"]
         exit_time = events[0]["exit_wall_time"]
         first_done = min(row["t"] for rows in logs.values() for row in rows if row.get("step") == resume)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -103,7 +104,7 @@ class Membership:
     """
 
     def __init__(
-        self, store: TCPStore, uid: int, *, interval: float = 0.1, detect: float = 3.0, decide_timeout: float = 60.0
+        self, store: TCPStore, uid: int, *, interval: float = 0.1, detect: float = 10.0, decide_timeout: float = 60.0
     ):
         self.store, self.uid = store, uid
         self.interval, self.detect, self.decide_timeout = interval, detect, decide_timeout
@@ -164,7 +165,9 @@ class Membership:
                               strict=True):  # fmt: skip
             last = self._seen.get(uid)
             if last is None or last[0] != value:
-                self._seen[uid] = (value, now)
+                # silence counts from a change seen by this member: not before a worker's first heartbeat (it may
+                # still be starting), nor across this member's own stalls (see open())
+                self._seen[uid] = (value, now if value != b"0" else math.inf)
             elif now - last[1] >= self.detect and uid not in self._dead:
                 self._dead[uid] = f"silent for {self.detect:.1f} s"
         return {uid: self._dead[uid] for uid in uids if uid in self._dead}
@@ -306,6 +309,9 @@ class Membership:
         with self._lock:
             self.posted = first - 1
             self._frozen = False
+        # Forming a Gloo group can hold the interpreter for seconds (on every member): heartbeats missed meanwhile
+        # are no sign of death, so silence is counted afresh from here.
+        self._seen.clear()
 
     def _propose(self, epoch: int) -> None:
         old = self.current.members

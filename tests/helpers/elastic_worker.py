@@ -54,7 +54,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if os.environ.get("ELASTIC_WORKER_AFTER_DEATH"):  # a restart: wait until the launcher reported this uid's exit
         own_client(os.environ[STORE_VARIABLE]).wait([f"dead/{uid}"], datetime.timedelta(seconds=60))
-    membership = connect(os.environ[STORE_VARIABLE], uid, timeout=TIMEOUT, detect=2.0)
+    membership = connect(os.environ[STORE_VARIABLE], uid, timeout=TIMEOUT)
     holder = []
     net = nn.Linear(4, 1, bias=False).double()
     joining = membership.joining
