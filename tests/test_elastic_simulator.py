@@ -181,3 +181,31 @@ def test_plan_refuses_impossible_changes():
         plan_epochs(1, 10, [Change(3, 0)])
     with pytest.raises(InvalidArgumentError, match="not inside"):
         plan_epochs(4, 10, [Change(10, 1)])
+
+
+def test_checkpoint_records_the_members(tmp_path):
+    """ElasticRun passed in save_checkpoint's extra: the file says who the members were, and a load reads it back."""
+    from types import SimpleNamespace
+
+    from gossip import simulate
+    from gossip.checkpoint import load_checkpoint, save_checkpoint
+    from gossip.wrapper.elastic_run import ElasticRun
+
+    def worker(comm):
+        membership = SimpleNamespace(uid=[4, 7][comm.rank], epoch=3, current=SimpleNamespace(members=(4, 7)))
+        model = DecentralizedDataParallel(nn.Linear(3, 2), comm, schedule_for("one_peer_hypercube", 2)[0],
+                                          ExactGossip(), consensus_every=0)  # fmt: skip
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        run = ElasticRun(model, optimizer, membership, schedule="one_peer_hypercube", algorithm=ExactGossip,
+                         timeout=5.0)  # fmt: skip
+        run.events.append({"epoch": 3, "left": {"2": "killed by SIGKILL"}})
+        save_checkpoint(tmp_path, model, optimizer, extra={"membership": run})
+        fresh = ElasticRun(model, optimizer, membership, schedule="one_peer_hypercube", algorithm=ExactGossip,
+                           timeout=5.0)  # fmt: skip
+        load_checkpoint(tmp_path, model, optimizer, extra={"membership": fresh})
+        model.close()
+        return fresh.restored
+
+    for rank, restored in enumerate(simulate(2, worker)):
+        assert restored == {"uid": [4, 7][rank], "epoch": 3, "members": [4, 7],
+                            "events": [{"epoch": 3, "left": {"2": "killed by SIGKILL"}}]}  # fmt: skip

@@ -104,6 +104,8 @@ class ElasticRun:
         self.schedule_name, self.make_algorithm, self.timeout = schedule, algorithm, timeout
         #: one dict per membership change, for the run's summary
         self.events: list[dict[str, Any]] = []
+        #: the membership a loaded checkpoint recorded (see :meth:`load_state_dict`), else None
+        self.restored: dict[str, Any] | None = None
         self._comm: ElasticCommunicator | None = model.comm if isinstance(model.comm, ElasticCommunicator) else None
         self._pending: tuple[Decision, int, float, int, str] | None = None  # decision, R, start, step, outcome
         #: the uids of the group the wrapper is bound to, in rank order (this worker alone while behind R)
@@ -123,6 +125,24 @@ class ElasticRun:
             The wrapper's step count.
         """
         return self.model.step_count
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint records of the membership (pass this object in ``save_checkpoint``'s ``extra``).
+
+        Returns:
+            This worker's uid, the epoch, its members (uids in rank order: the checkpoint file ``rank<r>.pt`` is
+            written by the member at index r) and the changes so far.
+        """
+        return {"uid": self.membership.uid, "epoch": self.membership.epoch, "members": list(self.members),
+                "events": [dict(event) for event in self.events]}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Keep what a checkpoint recorded of the membership, as :attr:`restored` (a restarted job reads it).
+
+        Args:
+            state: what :meth:`state_dict` returned when the checkpoint was saved.
+        """
+        self.restored = dict(state)
 
     def before_step(self) -> None:
         """At the top of a step: enter the new epoch once this worker reached its first step R."""
