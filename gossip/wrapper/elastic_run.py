@@ -130,8 +130,8 @@ class ElasticRun:
         """What a checkpoint records of the membership (pass this object in ``save_checkpoint``'s ``extra``).
 
         Returns:
-            This worker's uid, the epoch, its members (uids in rank order: the checkpoint file ``rank<r>.pt`` is
-            written by the member at index r) and the changes so far.
+            This worker's uid, the epoch, its members (uids in rank order: the member at index r writes the
+                checkpoint file ``rank<r>.pt``) and the changes so far.
         """
         return {"uid": self.membership.uid, "epoch": self.membership.epoch, "members": list(self.members),
                 "events": [dict(event) for event in self.events]}  # fmt: skip
