@@ -167,6 +167,7 @@ def test_main_job_elastic_kill_exits_zero_and_names_the_change(tmp_path):
     assert event["left"] == {"2": "killed by SIGKILL"} and event["members"] == [0, 1, 3]
     assert event["noticed_at_step"] in (8, 9) and event["resume_step"] in (9, 10)
     assert "membership: epoch 1: left 2 (killed by SIGKILL)" in result.stdout
+    assert (out / "membership.png").stat().st_size > 0  # the curve, marked where the new member set began
 
 
 def _alive(pid: int) -> bool:

@@ -166,7 +166,9 @@ def train_elastic(config: TrainConfig, kills: dict[int, int]) -> RunSummary | No
 
 
 def write_elastic_outputs(run_dir: Path, summary: RunSummary, uid: int, events: list[dict]) -> None:
-    """The run's outputs, with the membership changes in ``result.json`` (and ``membership.json``).
+    """The run's outputs, with the membership changes in ``result.json``, ``membership.json`` and ``membership.png``.
+
+    ``membership.png`` marks the curve where each new member set began.
 
     The curves and ``metrics.csv`` come from ``metrics_rank0.jsonl``: when member 0 did not survive, only
     ``result.json`` is written.
@@ -183,6 +185,8 @@ def write_elastic_outputs(run_dir: Path, summary: RunSummary, uid: int, events: 
     else:
         result = {**summary.numbers(), "sample": summary.sample}
     result["membership"] = events
+    if uid == 0 and events:
+        _mark_changes(run_dir, events)
     for event in events:
         left = ", ".join(f"{u} ({how})" for u, how in event["left"].items()) or "nobody"
         logger.info(
@@ -192,3 +196,29 @@ def write_elastic_outputs(run_dir: Path, summary: RunSummary, uid: int, events: 
         )  # fmt: skip
     (run_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     (run_dir / "membership.json").write_text(json.dumps(events, indent=2) + "\n")
+
+
+def _mark_changes(run_dir: Path, events: list[dict]) -> None:
+    """``membership.png``: the mean training loss against step, a dashed line where each new member set began."""
+    import csv
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(run_dir / "metrics.csv", newline="") as file:
+        rows = [(int(row["step"]), float(row["mean_loss"])) for row in csv.DictReader(file)]
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    axis.plot([step for step, _ in rows], [loss for _, loss in rows], label="train loss (mean over the survivors)")
+    for event in events:
+        left = ", ".join(event["left"]) or "-"
+        joined = ", ".join(event["joined"]) or "-"
+        axis.axvline(event["resume_step"], color="grey", linestyle="--")
+        axis.text(event["resume_step"], axis.get_ylim()[1], f" left {left}, joined {joined}: {len(event['members'])}",
+                  va="top", fontsize=8, rotation=90)  # fmt: skip
+    axis.set_xlabel("step")
+    axis.set_ylabel("cross-entropy (nats / byte)")
+    axis.legend()
+    figure.savefig(run_dir / "membership.png", dpi=100)
+    plt.close(figure)
