@@ -118,6 +118,7 @@ class Membership:
         self._deaths = -1
         self._dead: dict[int, str] = {}
         self._seen: dict[int, tuple[bytes, float]] = {}
+        self._watching = False  # silence is watched once this member's first group exists (open())
         self._stop = threading.Event()
         self.error: BaseException | None = None
         store.add(f"hb/{uid}", 1)
@@ -160,7 +161,7 @@ class Membership:
                 if uid not in self._dead and self.store.check([f"dead/{uid}"]):
                     self._dead[uid] = self.store.get(f"dead/{uid}").decode()
         now = time.monotonic()
-        others = [uid for uid in uids if uid != self.uid]
+        others = [uid for uid in uids if uid != self.uid] if self._watching else []
         for uid, value in zip(others, self.store.multi_get([f"hb/{uid}" for uid in others]) if others else [],
                               strict=True):  # fmt: skip
             last = self._seen.get(uid)
@@ -309,6 +310,7 @@ class Membership:
         with self._lock:
             self.posted = first - 1
             self._frozen = False
+            self._watching = True
         # Forming a Gloo group can hold the interpreter for seconds (on every member): heartbeats missed meanwhile
         # are no sign of death, so silence is counted afresh from here.
         self._seen.clear()

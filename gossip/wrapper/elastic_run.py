@@ -112,6 +112,8 @@ class ElasticRun:
         self.group: tuple[int, ...] = membership.current.members
         #: the group of the last completed mixing step (what its schedule ran over)
         self.last_group: tuple[int, ...] = self.group
+        if self._comm is not None:
+            membership.open(model.step_count)  # the first group exists: silence is watched from now on
 
     @property
     def members(self) -> tuple[int, ...]:
