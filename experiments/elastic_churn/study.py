@@ -80,13 +80,16 @@ def run(kind: str, seed: int) -> list[dict]:
 
 
 def restarted(rows: list[dict]) -> list[dict]:
-    """The all-reduce curve as a restart from the last checkpoint would give it, on the axis of executed steps."""
-    lost = LEAVE - (LEAVE // CHECKPOINT_EVERY) * CHECKPOINT_EVERY
-    out = []
-    for row in rows:
-        executed = row["step"] if row["step"] <= LEAVE else row["step"] + lost
-        if executed <= STEPS:
-            out.append({**row, "kind": "allreduce_restarted", "step": executed})
+    """The all-reduce curve as a restart from the last checkpoint would give it, on the axis of executed steps.
+
+    Steps up to the failure run once; then the steps since the checkpoint run again (their evaluations repeat, the
+    run being deterministic) and the rest follows, ``lost`` executed steps later.
+    """
+    checkpoint = (LEAVE // CHECKPOINT_EVERY) * CHECKPOINT_EVERY
+    lost = LEAVE - checkpoint
+    out = [{**row, "kind": "allreduce_restarted"} for row in rows if row["step"] <= LEAVE]
+    out += [{**row, "kind": "allreduce_restarted", "step": row["step"] + lost} for row in rows
+            if row["step"] > checkpoint and row["step"] + lost <= STEPS]  # fmt: skip
     return out
 
 
@@ -123,7 +126,9 @@ def main() -> int:
     args = parser.parse_args()
     path = RESULTS / "curves.csv"
     if args.plot_only:
-        rows = read_csv(path)
+        rows = [row for row in read_csv(path) if row["kind"] != "allreduce_restarted"]
+        rows += restarted([row for row in rows if row["kind"] == "allreduce"])
+        write_csv(path, rows)
     else:
         rows = []
         for seed in range(args.seeds):
