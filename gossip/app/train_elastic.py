@@ -11,6 +11,10 @@ needs one exchange per step); the default schedule is ``one_peer_hypercube`` (a 
 ``random_matchings``; the sampled consensus distance is off (a collective in the middle of a step); the data shards
 stay those of the original ranks (a departed worker's shard is not reassigned). The summary is written by the
 lowest surviving member; its ``result.json`` has a ``membership`` list naming who left, when, and the new schedule.
+
+A worker started again with the same command, ``RANK`` and ``GOSSIP_ELASTIC_STORE`` (the launcher prints it) joins
+the run from a neighbour at the group's next step boundary; it writes no per-step metrics file, and the summary's
+per-step losses are those of the workers that took every step.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import math
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,6 +48,7 @@ from gossip.app.train import (
 from gossip.backends.elastic_comm import open_epoch
 from gossip.backends.membership import STORE_VARIABLE, connect
 from gossip.errors import ConfigError, ElasticUnsupportedError, NonFiniteError
+from gossip.wrapper.elastic import schedule_for, solo_communicator
 from gossip.wrapper.elastic_run import ElasticRun
 from gossip.wrapper.parallel import DecentralizedDataParallel
 
@@ -108,17 +114,23 @@ def train_elastic(config: TrainConfig, kills: dict[int, int]) -> RunSummary | No
     torch.set_num_threads(worker_threads(size))
     config, notes = resolve_elastic(config, size)
     membership = connect(os.environ[STORE_VARIABLE], uid, timeout=config.timeout)
+    joining = membership.joining  # restarted with the same command: join from a neighbour
     holder: list[DecentralizedDataParallel] = []
-    comm = open_epoch(membership, 0, membership.current.members, config.timeout,
-                      lambda: holder[0].step_count if holder else 0)  # fmt: skip
-    run_dir = prepare_run_dir(config, comm)
+    if joining:
+        comm, schedule = solo_communicator(config.timeout), schedule_for(config.schedule, 1)[0]
+        run_dir = Path(config.out)
+    else:
+        comm = open_epoch(membership, 0, membership.current.members, config.timeout,
+                          lambda: holder[0].step_count if holder else 0)  # fmt: skip
+        schedule = build_schedule(config)
+        run_dir = prepare_run_dir(config, comm)
     for note in notes if uid == 0 else []:
         logger.info(note)
     corpus = load_corpus(config.data, block_size=config.model["block_size"])
     torch.manual_seed(config.seed)
     module, algorithm = GPT(GPTConfig(**config.model)), make_algorithm(config)
-    model = DecentralizedDataParallel(
-        module, comm, build_schedule(config), algorithm, run_dir=run_dir, consensus_every=0, seed=config.seed
+    model = DecentralizedDataParallel(  # a joiner writes no per-step metrics (its rank-0 file would be uid 0's)
+        module, comm, schedule, algorithm, run_dir=None if joining else run_dir, consensus_every=0, seed=config.seed
     )
     holder.append(model)
     optimizer = make_optimizer(config, model.module)
@@ -130,7 +142,15 @@ def train_elastic(config: TrainConfig, kills: dict[int, int]) -> RunSummary | No
     held_out = validation_batches(corpus.validation, config.batch_size, config.model["block_size"], config.eval_batches)
     if uid == 0:
         logger.info("gossip-train --elastic: %d worker(s), schedule %s, run dir %s", size, config.schedule, run_dir)
-    initial_validation = validation_loss(model, held_out, comm)
+    if joining:
+        elastic.join()
+        scheduler.last_epoch = model.step_count - 1
+        with warnings.catch_warnings():  # stepped before any optimizer step, on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.step()  # the learning rate of the step it joins at
+        initial_validation = math.nan  # the group measured it at the start
+    else:
+        initial_validation = validation_loss(model, held_out, comm)
     started, losses = time.perf_counter(), []
     while model.step_count < config.steps:
         step = model.step_count
@@ -153,7 +173,8 @@ def train_elastic(config: TrainConfig, kills: dict[int, int]) -> RunSummary | No
     final_validation = validation_loss(model, held_out, comm)
     consensus = model.consensus_distance()
     sample = _sample(model, config.seed, comm.rank)
-    all_losses = comm.all_gather_object(losses)
+    # a joiner trained fewer steps: the summary's per-step means are over the workers that took every step
+    all_losses = [mine for mine in comm.all_gather_object(losses) if len(mine) == config.steps]
     traffic = model.close()
     membership.close()
     if comm.rank != 0:
