@@ -53,7 +53,9 @@ def launcher_command(out: Path, n: int, steps: int, kills: str) -> list[str]:
     code = (
         "import sys; from gossip.app.elastic_launch import launch_elastic; "
         f"kills = {{int(r): int(s) for r, s in (i.split('@') for i in {kills!r}.split(',') if i)}}; "
-        f"sys.exit(launch_elastic({n}, [sys.executable, {str(WORKER)!r}, {str(out)!r}, '{steps}', {kills!r}], kills))"
+        "say = lambda message: print(message, file=sys.stderr, flush=True); "
+        f"sys.exit(launch_elastic({n}, [sys.executable, {str(WORKER)!r}, {str(out)!r}, '{steps}', {kills!r}], kills, "
+        "say))"
     )
     return [sys.executable, "-c", code]
 

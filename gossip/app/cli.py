@@ -77,6 +77,10 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _kill(text: str) -> tuple[int, int]:
     from gossip.app.elastic_launch import parse_kill
 
@@ -428,9 +432,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.elastic:
             from gossip.app.elastic_launch import launch_elastic
 
-            return launch_elastic(
-                args.nproc, [sys.executable, "-m", "gossip", *_worker_argv(argv, out)], dict(args.kill)
-            )
+            command = [sys.executable, "-m", "gossip", *_worker_argv(argv, out)]
+            return launch_elastic(args.nproc, command, dict(args.kill), say=_to_stderr)
         return launch_local(args.nproc, argv, out)
     code = run_worker(args)
     sys.stdout.flush()

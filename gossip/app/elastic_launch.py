@@ -12,15 +12,17 @@ one finished); else 1, naming each worker that failed otherwise.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from gossip.backends.membership import STORE_VARIABLE, host_store, mark_dead
 from gossip.errors import ConfigError
+
+logger = logging.getLogger("gossip")
 
 #: Seconds between two looks at the workers.
 POLL = 0.05
@@ -53,13 +55,17 @@ def _how(code: int) -> str:
     return f"exited with status {code}"
 
 
-def launch_elastic(nproc: int, command: Sequence[str], kills: dict[int, int]) -> int:
+def launch_elastic(
+    nproc: int, command: Sequence[str], kills: dict[int, int], say: Callable[[str], None] = logger.warning
+) -> int:
     """Run ``nproc`` elastic workers of ``command`` and wait for all of them.
 
     Args:
         nproc: the number of workers.
         command: each worker's command line (e.g. ``python -m gossip ...`` without ``--nproc``).
         kills: worker -> the step at which it kills itself (``--kill``), to tell those deaths from failures.
+        say: where the launcher's messages go (the store's address, each exit); ``gossip-train`` prints them on
+            stderr.
 
     Returns:
         The exit status (see the module docstring).
@@ -68,8 +74,8 @@ def launch_elastic(nproc: int, command: Sequence[str], kills: dict[int, int]) ->
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_"))}
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
     env[STORE_VARIABLE] = f"127.0.0.1:{store.port}"
-    print(f"gossip-train: membership store at {env[STORE_VARIABLE]} (a worker restarted with the same command and "
-          f"RANK, and {STORE_VARIABLE} set to it, joins the run)", file=sys.stderr, flush=True)  # fmt: skip
+    say(f"gossip-train: membership store at {env[STORE_VARIABLE]} (a worker restarted with the same command and "
+        f"RANK, and {STORE_VARIABLE} set to it, joins the run)")  # fmt: skip
     workers = {}
     for rank in range(nproc):
         place = {"RANK": rank, "WORLD_SIZE": nproc, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": nproc}
@@ -92,7 +98,7 @@ def launch_elastic(nproc: int, command: Sequence[str], kills: dict[int, int]) ->
                     codes[rank] = code
                     if code != 0:
                         mark_dead(store, rank, _how(code))
-                        print(f"gossip-train: worker {rank} {_how(code)}", file=sys.stderr, flush=True)
+                        say(f"gossip-train: worker {rank} {_how(code)}")
             time.sleep(POLL)
     finally:
         for signum, handler in previous.items():
@@ -100,6 +106,6 @@ def launch_elastic(nproc: int, command: Sequence[str], kills: dict[int, int]) ->
     failed = {r: c for r, c in codes.items() if c != 0 and not (r in kills and c == -signal.SIGKILL)}
     if failed or all(c != 0 for c in codes.values()):
         for rank, code in sorted(failed.items()):
-            print(f"gossip-train: worker {rank} of {nproc} {_how(code)}", file=sys.stderr, flush=True)
+            say(f"gossip-train: worker {rank} of {nproc} {_how(code)}")
         return 1
     return 0
