@@ -39,6 +39,8 @@ def run(workers: int, steps: int, floats: int, elastic: bool, kill: int | None) 
         if len(times) > 12:
             step_times.append((times[-1] - times[10]) / (len(times) - 11))
     changes = [e for rows in logs.values() if rows and "events" in rows[-1] for e in rows[-1]["events"]]
+    if code != 0 or not step_times:  # a failed run is reported, not timed
+        return {"code": code, "step_seconds": float("nan"), "changes_seen": len(changes), "failed": True}
     result = {"code": code, "step_seconds": statistics.median(step_times), "changes_seen": len(changes)}
     if kill is not None:
         events = [e for rows in logs.values() if rows and "events" in rows[-1] for e in rows[-1]["events"] if e["left"]]
@@ -68,6 +70,9 @@ def main() -> None:
         on = run(args.workers, args.steps, args.floats, True, None)
         killed = run(args.workers, args.steps, args.floats, True, args.steps // 3)
         print(json.dumps({"repeat": repeat, "off": off, "on": on, "kill": killed}), flush=True)
+        if any(r.get("failed") for r in (off, on, killed)):
+            print(f"repeat {repeat}: a run failed: {off['code']}, {on['code']}, {killed['code']}", flush=True)
+            continue
         print(f"repeat {repeat}: step time off {off['step_seconds'] * 1e3:.1f} ms, on {on['step_seconds'] * 1e3:.1f} "
               f"ms ({(on['step_seconds'] / off['step_seconds'] - 1) * 100:+.1f} %); kill: new group "
               f"{killed['reformed_since_exit']:.2f} s after the exit, first step of it done "
