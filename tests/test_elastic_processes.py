@@ -11,7 +11,8 @@ step, with that step's exchange already posted: the kill lands mid-exchange. Pin
   neither; an applied one is the exact average of the two replicas; with the dead worker, a survivor either kept its
   replica or averaged with the dead worker's last replica (its share, nothing else);
 * the time from the exit to the new group stays under the documented bound;
-* two workers killed at once: the two survivors go on, over a 2-rank hypercube;
+* two workers killed at once: the two survivors go on, over a 2-rank hypercube; two killed at successive steps
+  (the second at the new group's first step): two changes, 4 -> 3 -> 2 members;
 * a killed worker restarted with the same command joins: it starts at the group's resume step with its donor's
   replica, bit for bit, and from then on every mixing step with it is applied on both ends or neither;
 * the store's host (the launcher) SIGKILLed mid-run: every worker ends within a bounded time with a
@@ -74,7 +75,10 @@ def logs(out: Path, suffix: str = "") -> dict[int, list[dict]]:
     return {int(p.name[4:].split(".")[0]): [json.loads(line) for line in p.read_text().splitlines()] for p in paths}
 
 
-@pytest.fixture(scope="module", params=[("one", 4, 90, "2@30"), ("two", 4, 90, "1@30,3@30")], ids=lambda p: p[0])
+SCENARIOS = [("one", 4, 90, "2@30"), ("two", 4, 90, "1@30,3@30"), ("successive", 4, 90, "1@30,3@32")]
+
+
+@pytest.fixture(scope="module", params=SCENARIOS, ids=lambda p: p[0])
 def job(request, tmp_path_factory):
     name, n, steps, kills = request.param
     out = tmp_path_factory.mktemp(f"elastic_{name}")
@@ -108,15 +112,22 @@ def test_survivors_finish_and_log_who_left(job):
     for uid in survivors:
         *rows, last = runs[uid]
         assert [row["step"] for row in rows] == list(range(steps))
-        (event,) = last["events"]
-        assert {int(u) for u in event["left"]} == dead
-        assert all(how == "killed by SIGKILL" for how in event["left"].values())
-        assert event["members"] == survivors
-        assert event["seconds_since_exit"] < BOUND_SECONDS
+        events = last["events"]
+        assert len(events) == (2 if len(dead) == 2 and "successive" in str(result.args) else 1)
+        assert {int(u) for event in events for u in event["left"]} == dead
+        assert all(how == "killed by SIGKILL" for event in events for how in event["left"].values())
+        assert events[-1]["members"] == survivors
+        assert all(event["seconds_since_exit"] < BOUND_SECONDS for event in events)
     lines = [line for line in result.stdout.splitlines() if line.startswith("gossip elastic: member")]
-    assert sorted(int(line.split()[3].rstrip(":")) for line in lines) == survivors
-    wanted = "random_matchings (fallback: one_peer_hypercube over 3 ranks" if len(survivors) == 3 else "one_peer_hyp"
-    assert all(f"left: {min(dead)} (killed by SIGKILL)" in line and wanted in line for line in lines)
+    epochs = {int(line.split()[5].rstrip(":")) for line in lines}
+    for epoch in epochs:  # one line per member of each new group
+        members = {int(line.split()[3].rstrip(":")) for line in lines if f"epoch {epoch}:" in line}
+        assert len([line for line in lines if f"epoch {epoch}:" in line]) == len(members)
+    assert {int(line.split()[3].rstrip(":")) for line in lines if f"epoch {max(epochs)}:" in line} == set(survivors)
+    for uid in dead:
+        assert any(f"{uid} (killed by SIGKILL)" in line for line in lines)
+    wanted = "random_matchings (fallback: one_peer_hypercube over 3 ranks"
+    assert all(wanted in line for line in lines if "members [0, 2, 3]" in line or "members [0, 1, 3]" in line)
 
 
 @pytest.mark.multiprocess
