@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from powergossip_compute import bound_step, median_seconds, model_buckets, synchronize
 
 from gossip import PowerGossip
+from gossip.algorithms import PowerGossipTuning
 from gossip.algorithms.buckets import DEFAULT_BUCKET_BYTES
 from gossip.app.gpt import GPTConfig
 
@@ -142,30 +143,32 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(f"device: {results['gpu']}, torch {torch.__version__}; {len(buckets)} buckets of {args.bucket_bytes} B")
     print(f"forward + backward: {base * 1e3:.2f} ms")
-    for rank in args.ranks:
-        algorithm = PowerGossip(rank=rank)
+    for rank, graphs in [(rank, graphs) for rank in args.ranks for graphs in (False, True)]:
+        algorithm = PowerGossip(rank=rank, tuning=PowerGossipTuning(cuda_graphs=graphs))
         step = bound_step(algorithm, buckets, device)
         wall = median_seconds(step, device, args.warmup, args.rounds)
         entry: dict[str, Any] = {"wall_s": wall, **profile_steps(step, args.rounds, device)}
-        algorithm._nonfinite_peers = lambda step, policy, received: set()  # capture refuses the check's host read
-        try:
-            if device.type != "cuda":
-                raise RuntimeError("CUDA graphs need a CUDA device")
-            entry["graph_s"] = graph_replay_seconds(step, args.warmup, args.rounds)
-        except Exception as error:  # report why the capture failed; the other numbers stand
-            entry["graph_error"] = f"{type(error).__name__}: {error}"[:500]
-        results["ranks"][rank] = entry
+        if not graphs:  # the whole step as one graph: what the kernels take without the host
+            algorithm._nonfinite_peers = lambda step, policy, received: set()  # capture refuses the host read
+            try:
+                if device.type != "cuda":
+                    raise RuntimeError("CUDA graphs need a CUDA device")
+                entry["graph_s"] = graph_replay_seconds(step, args.warmup, args.rounds)
+            except Exception as error:  # report why the capture failed; the other numbers stand
+                entry["graph_error"] = f"{type(error).__name__}: {error}"[:500]
+        label = f"rank {rank}, {'CUDA graphs per plan (the default)' if graphs else 'op by op'}"
+        results["ranks"][label] = entry
         busy = entry["gpu_busy_us_per_step"] * 1e-6
         print(
-            f"\nrank {rank}: wall {wall * 1e3:.2f} ms ({100 * wall / base:.1f} % of forward + backward); "
+            f"\n{label}: wall {wall * 1e3:.2f} ms ({100 * wall / base:.1f} % of forward + backward); "
             f"{entry['kernels_per_step']:.0f} kernels / {entry['launch_calls_per_step']:.0f} launch calls per step; "
             f"GPU busy {busy * 1e3:.2f} ms ({100 * busy / base:.1f} %), idle {100 * (1 - busy / wall):.0f} % of the "
             f"wall time (profiler on)"
         )
         if "graph_s" in entry:
             graph = entry["graph_s"]
-            print(f"  CUDA graph replay: {graph * 1e3:.2f} ms per step ({100 * graph / base:.1f} %)")
-        else:
+            print(f"  the whole step as one CUDA graph: {graph * 1e3:.2f} ms per step ({100 * graph / base:.1f} %)")
+        elif "graph_error" in entry:
             print(f"  CUDA graph capture failed: {entry['graph_error']}")
         print("  costliest kernels (per step: calls, us):")
         for name, count, us in entry["top_kernels"]:

@@ -48,5 +48,5 @@ def test_the_profile_runs_on_the_cpu_and_names_the_host_operations(monkeypatch, 
     small = ["--layers", "1", "--embd", "32", "--heads", "2", "--block", "16", "--vocab", "64", "--batch", "2"]
     load("gpu_profile.py").main(["--device", "cpu", "--rounds", "2", "--warmup", "1", *small])
     out = capsys.readouterr().out
-    assert "rank 4: wall" in out and "aten::" in out
+    assert "rank 4, op by op: wall" in out and "aten::" in out
     assert "CUDA graph capture failed: RuntimeError: CUDA graphs need a CUDA device" in out

@@ -95,13 +95,15 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from gossip.algorithms.base import Algorithm, all_finite_on_host, check_nonfinite_policy
 from gossip.algorithms.buckets import Bucket, Entry
+from gossip.algorithms.cuda_graphs import CapturedKernels
 from gossip.algorithms.powergossip_layout import (
     CPU_PAD_RATIO,
     PAD_RATIO,
@@ -325,12 +327,18 @@ class PowerGossipTuning:
             ``CPU_PAD_RATIO`` on the CPU. Changes only the rounding.
         uncompressed_every_iteration: mix the uncompressed tensors with every power iteration instead of once
             per step (the module docstring says when that repeats the averaging). Part of :meth:`PowerGossip.config`.
+        cuda_graphs: on CUDA, launch each plan's kernels between two exchanges as one CUDA graph
+            (:mod:`gossip.algorithms.cuda_graphs`) when the sequence is fixed: warm-started factors, Gram-Schmidt,
+            and the non-finite check deferred on the device (``nonfinite="raise"``), and one rank per process
+            (not on the simulator's threads). The same kernels run, with the same results (a GPU test compares
+            both); not part of the config.
     """
 
     orthonormalization: str | None = None
     orthonormalize_dtype: torch.dtype | None = None
     pad_ratio: int | None = None
     uncompressed_every_iteration: bool = False
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.orthonormalization not in (None, *METHODS):
@@ -349,6 +357,7 @@ class PowerGossipTuning:
                 f"PowerGossipTuning: pad_ratio must be None or an integer >= 1, got {pad_ratio!r}"
             )
         object.__setattr__(self, "uncompressed_every_iteration", bool(self.uncompressed_every_iteration))
+        object.__setattr__(self, "cuda_graphs", bool(self.cuda_graphs))
 
 
 @dataclass
@@ -544,6 +553,17 @@ class PowerGossip(Algorithm):
         self._orthonormalization = self.tuning.orthonormalization or default_method(self._device)  # chosen once
         for edge in self.edges.values():  # bound again: plans hold views of the previous binding's buckets
             edge.plans.clear()
+        # the same kernels at every step: warm-started factors, Gram-Schmidt, the non-finite check on the device
+        fixed = self.warm_start and self._orthonormalization == "gram-schmidt" and self.nonfinite == "raise"
+        self._captured = (
+            CapturedKernels(
+                self._device,
+                f"rank {comm.rank}: {type(self).__name__}",
+                "PowerGossip(tuning=PowerGossipTuning(cuda_graphs=False)) launches them one by one",
+            )
+            if on_cuda and self.tuning.cuda_graphs and fixed and not comm.ranks_share_a_process
+            else None
+        )
 
     def describe(self) -> dict[str, list[str]]:
         """Which parameters are compressed and which travel exactly.
@@ -692,11 +712,7 @@ class PowerGossip(Algorithm):
                 for stack in plan.factor:
                     for factor in stack:
                         factor.copy_(edge.draw(factor.shape[-1], self.matrix_rank, self._device, self._dtype).mT)
-            self._orthonormalize(plan)
-            for factor, x, out in plan.products:
-                torch.bmm(factor, x, out=out)
-            if plan.rounded:
-                plan.sent_products.copy_(plan.difference)
+            self._run(plan, "products", partial(self._products, plan))
             if exact:  # packed once per iteration; further peers' messages copy the first pack
                 if peers:
                     plan.sent_exact.copy_(peers[0][3].sent_exact)
@@ -708,6 +724,27 @@ class PowerGossip(Algorithm):
         handle = self._exchange([], [], seq) if planned is None else self._start_planned(planned, seq)
         return _Round(step, seq, peers, handle, exact)
 
+    def _products(self, plan: Plan) -> None:
+        """Orthonormalise the factor ``plan`` multiplies with and write its products into the message."""
+        self._orthonormalize(plan)
+        for factor, x, out in plan.products:
+            torch.bmm(factor, x, out=out)
+        if plan.rounded:
+            plan.sent_products.copy_(plan.difference)
+
+    def _update(self, plan: Plan, alpha: float, maybe_zero_column: bool | None) -> None:
+        """X += alpha p q^T on every run of ``plan``, then R replaces the factors (the warm-start rule)."""
+        for x, p, qt in plan.updates:
+            x.baddbmm_(p, qt, alpha=alpha)
+        replace_factors(plan.replaced, maybe_zero_column)
+
+    def _run(self, plan: Plan, key: Hashable, sequence: Callable[[], None]) -> None:
+        """Run ``sequence`` (``plan``'s kernels named ``key``) as a CUDA graph where they are captured, else now."""
+        if self._captured is None:
+            sequence()
+        else:
+            self._captured.run(plan.graphs, key, sequence)
+
     def _apply(self, round_: _Round) -> None:
         self._wait(round_.handle)
         me, gamma, peers = self.comm.rank, self.gamma, round_.peers
@@ -715,7 +752,7 @@ class PowerGossip(Algorithm):
         if on_device:  # checked on the device, read at the next step (before R is written over a message)
             dropped = self._nonfinite_peers(round_.step, self.nonfinite, [(p, plan.inboxes) for p, _, _, plan in peers])
         for peer, _, _, plan in peers:
-            self._difference(plan, me < peer)
+            self._run(plan, ("difference", me < peer), partial(self._difference, plan, me < peer))
         maybe_zero_columns: dict[int, bool] = {}  # per peer, when known on the host
         skipped: set[int] = set()  # edges whose R is not finite from this rank's own products
         if not on_device:
@@ -734,9 +771,12 @@ class PowerGossip(Algorithm):
             if peer not in dropped and peer not in skipped and self.groups:
                 alpha = (1.0 if me < peer else -1.0) * gamma * weight
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
-                for x, p, qt in plan.updates:
-                    x.baddbmm_(p, qt, alpha=alpha)
-                replace_factors(plan.replaced, maybe_zero_columns.get(peer))
+                maybe_zero = maybe_zero_columns.get(peer)
+                update = partial(self._update, plan, alpha, maybe_zero)
+                if maybe_zero is None:  # decided on the device: the same kernels at every step
+                    self._run(plan, ("update", alpha), update)
+                else:
+                    update()
             edge.iteration += 1  # a dropped peer: p and q stay as they were, the parity keeps step with the peer's
 
     def _difference(self, plan: Plan, low_end: bool) -> None:

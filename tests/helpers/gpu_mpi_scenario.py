@@ -10,6 +10,7 @@ import torch
 
 import gossip
 import topologies
+from gossip.algorithms import PowerGossipTuning
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.wrapper.parallel import DecentralizedDataParallel
 
@@ -18,13 +19,18 @@ STEPS = 8
 BATCH = 4
 
 
-def train_small_gpt(comm: gossip.Communicator) -> dict:
-    """Train the GPT for ``STEPS`` steps on ``comm.device``; return losses and final parameters (on the CPU)."""
-    torch.manual_seed(0)  # the model's initialisation; the wrapper broadcasts rank 0's replica anyway
-    model = GPT(CONFIG).to(comm.device)
-    wrapped = DecentralizedDataParallel(
-        model, comm, topologies.one_peer_hypercube(comm.size), gossip.PowerGossip(rank=2, min_compression=1)
-    )
+def train_small_gpt(comm: gossip.Communicator, cuda_graphs: bool = True) -> dict:
+    """Train the GPT for ``STEPS`` steps on ``comm.device``; return losses, final parameters (on the CPU) and how
+    many CUDA graphs PowerGossip captured (None: it launched its kernels one by one)."""
+    model = GPT(CONFIG)
+    generator = torch.Generator().manual_seed(0)  # not the global RNG: simulator ranks share it between threads
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() > 1:  # the matrices and embeddings; biases and norms start as constants
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+    model = model.to(comm.device)
+    algorithm = gossip.PowerGossip(rank=2, min_compression=1, tuning=PowerGossipTuning(cuda_graphs=cuda_graphs))
+    wrapped = DecentralizedDataParallel(model, comm, topologies.one_peer_hypercube(comm.size), algorithm)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     generator = torch.Generator().manual_seed(100 + comm.rank)
     losses = []
@@ -42,4 +48,5 @@ def train_small_gpt(comm: gossip.Communicator) -> dict:
         "losses": losses,
         "device": {p.device.type for p in model.parameters()},
         "parameters": [p.detach().cpu() for p in model.parameters()],
+        "graphs": None if algorithm._captured is None else algorithm._captured.captured,
     }
