@@ -13,19 +13,23 @@ sequence, named by a key in a per-plan table, in three stages:
 A graph reads and writes the tensors it was captured with, so the sequence must touch only tensors that live as
 long as the table (a plan's buffers, the parameters' bucket views, the edge's factors, which change in place) and
 run no host synchronisation. The temporaries of the captured kernels live in the graph's private memory pool.
-Capture is thread-local (``capture_error_mode="thread_local"``), so virtual ranks of the simulator that share one
-GPU from several threads may capture at the same time.
+
+A capture runs nothing, so a capture that fails (another thread of the process synchronised the device meanwhile,
+which invalidates it, or an operation cannot be captured) changes nothing either: the sequence then runs eagerly,
+now and at every later call of that key, with one :class:`CudaGraphWarning` naming the key and the cause.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable
 
 import torch
 
-from gossip.errors import ConfigurationError
+from gossip.errors import CudaGraphWarning
 
 _WARMED = object()  # the table's mark for a key that ran once eagerly and is captured at its next call
+_EAGER = object()  # the table's mark for a key whose capture failed: it runs eagerly from then on
 
 
 class CapturedKernels:
@@ -33,8 +37,8 @@ class CapturedKernels:
 
     Args:
         device: the CUDA device the sequences run on.
-        owner: named in the error raised when a capture fails (e.g. ``"rank 3: PowerGossip"``).
-        hint: what to do when a capture fails, appended to that error.
+        owner: named in the warning given when a capture fails (e.g. ``"rank 3: PowerGossip"``).
+        hint: what to do about it, appended to that warning.
     """
 
     def __init__(self, device: torch.device, owner: str, hint: str):
@@ -43,6 +47,7 @@ class CapturedKernels:
         self.hint = hint
         self.stream = torch.cuda.Stream(device)
         self.captured = 0  # graphs captured so far
+        self.failed = 0  # captures that failed (their sequences run eagerly)
 
     def run(self, table: dict, key: Hashable, sequence: Callable[[], None]) -> None:
         """Run ``sequence`` (kernels only, no host synchronisation) as the stage of ``key`` in ``table`` says.
@@ -52,10 +57,13 @@ class CapturedKernels:
             key: which sequence of that set.
             sequence: launches the kernels; called eagerly at the first call and while capturing at the second.
 
-        Raises:
-            ConfigurationError: the capture failed (an operation in ``sequence`` cannot be captured).
+        Warns:
+            CudaGraphWarning: the capture failed; ``sequence`` ran eagerly and will at every later call of ``key``.
         """
         graph = table.get(key)
+        if graph is _EAGER:
+            sequence()
+            return
         if graph is not None and graph is not _WARMED:
             graph.replay()
             return
@@ -71,10 +79,18 @@ class CapturedKernels:
         try:
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 sequence()
-        except RuntimeError as error:
-            raise ConfigurationError(
-                f"{self.owner}: capturing its kernels {key!r} as a CUDA graph failed ({error}); {self.hint}"
-            ) from error
+        except RuntimeError as error:  # nothing ran while capturing: run it now, and op by op from now on
+            table[key] = _EAGER
+            self.failed += 1
+            first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+            warnings.warn(
+                f"{self.owner}: capturing its kernels {key!r} as a CUDA graph failed ({first_line}); they run "
+                f"one by one from now on, with the same results; {self.hint}",
+                CudaGraphWarning,
+                stacklevel=3,
+            )
+            sequence()
+            return
         table[key] = graph
         self.captured += 1
         graph.replay()

@@ -559,7 +559,7 @@ class PowerGossip(Algorithm):
             CapturedKernels(
                 self._device,
                 f"rank {comm.rank}: {type(self).__name__}",
-                "PowerGossip(tuning=PowerGossipTuning(cuda_graphs=False)) launches them one by one",
+                "PowerGossip(tuning=PowerGossipTuning(cuda_graphs=False)) launches every sequence one by one",
             )
             if on_cuda and self.tuning.cuda_graphs and fixed and not comm.ranks_share_a_process
             else None
