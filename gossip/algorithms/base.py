@@ -402,6 +402,37 @@ class Algorithm(abc.ABC):
         """
         return {"exact": [entry.name for bucket in getattr(self, "buckets", []) for entry in bucket.entries]}
 
+    def discard_in_flight(self) -> None:
+        """Complete any exchange this algorithm keeps in flight across steps and drop its result (every rank does).
+
+        For ``close()`` and a checkpoint's restore; default: nothing is kept in flight across steps. An algorithm
+        that applies an exchange at a later step than it posts it (``PowerGossip(delayed_last_iteration=True)``)
+        overrides it, and :meth:`in_flight_state` / :meth:`load_in_flight_state`.
+        """
+        return None
+
+    def in_flight_state(self) -> dict[str, Any]:
+        """What a checkpoint needs of the exchange kept in flight across steps, waiting for it to complete.
+
+        Waiting changes nothing the training computes (the result is applied when it would have been anyway).
+
+        Returns:
+            The state, for :meth:`load_in_flight_state`; empty when nothing is in flight (the default).
+        """
+        return {}
+
+    def load_in_flight_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`in_flight_state` (after :meth:`load_state_dict`); its result is applied as it would have been.
+
+        Args:
+            state: what :meth:`in_flight_state` returned.
+
+        Raises:
+            InvalidArgumentError: ``state`` is not empty, for an algorithm that keeps nothing in flight.
+        """
+        if state:
+            raise InvalidArgumentError(f"{self.name} keeps no exchange in flight across steps, but one was given")
+
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state to checkpoint (empty for stateless algorithms).
 

@@ -780,7 +780,8 @@ class DecentralizedDataParallel(nn.Module):
 
         Returns:
             ``{"step": t, "buckets": [copies of the buckets], "algorithm": the algorithm's state}``, plus
-                ``"tracker"`` with gradient tracking.
+                ``"tracker"`` with gradient tracking and ``"algorithm_in_flight"`` when the algorithm keeps an
+                exchange in flight across steps.
 
         Raises:
             StepPhaseError: called between the mixing and the optimizer's update.
@@ -799,6 +800,9 @@ class DecentralizedDataParallel(nn.Module):
         }
         if self.tracker is not None:
             state["tracker"] = self.tracker.state_dict()
+        in_flight = self.algorithm.in_flight_state()  # an exchange kept across steps (waited for, not applied)
+        if in_flight:
+            state["algorithm_in_flight"] = in_flight
         return state
 
     def load_training_state(self, state: dict[str, Any]) -> None:
@@ -820,11 +824,13 @@ class DecentralizedDataParallel(nn.Module):
         if self._step.in_flight:
             self.algorithm.finish(self._exchange)
             self._exchange = None
+        self.algorithm.discard_in_flight()
         self._move("discard", "load_training_state()")
         with torch.no_grad():
             for bucket, saved in zip(self.buckets, state["buckets"], strict=True):
                 bucket.buffer.copy_(saved)
         self.algorithm.load_state_dict(copy.deepcopy(state["algorithm"]))
+        self.algorithm.load_in_flight_state(state.get("algorithm_in_flight", {}))
         if self.tracker is not None:
             self.tracker.load_state_dict(state["tracker"])
         self.step_count = int(state["step"])
@@ -866,6 +872,7 @@ class DecentralizedDataParallel(nn.Module):
             self._skipped_step()
         try:
             self._drain_exchange()
+            self.algorithm.discard_in_flight()  # an exchange kept across steps: completed, dropped (keeps x_t)
             self._closing_handshake()
         except CommTimeoutError as error:
             error.args = (
