@@ -642,10 +642,13 @@ class DecentralizedDataParallel(nn.Module):
         """For ``close()``: complete an exchange in flight (every rank does, so none is left waiting) and drop its
         result, so that the parameters keep x_t."""
         if not self._step.in_flight:
+            with self._naming_step():
+                self.algorithm.drain()
             return
         local = [bucket.buffer.clone() for bucket in self.buckets]
         with self._naming_step():
             self.algorithm.finish(self._exchange)
+            self.algorithm.drain()
         self._exchange = None
         with torch.no_grad():
             for bucket, saved in zip(self.buckets, local, strict=True):
