@@ -37,6 +37,7 @@ from pathlib import Path
 
 import gossip
 import topologies
+from gossip.app.outer_options import add_outer_options, outer_settings
 from gossip.app.train import (
     ALGORITHM_CHOICES,
     DEFAULTS,
@@ -161,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="step on a tracker of the mean gradient, mixed like the parameters (one more exchange of model size "
         "per step); needs a doubly stochastic schedule; default: off",
     )
-    diloco = parser.add_argument_group("diloco (--algorithm diloco only)")
+    diloco = parser.add_argument_group(
+        "diloco (--algorithm diloco; --outer-lr and --outer-momentum also with --outer-every)"
+    )
     diloco.add_argument(
         "--local-steps",
         type=_positive(int),
@@ -180,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"momentum of the outer Nesterov SGD, in [0, 1); default: {DILOCO_DEFAULTS['outer_momentum']}",
     )
+    add_outer_options(parser)
     training = parser.add_argument_group("training")
     training.add_argument(
         "--optimizer",
@@ -232,6 +236,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         local_steps=args.local_steps,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
+        **outer_settings(args),
         schedule=args.schedule,
         split=args.split,
         seed=args.seed,
