@@ -49,6 +49,7 @@ from gossip.app.train import (
     resolve,
     train,
 )
+from gossip.wrapper.tracking import TRACKER_MIXINGS
 
 ERROR_DIR_VARIABLE = "GOSSIP_TRAIN_ERROR_DIR"  # workers of --nproc write rank<r>.txt there when they fail
 LAUNCHER_OPTIONS = ("--nproc", "--out", "--backend")
@@ -157,10 +158,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gossip_options.add_argument(
         "--gradient-tracking",
-        action=argparse.BooleanOptionalAction,
+        nargs="?",
+        const=True,
         default=False,
-        help="step on a tracker of the mean gradient, mixed like the parameters (one more exchange of model size "
-        "per step); needs a doubly stochastic schedule; default: off",
+        choices=TRACKER_MIXINGS,
+        metavar="{exact,powergossip}",
+        help="step on a tracker of the mean gradient, mixed like the parameters: exactly (the flag alone or exact: "
+        "one more exchange of model size per step) or by PowerGossip at --rank (powergossip: its compressed "
+        "products per step, the trackers' sum still the gradients' sum); needs a doubly stochastic (powergossip: "
+        "symmetric) schedule; default: off",
+    )
+    gossip_options.add_argument(
+        "--no-gradient-tracking",
+        dest="gradient_tracking",
+        action="store_const",
+        const=False,
+        help="gradient tracking off (the default)",
     )
     diloco = parser.add_argument_group(
         "diloco (--algorithm diloco; --outer-lr and --outer-momentum also with --outer-every)"

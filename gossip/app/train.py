@@ -112,7 +112,8 @@ class TrainConfig:
         message_dtype: the dtype PowerGossip's products travel in, one of :data:`MESSAGE_DTYPES`.
         average_every: an exact global average every this many steps (0: never; None: :data:`DEFAULTS`').
         gradient_tracking: the optimizer steps on a tracker of the mean gradient, mixed like the parameters
-            (``DecentralizedDataParallel(..., gradient_tracking=True)``); one more exchange of model size per step.
+            (``DecentralizedDataParallel(..., gradient_tracking=...)``): False (off), True or ``"exact"`` (one more
+            exchange of model size per step) or ``"powergossip"`` (PowerGossip at ``rank``, compressed products).
         local_steps: DiLoCo's local steps per round (None: :data:`DILOCO_DEFAULTS`' for DiLoCo).
         outer_lr: DiLoCo's outer learning rate.
         outer_momentum: DiLoCo's outer Nesterov momentum.
@@ -147,7 +148,7 @@ class TrainConfig:
     power_iterations: int | None = None
     message_dtype: str | None = None
     average_every: int | None = None
-    gradient_tracking: bool = False
+    gradient_tracking: bool | str = False
     local_steps: int | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
@@ -211,7 +212,8 @@ def build_schedule(config: TrainConfig) -> topologies.Schedule:
     """
     try:
         schedule = topologies.by_name(config.schedule, config.world_size)
-        if gossip.ALGORITHMS[config.algorithm].needs_symmetric_schedule or config.outer_sync == "powergossip":
+        symmetric = config.outer_sync == "powergossip" or config.gradient_tracking == "powergossip"
+        if gossip.ALGORITHMS[config.algorithm].needs_symmetric_schedule or symmetric:
             schedule.validate(symmetric=True)
     except topologies.ScheduleError as err:
         where = f"world size {config.world_size}, --algorithm {config.algorithm}"
@@ -254,6 +256,10 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     if config.optimizer not in OPTIMIZERS:
         raise ConfigError("--optimizer", f"unknown {config.optimizer!r}; choose one of {list(OPTIMIZERS)}")
     _check_mixing_options(config)
+    if config.gradient_tracking not in (False, True, "exact", "powergossip"):
+        raise ConfigError(
+            "--gradient-tracking", f"must be off, on, 'exact' or 'powergossip', got {config.gradient_tracking!r}"
+        )
     if config.power_iterations is None:
         resolved.power_iterations = DEFAULTS.power_iterations if config.algorithm == "powergossip" else 1
     if config.message_dtype is None:
@@ -398,6 +404,20 @@ def make_algorithm(config: TrainConfig) -> gossip.Algorithm:
     return algorithm
 
 
+def tracking_option(config: TrainConfig) -> bool | gossip.Algorithm:
+    """The wrapper's ``gradient_tracking`` for ``config``: False, True (exact) or PowerGossip at ``config.rank``.
+
+    Args:
+        config: a resolved config.
+
+    Returns:
+        What :class:`~gossip.wrapper.parallel.DecentralizedDataParallel` takes.
+    """
+    if config.gradient_tracking == "powergossip":
+        return gossip.PowerGossip(rank=config.rank)
+    return bool(config.gradient_tracking)
+
+
 def make_model(config: TrainConfig, comm: Communicator, run_dir: Path) -> Replicated:
     """The GPT wrapped for ``config.algorithm``: DecentralizedDataParallel, or DDPBaseline for ``ddp``. A collective.
 
@@ -420,7 +440,7 @@ def make_model(config: TrainConfig, comm: Communicator, run_dir: Path) -> Replic
         run_dir=run_dir,
         consensus_every=config.log_every,
         seed=config.seed,
-        gradient_tracking=config.gradient_tracking,
+        gradient_tracking=tracking_option(config),
     )
 
 

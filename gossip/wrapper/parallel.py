@@ -64,7 +64,7 @@ from gossip.wrapper.consensus import (
 from gossip.wrapper.metrics import StepMetrics
 from gossip.wrapper.replicas import ReplicaMismatchError, broadcast_from_rank0, check_replicas
 from gossip.wrapper.step_phase import StepPhase, StepState
-from gossip.wrapper.tracking import GradientTracker, require_doubly_stochastic
+from gossip.wrapper.tracking import GradientTracker, require_doubly_stochastic, tracker_mixing, tracking_setting
 from topologies import Schedule
 from topologies.validation import find_violation
 
@@ -200,12 +200,16 @@ class DecentralizedDataParallel(nn.Module):
             *blocking* in this version (it needs the fresh gradient) -- and y_i is written into the parameters'
             ``.grad`` before the update. Needs a doubly stochastic schedule; call ``optimizer.zero_grad()`` every
             step (a backward without it would accumulate onto y_i). The trackers are part of the checkpoint.
+            ``True`` or ``"exact"`` mixes the trackers exactly; ``"powergossip"`` (``PowerGossip()``) or an
+            algorithm object (e.g. ``gossip.PowerGossip(rank=4)``) mixes them compressed, whose antisymmetric
+            per-edge corrections keep sum_i y_i = sum_i g_i^t on a symmetric schedule.
 
     Raises:
         ArgumentTypeError: ``module`` already contains a wrapper.
         UseAfterCloseError: ``comm`` is closed.
         InvalidArgumentError: ``buffers``, ``bucket_bytes`` or ``consensus_every`` has a value it cannot take, or
-            ``gradient_tracking`` is asked for with a schedule that is not doubly stochastic.
+            ``gradient_tracking`` is asked for with a schedule that is not doubly stochastic, or is not one of the
+            accepted values.
         ReplicaMismatchError: the ranks disagree on the model, the schedule, the algorithm or a setting above.
     """
 
@@ -222,7 +226,7 @@ class DecentralizedDataParallel(nn.Module):
         consensus_every: int = 10,
         consensus_samples: int = DEFAULT_SAMPLES,
         seed: int = 0,
-        gradient_tracking: bool = False,
+        gradient_tracking: bool | str | Algorithm = False,
     ):
         super().__init__()
         if any(isinstance(inner, DecentralizedDataParallel) for inner in module.modules()):
@@ -254,11 +258,12 @@ class DecentralizedDataParallel(nn.Module):
             "seed": int(seed),
             # the algorithm's non-finite policy (one rank dropping what another raises on would split the run)
             "nonfinite": algorithm.nonfinite,
-            "gradient_tracking": bool(gradient_tracking),
+            "gradient_tracking": tracking_setting(gradient_tracking),
         }
         self.signature = check_replicas(module, comm, schedule, algorithm, settings)
         if gradient_tracking:
             require_doubly_stochastic(schedule, comm.rank)  # before the parameters move into buckets
+        mixing = tracker_mixing(gradient_tracking) if gradient_tracking else None
         self.buckets = bucket_parameters(module, bucket_bytes)
         algorithm.setup(comm, schedule, self.buckets)  # refuses a bad schedule or configuration on every rank
         broadcast_from_rank0(module, self.buckets, comm)
@@ -279,7 +284,9 @@ class DecentralizedDataParallel(nn.Module):
         self._names = {id(p): name for name, p in named}
         #: The gradient tracker (gradient_tracking=True), else None; its exchange runs in finish_mixing.
         self.tracker = (
-            GradientTracker(algorithm, schedule, self.buckets, self._parameters_in_order) if gradient_tracking else None
+            GradientTracker(algorithm, schedule, self.buckets, self._parameters_in_order, mixing)
+            if gradient_tracking
+            else None
         )
         self._ownership: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.step_count = 0

@@ -12,6 +12,14 @@ so that at step 0 :math:`y_i^0 = \sum_j W_{ij}(0)\, g_j^0`. With column sums of 
 trackers' mean is the mean gradient exactly (up to float rounding), while the mixing removes the per-rank
 deviation from it. A schedule that is not doubly stochastic is therefore refused.
 
+Compressed trackers (``gradient_tracking="powergossip"`` or a :class:`gossip.PowerGossip` instance): the trackers
+are mixed by PowerGossip instead (Vogels et al. 2020, Section 3), :math:`y_i \leftarrow z_i + \gamma \sum_j W_{ij}
+P_{ij}(z_j - z_i)` with :math:`z = y + g^t - g^{t-1}` and :math:`P_{ij}` the rank-r projection both ends of the
+edge share. Each edge's correction is applied with opposite signs at its two ends (antisymmetric), so on a
+symmetric W the sum is preserved exactly as with exact mixing, :math:`\sum_i y_i^t = \sum_i g_i^t`, while each
+step sends the compressed products instead of the model; what the projection misses of the trackers' differences
+stays in them for later steps. The tracker's PowerGossip keeps its own per-edge factors (part of the checkpoint).
+
 The tracker's exchange needs :math:`g^t`, which exists only after the backward, so this first version runs it
 *blocking* inside the optimizer's pre-step hook, right after the parameters' mixing: one more exchange of model
 size per step, not overlapped with computation. The received trackers are summed in rank order (this rank
@@ -34,7 +42,8 @@ import torch
 from gossip.algorithms.base import Algorithm
 from gossip.algorithms.buckets import Bucket
 from gossip.algorithms.exact import ExactGossip
-from gossip.errors import CheckpointMismatchError, InvalidArgumentError
+from gossip.algorithms.powergossip import PowerGossip
+from gossip.errors import ArgumentTypeError, CheckpointMismatchError, InvalidArgumentError
 from topologies import Schedule
 from topologies.validation import find_violation
 
@@ -56,6 +65,50 @@ def require_doubly_stochastic(schedule: Schedule, rank: int) -> None:
             f"({violation}); the trackers' mean equals the mean gradient only if every W(t) has column sums of 1. "
             "Use weights='metropolis' (or another doubly stochastic schedule), or turn gradient tracking off"
         )
+
+
+#: The names ``gradient_tracking`` accepts besides True/False and an algorithm instance.
+TRACKER_MIXINGS = ("exact", "powergossip")
+
+
+def tracker_mixing(option: Any) -> Algorithm | None:
+    """The algorithm that mixes the trackers for the wrapper's ``gradient_tracking`` option.
+
+    Args:
+        option: True or ``"exact"`` (exact mixing), ``"powergossip"`` (``PowerGossip()``'s defaults) or an unbound
+            :class:`gossip.Algorithm` (e.g. ``PowerGossip(rank=4)``).
+
+    Returns:
+        None for exact mixing (:class:`TrackerMixing`), else the algorithm.
+
+    Raises:
+        InvalidArgumentError: ``option`` is none of these.
+    """
+    if option is True or option == "exact":
+        return None
+    if option == "powergossip":
+        return PowerGossip()
+    if isinstance(option, Algorithm):
+        return option
+    raise InvalidArgumentError(
+        f"gradient_tracking must be True, False, one of {TRACKER_MIXINGS} or a gossip.Algorithm for the trackers "
+        f"(e.g. gossip.PowerGossip(rank=4)), got {option!r}"
+    )
+
+
+def tracking_setting(option: Any) -> Any:
+    """What the ranks must agree on about ``gradient_tracking``: False, ``"exact"``, or the trackers' algorithm.
+
+    Args:
+        option: the wrapper's ``gradient_tracking`` argument.
+
+    Returns:
+        False, ``"exact"``, or ``{"name": ..., **config}`` of the trackers' algorithm.
+    """
+    if option is False or option is None:
+        return False
+    mixing = tracker_mixing(option)
+    return "exact" if mixing is None else {"name": mixing.name, **mixing.config()}
 
 
 class TrackerMixing(ExactGossip):
@@ -102,19 +155,36 @@ class GradientTracker:
         schedule: the wrapper's schedule, whose W(t) mixes the trackers.
         buckets: the wrapper's parameter buckets (the trackers take their layout).
         parameters: the trainable parameters, in the order of the buckets' entries.
+        mixing: the unbound algorithm that mixes the trackers (e.g. :class:`gossip.PowerGossip`), or None for exact
+            mixing (:class:`TrackerMixing`).
 
     Raises:
         InvalidArgumentError: the schedule is not doubly stochastic over the steps it is checked on (raised by
-            :func:`require_doubly_stochastic`).
+            :func:`require_doubly_stochastic`), or not symmetric when ``mixing`` needs it.
+        ArgumentTypeError: ``mixing`` is the wrapper's algorithm itself (each needs its own object).
     """
 
-    def __init__(self, algorithm: Algorithm, schedule: Schedule, buckets: list[Bucket], parameters: list[torch.Tensor]):
+    def __init__(
+        self,
+        algorithm: Algorithm,
+        schedule: Schedule,
+        buckets: list[Bucket],
+        parameters: list[torch.Tensor],
+        mixing: Algorithm | None = None,
+    ):
         require_doubly_stochastic(schedule, algorithm.comm.rank)
+        if mixing is algorithm:
+            raise ArgumentTypeError(
+                f"rank {algorithm.comm.rank}: gradient_tracking was given the wrapper's own algorithm object; the "
+                "trackers need an algorithm object of their own (e.g. gossip.PowerGossip(rank=4))"
+            )
+        if mixing is not None and mixing.needs_symmetric_schedule:
+            schedule.validate(symmetric=True)
         self.trackers = [Bucket(torch.zeros_like(bucket.buffer), bucket.entries) for bucket in buckets]
         self.previous = [torch.zeros_like(bucket.buffer) for bucket in buckets]
         self._fresh = [torch.zeros_like(bucket.buffer) for bucket in buckets]
         self._parameters = parameters
-        self.mixing = TrackerMixing(nonfinite=algorithm.nonfinite)
+        self.mixing = TrackerMixing(nonfinite=algorithm.nonfinite) if mixing is None else mixing
         algorithm.setup_part(self.mixing, schedule, self.trackers)
 
     def track(self, step: int) -> None:
@@ -159,11 +229,13 @@ class GradientTracker:
         """Copies of the trackers y_i and of the previous gradients g_i^{t-1}, for a checkpoint.
 
         Returns:
-            ``{"trackers": [...], "previous": [...]}``, one tensor per bucket each.
+            ``{"trackers": [...], "previous": [...], "mixing": ...}``, one tensor per bucket each, and the state of
+                the trackers' algorithm (PowerGossip's factors; empty for exact mixing).
         """
         return {
             "trackers": [tracker.buffer.detach().clone() for tracker in self.trackers],
             "previous": [previous.detach().clone() for previous in self.previous],
+            "mixing": self.mixing.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -183,3 +255,4 @@ class GradientTracker:
             )
         for target, value in zip(mine, saved, strict=True):
             target.copy_(value)
+        self.mixing.load_state_dict(state.get("mixing", {}))
