@@ -1,7 +1,8 @@
 """Gradient tracking with PowerGossip-compressed trackers (``gradient_tracking="powergossip"`` or a
 ``gossip.PowerGossip`` object): the trackers' sum equals the gradients' sum after every step, each step sends the
 parameters' algorithm's bytes plus the trackers' compressed products (far below the model), resume is
-bit-identical, and Gloo and MPI equal the simulator bit for bit."""
+bit-identical, and Gloo and MPI equal the simulator bit for bit (with the overlapped tracker of
+test_gradient_tracking_overlap.py too)."""
 
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ def real(request, tmp_path_factory) -> tuple[str, list[dict]]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", ["exact", "powergossip"])
+@pytest.mark.parametrize("case", ["exact", "powergossip", "overlap-exact-trackers", "overlap-powergossip-trackers"])
 def test_real_backends_equal_the_simulator_bit_for_bit(real, oracle, case):
     backend, results = real
     for rank in range(N):
@@ -140,6 +141,7 @@ def test_real_backends_equal_the_simulator_bit_for_bit(real, oracle, case):
 def test_resume_on_real_backends_is_bit_identical_and_equals_the_simulator(real, oracle):
     backend, results = real
     for rank in range(N):
-        checkpoint = results[rank]["checkpoint"]
-        assert torch.equal(checkpoint["resumed"], checkpoint["uninterrupted"]), f"{backend} rank {rank}"
-        assert torch.equal(checkpoint["resumed"], oracle[rank]["checkpoint"]["resumed"]), f"{backend} rank {rank}"
+        for case in ("checkpoint", "overlap-checkpoint"):
+            checkpoint = results[rank][case]
+            assert torch.equal(checkpoint["resumed"], checkpoint["uninterrupted"]), f"{backend} rank {rank} {case}"
+            assert torch.equal(checkpoint["resumed"], oracle[rank][case]["resumed"]), f"{backend} rank {rank} {case}"

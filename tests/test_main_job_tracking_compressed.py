@@ -1,6 +1,7 @@
 """``--gradient-tracking powergossip`` in the main job: parsed next to the bare flag and ``--no-gradient-tracking``,
 turned into a PowerGossip at ``--rank`` for the trackers, refused where unknown; and a 2-process Gloo run whose
-every step sends the parameters' exact gossip plus the trackers' compressed products."""
+every step sends the parameters' exact gossip plus the trackers' compressed products (with the overlapped tracker,
+``--tracking-overlap``, which needs ``--gradient-tracking``)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ def test_an_unknown_mixing_is_refused_by_argparse_and_by_resolve(capsys):
 def compressed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("tracking") / "run"
     args = ["--nproc", "2", "--steps", str(STEPS), "--algorithm", "exact", "--gradient-tracking", "powergossip"]
+    args += ["--tracking-overlap"]
     args += ["--batch-size", "4", "--eval-every", str(STEPS), "--out", str(out)]
     return run_main_job(args, out.parent), out
 
@@ -68,3 +70,14 @@ def test_a_compressed_tracking_run_sends_the_model_and_the_trackers_products_eve
     # compressed products and uncompressed small tensors, a few percent of the model, not a second model
     model_bytes = 4 * GPT(GPTConfig()).num_parameters()
     assert all(model_bytes < int(row["bytes_sent"]) < 1.1 * model_bytes for row in rows), rows
+
+
+def test_tracking_overlap_reaches_the_wrapper_and_needs_tracking(capsys):
+    config = config_from(build_parser().parse_args(["--gradient-tracking", "--tracking-overlap"]))
+    assert config.tracking_overlap is True and config_from(build_parser().parse_args([])).tracking_overlap is False
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--nproc", "2", "--tracking-overlap"])
+    assert exit_info.value.code == 2
+    assert "argument --tracking-overlap: overlaps the trackers' exchange: add --gradient-tracking" in (
+        capsys.readouterr().err
+    )

@@ -169,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
         "symmetric) schedule; default: off",
     )
     gossip_options.add_argument(
+        "--tracking-overlap",
+        action="store_true",
+        help="with --gradient-tracking: the trackers' exchange runs during forward and backward (DIGing's "
+        "combine-then-adapt tracker: y_i = sum_j W_ij y_j(t-1) + g_i(t) - g_i(t-1)) instead of blocking the "
+        "optimizer step; default: off",
+    )
+    gossip_options.add_argument(
         "--no-gradient-tracking",
         dest="gradient_tracking",
         action="store_const",
@@ -246,6 +253,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         message_dtype=args.message_dtype,
         average_every=args.average_every,
         gradient_tracking=args.gradient_tracking,
+        tracking_overlap=args.tracking_overlap,
         local_steps=args.local_steps,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,

@@ -114,6 +114,7 @@ class TrainConfig:
         gradient_tracking: the optimizer steps on a tracker of the mean gradient, mixed like the parameters
             (``DecentralizedDataParallel(..., gradient_tracking=...)``): False (off), True or ``"exact"`` (one more
             exchange of model size per step) or ``"powergossip"`` (PowerGossip at ``rank``, compressed products).
+        tracking_overlap: the trackers' exchange overlaps forward and backward (combine-then-adapt tracking).
         local_steps: DiLoCo's local steps per round (None: :data:`DILOCO_DEFAULTS`' for DiLoCo).
         outer_lr: DiLoCo's outer learning rate.
         outer_momentum: DiLoCo's outer Nesterov momentum.
@@ -149,6 +150,7 @@ class TrainConfig:
     message_dtype: str | None = None
     average_every: int | None = None
     gradient_tracking: bool | str = False
+    tracking_overlap: bool = False
     local_steps: int | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
@@ -260,6 +262,8 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
         raise ConfigError(
             "--gradient-tracking", f"must be off, on, 'exact' or 'powergossip', got {config.gradient_tracking!r}"
         )
+    if config.tracking_overlap and not config.gradient_tracking:
+        raise ConfigError("--tracking-overlap", "overlaps the trackers' exchange: add --gradient-tracking")
     if config.power_iterations is None:
         resolved.power_iterations = DEFAULTS.power_iterations if config.algorithm == "powergossip" else 1
     if config.message_dtype is None:
@@ -441,6 +445,7 @@ def make_model(config: TrainConfig, comm: Communicator, run_dir: Path) -> Replic
         consensus_every=config.log_every,
         seed=config.seed,
         gradient_tracking=tracking_option(config),
+        tracking_overlap=config.tracking_overlap,
     )
 
 

@@ -12,6 +12,7 @@ import gossip
 from helpers.parallel_scenarios import batch, checkpoint_resume, flat_parameters, loss_of, make_mlp, wrap
 
 STEPS = 8
+OVERLAPPED_POWERGOSSIP_TRACKERS = {"gradient_tracking": "powergossip", "tracking_overlap": True}
 
 
 def tracker(rank: int = 1) -> gossip.PowerGossip:
@@ -19,11 +20,15 @@ def tracker(rank: int = 1) -> gossip.PowerGossip:
     return gossip.PowerGossip(rank=rank, min_compression=1)
 
 
-def tracked_steps(comm, algorithm: str = "exact", tracking: Any = None, steps: int = STEPS) -> list[dict]:
-    """SGD with gradient tracking; after every step: this rank's tracker y, its gradient g^t, its ``.grad``, x and
-    the bytes the step sent."""
+def tracked_steps(
+    comm, algorithm: str = "exact", tracking: Any = None, steps: int = STEPS, overlap: bool = False
+) -> list[dict]:
+    """SGD with gradient tracking (``overlap``: the overlapped, combine-then-adapt form); after every step: this
+    rank's tracker y, its gradient g^t, its ``.grad``, x and the bytes the step sent."""
     make = {"exact": gossip.ExactGossip, "powergossip": lambda: gossip.PowerGossip(rank=1, min_compression=1)}
-    model = wrap(comm, make_mlp(comm.rank), make[algorithm](), gradient_tracking=tracking or tracker())
+    model = wrap(
+        comm, make_mlp(comm.rank), make[algorithm](), gradient_tracking=tracking or tracker(), tracking_overlap=overlap
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     rows = []
     for step in range(steps):
@@ -48,4 +53,14 @@ def run_all(comm, directory: Path) -> dict[str, Any]:
         "exact": tracked_steps(comm, "exact"),
         "powergossip": tracked_steps(comm, "powergossip"),
         "checkpoint": checkpoint_resume(comm, directory, gossip.ExactGossip, False, gradient_tracking="powergossip"),
+        "overlap-exact-trackers": tracked_steps(comm, "powergossip", True, overlap=True),
+        "overlap-powergossip-trackers": tracked_steps(comm, "exact", overlap=True),
+        "overlap-checkpoint": checkpoint_resume(
+            comm,
+            directory / "overlap",
+            gossip.ExactGossip,
+            False,
+            gradient_tracking="powergossip",
+            tracking_overlap=True,
+        ),
     }
