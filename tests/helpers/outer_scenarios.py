@@ -30,6 +30,11 @@ CASES: dict[str, tuple[Any, Any, bool]] = {
         topologies.one_peer_hypercube,
         False,
     ),
+    "powergossip-delay1-hybrid": (
+        lambda n: gossip.OuterOptimizer(_powergossip(1), 3, delay=1, merge=0.5, between=_powergossip(2)),
+        topologies.one_peer_hypercube,
+        False,
+    ),
     "exact-delay2-hybrid": (
         lambda n: gossip.OuterOptimizer(gossip.ExactGossip(), 4, delay=2, merge=0.5, between=gossip.ExactGossip()),
         topologies.ring,
