@@ -369,6 +369,14 @@ class Algorithm(abc.ABC):
         """The algorithm's part of :meth:`finish`: wait (:meth:`_wait`), check what peers sent
         (:meth:`_nonfinite_peers`) and mix into the buckets in place."""
 
+    def drain(self) -> None:
+        """Complete communication still in flight from an earlier step and drop its result (default: none).
+
+        For an algorithm whose exchange outlives its step (:class:`gossip.algorithms.outer.OuterOptimizer` with a
+        delay); :meth:`gossip.DecentralizedDataParallel.close` calls it on every rank, so no peer is left waiting.
+        """
+        return
+
     def step(self, step: int) -> None:
         """``start`` and ``finish`` back to back (no overlap): for consensus experiments and tests.
 
