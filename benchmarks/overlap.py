@@ -127,7 +127,7 @@ def measure_gossip(comm, args, make_algorithm: Callable[[], object], batches: li
         comm.barrier()
         begin = time.perf_counter()
         model.algorithm.step(model.step_count + 1 + k)
-        model.algorithm.discard_in_flight()  # a delayed last iteration: completed here, so it is timed too
+        model.algorithm.drain()  # a delayed last iteration: completed here, so it is timed too
         blocking.append(time.perf_counter() - begin)
     rows = rows[args.warmup :]
     return {

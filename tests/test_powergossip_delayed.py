@@ -36,7 +36,7 @@ def mix(comm: gossip.Communicator, schedule: str, delay: bool, steps: int = 12) 
         comm.all_reduce(total)
         sums.append(total)
         kept.append(algo._delayed is not None)
-    algo.discard_in_flight()
+    algo.drain()
     return {
         "buffers": [b.buffer.clone() for b in buckets],
         "sums": sums,
@@ -85,7 +85,7 @@ def posted_and_waited(comm: gossip.Communicator) -> list[tuple[int, bool, bool]]
     for step in range(4):
         algo.step(step)
         seen.append((algo._delayed.step, algo._delayed.handle is not None, algo._delayed.seq == 2 * step + 1))
-    algo.discard_in_flight()
+    algo.drain()
     assert algo._delayed is None
     return seen
 

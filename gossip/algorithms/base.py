@@ -410,19 +410,12 @@ class Algorithm(abc.ABC):
         """
         return {"exact": [entry.name for bucket in getattr(self, "buckets", []) for entry in bucket.entries]}
 
-    def discard_in_flight(self) -> None:
-        """Complete any exchange this algorithm keeps in flight across steps and drop its result (every rank does).
-
-        For ``close()`` and a checkpoint's restore; default: nothing is kept in flight across steps. An algorithm
-        that applies an exchange at a later step than it posts it (``PowerGossip(delayed_last_iteration=True)``)
-        overrides it, and :meth:`in_flight_state` / :meth:`load_in_flight_state`.
-        """
-        return None
-
     def in_flight_state(self) -> dict[str, Any]:
         """What a checkpoint needs of the exchange kept in flight across steps, waiting for it to complete.
 
-        Waiting changes nothing the training computes (the result is applied when it would have been anyway).
+        Waiting changes nothing the training computes (the result is applied when it would have been anyway). An
+        algorithm that applies an exchange at a later step than it posts it
+        (``PowerGossip(delayed_last_iteration=True)``) overrides it, :meth:`load_in_flight_state` and :meth:`drain`.
 
         Returns:
             The state, for :meth:`load_in_flight_state`; empty when nothing is in flight (the default).

@@ -540,7 +540,7 @@ class PowerGossip(Algorithm):
                 "delayed_last_iteration=False there (it is for a PowerGossip that the wrapper runs itself)"
             )
         if self._delayed is not None:  # bound again mid-run: its plans hold views of the previous binding
-            self.discard_in_flight()
+            self.drain()
         super().setup(comm, schedule, buckets)
         dtypes = {str(bucket.buffer.dtype).removeprefix("torch.") for bucket in buckets}
         if len(dtypes) > 1:
@@ -924,7 +924,7 @@ class PowerGossip(Algorithm):
             self._apply(dataclasses.replace(round_, peers=now))
         self._delayed = dataclasses.replace(round_, peers=later) if later else None
 
-    def discard_in_flight(self) -> None:
+    def drain(self) -> None:
         """Complete the delayed last iteration's exchange, if any, and drop it (every rank does, at close)."""
         if self._delayed is not None:
             delayed, self._delayed = self._delayed, None
@@ -953,13 +953,15 @@ class PowerGossip(Algorithm):
         }
 
     def load_in_flight_state(self, state: dict) -> None:
-        """Restore :meth:`in_flight_state` (after :meth:`load_state_dict`): the delayed iteration is applied at the
-        next finish, as in the run that saved it. Drops a delayed exchange of this run first (completing it).
+        """Restore :meth:`in_flight_state` (after :meth:`load_state_dict`), to apply at the next finish.
+
+        The delayed iteration is then applied as in the run that saved it. A delayed exchange of this run is
+        completed and dropped first.
 
         Args:
             state: what :meth:`in_flight_state` returned.
         """
-        self.discard_in_flight()
+        self.drain()
         if not state:
             return
         peers = []

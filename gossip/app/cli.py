@@ -150,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"default: {DEFAULTS.message_dtype}",
     )
     gossip_options.add_argument(
+        "--delay-last-iteration",
+        action="store_true",
+        help="PowerGossip with 2 or more power iterations: apply the last one at the next step, so that its "
+        "exchange overlaps that step's forward and backward instead of blocking after backward; default: off",
+    )
+    gossip_options.add_argument(
         "--average-every",
         type=_nonnegative_int,
         default=None,
@@ -254,6 +260,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         average_every=args.average_every,
         gradient_tracking=args.gradient_tracking,
         tracking_overlap=args.tracking_overlap,
+        delayed_last_iteration=args.delay_last_iteration,
         local_steps=args.local_steps,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,

@@ -206,7 +206,10 @@ def describe_mixing(config: Any) -> str:
         iterations = config.power_iterations or 1
         wire = getattr(config, "message_dtype", None)
         on_the_wire = f", {wire} messages" if wire not in (None, "float32") else ""
-        mixing += f" (rank {config.rank}{f', {iterations} power iterations' if iterations > 1 else ''}{on_the_wire})"
+        delayed = ", the last applied a step later" if getattr(config, "delayed_last_iteration", False) else ""
+        mixing += (
+            f" (rank {config.rank}{f', {iterations} power iterations' if iterations > 1 else ''}{delayed}{on_the_wire})"
+        )
     if config.average_every:
         mixing += f", exact average every {config.average_every} steps"
     if getattr(config, "outer_every", 0):

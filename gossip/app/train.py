@@ -115,6 +115,8 @@ class TrainConfig:
             (``DecentralizedDataParallel(..., gradient_tracking=...)``): False (off), True or ``"exact"`` (one more
             exchange of model size per step) or ``"powergossip"`` (PowerGossip at ``rank``, compressed products).
         tracking_overlap: the trackers' exchange overlaps forward and backward (combine-then-adapt tracking).
+        delayed_last_iteration: PowerGossip's last power iteration is applied at the next step, so that its
+            exchange overlaps that step's compute (``PowerGossip(delayed_last_iteration=True)``).
         local_steps: DiLoCo's local steps per round (None: :data:`DILOCO_DEFAULTS`' for DiLoCo).
         outer_lr: DiLoCo's outer learning rate.
         outer_momentum: DiLoCo's outer Nesterov momentum.
@@ -151,6 +153,7 @@ class TrainConfig:
     average_every: int | None = None
     gradient_tracking: bool | str = False
     tracking_overlap: bool = False
+    delayed_last_iteration: bool = False
     local_steps: int | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
@@ -266,6 +269,7 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
         raise ConfigError("--tracking-overlap", "overlaps the trackers' exchange: add --gradient-tracking")
     if config.power_iterations is None:
         resolved.power_iterations = DEFAULTS.power_iterations if config.algorithm == "powergossip" else 1
+    _check_delayed_last_iteration(resolved)
     if config.message_dtype is None:
         resolved.message_dtype = DEFAULTS.message_dtype if config.algorithm == "powergossip" else "float32"
     if config.average_every is None:
@@ -310,6 +314,23 @@ def _check_mixing_options(config: TrainConfig) -> None:
         raise ConfigError(
             "--message-dtype",
             f"applies to --algorithm powergossip only, not {config.algorithm}; drop --message-dtype",
+        )
+
+
+def _check_delayed_last_iteration(config: TrainConfig) -> None:
+    """``--delay-last-iteration``: PowerGossip run by the wrapper itself, with at least 2 power iterations."""
+    if not config.delayed_last_iteration:
+        return
+    if config.algorithm != "powergossip":
+        raise ConfigError("--delay-last-iteration", f"applies to --algorithm powergossip only, not {config.algorithm}")
+    if config.power_iterations < 2:
+        raise ConfigError(
+            "--delay-last-iteration", "delays the last of several power iterations: add --power-iterations 2 or more"
+        )
+    if config.average_every or config.outer_every:
+        option = "--average-every" if config.average_every else "--outer-every"
+        raise ConfigError(
+            "--delay-last-iteration", f"PowerGossip inside {option} cannot keep an exchange across steps; drop one"
         )
 
 
@@ -397,7 +418,10 @@ def make_algorithm(config: TrainConfig) -> gossip.Algorithm:
     if config.algorithm == "powergossip":
         message_dtype = None if config.message_dtype == "float32" else getattr(torch, config.message_dtype)
         algorithm = gossip.PowerGossip(
-            rank=config.rank, num_iterations=config.power_iterations, message_dtype=message_dtype
+            rank=config.rank,
+            num_iterations=config.power_iterations,
+            message_dtype=message_dtype,
+            delayed_last_iteration=config.delayed_last_iteration,
         )
     else:
         algorithm = gossip.ALGORITHMS[config.algorithm]()

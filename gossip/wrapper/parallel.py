@@ -849,7 +849,7 @@ class DecentralizedDataParallel(nn.Module):
         if self._step.in_flight:
             self.algorithm.finish(self._exchange)
             self._exchange = None
-        self.algorithm.discard_in_flight()
+        self.algorithm.drain()  # an exchange kept across steps: completed and dropped (the state is replaced)
         self._move("discard", "load_training_state()")
         with torch.no_grad():
             for bucket, saved in zip(self.buckets, state["buckets"], strict=True):
@@ -897,7 +897,6 @@ class DecentralizedDataParallel(nn.Module):
             self._skipped_step()
         try:
             self._drain_exchange()
-            self.algorithm.discard_in_flight()  # an exchange kept across steps: completed, dropped (keeps x_t)
             self._closing_handshake()
         except CommTimeoutError as error:
             error.args = (
