@@ -51,6 +51,9 @@ ALGORITHMS = {
     "powergossip-r2-2it-fp16": lambda: gossip.PowerGossip(
         rank=2, num_iterations=2, min_compression=1, message_dtype=torch.float16
     ),
+    "powergossip-r2-2it-delayed": lambda: gossip.PowerGossip(
+        rank=2, num_iterations=2, min_compression=1, delayed_last_iteration=True
+    ),
     "adaptive-powergossip": lambda: gossip.AdaptivePowerGossip(ladder=(1, 2), every=3, min_compression=1),
     "allreduce": lambda: gossip.AllReduce(),
     "hierarchical": lambda: gossip.HierarchicalGossip(local_size=2),
@@ -74,6 +77,7 @@ def mix(comm: gossip.Communicator, algorithm: str, steps: int = 6) -> dict:
     algo.setup(comm, None if algorithm.startswith("hierarchical") else make_schedule(schedule, comm.size), buckets)
     for step in range(steps):
         algo.step(step)
+    algo.drain()  # a delayed last iteration: completed and dropped
     total = torch.cat([b.buffer.double() for b in buckets])
     comm.all_reduce(total)
     edges = getattr(algo, "edges", {})
