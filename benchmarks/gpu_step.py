@@ -168,6 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     one_bucket = model_buckets(config, device, 0, args.one_bucket_bytes)[1] if args.one_bucket_bytes else None
     for rank in args.ranks:
         variants[f"powergossip r={rank}"] = (lambda rank=rank: PowerGossip(rank=rank), buckets)
+        variants[f"powergossip r={rank}, op by op (no CUDA graphs)"] = (
+            lambda rank=rank: PowerGossip(rank=rank, tuning=PowerGossipTuning(cuda_graphs=False)),
+            buckets,
+        )
         variants[f"powergossip r={rank}, fp64 orthonormalisation"] = (
             lambda rank=rank: PowerGossip(rank=rank, tuning=PowerGossipTuning(orthonormalize_dtype=torch.float64)),
             buckets,

@@ -329,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=30, help="measured rounds (each: one step of everything)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--baseline", default=BASELINE_REVISION, help="git revision of the old implementation")
+    parser.add_argument("--baseline-file", default=None, help="the old powergossip.py, where no git history is at hand")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--layers", type=int, default=GPTConfig.n_layer)
     parser.add_argument("--embd", type=int, default=GPTConfig.n_embd)
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"model: GPT {args.layers} layers x {args.embd}; device {device}; {args.threads} thread(s); warm medians")
         kernels(config, args.ranks, device)
         return
-    Old = load_baseline(args.baseline)
+    Old = load_baseline(args.baseline, args.baseline_file)
     if args.ops_only:
         _, buckets = model_buckets(config, device, 0, args.bucket_bytes)
         print(

@@ -231,3 +231,7 @@ class ProcessGroupLeakWarning(GossipWarning, RuntimeWarning):
 
     Its threads then live until interpreter exit, where they can abort the process; the message names the backend.
     """
+
+
+class CudaGraphWarning(GossipWarning, RuntimeWarning):
+    """A kernel sequence could not be captured as a CUDA graph and runs op by op (same results, more launches)."""

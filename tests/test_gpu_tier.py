@@ -16,6 +16,7 @@ without a GPU.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -50,6 +51,9 @@ ALGORITHMS = {
     "powergossip-r2-2it-fp16": lambda: gossip.PowerGossip(
         rank=2, num_iterations=2, min_compression=1, message_dtype=torch.float16
     ),
+    "powergossip-r2-2it-delayed": lambda: gossip.PowerGossip(
+        rank=2, num_iterations=2, min_compression=1, delayed_last_iteration=True
+    ),
     "adaptive-powergossip": lambda: gossip.AdaptivePowerGossip(ladder=(1, 2), every=3, min_compression=1),
     "allreduce": lambda: gossip.AllReduce(),
     "hierarchical": lambda: gossip.HierarchicalGossip(local_size=2),
@@ -73,6 +77,7 @@ def mix(comm: gossip.Communicator, algorithm: str, steps: int = 6) -> dict:
     algo.setup(comm, None if algorithm.startswith("hierarchical") else make_schedule(schedule, comm.size), buckets)
     for step in range(steps):
         algo.step(step)
+    algo.drain()  # a delayed last iteration: completed and dropped
     total = torch.cat([b.buffer.double() for b in buckets])
     comm.all_reduce(total)
     edges = getattr(algo, "edges", {})
@@ -192,21 +197,23 @@ def test_bf16_autocast_through_the_wrapper_trains_in_float32_parameters():
 
 
 def steps_under_sync_debug_mode(comm: gossip.Communicator, algorithm: str) -> str | None:
-    """Steps 2 and 3 with CUDA's sync debug mode set to "error" (any device-to-host synchronisation raises); then
-    rank 1 sends NaN at step 4, outside that window (writing a Python float into a CUDA tensor is itself a
-    synchronising copy). Returns what the deferred non-finite check says afterwards."""
+    """Steps 4 and 5 with CUDA's sync debug mode set to "error" (any device-to-host synchronisation raises); then
+    rank 1 sends NaN at step 6, outside that window (writing a Python float into a CUDA tensor is itself a
+    synchronising copy). Returns what the deferred non-finite check says afterwards. The steps before the window
+    create the edges' state (host-to-device copies) and, with PowerGossip, run each plan's kernels once eagerly and
+    once more (the simulator's ranks run PowerGossip's kernels one by one: tests/test_gpu_mpi.py has the graphs)."""
     buckets = [Bucket(b.buffer.to(comm.device), b.entries) for b in local_model(comm.rank)]
     algo = ALGORITHMS[algorithm]()
     algo.setup(comm, topologies.ring(comm.size), buckets)
     assert algo.deferred_nonfinite_check
-    for step in range(2):  # the first steps create the edges' state (host-to-device copies)
+    for step in range(4):
         algo.step(step)
     comm.barrier()
     if comm.rank == 0:
         torch.cuda.set_sync_debug_mode("error")  # process-wide: every virtual rank is under it
     comm.barrier()
     try:
-        for step in (2, 3):  # both multiplication sides of PowerGossip
+        for step in (4, 5):  # both multiplication sides of PowerGossip
             algo.step(step)
         comm.barrier()
     finally:
@@ -215,7 +222,7 @@ def steps_under_sync_debug_mode(comm: gossip.Communicator, algorithm: str) -> st
     comm.barrier()
     if comm.rank == 1:
         buckets[0].buffer[0] = float("nan")
-    algo.step(4)
+    algo.step(6)
     try:
         algo.check_deferred()
     except gossip.NonFiniteError as error:
@@ -230,6 +237,25 @@ def test_a_step_on_cuda_reads_nothing_back_to_the_host_and_still_names_a_nonfini
     if DEVICE.type != "cuda":
         pytest.skip("CUDA's sync debug mode and the deferred check exist only on a CUDA device")
     results = gossip.simulate(4, steps_under_sync_debug_mode, algorithm, device=DEVICE)
-    assert results[1] is None and results[3] is None  # on ring(4) only ranks 0 and 2 receive from rank 1
-    for rank in (0, 2):
-        assert results[rank].startswith(f"rank {rank}: step 4: peer 1 sent non-finite values"), results[rank]
+    for rank in (0, 2):  # on ring(4) ranks 0 and 2 receive from rank 1
+        assert results[rank].startswith(f"rank {rank}: step 6: peer 1 sent non-finite values"), results[rank]
+    if "2it" not in algorithm:
+        assert results[1] is None and results[3] is None
+    else:  # the second power iteration sends the products of ranks 0 and 2, which mixed rank 1's NaN in the first
+        for rank in (1, 3):
+            assert re.match(rf"rank {rank}: step 6: peer [02] sent non-finite values", results[rank]), results[rank]
+
+
+def powergossip_graphs(comm: gossip.Communicator) -> object:
+    buckets = [Bucket(b.buffer.to(comm.device), b.entries) for b in local_model(comm.rank)]
+    algo = gossip.PowerGossip(rank=2, min_compression=1)
+    algo.setup(comm, topologies.one_peer_hypercube(comm.size), buckets)
+    for step in range(4):
+        algo.step(step)
+    return algo._captured
+
+
+def test_the_simulators_threads_launch_powergossips_kernels_one_by_one():
+    """A CUDA graph capture in one thread is invalidated by another thread's device synchronisation, so the
+    simulator's virtual ranks, threads sharing one GPU, do not capture (real ranks do: tests/test_gpu_mpi.py)."""
+    assert gossip.simulate(4, powergossip_graphs, device=DEVICE) == [None] * 4

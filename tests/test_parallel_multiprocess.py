@@ -113,3 +113,15 @@ def test_resume_with_gradient_tracking_is_bit_identical(results, oracle):
         assert checkpoint["resumed_at"] == 3
         assert torch.equal(checkpoint["resumed"], checkpoint["uninterrupted"]), f"{backend} rank {rank}"
         assert torch.equal(checkpoint["resumed"], oracle[rank]["tracking_checkpoint"]["resumed"]), f"rank {rank}"
+
+
+def test_powergossip_with_a_delayed_last_iteration_equals_the_simulator_and_resumes_bit_identically(results, oracle):
+    backend, per_rank = results
+    for rank in range(N):
+        got, expected = per_rank[rank]["delayed"], oracle[rank]["delayed"]
+        assert torch.equal(got["params"], expected["params"]), f"{backend} rank {rank}"
+        assert got["losses"] == expected["losses"], f"{backend} rank {rank}"
+        checkpoint = per_rank[rank]["delayed_checkpoint"]
+        assert checkpoint["resumed_at"] == 3
+        assert torch.equal(checkpoint["resumed"], checkpoint["uninterrupted"]), f"{backend} rank {rank}"
+        assert torch.equal(checkpoint["resumed"], oracle[rank]["delayed_checkpoint"]["resumed"]), f"rank {rank}"

@@ -1,5 +1,6 @@
 """Gossip algorithms behind one start/finish interface: ExactGossip, PowerGossip, AllReduce, HierarchicalGossip,
-AdaptivePowerGossip; the PeriodicAverage wrapper; the DiLoCo baseline; compression policies (``tagc_policy``)."""
+AdaptivePowerGossip; the PeriodicAverage wrapper; the OuterOptimizer and the DiLoCo baseline, one case of it;
+compression policies (``tagc_policy``)."""
 
 from gossip.algorithms.adaptive_rank import AdaptivePowerGossip, LadderSearch
 from gossip.algorithms.allreduce import AllReduce
@@ -7,6 +8,7 @@ from gossip.algorithms.base import Algorithm, Traffic
 from gossip.algorithms.diloco import DiLoCo
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.hierarchical import HierarchicalGossip
+from gossip.algorithms.outer import OuterOptimizer
 from gossip.algorithms.periodic import PeriodicAverage
 from gossip.algorithms.powergossip import PowerGossip, PowerGossipTuning, exclude_names
 from gossip.algorithms.presets import tagc_policy
@@ -22,6 +24,7 @@ __all__ = [
     "ExactGossip",
     "HierarchicalGossip",
     "LadderSearch",
+    "OuterOptimizer",
     "PeriodicAverage",
     "PowerGossip",
     "PowerGossipTuning",

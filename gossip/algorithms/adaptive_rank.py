@@ -138,6 +138,8 @@ class AdaptivePowerGossip(PowerGossip):
         InvalidArgumentError: ``every``, ``sketch_size`` or ``alpha`` is out of range.
     """
 
+    can_delay = False  # it rebuilds its edges when the rank changes, so no exchange may outlive a step
+
     name = "adaptive-powergossip"
 
     def __init__(

@@ -369,6 +369,14 @@ class Algorithm(abc.ABC):
         """The algorithm's part of :meth:`finish`: wait (:meth:`_wait`), check what peers sent
         (:meth:`_nonfinite_peers`) and mix into the buckets in place."""
 
+    def drain(self) -> None:
+        """Complete communication still in flight from an earlier step and drop its result (default: none).
+
+        For an algorithm whose exchange outlives its step (:class:`gossip.algorithms.outer.OuterOptimizer` with a
+        delay); :meth:`gossip.DecentralizedDataParallel.close` calls it on every rank, so no peer is left waiting.
+        """
+        return
+
     def step(self, step: int) -> None:
         """``start`` and ``finish`` back to back (no overlap): for consensus experiments and tests.
 
@@ -401,6 +409,30 @@ class Algorithm(abc.ABC):
             A summary for logs (e.g. which tensors are compressed).
         """
         return {"exact": [entry.name for bucket in getattr(self, "buckets", []) for entry in bucket.entries]}
+
+    def in_flight_state(self) -> dict[str, Any]:
+        """What a checkpoint needs of the exchange kept in flight across steps, waiting for it to complete.
+
+        Waiting changes nothing the training computes (the result is applied when it would have been anyway). An
+        algorithm that applies an exchange at a later step than it posts it
+        (``PowerGossip(delayed_last_iteration=True)``) overrides it, :meth:`load_in_flight_state` and :meth:`drain`.
+
+        Returns:
+            The state, for :meth:`load_in_flight_state`; empty when nothing is in flight (the default).
+        """
+        return {}
+
+    def load_in_flight_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`in_flight_state` (after :meth:`load_state_dict`); its result is applied as it would have been.
+
+        Args:
+            state: what :meth:`in_flight_state` returned.
+
+        Raises:
+            InvalidArgumentError: ``state`` is not empty, for an algorithm that keeps nothing in flight.
+        """
+        if state:
+            raise InvalidArgumentError(f"{self.name} keeps no exchange in flight across steps, but one was given")
 
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state to checkpoint (empty for stateless algorithms).

@@ -19,10 +19,13 @@ parameters :math:`\theta` (the same on every rank) and its own replica :math:`x_
 Nothing is communicated between two synchronisations. With :math:`\alpha = 1, \mu = 0` step 3 is
 :math:`\theta \leftarrow \bar x`, the exact average (local SGD / :class:`gossip.PeriodicAverage`).
 
-The update of step 3 is :func:`outer_step`: ``torch.optim.SGD(momentum=mu, nesterov=True)``'s single-tensor update
-(dampening 0, no weight decay), its operations in the same order, so it gives torch's bits on the same inputs
-(the tests compare it with torch's SGD, with the formula above in float64 and with ``torchft.local_sgd.DiLoCo``).
-Like torch, the first outer step sets :math:`v \leftarrow \Delta`.
+It is :class:`gossip.algorithms.outer.OuterOptimizer` with :class:`gossip.AllReduce` as the averaging (that
+class holds the code; this one fixes the averaging, keeps the four settings of the paper as its config and checks
+the ranks' agreement after a load). The update of step 3 is :func:`outer_step`:
+``torch.optim.SGD(momentum=mu, nesterov=True)``'s single-tensor update (dampening 0, no weight decay), its
+operations in the same order, so it gives torch's bits on the same inputs (the tests compare it with torch's SGD,
+with the formula above in float64 and with ``torchft.local_sgd.DiLoCo``). Like torch, the first outer step sets
+:math:`v \leftarrow \Delta`.
 
 Time line. The synchronisation steps are those t with (t + 1) % H == 0, as :class:`gossip.PeriodicAverage`'s
 averaging steps. ``start(t)`` of such a step reads :math:`x_t` (the parameters after step t - 1's update: the
@@ -53,20 +56,10 @@ an outer step without some workers' progress is not DiLoCo's).
 
 from __future__ import annotations
 
-import hashlib
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from gossip.algorithms.base import Algorithm
-from gossip.algorithms.buckets import Bucket
-from gossip.backends.base import Communicator
-from gossip.backends.comm_thread import Handle
-from gossip.errors import CheckpointMismatchError, InvalidArgumentError, NonFiniteError
-from topologies import Schedule
+from gossip.algorithms.allreduce import AllReduce
+from gossip.algorithms.outer import OuterOptimizer, outer_step
 
 __all__ = ["LOCAL_STEPS", "OUTER_LR", "OUTER_MOMENTUM", "DiLoCo", "outer_step"]
 
@@ -78,59 +71,13 @@ OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 
 
-def outer_step(
-    params: Sequence[torch.Tensor],
-    momenta: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    *,
-    lr: float,
-    momentum: float,
-    nesterov: bool,
-    first: bool,
-) -> None:
-    r"""One step of SGD with (Nesterov) momentum on ``params`` in place.
-
-    For every tensor, :math:`v \leftarrow \mu v + g` (:math:`v \leftarrow g` when ``first``), then
-    :math:`p \leftarrow p - \text{lr} (g + \mu v)` with ``nesterov``, else :math:`p \leftarrow p - \text{lr}\, v`;
-    with ``momentum == 0``, :math:`p \leftarrow p - \text{lr}\, g` (``momenta`` unused).
-
-    The operations of ``torch.optim.SGD``'s single-tensor update (dampening 0, no weight decay), in its order, so
-    the result has its bits. ``grads`` are read only.
-
-    Args:
-        params: the tensors to update in place.
-        momenta: their momentum buffers, updated in place.
-        grads: their gradients (here the mean pseudo-gradients).
-        lr: the learning rate.
-        momentum: :math:`\mu`.
-        nesterov: Nesterov momentum instead of heavy-ball.
-        first: the first step, which sets :math:`v \leftarrow g`.
-    """
-    for index, (param, grad) in enumerate(zip(params, grads, strict=True)):
-        step = grad
-        if momentum != 0:
-            buffer = momenta[index]
-            if first:
-                buffer.copy_(grad)
-            else:
-                buffer.mul_(momentum).add_(grad)
-            step = grad.add(buffer, alpha=momentum) if nesterov else buffer
-        param.add_(step, alpha=-lr)
-
-
-@dataclass
-class _Sync:
-    step: int
-    deltas: list[torch.Tensor]  # this rank's pseudo-gradients, then (after the wait) their mean over ranks
-    handles: list[Handle]
-
-
-class DiLoCo(Algorithm):
+class DiLoCo(OuterOptimizer):
     r"""DiLoCo (module docstring): ``local_steps`` local steps, then the mean pseudo-gradient's outer step.
 
     ``DiLoCo(local_steps=20, outer_lr=0.7, outer_momentum=0.9)`` synchronises on steps 19, 39, ... with Nesterov
     SGD as the outer optimizer (``nesterov=False``: heavy-ball momentum). Needs no schedule: the synchronisation is
-    an all-reduce over all ranks.
+    an all-reduce over all ranks. ``OuterOptimizer(AllReduce(), ...)`` computes the same bits; this class is the
+    baseline's name and config.
 
     Args:
         local_steps: H, steps between synchronisations, an integer >= 1.
@@ -143,7 +90,7 @@ class DiLoCo(Algorithm):
     """
 
     name = "diloco"
-    start_keeps_state = True  # start only reads theta; finish's outer step is the one change
+    _label = "DiLoCo"
 
     def __init__(
         self,
@@ -152,134 +99,8 @@ class DiLoCo(Algorithm):
         outer_momentum: float = OUTER_MOMENTUM,
         nesterov: bool = True,
     ):
-        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-            raise InvalidArgumentError(
-                f"DiLoCo: local_steps must be an integer >= 1 (steps between synchronisations), got {local_steps!r}"
-            )
-        if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not 0 < outer_lr < math.inf:
-            raise InvalidArgumentError(f"DiLoCo: outer_lr must be a positive finite number, got {outer_lr!r}")
-        if isinstance(outer_momentum, bool) or not isinstance(outer_momentum, (int, float)):
-            raise InvalidArgumentError(f"DiLoCo: outer_momentum must be a number in [0, 1), got {outer_momentum!r}")
-        if not 0 <= outer_momentum < 1:
-            raise InvalidArgumentError(f"DiLoCo: outer_momentum must be in [0, 1), got {outer_momentum!r}")
-        if not isinstance(nesterov, bool):
-            raise InvalidArgumentError(f"DiLoCo: nesterov must be True or False, got {nesterov!r}")
-        self.local_steps = local_steps
-        self.outer_lr = float(outer_lr)
-        self.outer_momentum = float(outer_momentum)
-        self.nesterov = nesterov
-        self._sync: list[torch.Tensor] = []  # theta, one tensor per bucket
-        self._momentum: list[torch.Tensor] = []  # v, one per bucket (none with outer_momentum 0)
-        self._outer_steps = 0
-        self._loaded = False  # a state was loaded: compare it across ranks at the next start
+        super().__init__(AllReduce(), local_steps, outer_lr, outer_momentum, nesterov)
 
-    def setup(self, comm: Communicator, schedule: Schedule | None, buckets: list[Bucket]) -> None:
-        """Bind, and set theta to rank 0's parameters (a broadcast: every rank starts from the same theta).
-
-        Args:
-            comm: this rank's communicator.
-            schedule: ignored (the synchronisation is an all-reduce); may be None.
-            buckets: the parameter buckets.
-        """
-        super().setup(comm, schedule, buckets)
-        with torch.no_grad():
-            self._sync = [bucket.buffer.detach().clone() for bucket in buckets]
-            for sync in self._sync:
-                comm.broadcast(sync, 0)
-            self._momentum = [torch.zeros_like(sync) for sync in self._sync] if self.outer_momentum else []
-        self._outer_steps = 0
-
-    def syncs(self, step: int) -> bool:
-        """Whether ``step`` is a synchronisation step: (step + 1) % local_steps == 0.
-
-        Args:
-            step: a training step.
-
-        Returns:
-            True on a synchronisation step.
-        """
-        return (step + 1) % self.local_steps == 0
-
-    @property
-    def outer_steps(self) -> int:
-        """The outer steps taken so far."""
-        return self._outer_steps
-
-    def synchronised(self) -> list[torch.Tensor]:
-        """Theta, one tensor per bucket (laid out as the bucket): what every replica holds after a synchronisation.
-
-        Read only; the same bits on every rank.
-
-        Returns:
-            One tensor per bucket.
-        """
-        return list(self._sync)
-
-    # -- the Algorithm interface ----------------------------------------------------------------------------
-    def _start_step(self, step: int) -> _Sync | None:
-        if self._loaded:
-            self._check_agreement(step)
-        if not self.syncs(step):
-            return None
-        with torch.no_grad():
-            deltas = [torch.sub(sync, bucket.buffer) for sync, bucket in zip(self._sync, self.buckets, strict=True)]
-        return _Sync(step, deltas, [self._all_reduce(delta) for delta in deltas])
-
-    def _finish_step(self, pending: _Sync | None) -> None:
-        if pending is None:
-            return
-        for handle in pending.handles:
-            self._wait(handle)
-        checks = [torch.isfinite(delta).all() for delta in pending.deltas if delta.numel()]
-        if checks and not bool(torch.stack(checks).all()):
-            self._refuse_nonfinite_mean(pending.step)
-        with torch.no_grad():
-            outer_step(
-                self._sync,
-                self._momentum,
-                pending.deltas,
-                lr=self.outer_lr,
-                momentum=self.outer_momentum,
-                nesterov=self.nesterov,
-                first=self._outer_steps == 0,
-            )
-            for bucket, sync in zip(self.buckets, self._sync, strict=True):
-                bucket.buffer.copy_(sync)
-        self._outer_steps += 1
-
-    def _refuse_nonfinite_mean(self, step: int) -> None:
-        """The mean pseudo-gradient holds NaN or Inf: name the ranks whose replicas do (every rank sees the same
-        mean, so every rank gathers and raises)."""
-        finite = all(bool(torch.isfinite(bucket.buffer).all()) for bucket in self.buckets)
-        bad = [rank for rank, ok in enumerate(self.comm.all_gather_object(finite)) if not ok]
-        where = f"rank {self.comm.rank}: step {step}: DiLoCo's mean pseudo-gradient is non-finite"
-        if not bad:
-            raise NonFiniteError(
-                f"{where}: every replica is finite but the sum overflows; training has diverged (lower the "
-                "learning rate)"
-            )
-        raise NonFiniteError(
-            f"{where}: the replicas of ranks {bad} hold NaN or Inf; they diverged during the local steps (lower the "
-            "learning rate or --local-steps)"
-        )
-
-    def _check_agreement(self, step: int) -> None:
-        """After a load: every rank must hold the same theta, v and outer step count (else the ranks would
-        synchronise to different models). One all_gather_object of a SHA-256, once."""
-        self._loaded = False
-        digest = hashlib.sha256(str(self._outer_steps).encode())
-        for tensor in [*self._sync, *self._momentum]:
-            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        digests = self.comm.all_gather_object(digest.hexdigest())
-        other = next((rank for rank, d in enumerate(digests) if d != digests[0]), None)
-        if other is not None:
-            raise CheckpointMismatchError(
-                f"rank {self.comm.rank}: step {step}: rank {other}'s DiLoCo state (synchronised parameters, outer "
-                "momentum, outer step count) differs from rank 0's after loading it; every rank must load the state "
-                "saved by the same save (one checkpoint's files on every rank)"
-            )
-
-    # -- state ----------------------------------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
         """The settings every rank must share: ``local_steps``, ``outer_lr``, ``outer_momentum``, ``nesterov``.
 
@@ -292,45 +113,3 @@ class DiLoCo(Algorithm):
             "outer_momentum": self.outer_momentum,
             "nesterov": self.nesterov,
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        """Theta, the outer momentum and the outer step count (copies), with the config they belong to.
-
-        Returns:
-            The state, for :meth:`load_state_dict`.
-        """
-        return {
-            "config": self.config(),
-            "outer_steps": self._outer_steps,
-            "sync": [sync.detach().clone() for sync in self._sync],
-            "momentum": [buffer.detach().clone() for buffer in self._momentum],
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the state :meth:`state_dict` returned; the ranks compare it at the next ``start``.
-
-        Args:
-            state: what :meth:`state_dict` returned.
-
-        Raises:
-            InvalidArgumentError: the state was saved with another config, or its tensors do not fit this run's
-                buckets.
-        """
-        where = f"rank {self.comm.rank}" if getattr(self, "comm", None) is not None else "DiLoCo"
-        if state.get("config") != self.config():
-            raise InvalidArgumentError(
-                f"{where}: DiLoCo state was saved with {state.get('config')}, this run uses {self.config()}"
-            )
-        for key, mine in (("sync", self._sync), ("momentum", self._momentum)):
-            saved = state[key]
-            layout = [(tuple(t.shape), t.dtype) for t in saved]
-            if layout != [(tuple(t.shape), t.dtype) for t in mine]:
-                raise InvalidArgumentError(
-                    f"{where}: DiLoCo state '{key}' holds tensors {layout}, this run's buckets need "
-                    f"{[(tuple(t.shape), t.dtype) for t in mine]} (another model or bucket_bytes)"
-                )
-        with torch.no_grad():
-            for mine, saved in zip([*self._sync, *self._momentum], [*state["sync"], *state["momentum"]], strict=True):
-                mine.copy_(saved)
-        self._outer_steps = int(state["outer_steps"])
-        self._loaded = True

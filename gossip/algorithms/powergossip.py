@@ -79,6 +79,21 @@ uncompressed tensors' bytes again (their share of the main job's message: benchm
 ``PowerGossipTuning(uncompressed_every_iteration=True)`` mixes them with every iteration, which repeats the
 averaging where the step has several peers or gamma < 1.
 
+Delayed last iteration (``delayed_last_iteration=True``, with ``num_iterations`` >= 2): the first iteration's
+exchange is posted at ``start`` and overlaps forward and backward, but the further ones run in ``finish``, after
+backward, where their exchanges are exposed. With the option, the last iteration of step t is posted in step t's
+``finish`` and applied in step t + 1's ``finish``, before that step's first iteration: its exchange overlaps the
+optimizer's update and step t + 1's forward and backward. The correction it applies was computed from the replicas
+before step t's update (a delay of one step, as the first iteration's products are taken before forward and
+backward). Both ends of an edge still apply equal and opposite corrections from the same R, so the sum over ranks
+stays preserved. An edge that the schedule uses again at step t + 1 is applied at once instead (its next iteration
+needs the factors R replaces); both ends decide alike, since a symmetric schedule lists each in the other's peers.
+``close()`` completes and drops the delayed exchange (the parameters keep x_t, as for the exchange in flight); a
+checkpoint waits for it and stores its messages (:meth:`PowerGossip.in_flight_state`), so a resumed run applies it
+as the uninterrupted one does. The uncompressed tensors must be mixed once per step (a delayed exact mixing would
+write values from before the update over it), and a composite's part or an :class:`AdaptivePowerGossip` cannot
+delay (they do not pass the delayed exchange on).
+
 ``nonfinite="drop"``: when a peer's products or uncompressed tensors hold NaN or Inf, this end skips that
 edge's correction for the step (its uncompressed tensors' weight goes back to the self weight, so that row stays
 stochastic) and keeps its factors p and q as they were. The edge's parity counter still advances, so both ends
@@ -92,16 +107,19 @@ its own products would have spread over its parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from gossip.algorithms.base import Algorithm, all_finite_on_host, check_nonfinite_policy
 from gossip.algorithms.buckets import Bucket, Entry
+from gossip.algorithms.cuda_graphs import CapturedKernels
 from gossip.algorithms.powergossip_layout import (
     CPU_PAD_RATIO,
     PAD_RATIO,
@@ -114,7 +132,7 @@ from gossip.algorithms.powergossip_layout import (
     group_matrices,
 )
 from gossip.backends.base import Communicator
-from gossip.backends.comm_thread import Handle
+from gossip.backends.comm_thread import CompletedHandle, Handle
 from gossip.errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, NonFiniteWarning
 from topologies import Schedule
 
@@ -325,12 +343,18 @@ class PowerGossipTuning:
             ``CPU_PAD_RATIO`` on the CPU. Changes only the rounding.
         uncompressed_every_iteration: mix the uncompressed tensors with every power iteration instead of once
             per step (the module docstring says when that repeats the averaging). Part of :meth:`PowerGossip.config`.
+        cuda_graphs: on CUDA, launch each plan's kernels between two exchanges as one CUDA graph
+            (:mod:`gossip.algorithms.cuda_graphs`) when the sequence is fixed: warm-started factors, Gram-Schmidt,
+            and the non-finite check deferred on the device (``nonfinite="raise"``), and one rank per process
+            (not on the simulator's threads). The same kernels run, with the same results (a GPU test compares
+            both); not part of the config.
     """
 
     orthonormalization: str | None = None
     orthonormalize_dtype: torch.dtype | None = None
     pad_ratio: int | None = None
     uncompressed_every_iteration: bool = False
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.orthonormalization not in (None, *METHODS):
@@ -349,6 +373,7 @@ class PowerGossipTuning:
                 f"PowerGossipTuning: pad_ratio must be None or an integer >= 1, got {pad_ratio!r}"
             )
         object.__setattr__(self, "uncompressed_every_iteration", bool(self.uncompressed_every_iteration))
+        object.__setattr__(self, "cuda_graphs", bool(self.cuda_graphs))
 
 
 @dataclass
@@ -358,6 +383,7 @@ class _Round:
     peers: list[tuple[int, float, EdgeState, Plan]]  # peer, weight, edge, its plan for this iteration's side
     handle: Handle
     exact: bool  # whether the messages carry the uncompressed tensors
+    right: bool = False  # the side of the multiplication (a delayed round's plans are looked up again on resume)
 
 
 class PowerGossip(Algorithm):
@@ -397,14 +423,19 @@ class PowerGossip(Algorithm):
         nonfinite: ``"raise"`` or ``"drop"``, what a peer's NaN or Inf does.
         warm_start: carry each edge's factors over from iteration to iteration.
         tuning: the seldom-tuned settings; None: the defaults.
+        delayed_last_iteration: apply the last power iteration at the next step, so that its exchange overlaps
+            that step's compute (module docstring); needs ``num_iterations`` >= 2.
 
     Raises:
-        InvalidArgumentError: a setting is out of range, or ``message_dtype`` is not a supported dtype.
+        InvalidArgumentError: a setting is out of range, ``message_dtype`` is not a supported dtype, or
+            ``delayed_last_iteration`` is asked with one iteration or with the uncompressed tensors mixed every
+            iteration.
         ArgumentTypeError: ``tuning`` is not a :class:`PowerGossipTuning`.
     """
 
     name = "powergossip"
     needs_symmetric_schedule = True
+    can_delay = True  # whether delayed_last_iteration is allowed (a subclass that rebuilds its edges: False)
 
     def __init__(
         self,
@@ -419,6 +450,7 @@ class PowerGossip(Algorithm):
         nonfinite: str = "raise",
         warm_start: bool = True,
         tuning: PowerGossipTuning | None = None,
+        delayed_last_iteration: bool = False,
     ):
         if message_dtype not in MESSAGE_DTYPES:
             raise InvalidArgumentError(
@@ -441,6 +473,15 @@ class PowerGossip(Algorithm):
         self.tuning = tuning if tuning is not None else PowerGossipTuning()
         self.message_dtype = message_dtype
         self.edges: dict[tuple[int, int], EdgeState] = {}
+        self.delayed_last_iteration = bool(delayed_last_iteration)
+        if self.delayed_last_iteration and (num_iterations < 2 or self.tuning.uncompressed_every_iteration):
+            raise InvalidArgumentError(
+                "PowerGossip: delayed_last_iteration needs num_iterations >= 2 (the first iteration overlaps the "
+                "step already) and the uncompressed tensors mixed once per step (uncompressed_every_iteration "
+                f"False), got num_iterations={num_iterations}, uncompressed_every_iteration="
+                f"{self.tuning.uncompressed_every_iteration}"
+            )
+        self._delayed: _Round | None = None  # the last iteration of the previous step, applied at this one's finish
 
     # -- binding --------------------------------------------------------------------------------------------
     def _compress(self, entry: Entry) -> bool:
@@ -492,6 +533,14 @@ class PowerGossip(Algorithm):
         """
         if schedule is None:
             raise InvalidArgumentError("PowerGossip needs a schedule (e.g. topologies.one_peer_hypercube(n))")
+        if self.delayed_last_iteration and (self._part_of is not None or not self.can_delay):
+            owner = type(self._part_of or self).__name__
+            raise InvalidArgumentError(
+                f"rank {comm.rank}: {owner} does not pass a delayed exchange on from step to step: use "
+                "delayed_last_iteration=False there (it is for a PowerGossip that the wrapper runs itself)"
+            )
+        if self._delayed is not None:  # bound again mid-run: its plans hold views of the previous binding
+            self.drain()
         super().setup(comm, schedule, buckets)
         dtypes = {str(bucket.buffer.dtype).removeprefix("torch.") for bucket in buckets}
         if len(dtypes) > 1:
@@ -544,6 +593,17 @@ class PowerGossip(Algorithm):
         self._orthonormalization = self.tuning.orthonormalization or default_method(self._device)  # chosen once
         for edge in self.edges.values():  # bound again: plans hold views of the previous binding's buckets
             edge.plans.clear()
+        # the same kernels at every step: warm-started factors, Gram-Schmidt, the non-finite check on the device
+        fixed = self.warm_start and self._orthonormalization == "gram-schmidt" and self.nonfinite == "raise"
+        self._captured = (
+            CapturedKernels(
+                self._device,
+                f"rank {comm.rank}: {type(self).__name__}",
+                "PowerGossip(tuning=PowerGossipTuning(cuda_graphs=False)) launches every sequence one by one",
+            )
+            if on_cuda and self.tuning.cuda_graphs and fixed and not comm.ranks_share_a_process
+            else None
+        )
 
     def describe(self) -> dict[str, list[str]]:
         """Which parameters are compressed and which travel exactly.
@@ -684,19 +744,16 @@ class PowerGossip(Algorithm):
         if in_peers is None:
             in_peers = self.schedule.peers(self.comm.rank, step).in_peers
         exact = bool(self._exact_numel) and (iteration == 0 or self.tuning.uncompressed_every_iteration)
-        peers, planned = [], None
+        peers, planned, right = [], None, False
         for peer, weight in in_peers:
             edge = self.edge(peer)
-            plan = self._plan(peer, edge, edge.iteration % 2 == 1, exact)
+            right = edge.iteration % 2 == 1  # the same for every peer of a round: edges advance in step
+            plan = self._plan(peer, edge, right, exact)
             if not self.warm_start:
                 for stack in plan.factor:
                     for factor in stack:
                         factor.copy_(edge.draw(factor.shape[-1], self.matrix_rank, self._device, self._dtype).mT)
-            self._orthonormalize(plan)
-            for factor, x, out in plan.products:
-                torch.bmm(factor, x, out=out)
-            if plan.rounded:
-                plan.sent_products.copy_(plan.difference)
+            self._run(plan, "products", partial(self._products, plan))
             if exact:  # packed once per iteration; further peers' messages copy the first pack
                 if peers:
                     plan.sent_exact.copy_(peers[0][3].sent_exact)
@@ -706,7 +763,28 @@ class PowerGossip(Algorithm):
             peers.append((peer, weight, edge, plan))
         seq = step * self.num_iterations + iteration
         handle = self._exchange([], [], seq) if planned is None else self._start_planned(planned, seq)
-        return _Round(step, seq, peers, handle, exact)
+        return _Round(step, seq, peers, handle, exact, right)
+
+    def _products(self, plan: Plan) -> None:
+        """Orthonormalise the factor ``plan`` multiplies with and write its products into the message."""
+        self._orthonormalize(plan)
+        for factor, x, out in plan.products:
+            torch.bmm(factor, x, out=out)
+        if plan.rounded:
+            plan.sent_products.copy_(plan.difference)
+
+    def _update(self, plan: Plan, alpha: float, maybe_zero_column: bool | None) -> None:
+        """X += alpha p q^T on every run of ``plan``, then R replaces the factors (the warm-start rule)."""
+        for x, p, qt in plan.updates:
+            x.baddbmm_(p, qt, alpha=alpha)
+        replace_factors(plan.replaced, maybe_zero_column)
+
+    def _run(self, plan: Plan, key: Hashable, sequence: Callable[[], None]) -> None:
+        """Run ``sequence`` (``plan``'s kernels named ``key``) as a CUDA graph where they are captured, else now."""
+        if self._captured is None:
+            sequence()
+        else:
+            self._captured.run(plan.graphs, key, sequence)
 
     def _apply(self, round_: _Round) -> None:
         self._wait(round_.handle)
@@ -715,7 +793,7 @@ class PowerGossip(Algorithm):
         if on_device:  # checked on the device, read at the next step (before R is written over a message)
             dropped = self._nonfinite_peers(round_.step, self.nonfinite, [(p, plan.inboxes) for p, _, _, plan in peers])
         for peer, _, _, plan in peers:
-            self._difference(plan, me < peer)
+            self._run(plan, ("difference", me < peer), partial(self._difference, plan, me < peer))
         maybe_zero_columns: dict[int, bool] = {}  # per peer, when known on the host
         skipped: set[int] = set()  # edges whose R is not finite from this rank's own products
         if not on_device:
@@ -734,9 +812,12 @@ class PowerGossip(Algorithm):
             if peer not in dropped and peer not in skipped and self.groups:
                 alpha = (1.0 if me < peer else -1.0) * gamma * weight
                 # U = R q^T (or p R^T) from R itself: a zero column moves nothing, whatever warm factor it keeps.
-                for x, p, qt in plan.updates:
-                    x.baddbmm_(p, qt, alpha=alpha)
-                replace_factors(plan.replaced, maybe_zero_columns.get(peer))
+                maybe_zero = maybe_zero_columns.get(peer)
+                update = partial(self._update, plan, alpha, maybe_zero)
+                if maybe_zero is None:  # decided on the device: the same kernels at every step
+                    self._run(plan, ("update", alpha), update)
+                else:
+                    update()
             edge.iteration += 1  # a dropped peer: p and q stay as they were, the parity keeps step with the peer's
 
     def _difference(self, plan: Plan, low_end: bool) -> None:
@@ -822,10 +903,75 @@ class PowerGossip(Algorithm):
         return self._post(step, 0)
 
     def _finish_step(self, pending: _Round) -> None:
+        if self._delayed is not None:  # the previous step's last iteration; its exchange overlapped this step
+            delayed, self._delayed = self._delayed, None
+            self._apply(delayed)
         self._apply(pending)
         in_peers = [(peer, weight) for peer, weight, _, _ in pending.peers]
         for iteration in range(1, self.num_iterations):
-            self._apply(self._post(pending.step, iteration, in_peers))
+            round_ = self._post(pending.step, iteration, in_peers)
+            if iteration == self.num_iterations - 1 and self.delayed_last_iteration:
+                self._delay(round_)
+            else:
+                self._apply(round_)
+
+    def _delay(self, round_: _Round) -> None:
+        """Keep ``round_`` to apply at the next step's finish, but for the edges the next step uses (applied now)."""
+        following = {peer for peer, _ in self.schedule.peers(self.comm.rank, round_.step + 1).in_peers}
+        now = [entry for entry in round_.peers if entry[0] in following]
+        later = [entry for entry in round_.peers if entry[0] not in following]
+        if now:
+            self._apply(dataclasses.replace(round_, peers=now))
+        self._delayed = dataclasses.replace(round_, peers=later) if later else None
+
+    def drain(self) -> None:
+        """Complete the delayed last iteration's exchange, if any, and drop it (every rank does, at close)."""
+        if self._delayed is not None:
+            delayed, self._delayed = self._delayed, None
+            self._wait(delayed.handle)
+            for _, _, edge, _ in delayed.peers:
+                edge.iteration += 1  # as applied: the parity keeps step with the peer's
+
+    def in_flight_state(self) -> dict:
+        """The delayed last iteration's messages, after waiting for its exchange; empty when none is delayed.
+
+        Returns:
+            ``{"step", "seq", "right", "peers": [(peer, weight, sent messages, received messages)]}`` or ``{}``.
+        """
+        delayed = self._delayed
+        if delayed is None:
+            return {}
+        self._wait(delayed.handle)
+        return {
+            "step": delayed.step,
+            "seq": delayed.seq,
+            "right": delayed.right,
+            "peers": [
+                (peer, weight, [t.clone() for t in plan.messages], [t.clone() for t in plan.inboxes])
+                for peer, weight, _, plan in delayed.peers
+            ],
+        }
+
+    def load_in_flight_state(self, state: dict) -> None:
+        """Restore :meth:`in_flight_state` (after :meth:`load_state_dict`), to apply at the next finish.
+
+        The delayed iteration is then applied as in the run that saved it. A delayed exchange of this run is
+        completed and dropped first.
+
+        Args:
+            state: what :meth:`in_flight_state` returned.
+        """
+        self.drain()
+        if not state:
+            return
+        peers = []
+        for peer, weight, sent, received in state["peers"]:
+            edge = self.edge(peer)
+            plan = self._plan(peer, edge, bool(state["right"]), False)
+            for into, saved in zip([*plan.messages, *plan.inboxes], [*sent, *received], strict=True):
+                into.copy_(saved)
+            peers.append((peer, weight, edge, plan))
+        self._delayed = _Round(state["step"], state["seq"], peers, CompletedHandle(), False, bool(state["right"]))
 
     def state_dict(self) -> dict:
         """Every edge's factors, iteration counter and generator state (copies), with the config they belong to.
@@ -891,5 +1037,6 @@ class PowerGossip(Algorithm):
             "orthonormalize_dtype": str(self.tuning.orthonormalize_dtype),
             "orthonormalization": str(self.tuning.orthonormalization),
             "uncompressed_every_iteration": self.tuning.uncompressed_every_iteration,
+            "delayed_last_iteration": self.delayed_last_iteration,
             "message_dtype": str(self.message_dtype),
         }

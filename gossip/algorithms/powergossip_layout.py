@@ -10,7 +10,7 @@ positional call could swap without an error.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -507,6 +507,8 @@ class Plan:
             for QR's triangular factor.
         replaced: the factor R replaces, and the buffers of the warm-start rule.
         exchange: the messages to the edge's peer and the inboxes, checked once.
+        graphs: this plan's kernel sequences captured as CUDA graphs, by name
+            (:class:`gossip.algorithms.cuda_graphs.CapturedKernels`); they live and die with the plan.
     """
 
     messages: list[torch.Tensor]  # what is sent to the peer, and the receive buffers: one message, or with a
@@ -526,3 +528,4 @@ class Plan:
     classes: list[tuple[torch.Tensor, torch.Tensor]]
     replaced: Replacement  # the factor R replaces, and the buffers of the warm-start rule
     exchange: PlannedExchange  # the messages to the edge's peer and the inboxes, checked once
+    graphs: dict = field(default_factory=dict)  # its kernel sequences as CUDA graphs (cuda_graphs.CapturedKernels)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import gossip
 import topologies
+from gossip.app.outer_options import add_outer_options, outer_settings
 from gossip.app.train import (
     ALGORITHM_CHOICES,
     DEFAULTS,
@@ -48,6 +49,7 @@ from gossip.app.train import (
     resolve,
     train,
 )
+from gossip.wrapper.tracking import TRACKER_MIXINGS
 
 ERROR_DIR_VARIABLE = "GOSSIP_TRAIN_ERROR_DIR"  # workers of --nproc write rank<r>.txt there when they fail
 LAUNCHER_OPTIONS = ("--nproc", "--out", "--backend")
@@ -168,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"default: {DEFAULTS.message_dtype}",
     )
     gossip_options.add_argument(
+        "--delay-last-iteration",
+        action="store_true",
+        help="PowerGossip with 2 or more power iterations: apply the last one at the next step, so that its "
+        "exchange overlaps that step's forward and backward instead of blocking after backward; default: off",
+    )
+    gossip_options.add_argument(
         "--average-every",
         type=_nonnegative_int,
         default=None,
@@ -176,12 +184,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gossip_options.add_argument(
         "--gradient-tracking",
-        action=argparse.BooleanOptionalAction,
+        nargs="?",
+        const=True,
         default=False,
-        help="step on a tracker of the mean gradient, mixed like the parameters (one more exchange of model size "
-        "per step); needs a doubly stochastic schedule; default: off",
+        choices=TRACKER_MIXINGS,
+        metavar="{exact,powergossip}",
+        help="step on a tracker of the mean gradient, mixed like the parameters: exactly (the flag alone or exact: "
+        "one more exchange of model size per step) or by PowerGossip at --rank (powergossip: its compressed "
+        "products per step, the trackers' sum still the gradients' sum); needs a doubly stochastic (powergossip: "
+        "symmetric) schedule; default: off",
     )
-    diloco = parser.add_argument_group("diloco (--algorithm diloco only)")
+    gossip_options.add_argument(
+        "--tracking-overlap",
+        action="store_true",
+        help="with --gradient-tracking: the trackers' exchange runs during forward and backward (DIGing's "
+        "combine-then-adapt tracker: y_i = sum_j W_ij y_j(t-1) + g_i(t) - g_i(t-1)) instead of blocking the "
+        "optimizer step; default: off",
+    )
+    gossip_options.add_argument(
+        "--no-gradient-tracking",
+        dest="gradient_tracking",
+        action="store_const",
+        const=False,
+        help="gradient tracking off (the default)",
+    )
+    diloco = parser.add_argument_group(
+        "diloco (--algorithm diloco; --outer-lr and --outer-momentum also with --outer-every)"
+    )
     diloco.add_argument(
         "--local-steps",
         type=_positive(int),
@@ -200,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"momentum of the outer Nesterov SGD, in [0, 1); default: {DILOCO_DEFAULTS['outer_momentum']}",
     )
+    add_outer_options(parser)
     training = parser.add_argument_group("training")
     training.add_argument(
         "--optimizer",
@@ -249,9 +279,12 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         message_dtype=args.message_dtype,
         average_every=args.average_every,
         gradient_tracking=args.gradient_tracking,
+        tracking_overlap=args.tracking_overlap,
+        delayed_last_iteration=args.delay_last_iteration,
         local_steps=args.local_steps,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
+        **outer_settings(args),
         schedule=args.schedule,
         split=args.split,
         seed=args.seed,

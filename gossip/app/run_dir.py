@@ -25,6 +25,7 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gossip.app.outer_options import describe_outer
 from gossip.backends.base import Communicator
 from gossip.errors import ConfigError
 
@@ -194,18 +195,25 @@ def describe_mixing(config: Any) -> str:
     if config.algorithm == "ddp":
         return "torch DDP (gradient all-reduce)"
     if config.algorithm == "diloco":
-        return (
-            f"diloco ({config.local_steps} local steps, outer Nesterov SGD lr {config.outer_lr:g} momentum "
-            f"{config.outer_momentum:g})"
-        )
+        if getattr(config, "outer_sync", None) in (None, "allreduce") and not getattr(config, "outer_delay", 0):
+            return (
+                f"diloco ({config.local_steps} local steps, outer Nesterov SGD lr {config.outer_lr:g} momentum "
+                f"{config.outer_momentum:g})"
+            )
+        return f"diloco ({describe_outer(config)}) on {config.schedule}"
     mixing = f"{config.algorithm} on {config.schedule}"
     if config.algorithm == "powergossip":
         iterations = config.power_iterations or 1
         wire = getattr(config, "message_dtype", None)
         on_the_wire = f", {wire} messages" if wire not in (None, "float32") else ""
-        mixing += f" (rank {config.rank}{f', {iterations} power iterations' if iterations > 1 else ''}{on_the_wire})"
+        delayed = ", the last applied a step later" if getattr(config, "delayed_last_iteration", False) else ""
+        mixing += (
+            f" (rank {config.rank}{f', {iterations} power iterations' if iterations > 1 else ''}{delayed}{on_the_wire})"
+        )
     if config.average_every:
         mixing += f", exact average every {config.average_every} steps"
+    if getattr(config, "outer_every", 0):
+        mixing += f", {describe_outer(config)}"
     return mixing
 
 

@@ -40,6 +40,7 @@ from gossip.algorithms.diloco import LOCAL_STEPS, OUTER_LR, OUTER_MOMENTUM
 from gossip.app.corpus import ShardedBatches, decode, encode, load_corpus, validation_batches
 from gossip.app.ddp_baseline import DDPBaseline
 from gossip.app.gpt import GPT, GPTConfig
+from gossip.app.outer_options import check_outer_options, make_outer, resolve_outer
 from gossip.app.run_dir import RunSummary, describe_mixing, prepare_run_dir, write_outputs
 from gossip.backends.base import Communicator
 from gossip.errors import ConfigError, NonFiniteError
@@ -111,10 +112,19 @@ class TrainConfig:
         message_dtype: the dtype PowerGossip's products travel in, one of :data:`MESSAGE_DTYPES`.
         average_every: an exact global average every this many steps (0: never; None: :data:`DEFAULTS`').
         gradient_tracking: the optimizer steps on a tracker of the mean gradient, mixed like the parameters
-            (``DecentralizedDataParallel(..., gradient_tracking=True)``); one more exchange of model size per step.
+            (``DecentralizedDataParallel(..., gradient_tracking=...)``): False (off), True or ``"exact"`` (one more
+            exchange of model size per step) or ``"powergossip"`` (PowerGossip at ``rank``, compressed products).
+        tracking_overlap: the trackers' exchange overlaps forward and backward (combine-then-adapt tracking).
+        delayed_last_iteration: PowerGossip's last power iteration is applied at the next step, so that its
+            exchange overlaps that step's compute (``PowerGossip(delayed_last_iteration=True)``).
         local_steps: DiLoCo's local steps per round (None: :data:`DILOCO_DEFAULTS`' for DiLoCo).
         outer_lr: DiLoCo's outer learning rate.
         outer_momentum: DiLoCo's outer Nesterov momentum.
+        outer_sync: how the pseudo-gradients are averaged: allreduce, gossip or powergossip
+            (:mod:`gossip.app.outer_options`; None: allreduce where an outer optimizer runs).
+        outer_every: a hybrid: the per-step gossip algorithm and an outer step every this many steps (0: off).
+        outer_delay: steps a synchronisation stays in flight (the delayed, streaming outer update; 0: none).
+        outer_merge: with a delay, the weight of the replica's own progress when the average lands.
         schedule: the schedule name (None: :func:`default_schedule`).
         split: how the corpus is split between workers.
         seed: the seed of the model, the batches and the sampling.
@@ -141,10 +151,16 @@ class TrainConfig:
     power_iterations: int | None = None
     message_dtype: str | None = None
     average_every: int | None = None
-    gradient_tracking: bool = False
+    gradient_tracking: bool | str = False
+    tracking_overlap: bool = False
+    delayed_last_iteration: bool = False
     local_steps: int | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    outer_sync: str | None = None
+    outer_every: int = 0
+    outer_delay: int = 0
+    outer_merge: float | None = None
     schedule: str | None = None
     split: str = "iid"
     seed: int = 0
@@ -201,7 +217,8 @@ def build_schedule(config: TrainConfig) -> topologies.Schedule:
     """
     try:
         schedule = topologies.by_name(config.schedule, config.world_size)
-        if gossip.ALGORITHMS[config.algorithm].needs_symmetric_schedule:
+        symmetric = config.outer_sync == "powergossip" or config.gradient_tracking == "powergossip"
+        if gossip.ALGORITHMS[config.algorithm].needs_symmetric_schedule or symmetric:
             schedule.validate(symmetric=True)
     except topologies.ScheduleError as err:
         where = f"world size {config.world_size}, --algorithm {config.algorithm}"
@@ -244,16 +261,25 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     if config.optimizer not in OPTIMIZERS:
         raise ConfigError("--optimizer", f"unknown {config.optimizer!r}; choose one of {list(OPTIMIZERS)}")
     _check_mixing_options(config)
+    if config.gradient_tracking not in (False, True, "exact", "powergossip"):
+        raise ConfigError(
+            "--gradient-tracking", f"must be off, on, 'exact' or 'powergossip', got {config.gradient_tracking!r}"
+        )
+    if config.tracking_overlap and not config.gradient_tracking:
+        raise ConfigError("--tracking-overlap", "overlaps the trackers' exchange: add --gradient-tracking")
     if config.power_iterations is None:
         resolved.power_iterations = DEFAULTS.power_iterations if config.algorithm == "powergossip" else 1
+    _check_delayed_last_iteration(resolved)
     if config.message_dtype is None:
         resolved.message_dtype = DEFAULTS.message_dtype if config.algorithm == "powergossip" else "float32"
     if config.average_every is None:
         resolved.average_every = 0 if config.algorithm in (*AVERAGING_EVERY_STEP, DILOCO) else DEFAULTS.average_every
-    if config.algorithm == DILOCO:
+    if config.algorithm == DILOCO or config.outer_every:
         for option, default in DILOCO_DEFAULTS.items():
-            if getattr(config, option) is None:
+            if getattr(config, option) is None and (config.algorithm == DILOCO or option != "local_steps"):
                 setattr(resolved, option, default)
+    check_outer_options(resolved)
+    resolve_outer(resolved)
     if config.data is not None and not Path(config.data).is_file():
         raise ConfigError("--data", f"{config.data!r} does not exist or is not a file")
     if config.data is not None and Path(config.data).stat().st_size == 0:
@@ -291,10 +317,28 @@ def _check_mixing_options(config: TrainConfig) -> None:
         )
 
 
+def _check_delayed_last_iteration(config: TrainConfig) -> None:
+    """``--delay-last-iteration``: PowerGossip run by the wrapper itself, with at least 2 power iterations."""
+    if not config.delayed_last_iteration:
+        return
+    if config.algorithm != "powergossip":
+        raise ConfigError("--delay-last-iteration", f"applies to --algorithm powergossip only, not {config.algorithm}")
+    if config.power_iterations < 2:
+        raise ConfigError(
+            "--delay-last-iteration", "delays the last of several power iterations: add --power-iterations 2 or more"
+        )
+    if config.average_every or config.outer_every:
+        option = "--average-every" if config.average_every else "--outer-every"
+        raise ConfigError(
+            "--delay-last-iteration", f"PowerGossip inside {option} cannot keep an exchange across steps; drop one"
+        )
+
+
 def _check_diloco_options(config: TrainConfig) -> None:
     """``--local-steps``, ``--outer-lr`` and ``--outer-momentum``: for DiLoCo only, and in range."""
     for option in DILOCO_DEFAULTS:
-        if getattr(config, option) is not None and config.algorithm != DILOCO:
+        hybrid = bool(config.outer_every) and option != "local_steps"  # a hybrid's period is --outer-every
+        if getattr(config, option) is not None and config.algorithm != DILOCO and not hybrid:
             flag = "--" + option.replace("_", "-")
             raise ConfigError(flag, f"applies to --algorithm diloco only, not {config.algorithm}; drop {flag}")
     local_steps, outer_lr, outer_momentum = config.local_steps, config.outer_lr, config.outer_momentum
@@ -358,7 +402,10 @@ def make_scheduler(config: TrainConfig, optimizer: torch.optim.Optimizer) -> Lam
 
 
 def make_algorithm(config: TrainConfig) -> gossip.Algorithm:
-    """The gossip algorithm of ``config``, wrapped in :class:`gossip.PeriodicAverage` when ``average_every > 0``.
+    """The gossip algorithm of ``config``, wrapped where the config asks for it.
+
+    In :class:`gossip.PeriodicAverage` when ``average_every > 0``; as the ``between`` of a
+    :class:`gossip.OuterOptimizer` when ``outer_every > 0`` (:mod:`gossip.app.outer_options`).
 
     Args:
         config: a resolved config (not ``ddp``).
@@ -367,19 +414,36 @@ def make_algorithm(config: TrainConfig) -> gossip.Algorithm:
         The algorithm.
     """
     if config.algorithm == DILOCO:
-        return gossip.DiLoCo(
-            local_steps=config.local_steps, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum
-        )
+        return make_outer(config, None)
     if config.algorithm == "powergossip":
         message_dtype = None if config.message_dtype == "float32" else getattr(torch, config.message_dtype)
         algorithm = gossip.PowerGossip(
-            rank=config.rank, num_iterations=config.power_iterations, message_dtype=message_dtype
+            rank=config.rank,
+            num_iterations=config.power_iterations,
+            message_dtype=message_dtype,
+            delayed_last_iteration=config.delayed_last_iteration,
         )
     else:
         algorithm = gossip.ALGORITHMS[config.algorithm]()
     if config.average_every:
         return gossip.PeriodicAverage(algorithm, every=config.average_every)
+    if config.outer_every:
+        return make_outer(config, algorithm)
     return algorithm
+
+
+def tracking_option(config: TrainConfig) -> bool | gossip.Algorithm:
+    """The wrapper's ``gradient_tracking`` for ``config``: False, True (exact) or PowerGossip at ``config.rank``.
+
+    Args:
+        config: a resolved config.
+
+    Returns:
+        What :class:`~gossip.wrapper.parallel.DecentralizedDataParallel` takes.
+    """
+    if config.gradient_tracking == "powergossip":
+        return gossip.PowerGossip(rank=config.rank)
+    return bool(config.gradient_tracking)
 
 
 def make_model(config: TrainConfig, comm: Communicator, run_dir: Path) -> Replicated:
@@ -404,7 +468,8 @@ def make_model(config: TrainConfig, comm: Communicator, run_dir: Path) -> Replic
         run_dir=run_dir,
         consensus_every=config.log_every,
         seed=config.seed,
-        gradient_tracking=config.gradient_tracking,
+        gradient_tracking=tracking_option(config),
+        tracking_overlap=config.tracking_overlap,
     )
 
 

@@ -198,8 +198,15 @@ class Traffic:
 
 
 class Communicator(abc.ABC):
-    """The primitives every backend offers. See the module docstring for the exchange protocol."""
+    """The primitives every backend offers. See the module docstring for the exchange protocol.
 
+    Attributes:
+        ranks_share_a_process: the ranks are threads of one process sharing its devices (the simulator), so a
+            rank cannot capture CUDA graphs (a capture in one thread is invalidated by another's device
+            synchronisation, such as a cudaFree).
+    """
+
+    ranks_share_a_process: bool = False
     backend: str
     rank: int
     size: int

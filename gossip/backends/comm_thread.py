@@ -81,6 +81,25 @@ class Handle(abc.ABC):
         """
 
 
+class CompletedHandle(Handle):
+    """A handle on an operation that completed before it was created (e.g. one restored from a checkpoint)."""
+
+    def done(self) -> bool:
+        """Always True.
+
+        Returns:
+            True.
+        """
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Return at once.
+
+        Args:
+            timeout: ignored.
+        """
+
+
 class FutureHandle(Handle):
     """A handle on an operation run by a :class:`CommThread`.
 

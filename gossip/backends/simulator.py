@@ -157,6 +157,7 @@ class SimulatorCommunicator(Communicator):
     """
 
     backend = "simulator"
+    ranks_share_a_process = True
 
     def __init__(self, world: _World, rank: int, local_size: int, timeout: float, device: torch.device | None = None):
         super().__init__()
@@ -324,6 +325,10 @@ def simulate(
             errors[rank] = error
             world.fail(rank, error)
 
+    if device.type == "cuda":
+        # torch loads its CUDA linear-algebra library lazily, and that first load is not thread-safe (ranks
+        # reaching it at once fail with "lazy wrapper should be called at most once"): load it here, once.
+        torch.linalg.qr(torch.eye(2, device=device))
     threads = [threading.Thread(target=run, args=(r,), name=f"sim-rank-{r}") for r in range(size)]
     for thread in threads:
         thread.start()

@@ -64,7 +64,7 @@ from gossip.wrapper.consensus import (
 from gossip.wrapper.metrics import StepMetrics
 from gossip.wrapper.replicas import ReplicaMismatchError, broadcast_from_rank0, check_replicas
 from gossip.wrapper.step_phase import StepPhase, StepState
-from gossip.wrapper.tracking import GradientTracker, require_doubly_stochastic
+from gossip.wrapper.tracking import GradientTracker, require_doubly_stochastic, tracker_mixing, tracking_setting
 from topologies import Schedule
 from topologies.validation import find_violation
 
@@ -200,12 +200,19 @@ class DecentralizedDataParallel(nn.Module):
             *blocking* in this version (it needs the fresh gradient) -- and y_i is written into the parameters'
             ``.grad`` before the update. Needs a doubly stochastic schedule; call ``optimizer.zero_grad()`` every
             step (a backward without it would accumulate onto y_i). The trackers are part of the checkpoint.
+            ``True`` or ``"exact"`` mixes the trackers exactly; ``"powergossip"`` (``PowerGossip()``) or an
+            algorithm object (e.g. ``gossip.PowerGossip(rank=4)``) mixes them compressed, whose antisymmetric
+            per-edge corrections keep sum_i y_i = sum_i g_i^t on a symmetric schedule.
+        tracking_overlap: with gradient tracking, the combine-then-adapt tracker (DIGing's form,
+            y_i <- sum_j W_ij(t) y_j^{t-1} + g_i^t - g_i^{t-1}): the trackers' exchange starts with the parameters'
+            and runs during forward and backward instead of blocking the optimizer step; the same sum invariant.
 
     Raises:
         ArgumentTypeError: ``module`` already contains a wrapper.
         UseAfterCloseError: ``comm`` is closed.
         InvalidArgumentError: ``buffers``, ``bucket_bytes`` or ``consensus_every`` has a value it cannot take, or
-            ``gradient_tracking`` is asked for with a schedule that is not doubly stochastic.
+            ``gradient_tracking`` is asked for with a schedule that is not doubly stochastic, or is not one of the
+            accepted values.
         ReplicaMismatchError: the ranks disagree on the model, the schedule, the algorithm or a setting above.
     """
 
@@ -222,7 +229,8 @@ class DecentralizedDataParallel(nn.Module):
         consensus_every: int = 10,
         consensus_samples: int = DEFAULT_SAMPLES,
         seed: int = 0,
-        gradient_tracking: bool = False,
+        gradient_tracking: bool | str | Algorithm = False,
+        tracking_overlap: bool = False,
     ):
         super().__init__()
         if any(isinstance(inner, DecentralizedDataParallel) for inner in module.modules()):
@@ -254,11 +262,18 @@ class DecentralizedDataParallel(nn.Module):
             "seed": int(seed),
             # the algorithm's non-finite policy (one rank dropping what another raises on would split the run)
             "nonfinite": algorithm.nonfinite,
-            "gradient_tracking": bool(gradient_tracking),
+            "gradient_tracking": tracking_setting(gradient_tracking),
+            "tracking_overlap": bool(tracking_overlap),
         }
         self.signature = check_replicas(module, comm, schedule, algorithm, settings)
         if gradient_tracking:
             require_doubly_stochastic(schedule, comm.rank)  # before the parameters move into buckets
+        mixing = tracker_mixing(gradient_tracking) if gradient_tracking else None
+        if tracking_overlap and not gradient_tracking:
+            raise InvalidArgumentError(
+                f"rank {comm.rank}: tracking_overlap=True overlaps the trackers' exchange, but gradient_tracking is "
+                "off; turn gradient tracking on or drop tracking_overlap"
+            )
         self.buckets = bucket_parameters(module, bucket_bytes)
         algorithm.setup(comm, schedule, self.buckets)  # refuses a bad schedule or configuration on every rank
         broadcast_from_rank0(module, self.buckets, comm)
@@ -279,7 +294,9 @@ class DecentralizedDataParallel(nn.Module):
         self._names = {id(p): name for name, p in named}
         #: The gradient tracker (gradient_tracking=True), else None; its exchange runs in finish_mixing.
         self.tracker = (
-            GradientTracker(algorithm, schedule, self.buckets, self._parameters_in_order) if gradient_tracking else None
+            GradientTracker(algorithm, schedule, self.buckets, self._parameters_in_order, mixing, tracking_overlap)
+            if gradient_tracking
+            else None
         )
         self._ownership: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.step_count = 0
@@ -590,6 +607,8 @@ class DecentralizedDataParallel(nn.Module):
             self._last_step_end = time.perf_counter()
         self._move("start", "starting the exchange", check_only=True)
         self._exchange = self.algorithm.start(self.step_count)
+        if self.tracker is not None:
+            self.tracker.start(self.step_count)  # overlapped tracking only: y^{t-1}'s exchange joins x_t's
         self._move("start", "starting the exchange")
         self._started_at = time.perf_counter()
 
@@ -641,11 +660,17 @@ class DecentralizedDataParallel(nn.Module):
     def _drain_exchange(self) -> None:
         """For ``close()``: complete an exchange in flight (every rank does, so none is left waiting) and drop its
         result, so that the parameters keep x_t."""
+        if self.tracker is not None:
+            with self._naming_step():
+                self.tracker.drain()
         if not self._step.in_flight:
+            with self._naming_step():
+                self.algorithm.drain()
             return
         local = [bucket.buffer.clone() for bucket in self.buckets]
         with self._naming_step():
             self.algorithm.finish(self._exchange)
+            self.algorithm.drain()
         self._exchange = None
         with torch.no_grad():
             for bucket, saved in zip(self.buckets, local, strict=True):
@@ -780,7 +805,8 @@ class DecentralizedDataParallel(nn.Module):
 
         Returns:
             ``{"step": t, "buckets": [copies of the buckets], "algorithm": the algorithm's state}``, plus
-                ``"tracker"`` with gradient tracking.
+                ``"tracker"`` with gradient tracking and ``"algorithm_in_flight"`` when the algorithm keeps an
+                exchange in flight across steps.
 
         Raises:
             StepPhaseError: called between the mixing and the optimizer's update.
@@ -799,6 +825,9 @@ class DecentralizedDataParallel(nn.Module):
         }
         if self.tracker is not None:
             state["tracker"] = self.tracker.state_dict()
+        in_flight = self.algorithm.in_flight_state()  # an exchange kept across steps (waited for, not applied)
+        if in_flight:
+            state["algorithm_in_flight"] = in_flight
         return state
 
     def load_training_state(self, state: dict[str, Any]) -> None:
@@ -820,11 +849,13 @@ class DecentralizedDataParallel(nn.Module):
         if self._step.in_flight:
             self.algorithm.finish(self._exchange)
             self._exchange = None
+        self.algorithm.drain()  # an exchange kept across steps: completed and dropped (the state is replaced)
         self._move("discard", "load_training_state()")
         with torch.no_grad():
             for bucket, saved in zip(self.buckets, state["buckets"], strict=True):
                 bucket.buffer.copy_(saved)
         self.algorithm.load_state_dict(copy.deepcopy(state["algorithm"]))
+        self.algorithm.load_in_flight_state(state.get("algorithm_in_flight", {}))
         if self.tracker is not None:
             self.tracker.load_state_dict(state["tracker"])
         self.step_count = int(state["step"])

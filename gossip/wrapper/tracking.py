@@ -12,7 +12,28 @@ so that at step 0 :math:`y_i^0 = \sum_j W_{ij}(0)\, g_j^0`. With column sums of 
 trackers' mean is the mean gradient exactly (up to float rounding), while the mixing removes the per-rank
 deviation from it. A schedule that is not doubly stochastic is therefore refused.
 
-The tracker's exchange needs :math:`g^t`, which exists only after the backward, so this first version runs it
+Compressed trackers (``gradient_tracking="powergossip"`` or a :class:`gossip.PowerGossip` instance): the trackers
+are mixed by PowerGossip instead (Vogels et al. 2020, Section 3), :math:`y_i \leftarrow z_i + \gamma \sum_j W_{ij}
+P_{ij}(z_j - z_i)` with :math:`z = y + g^t - g^{t-1}` and :math:`P_{ij}` the rank-r projection both ends of the
+edge share. Each edge's correction is applied with opposite signs at its two ends (antisymmetric), so on a
+symmetric W the sum is preserved exactly as with exact mixing, :math:`\sum_i y_i^t = \sum_i g_i^t`, while each
+step sends the compressed products instead of the model; what the projection misses of the trackers' differences
+stays in them for later steps. The tracker's PowerGossip keeps its own per-edge factors (part of the checkpoint).
+
+Overlapped tracking (``tracking_overlap=True``): the combine-then-adapt form of DIGing (Nedić, Olshevsky & Shi
+2017, Algorithm 1),
+
+.. math::  y_i^{t} = \sum_j W_{ij}(t)\, y_j^{t-1} + g_i^{t} - g_i^{t-1},
+
+mixes the previous trackers, which exist before step t's backward: their exchange starts with the parameters'
+right after step t - 1's update and runs during step t's forward and backward, and the pre-step hook only waits for
+it and adds this rank's own correction. The same induction gives :math:`\sum_i y_i^t = \sum_i g_i^t` (the
+mixing preserves the sum; the corrections add the new gradients and remove the old); what changes is that the
+fresh gradients reach the peers one step later. At step 0, :math:`y_i^0 = g_i^0`. Without it (the default,
+adapt-then-combine, below) the exchange needs :math:`g^t`, which exists only after the backward, so it cannot start
+earlier than the pre-step hook and runs *blocking* there.
+
+The adapt-then-combine tracker's exchange needs :math:`g^t`, which exists only after the backward, so it runs
 *blocking* inside the optimizer's pre-step hook, right after the parameters' mixing: one more exchange of model
 size per step, not overlapped with computation. The received trackers are summed in rank order (this rank
 included), so ranks whose rows of W(t) are equal compute bit-identical trackers (the complete graph, W = J, gives
@@ -27,6 +48,7 @@ gradients counts as a zero gradient.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -34,7 +56,8 @@ import torch
 from gossip.algorithms.base import Algorithm
 from gossip.algorithms.buckets import Bucket
 from gossip.algorithms.exact import ExactGossip
-from gossip.errors import CheckpointMismatchError, InvalidArgumentError
+from gossip.algorithms.powergossip import PowerGossip
+from gossip.errors import ArgumentTypeError, CheckpointMismatchError, InvalidArgumentError
 from topologies import Schedule
 from topologies.validation import find_violation
 
@@ -56,6 +79,50 @@ def require_doubly_stochastic(schedule: Schedule, rank: int) -> None:
             f"({violation}); the trackers' mean equals the mean gradient only if every W(t) has column sums of 1. "
             "Use weights='metropolis' (or another doubly stochastic schedule), or turn gradient tracking off"
         )
+
+
+#: The names ``gradient_tracking`` accepts besides True/False and an algorithm instance.
+TRACKER_MIXINGS = ("exact", "powergossip")
+
+
+def tracker_mixing(option: Any) -> Algorithm | None:
+    """The algorithm that mixes the trackers for the wrapper's ``gradient_tracking`` option.
+
+    Args:
+        option: True or ``"exact"`` (exact mixing), ``"powergossip"`` (``PowerGossip()``'s defaults) or an unbound
+            :class:`gossip.Algorithm` (e.g. ``PowerGossip(rank=4)``).
+
+    Returns:
+        None for exact mixing (:class:`TrackerMixing`), else the algorithm.
+
+    Raises:
+        InvalidArgumentError: ``option`` is none of these.
+    """
+    if option is True or option == "exact":
+        return None
+    if option == "powergossip":
+        return PowerGossip()
+    if isinstance(option, Algorithm):
+        return option
+    raise InvalidArgumentError(
+        f"gradient_tracking must be True, False, one of {TRACKER_MIXINGS} or a gossip.Algorithm for the trackers "
+        f"(e.g. gossip.PowerGossip(rank=4)), got {option!r}"
+    )
+
+
+def tracking_setting(option: Any) -> Any:
+    """What the ranks must agree on about ``gradient_tracking``: False, ``"exact"``, or the trackers' algorithm.
+
+    Args:
+        option: the wrapper's ``gradient_tracking`` argument.
+
+    Returns:
+        False, ``"exact"``, or ``{"name": ..., **config}`` of the trackers' algorithm.
+    """
+    if option is False or option is None:
+        return False
+    mixing = tracker_mixing(option)
+    return "exact" if mixing is None else {"name": mixing.name, **mixing.config()}
 
 
 class TrackerMixing(ExactGossip):
@@ -102,24 +169,88 @@ class GradientTracker:
         schedule: the wrapper's schedule, whose W(t) mixes the trackers.
         buckets: the wrapper's parameter buckets (the trackers take their layout).
         parameters: the trainable parameters, in the order of the buckets' entries.
+        mixing: the unbound algorithm that mixes the trackers (e.g. :class:`gossip.PowerGossip`), or None for exact
+            mixing (:class:`TrackerMixing`).
+        overlap: the combine-then-adapt form, whose exchange :meth:`start` posts before the forward (module
+            docstring), instead of the blocking adapt-then-combine one.
 
     Raises:
         InvalidArgumentError: the schedule is not doubly stochastic over the steps it is checked on (raised by
-            :func:`require_doubly_stochastic`).
+            :func:`require_doubly_stochastic`), or not symmetric when ``mixing`` needs it.
+        ArgumentTypeError: ``mixing`` is the wrapper's algorithm itself (each needs its own object).
     """
 
-    def __init__(self, algorithm: Algorithm, schedule: Schedule, buckets: list[Bucket], parameters: list[torch.Tensor]):
+    def __init__(
+        self,
+        algorithm: Algorithm,
+        schedule: Schedule,
+        buckets: list[Bucket],
+        parameters: list[torch.Tensor],
+        mixing: Algorithm | None = None,
+        overlap: bool = False,
+    ):
         require_doubly_stochastic(schedule, algorithm.comm.rank)
+        if mixing is algorithm:
+            raise ArgumentTypeError(
+                f"rank {algorithm.comm.rank}: gradient_tracking was given the wrapper's own algorithm object; the "
+                "trackers need an algorithm object of their own (e.g. gossip.PowerGossip(rank=4))"
+            )
+        if mixing is not None and mixing.needs_symmetric_schedule:
+            schedule.validate(symmetric=True)
         self.trackers = [Bucket(torch.zeros_like(bucket.buffer), bucket.entries) for bucket in buckets]
         self.previous = [torch.zeros_like(bucket.buffer) for bucket in buckets]
         self._fresh = [torch.zeros_like(bucket.buffer) for bucket in buckets]
         self._parameters = parameters
-        self.mixing = TrackerMixing(nonfinite=algorithm.nonfinite)
+        self.mixing = TrackerMixing(nonfinite=algorithm.nonfinite) if mixing is None else mixing
         algorithm.setup_part(self.mixing, schedule, self.trackers)
+        self.overlap = bool(overlap)
+        self._pending: Any = None  # the overlapped exchange in flight
+        self._mixing_before: dict[str, Any] | None = None  # the mixing's state before that exchange started
+
+    def start(self, step: int) -> None:
+        """Overlapped tracking: post step ``step``'s exchange of y^{t-1} over W(t) (a no-op otherwise).
+
+        The wrapper calls it right after the parameters' exchange starts, so it runs during forward and backward.
+
+        Args:
+            step: the step's number, the same on every rank.
+        """
+        if not self.overlap or self._pending is not None:
+            return
+        self._mixing_before = copy.deepcopy(self.mixing.state_dict())
+        self._pending = self.mixing.start(step)
+
+    def drain(self) -> None:
+        """Complete an overlapped exchange in flight and drop its result (``close()``; every rank calls it)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.mixing.finish(pending)
+            self._mixing_before = None
+
+    def _read_gradients(self) -> None:
+        """g^t into the fresh buffers (a parameter without ``.grad`` counts as zero)."""
+        parameters, position = self._parameters, 0
+        for tracker, fresh in zip(self.trackers, self._fresh, strict=True):
+            for entry in tracker.entries:
+                grad = parameters[position].grad
+                position += 1
+                target = tracker.view(entry, fresh)
+                if grad is None:
+                    target.zero_()
+                else:
+                    target.copy_(grad)
+
+    def _correct(self) -> None:
+        """y_i += g_i^t - g_i^{t-1}; g^{t-1} <- g^t."""
+        for tracker, previous, fresh in zip(self.trackers, self.previous, self._fresh, strict=True):
+            tracker.buffer.add_(fresh).sub_(previous)
+            previous.copy_(fresh)
 
     def track(self, step: int) -> None:
-        """Step ``step``: y_i <- sum_j W_ij(t) (y_j + g_j^t - g_j^{t-1}) (blocking), then ``.grad`` <- y_i.
+        """Step ``step``: the tracker update, then ``.grad`` <- y_i.
 
+        Adapt-then-combine (default): y_i <- sum_j W_ij(t) (y_j + g_j^t - g_j^{t-1}), blocking. Overlapped:
+        y_i <- sum_j W_ij(t) y_j^{t-1} + g_i^t - g_i^{t-1}, waiting for the exchange :meth:`start` posted.
         A collective over W(t)'s edges: every rank calls it once per step. When no parameter has a gradient, the
         step brings none (g^t = g^{t-1}) and ``.grad`` is left as it is.
 
@@ -129,20 +260,19 @@ class GradientTracker:
         parameters = self._parameters
         has_gradient = any(p.grad is not None for p in parameters)
         with torch.no_grad():
-            position = 0
-            for tracker, previous, fresh in zip(self.trackers, self.previous, self._fresh, strict=True):
+            if has_gradient:
+                self._read_gradients()
+            if self.overlap:
+                self.start(step)  # posted already unless this step had no start (then blocking)
+                pending, self._pending = self._pending, None
+                self.mixing.finish(pending)
+                self._mixing_before = None
                 if has_gradient:
-                    for entry in tracker.entries:
-                        grad = parameters[position].grad
-                        position += 1
-                        target = tracker.view(entry, fresh)
-                        if grad is None:
-                            target.zero_()
-                        else:
-                            target.copy_(grad)
-                    tracker.buffer.add_(fresh).sub_(previous)
-                    previous.copy_(fresh)
-            self.mixing.step(step)
+                    self._correct()
+            else:
+                if has_gradient:
+                    self._correct()
+                self.mixing.step(step)
             if not has_gradient:
                 return
             position = 0
@@ -158,12 +288,16 @@ class GradientTracker:
     def state_dict(self) -> dict[str, Any]:
         """Copies of the trackers y_i and of the previous gradients g_i^{t-1}, for a checkpoint.
 
+        With an overlapped exchange in flight, the mixing's state before it started (a resumed run posts it again).
+
         Returns:
-            ``{"trackers": [...], "previous": [...]}``, one tensor per bucket each.
+            ``{"trackers": [...], "previous": [...], "mixing": ...}``, one tensor per bucket each, and the state of
+                the trackers' algorithm (PowerGossip's factors; empty for exact mixing).
         """
         return {
             "trackers": [tracker.buffer.detach().clone() for tracker in self.trackers],
             "previous": [previous.detach().clone() for previous in self.previous],
+            "mixing": self._mixing_before if self._pending is not None else self.mixing.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -175,6 +309,7 @@ class GradientTracker:
         Raises:
             CheckpointMismatchError: the saved buffers do not have the layout of this run's buckets.
         """
+        self.drain()
         saved = [*state["trackers"], *state["previous"]]
         mine = [*(tracker.buffer for tracker in self.trackers), *self.previous]
         if [(t.shape, t.dtype) for t in saved] != [(t.shape, t.dtype) for t in mine]:
@@ -183,3 +318,4 @@ class GradientTracker:
             )
         for target, value in zip(mine, saved, strict=True):
             target.copy_(value)
+        self.mixing.load_state_dict(state.get("mixing", {}))

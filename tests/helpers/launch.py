@@ -36,7 +36,9 @@ def _free_port() -> int:
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_"))}
-    env.update({"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}, **extra)
+    # the repository first; an inherited PYTHONPATH (packages carried beside the environment) after it
+    path = os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")) if p)
+    env.update({"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}, **extra)
     return env
 
 

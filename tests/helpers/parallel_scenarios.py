@@ -16,6 +16,7 @@ from torch import nn
 import optim
 import topologies
 from gossip.algorithms.exact import ExactGossip
+from gossip.algorithms.powergossip import PowerGossip
 from gossip.checkpoint import load_checkpoint, load_dcp, save_checkpoint, save_dcp
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from topologies.schedule import Schedule
@@ -200,7 +201,14 @@ def run_all(comm, directory: Path) -> dict[str, Any]:
         "grad_scaler_skip": skip_one_update(comm, True),
         "tracking": train(comm, 8, gradient_tracking=True),
         "tracking_checkpoint": checkpoint_resume(comm, directory / "tracking", gradient_tracking=True),
+        "delayed": train(comm, 8, algorithm=delayed_powergossip()),
+        "delayed_checkpoint": checkpoint_resume(comm, directory / "delayed", delayed_powergossip),
     }
+
+
+def delayed_powergossip() -> PowerGossip:
+    """PowerGossip whose last power iteration is applied at the next step (an exchange in flight across steps)."""
+    return PowerGossip(rank=1, num_iterations=2, delayed_last_iteration=True)
 
 
 def train_with_an_extra_step_on_rank_1(model: DecentralizedDataParallel, optimizer, rank: int) -> None:

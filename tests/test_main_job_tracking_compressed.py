@@ -1,0 +1,83 @@
+"""``--gradient-tracking powergossip`` in the main job: parsed next to the bare flag and ``--no-gradient-tracking``,
+turned into a PowerGossip at ``--rank`` for the trackers, refused where unknown; and a 2-process Gloo run whose
+every step sends the parameters' exact gossip plus the trackers' compressed products (with the overlapped tracker,
+``--tracking-overlap``, which needs ``--gradient-tracking``)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers.launch import metrics_rows, run_main_job
+
+import gossip
+from gossip.app.cli import build_parser, config_from, main
+from gossip.app.gpt import GPT, GPTConfig
+from gossip.app.train import ConfigError, TrainConfig, resolve, tracking_option
+
+STEPS = 4
+
+
+@pytest.mark.parametrize(
+    ("argv", "value"),
+    [
+        ([], False),
+        (["--gradient-tracking"], True),
+        (["--gradient-tracking", "exact"], "exact"),
+        (["--gradient-tracking", "powergossip"], "powergossip"),
+        (["--gradient-tracking", "--no-gradient-tracking"], False),
+    ],
+)
+def test_the_option_parses_to_off_exact_or_powergossip(argv, value):
+    assert config_from(build_parser().parse_args(argv)).gradient_tracking == value
+
+
+def test_powergossip_trackers_are_a_powergossip_at_the_main_jobs_rank():
+    config, _ = resolve(TrainConfig(algorithm="exact", gradient_tracking="powergossip", rank=2), 4)
+    option = tracking_option(config)
+    assert isinstance(option, gossip.PowerGossip) and option.matrix_rank == 2
+    assert tracking_option(resolve(TrainConfig(gradient_tracking="exact"), 4)[0]) is True
+    assert tracking_option(resolve(TrainConfig(), 4)[0]) is False
+
+
+def test_an_unknown_mixing_is_refused_by_argparse_and_by_resolve(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--nproc", "2", "--gradient-tracking", "sparse"])
+    assert exit_info.value.code == 2 and "argument --gradient-tracking: invalid choice" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--gradient-tracking: must be off, on, 'exact' or 'powergossip'"):
+        resolve(TrainConfig(gradient_tracking="sparse"), 2)
+
+
+@pytest.fixture(scope="module")
+def compressed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("tracking") / "run"
+    args = ["--nproc", "2", "--steps", str(STEPS), "--algorithm", "exact", "--gradient-tracking", "powergossip"]
+    args += ["--tracking-overlap"]
+    args += ["--batch-size", "4", "--eval-every", str(STEPS), "--out", str(out)]
+    return run_main_job(args, out.parent), out
+
+
+@pytest.mark.multiprocess
+def test_a_compressed_tracking_run_sends_the_model_and_the_trackers_products_every_step(compressed_run):
+    result, out = compressed_run
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = metrics_rows(out)
+    assert [int(row["step"]) for row in rows] == list(range(STEPS))
+    assert all(math.isfinite(float(row["mean_loss"])) for row in rows)
+    # one peer per step: exact gossip sends the float32 model; the trackers' PowerGossip (rank 4) adds its
+    # compressed products and uncompressed small tensors, a few percent of the model, not a second model
+    model_bytes = 4 * GPT(GPTConfig()).num_parameters()
+    assert all(model_bytes < int(row["bytes_sent"]) < 1.1 * model_bytes for row in rows), rows
+
+
+def test_tracking_overlap_reaches_the_wrapper_and_needs_tracking(capsys):
+    config = config_from(build_parser().parse_args(["--gradient-tracking", "--tracking-overlap"]))
+    assert config.tracking_overlap is True and config_from(build_parser().parse_args([])).tracking_overlap is False
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--nproc", "2", "--tracking-overlap"])
+    assert exit_info.value.code == 2
+    assert "argument --tracking-overlap: overlaps the trackers' exchange: add --gradient-tracking" in (
+        capsys.readouterr().err
+    )
