@@ -178,7 +178,8 @@ def test_main_job_elastic_kill_exits_zero_and_names_the_change(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (event,) = json.loads((out / "result.json").read_text())["membership"]
     assert event["left"] == {"2": "killed by SIGKILL"} and event["members"] == [0, 1, 3]
-    assert event["noticed_at_step"] in (8, 9) and event["resume_step"] in (9, 10)
+    # noticed at the kill step or after (how many steps later depends on the machine's load), resumed after it
+    assert 8 <= event["noticed_at_step"] <= event["resume_step"] <= 16
     assert "membership: epoch 1: left 2 (killed by SIGKILL)" in result.stdout
     assert (out / "membership.png").stat().st_size > 0  # the curve, marked where the new member set began
 
