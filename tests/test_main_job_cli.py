@@ -75,8 +75,10 @@ def test_adamw_is_torch_adamw_and_accum_adamw_the_accumulating_one() -> None:
 
 
 def test_adamw_takes_accum_adamw_steps_with_accum_iter_one() -> None:
-    """AccumAdamW(accum_iter=1) is AdamW's update rule: the two optimizers train the GPT alike (not bit for bit:
-    the kernels round differently)."""
+    """AccumAdamW(accum_iter=1) is AdamW's update rule: given the same gradients at every step, the two optimizers
+    move the GPT alike (not bit for bit: the kernels round differently). The gradients are model 0's, copied to
+    model 1, so that a rounding difference in one update is not amplified through the next steps' forward passes
+    (Adam's normalisation turns last-bit differences of tiny gradients into visible ones)."""
     config, _ = resolve(TrainConfig(optimizer="adamw"), world_size=1)
     models = [tiny_gpt(), tiny_gpt()]
     optimizers = [
@@ -88,9 +90,11 @@ def test_adamw_takes_accum_adamw_steps_with_accum_iter_one() -> None:
     generator = torch.Generator().manual_seed(1)
     for _ in range(20):
         x = torch.randint(0, 16, (4, 8), generator=generator)
-        for model, optimizer in zip(models, optimizers, strict=True):
-            _, loss = model(x, x)
-            loss.backward()
+        _, loss = models[0](x, x)
+        loss.backward()
+        for ours, theirs in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            theirs.grad = ours.grad.clone()
+        for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     for ours, theirs in zip(models[0].parameters(), models[1].parameters(), strict=True):
