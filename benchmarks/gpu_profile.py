@@ -33,12 +33,18 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from powergossip_compute import bound_step, median_seconds, model_buckets, synchronize
+from powergossip_compute import (
+    add_gpt2_small_arguments,
+    bound_step,
+    gpt_config,
+    median_seconds,
+    model_buckets,
+    synchronize,
+)
 
 from gossip import PowerGossip
 from gossip.algorithms import PowerGossipTuning
 from gossip.algorithms.buckets import DEFAULT_BUCKET_BYTES
-from gossip.app.gpt import GPTConfig
 
 
 def busy_microseconds(intervals: list[tuple[float, float]]) -> float:
@@ -102,11 +108,7 @@ def graph_replay_seconds(step: Any, warmup: int, rounds: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--embd", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--block", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=50257)
+    add_gpt2_small_arguments(parser)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--ranks", type=int, nargs="+", default=[4])
     parser.add_argument("--bucket-bytes", type=int, default=DEFAULT_BUCKET_BYTES)
@@ -122,9 +124,7 @@ def main(argv: list[str] | None = None) -> None:
             "python benchmarks/gpu_profile.py --device cpu --layers 2 --embd 64 --heads 2 --block 64 --vocab 256"
         )
         return
-    config = GPTConfig(
-        block_size=args.block, vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, n_embd=args.embd
-    )
+    config = gpt_config(args)
     model, buckets = model_buckets(config, device, 0, args.bucket_bytes)
     tokens = torch.randint(config.vocab_size, (args.batch, config.block_size + 1), device=device)
 

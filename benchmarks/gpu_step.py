@@ -42,7 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from powergossip_compute import (
     BASELINE_REVISION,
+    add_gpt2_small_arguments,
     bound_step,
+    gpt_config,
     load_baseline,
     median_seconds,
     model_buckets,
@@ -54,7 +56,6 @@ import topologies
 from gossip import ExactGossip, PowerGossip, simulate
 from gossip.algorithms import PowerGossipTuning
 from gossip.algorithms.buckets import Bucket
-from gossip.app.gpt import GPTConfig
 
 
 def peak_bytes(device: torch.device) -> int:
@@ -94,11 +95,7 @@ def simulated_step(n: int, make: Callable[[], Any], source: list[Bucket], device
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--embd", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--block", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=50257)
+    add_gpt2_small_arguments(parser)
     parser.add_argument("--batch", type=int, default=8, help="sequences per worker and step")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--n", type=int, default=4, help="virtual ranks on the simulator (a power of two)")
@@ -123,9 +120,7 @@ def main(argv: list[str] | None = None) -> None:
             "python benchmarks/gpu_step.py --layers 2 --embd 64 --heads 2 --block 64 --vocab 256 --device cpu"
         )
         return
-    config = GPTConfig(
-        block_size=args.block, vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, n_embd=args.embd
-    )
+    config = gpt_config(args)
     model, buckets = model_buckets(config, device, 0)
     parameters = sum(p.numel() for p in model.parameters())
     results: dict[str, Any] = {"parameters": parameters, "device": str(device), "config": vars(args)}

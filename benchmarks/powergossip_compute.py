@@ -160,6 +160,22 @@ def seconds(run: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def add_gpt2_small_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--layers --embd --heads --block --vocab`` with GPT-2 small's sizes as defaults (the GPU benchmarks')."""
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--embd", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--block", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=50257)
+
+
+def gpt_config(args: argparse.Namespace) -> GPTConfig:
+    """The GPT of the size arguments ``add_gpt2_small_arguments`` (or this script's own) parsed."""
+    return GPTConfig(
+        block_size=args.block, vocab_size=args.vocab, n_layer=args.layers, n_head=args.heads, n_embd=args.embd
+    )
+
+
 def model_buckets(
     config: GPTConfig, device: torch.device, seed: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> tuple[GPT, list[Bucket]]:
