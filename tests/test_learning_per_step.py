@@ -320,3 +320,26 @@ def test_every_adam_of_the_study_takes_the_configured_betas(optimizer):
     config = RunConfig(name="betas", optimizer=optimizer, beta1=0.8, beta2=0.99, accum_iter=2)
     groups = make_optimizer(config, module).param_groups
     assert {group["betas"] for group in groups} == {(0.8, 0.99)}
+
+
+def test_gradient_tracking_on_two_workers_is_ddp_and_sends_a_second_model_per_step():
+    """n = 2 on the one-peer hypercube: W = J every step, so each tracker is the mean gradient (summed in rank order,
+    the same bits on both ranks) and the replicas, identical after the broadcast, stay identical and follow DDP's
+    trajectory up to float rounding; the trackers' exchange adds one model per step to exact gossip's bytes."""
+    tiny = {"workers": 2, "batch": 2, "steps": 4, "warmup": 1}
+    runs = {
+        name: train_run(RunConfig(name, **settings, **tiny), seed=0)["summary"][0]
+        for name, settings in {
+            "ddp": {"algorithm": "ddp"},
+            "exact": {"algorithm": "exact"},
+            "exact-gt": {"algorithm": "exact", "gradient_tracking": True},
+        }.items()
+    }
+    tracked = runs["exact-gt"]
+    assert tracked["final_consensus"] == 0.0
+    assert runs["exact"]["final_consensus"] > 0.0  # without tracking each rank steps on its own gradient
+    assert tracked["final_train_loss"] == pytest.approx(runs["ddp"]["final_train_loss"], abs=1e-5)
+    assert tracked["val_loss_averaged"] == pytest.approx(runs["ddp"]["val_loss_averaged"], abs=1e-5)
+    model_bytes = runs["ddp"]["ddp_bytes_per_worker_per_step"]  # 2 (n - 1) / n M = M at n = 2
+    assert tracked["bytes_per_worker_per_step"] - runs["exact"]["bytes_per_worker_per_step"] == model_bytes
+    assert "gradient_tracking=True" in tracked["settings"]
