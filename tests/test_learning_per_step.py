@@ -17,7 +17,7 @@ from experiments.learning_per_step.optimizers import (
     SharedSecondMomentAdamW,
     SmoothedSecondMomentAdamW,
 )
-from experiments.learning_per_step.report import config_table, steps_to_target
+from experiments.learning_per_step.report import config_table, merged_rows, steps_to_target
 from experiments.learning_per_step.spectrum import capture_shares, spectrum_rows
 from experiments.learning_per_step.study import RunConfig, make_algorithm, make_optimizer, train_run
 from gossip.algorithms.buckets import pack
@@ -320,3 +320,41 @@ def test_every_adam_of_the_study_takes_the_configured_betas(optimizer):
     config = RunConfig(name="betas", optimizer=optimizer, beta1=0.8, beta2=0.99, accum_iter=2)
     groups = make_optimizer(config, module).param_groups
     assert {group["betas"] for group in groups} == {(0.8, 0.99)}
+
+
+def test_gradient_tracking_on_two_workers_is_ddp_and_sends_a_second_model_per_step():
+    """n = 2 on the one-peer hypercube: W = J every step, so each tracker is the mean gradient (summed in rank order,
+    the same bits on both ranks) and the replicas, identical after the broadcast, stay identical and follow DDP's
+    trajectory up to float rounding; the trackers' exchange adds one model per step to exact gossip's bytes."""
+    tiny = {"workers": 2, "batch": 2, "steps": 4, "warmup": 1}
+    runs = {
+        name: train_run(RunConfig(name, **settings, **tiny), seed=0)["summary"][0]
+        for name, settings in {
+            "ddp": {"algorithm": "ddp"},
+            "exact": {"algorithm": "exact"},
+            "exact-gt": {"algorithm": "exact", "gradient_tracking": True},
+        }.items()
+    }
+    tracked = runs["exact-gt"]
+    assert tracked["final_consensus"] == 0.0
+    assert runs["exact"]["final_consensus"] > 0.0  # without tracking each rank steps on its own gradient
+    assert tracked["final_train_loss"] == pytest.approx(runs["ddp"]["final_train_loss"], abs=1e-5)
+    assert tracked["val_loss_averaged"] == pytest.approx(runs["ddp"]["val_loss_averaged"], abs=1e-5)
+    model_bytes = runs["ddp"]["ddp_bytes_per_worker_per_step"]  # 2 (n - 1) / n M = M at n = 2
+    assert tracked["bytes_per_worker_per_step"] - runs["exact"]["bytes_per_worker_per_step"] == model_bytes
+    assert "gradient_tracking=True" in tracked["settings"]
+
+
+def test_report_reads_each_run_from_the_first_directory_that_has_it(tmp_path):
+    """A run repeated in a later directory (a reproduction check) is neither counted twice nor mixed in."""
+    first, second = tmp_path / "new", tmp_path / "old"
+    first.mkdir()
+    second.mkdir()
+    header = "config,seed,final_train_loss\n"
+    (first / "summary.csv").write_text(header + "exact-gt,0,1.0\nddp,0,1.5\n")
+    (second / "summary.csv").write_text(header + "ddp,0,9.0\nddp,1,1.7\n")
+    rows = merged_rows([first, second], "summary")
+    assert [(r["config"], r["seed"], r["final_train_loss"]) for r in rows] == [
+        ("exact-gt", 0, 1.0), ("ddp", 0, 1.5), ("ddp", 1, 1.7)
+    ]  # fmt: skip
+    assert merged_rows([first, second], "steps") == []

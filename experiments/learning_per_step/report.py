@@ -12,7 +12,9 @@ Markdown:
 * the spectrum of the replica differences: best rank-r energy shares, stable rank, and what PowerGossip's own
   factor captured (``pg_captured``), mean over seeds;
 
-and draws ``consensus_over_time.png`` and ``loss_over_steps.png`` into ``--dir``. The columns and plots that need
+and draws ``consensus_over_time.png`` and ``loss_over_steps.png`` into ``--dir`` (the first, when several are
+given: their runs are read together, each (configuration, seed) from the first directory that has it, so new
+configurations can be paired with DDP runs committed earlier on the same machine). The columns and plots that need
 the per-step records (``steps.csv``: steps to DDP's loss, consensus over the second half) show ``–`` where a
 directory holds only the summaries, as the committed results do: the records come back with a re-run of the
 configurations.
@@ -43,6 +45,28 @@ def read_rows(path: Path) -> list[dict]:
         for key, text in row.items():
             with contextlib.suppress(TypeError, ValueError):
                 row[key] = float(text)
+    return rows
+
+
+def merged_rows(directories: Sequence[Path], name: str) -> list[dict]:
+    """The rows of ``<directory>/<name>.csv`` over ``directories``; the runs of a (configuration, seed) come from the
+    first directory that has them (a run repeated in a later directory, e.g. to check it reproduces, is not counted
+    twice).
+
+    Args:
+        directories: result directories, in order of precedence.
+        name: ``summary``, ``steps`` or ``spectrum``.
+
+    Returns:
+        The rows, those of the first directory first.
+    """
+    rows: list[dict] = []
+    taken: set[tuple] = set()
+    for directory in directories:
+        mine = read_rows(directory / f"{name}.csv")
+        runs = {(row["config"], row["seed"]) for row in mine}
+        rows += [row for row in mine if (row["config"], row["seed"]) not in taken]
+        taken |= runs
     return rows
 
 
@@ -204,16 +228,22 @@ def plot_curves(steps: list[dict], configs: Sequence[str], key: str, path: Path,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        nargs="+",
+        default=[RESULTS],
+        help="result directories (plots go to the first); a (configuration, seed) in several is read from the first",
+    )
     parser.add_argument("--plot", nargs="*", default=None, help="configurations to plot (default: the n = 8 ones)")
     parser.add_argument(
         "--reference", default=None, help="compare every configuration with this one (default: DDP of equal steps)"
     )
     args = parser.parse_args(argv)
-    summary, steps = read_rows(args.dir / "summary.csv"), read_rows(args.dir / "steps.csv")
-    spectrum = read_rows(args.dir / "spectrum.csv")
+    summary, steps, spectrum = (merged_rows(args.dir, name) for name in ("summary", "steps", "spectrum"))
     if not summary:
         parser.error(f"no summary.csv in {args.dir}")
+    out = args.dir[0]
     print(markdown_configs(config_table(summary, steps, args.reference)))
     for kind in ("pair", "to_mean", "next_edge"):
         if any(r["kind"] == kind for r in spectrum):
@@ -223,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     if plotted is None:
         plotted = [r["config"] for r in config_table(summary, steps) if r["workers"] == 8 and r["steps"] == 1000]
     if plotted and steps:
-        print(plot_curves(steps, plotted, "consensus", args.dir / "consensus_over_time.png", log=True))
-        print(plot_curves(steps, plotted, "train_loss", args.dir / "loss_over_steps.png", log=False))
+        print(plot_curves(steps, plotted, "consensus", out / "consensus_over_time.png", log=True))
+        print(plot_curves(steps, plotted, "train_loss", out / "loss_over_steps.png", log=False))
     return 0
 
 

@@ -33,6 +33,10 @@ Mixing rules (the order of one step is :class:`gossip.DecentralizedDataParallel`
   (``outer_lr``, ``outer_momentum``) that every replica takes; :math:`2\frac{n-1}{n} M / H` bytes per worker per
   step. (The recorded consensus distance is taken after each step's update, so after a synchronisation it is one
   local update's spread, not zero.)
+* ``gradient_tracking``: the wrapper's exact gradient tracking (:mod:`gossip.wrapper.tracking`; NEXT, Di Lorenzo &
+  Scutari 2016; DIGing, Nedić, Olshevsky & Shi 2017): each rank's optimizer steps on a tracker
+  :math:`y_i \leftarrow \sum_j W_{ij}(y_j + g_j^t - g_j^{t-1})` of the mean gradient, exchanged exactly over the
+  same schedule as the parameters whatever their algorithm, so one more model's bytes per worker per step.
 * ``average_every = K``: :class:`gossip.PeriodicAverage` -- every K-th step an exact global average of the
   parameters replaces the inner algorithm's mixing (gossip with periodic global averaging, Chen, Yuan, Zhang,
   Pan, Xu, Yin, "Accelerating Gossip SGD with Periodic Global Averaging", ICML 2021, Alg. 1); on average
@@ -111,6 +115,7 @@ class RunConfig:
     local_steps: int = 20  # diloco: local steps between two synchronisations (H)
     outer_lr: float = 0.7  # diloco: the outer Nesterov SGD's learning rate
     outer_momentum: float = 0.9  # diloco: and its momentum
+    gradient_tracking: bool = False  # the wrapper's exact gradient tracking: the optimizer steps on y_i, not g_i
     optimizer: str = "adamw"  # adamw | accum-adamw | debiased-adamw | smoothed-v-adamw | shared-v-adamw | sgd
     beta1: float = 0.9
     beta2: float = 0.95
@@ -249,7 +254,9 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
             wrapped: torch.nn.Module = module
             parameters = list(module.parameters())
         else:
-            wrapped = gossip.DecentralizedDataParallel(module, comm, make_schedule(config), algorithm, seed=seed)
+            wrapped = gossip.DecentralizedDataParallel(
+                module, comm, make_schedule(config), algorithm, seed=seed, gradient_tracking=config.gradient_tracking
+            )
             parameters = [b.buffer for b in wrapped.buckets]
         optimizer = make_optimizer(config, module)
         batches = ShardedBatches(corpus.train, comm.rank, comm.size, config.batch, model_config.block_size, seed, "iid")
@@ -470,6 +477,29 @@ def suite(name: str) -> list[RunConfig]:
         c("diloco-h20", algorithm="diloco", local_steps=20, **d),
         c("diloco-h50", algorithm="diloco", local_steps=50, **d),
         c("mj-diloco-h20", algorithm="diloco", local_steps=20, **main_job),
+        # Issue 27: the mean gradient without an all-reduce per step. Gradient tracking (the wrapper's exact
+        # trackers, one more exchange of model size per step) on exact gossip and on the PowerGossip defaults, and
+        # AccumAdamW stepping on the trackers; DiLoCo over H (paper's outer lr 0.7) and a small outer-lr grid
+        c("exact-gt", algorithm="exact", gradient_tracking=True, **d),
+        c("pg4-it2-fp16-gt", rank=4, iterations=2, message_dtype="float16", gradient_tracking=True, **d),
+        c("diloco-h10", algorithm="diloco", local_steps=10, **d),
+        c("diloco-h200", algorithm="diloco", local_steps=200, **d),
+        *(
+            c(f"diloco-h{h}-olr{lr}", algorithm="diloco", local_steps=h, outer_lr=lr, **d)
+            for h in (10, 50, 200)
+            for lr in (0.5, 1.0)
+        ),
+        c(
+            "exact-gt-accum4",
+            algorithm="exact",
+            gradient_tracking=True,
+            optimizer="accum-adamw",
+            accum_iter=4,
+            beta2=0.99,
+            **d,
+        ),
+        c("n16b1-exact-gt-s4000", algorithm="exact", gradient_tracking=True, steps=4000, warmup=100, **many),
+        c("n16b1-ddp-s4000", algorithm="ddp", steps=4000, warmup=100, **many),
     ]
 
 
