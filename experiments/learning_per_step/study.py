@@ -116,6 +116,7 @@ class RunConfig:
     outer_lr: float = 0.7  # diloco: the outer Nesterov SGD's learning rate
     outer_momentum: float = 0.9  # diloco: and its momentum
     gradient_tracking: bool = False  # the wrapper's exact gradient tracking: the optimizer steps on y_i, not g_i
+    delayed_last_iteration: bool = False  # PowerGossip's last power iteration applied at the next step
     optimizer: str = "adamw"  # adamw | accum-adamw | debiased-adamw | smoothed-v-adamw | shared-v-adamw | sgd
     beta1: float = 0.9
     beta2: float = 0.95
@@ -149,7 +150,11 @@ def make_algorithm(config: RunConfig) -> Algorithm:
     elif config.algorithm == "powergossip":
         message_dtype = getattr(torch, config.message_dtype) if config.message_dtype else None
         inner = gossip.PowerGossip(
-            rank=config.rank, num_iterations=config.iterations, gamma=config.gamma, message_dtype=message_dtype
+            rank=config.rank,
+            num_iterations=config.iterations,
+            gamma=config.gamma,
+            message_dtype=message_dtype,
+            delayed_last_iteration=config.delayed_last_iteration,
         )
     elif config.algorithm == "choco":
         inner = ChocoTopK(config.topk, config.gamma)
@@ -481,6 +486,9 @@ def suite(name: str) -> list[RunConfig]:
         # trackers, one more exchange of model size per step) on exact gossip and on the PowerGossip defaults, and
         # AccumAdamW stepping on the trackers; DiLoCo over H (paper's outer lr 0.7) and a small outer-lr grid
         c("exact-gt", algorithm="exact", gradient_tracking=True, **d),
+        # issue 27 item 4: the defaults with the last power iteration applied a step later (its exchange overlaps
+        # the next step's compute): what the delay costs per step
+        c("pg4-it2-fp16-delayed", rank=4, iterations=2, message_dtype="float16", delayed_last_iteration=True, **d),
         c("pg4-it2-fp16-gt", rank=4, iterations=2, message_dtype="float16", gradient_tracking=True, **d),
         c("diloco-h10", algorithm="diloco", local_steps=10, **d),
         c("diloco-h200", algorithm="diloco", local_steps=200, **d),
