@@ -141,7 +141,8 @@ def test_settings_that_cannot_delay_are_refused():
 
 def test_the_setting_is_part_of_the_config_that_ranks_and_checkpoints_compare():
     assert delayed().config()["delayed_last_iteration"] is True
-    assert gossip.PowerGossip(num_iterations=2).config()["delayed_last_iteration"] is False
+    # off: the config has its previous keys, so checkpoints written before the setting existed still load
+    assert "delayed_last_iteration" not in gossip.PowerGossip(num_iterations=2).config()
 
 
 def state_after_three_steps(comm: gossip.Communicator) -> tuple[list[str], int]:

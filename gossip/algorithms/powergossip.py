@@ -1027,7 +1027,7 @@ class PowerGossip(Algorithm):
         Returns:
             Setting name -> value.
         """
-        return {
+        config = {
             "rank": self.matrix_rank,
             "num_iterations": self.num_iterations,
             "gamma": self.gamma,
@@ -1037,6 +1037,8 @@ class PowerGossip(Algorithm):
             "orthonormalize_dtype": str(self.tuning.orthonormalize_dtype),
             "orthonormalization": str(self.tuning.orthonormalization),
             "uncompressed_every_iteration": self.tuning.uncompressed_every_iteration,
-            "delayed_last_iteration": self.delayed_last_iteration,
             "message_dtype": str(self.message_dtype),
         }
+        if self.delayed_last_iteration:  # only when on, so that the default's config (and checkpoints) stay as before
+            config["delayed_last_iteration"] = True
+        return config
