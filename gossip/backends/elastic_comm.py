@@ -15,11 +15,13 @@ A collective (all-reduce, all-gather) is refused with :class:`MembershipChangedE
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore
 
 from gossip.backends.base import Communicator
 from gossip.backends.comm_thread import Handle
@@ -160,10 +162,14 @@ def open_epoch(
     """
     rank = members.index(membership.uid)
     info = LaunchInfo(rank=rank, size=len(members), local_rank=rank, local_size=len(members), launcher="none")
-    store = dist.PrefixStore(f"elastic/{epoch}/", membership.store)
     try:
-        inner = TorchDistCommunicator("gloo", info, None, timeout, store=store)
+        # a client of its own: the group's rendezvous waits on it, which must not hold up the heartbeats
+        client = TCPStore(membership.store.host, membership.store.port, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
+        inner = TorchDistCommunicator("gloo", info, None, timeout, store=dist.PrefixStore(f"elastic/{epoch}/", client))
     except Exception as error:  # c10d raises DistStoreError / RuntimeError when a member never arrives
+        if dist.is_initialized():
+            dist.destroy_process_group()
         raise MembershipError(
             f"member {membership.uid}: epoch {epoch}'s group over {list(members)} could not be formed within "
             f"{timeout:.0f} s ({str(error).splitlines()[0]}): a member failed during the re-formation"

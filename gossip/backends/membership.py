@@ -6,15 +6,25 @@ worker may die. Keys (docs/ARCHITECTURE.md, "Elastic membership"):
 * ``hb/<uid>``: a counter each member's background thread bumps every ``interval`` seconds;
 * ``dead/<uid>`` and the counter ``deaths``: set by the launcher the moment a worker process exits unfinished;
 * ``epoch``: the current epoch e; a member that sees a failure moves it to e + 1 (``compare_set``: once);
-* ``e<e>/in/<uid>``: a member's check-in for epoch e, with the last step whose exchange it posted on the old group;
+* ``e<e>/in/<uid>``: a member's check-in for epoch e: the last step whose exchange it posted on its last group,
+  and whether it still waits for its state (a joiner not yet handed its donor's replica);
 * ``joins`` and ``join/<k>``: joiners waiting for the next epoch;
-* ``e<e>/decision``: the epoch's members and every member's last posted step, written once (first writer wins).
+* ``e<e>/decision``: the epoch's members, every member's last posted step, the joiners and the group's first step,
+  written once (first writer wins);
+* ``e<e>/ready/<uid>``: a member of epoch e is at the formation of the epoch's group (:meth:`Membership.await_group`).
 
 A member *checks in* at most once per epoch, under the lock that posting takes (:meth:`Membership.try_post`):
-after it, it posts nothing more on the old group, so the check-in's posted step is final. The decision of epoch
-e + 1 is written when every member of e has checked in or is dead (its ``dead`` key, or its heartbeat unchanged
-for ``detect`` seconds); it lists the checked-in members that are not dead, plus the joiners. Failure detection
-therefore takes at most ``interval`` when the launcher reports the exit, ``detect + interval`` otherwise.
+from then on it posts nothing until its next group exists, so the check-in's posted step is final. The decision of
+epoch e + 1 is written when every member of e has checked in or is dead (its ``dead`` key, or its heartbeat
+unchanged for ``detect`` seconds); it lists the checked-in members that are not dead, in their order in e, then the
+new joiners. Failure detection therefore takes at most ``interval`` when the launcher reports the exit,
+``detect + interval`` otherwise.
+
+**A change during a change.** Epoch e + 1's group may never form: a member dies between the decision and the
+group's formation (while another member still catches up alone to the group's first step, or during the formation
+itself). The members then check in for e + 2 from e + 1 -- a member that is still frozen checks in again, with the
+same posted step, since it posted nothing since -- and e + 2 is decided as any epoch. Its first step is at least
+e + 1's (members may already wait there), and a joiner that never received its state is a joiner again.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from dataclasses import dataclass
 
 from torch.distributed import TCPStore
 
-from gossip.errors import MembershipError
+from gossip.errors import MembershipChangedError, MembershipError
 
 logger = logging.getLogger("gossip")
 
@@ -52,7 +62,7 @@ def host_store(size: int, timeout: float = 300.0) -> TCPStore:
     store.set("epoch", "0")
     store.set("deaths", "0")
     store.set("joins", "0")
-    store.set("e0/decision", json.dumps({"members": list(range(size)), "posted": {}, "joined": []}))
+    store.set("e0/decision", json.dumps({"members": list(range(size)), "posted": {}, "joined": [], "first": 0}))
     for uid in range(size):
         store.set(f"hb/{uid}", "0")
     return store
@@ -82,6 +92,7 @@ class Decision:
         joined: the uids that joined at this epoch.
         left: the uids of the previous epoch that are not members, with how they ended.
         joins: the join requests taken into account so far (the store's ``joins`` counter then).
+        first: the group's first step: at least one past every posted step, and at least the previous epoch's.
     """
 
     epoch: int
@@ -90,6 +101,7 @@ class Decision:
     joined: tuple[int, ...]
     left: dict[int, str]
     joins: int = 0
+    first: int = 0
 
 
 class Membership:
@@ -111,10 +123,13 @@ class Membership:
         self.epoch = int(store.get("epoch"))
         self.current = self._read_decision(self.epoch)
         self.posted = -1
+        #: True from :meth:`join` until the joiner received its donor's state (:meth:`received_state`)
+        self.needs_state = False
         #: set when this member has checked in for the next epoch (a change is under way)
         self.changed = threading.Event()
         self._lock = threading.Lock()
         self._frozen = False
+        self._checked = self.epoch  # the latest epoch this member checked in for (or was decided into)
         self._deaths = -1
         self._dead: dict[int, str] = {}
         self._seen: dict[int, tuple[bytes, float]] = {}
@@ -191,10 +206,10 @@ class Membership:
 
     def _check_in(self, epoch: int) -> None:
         with self._lock:
-            if self._frozen:
+            if epoch <= self._checked:
                 return
-            self._frozen = True
-            self.store.set(f"e{epoch}/in/{self.uid}", str(self.posted))
+            self._frozen, self._checked = True, epoch
+            self.store.set(f"e{epoch}/in/{self.uid}", json.dumps([self.posted, self.needs_state]))
         self.changed.set()
 
     def request_change(self) -> None:
@@ -290,6 +305,7 @@ class Membership:
             raise MembershipError(self._store_lost(self.epoch + 1)) from error
         with self._lock:
             self.epoch, self.current, self._frozen, self.posted = epoch, decision, True, -1
+            self._checked, self.needs_state = max(self._checked, epoch), True
             self.changed.clear()
         self._forget(decision.joined)
         return decision
@@ -302,18 +318,73 @@ class Membership:
         )
 
     def open(self, first: int) -> None:
-        """The new epoch's group exists: posting is allowed again.
+        """The new epoch's group exists: posting is allowed again, unless the next change is already under way.
 
         Args:
             first: the group's first step (the posted step is ``first - 1`` until the first exchange is posted).
         """
         with self._lock:
-            self.posted = first - 1
-            self._frozen = False
             self._watching = True
-        # Forming a Gloo group can hold the interpreter for seconds (on every member): heartbeats missed meanwhile
-        # are no sign of death, so silence is counted afresh from here.
+            if self._checked <= self.epoch:  # else checked in for the next epoch meanwhile: stay frozen
+                self.posted = first - 1
+                self._frozen = False
+        self.restart_silence_watch()
+
+    def restart_silence_watch(self) -> None:
+        """Count the others' silence afresh from now (after this member's own stall, e.g. forming a group).
+
+        Forming a Gloo group can hold the interpreter for seconds (on every member, up to the group's timeout when
+        a member never arrives): heartbeats missed meanwhile are no sign of death.
+        """
         self._seen.clear()
+
+    def received_state(self) -> None:
+        """A joiner received its donor's state: a later check-in no longer asks for it."""
+        with self._lock:
+            self.needs_state = False
+
+    def await_group(self, decision: Decision) -> None:
+        """Wait until every member of ``decision`` is at the formation of its group (a barrier on the store).
+
+        Forming a Gloo group with a member that is gone waits for the group's whole timeout; this barrier notices
+        the death at once instead: the caller then decides the next epoch (:meth:`decide`).
+
+        Args:
+            decision: the epoch whose group is about to be formed.
+
+        Raises:
+            MembershipChangedError: a member of ``decision`` died, or another change is under way: the group will
+                not form; decide the next epoch.
+            MembershipError: not every member arrived within ``decide_timeout``, or the store is unreachable.
+        """
+        epoch, keys = decision.epoch, [f"e{decision.epoch}/ready/{uid}" for uid in decision.members]
+        deadline = time.monotonic() + self.decide_timeout
+        try:
+            self.store.set(f"e{epoch}/ready/{self.uid}", "1")
+            while not self.store.check(keys):
+                if self.changed.is_set() or self.error is not None:
+                    raise MembershipChangedError(
+                        f"member {self.uid}: epoch {epoch}'s group over {list(decision.members)} was not formed: "
+                        "another change is under way"
+                    )
+                dead = self.dead(decision.members)
+                if dead:
+                    self.request_change()
+                    raise MembershipChangedError(
+                        f"member {self.uid}: epoch {epoch}'s group over {list(decision.members)} was not formed: "
+                        f"{', '.join(f'{uid} ({how})' for uid, how in sorted(dead.items()))} before it formed"
+                    )
+                if time.monotonic() > deadline:
+                    missing = [uid for uid in decision.members if not self.store.check([f"e{epoch}/ready/{uid}"])]
+                    raise MembershipError(
+                        f"member {self.uid}: epoch {epoch}'s members {missing} did not arrive at the group's formation "
+                        f"within {self.decide_timeout:.0f} s (members {list(decision.members)})"
+                    )
+                time.sleep(self.interval / 4)
+        except (MembershipChangedError, MembershipError):
+            raise
+        except Exception as error:  # the store's host is gone
+            raise MembershipError(self._store_lost(epoch)) from error
 
     def _propose(self, epoch: int) -> None:
         old = self.current.members
@@ -324,10 +395,14 @@ class Membership:
         joins = int(self.store.get("joins"))
         fresh = range(self.current.joins, joins)  # join requests not yet taken by an earlier decision
         joiners = sorted({int(self.store.get(f"join/{k}")) for k in fresh} - set(old))
-        members = sorted(set(checked) - set(dead)) + joiners
-        posted = {uid: int(self.store.get(f"e{epoch}/in/{uid}")) for uid in checked}
+        members = [uid for uid in old if uid in checked and uid not in dead] + joiners
+        check_ins = {uid: json.loads(self.store.get(f"e{epoch}/in/{uid}")) for uid in checked}
+        posted = {uid: step for uid, (step, _) in check_ins.items()}
+        waiting = [uid for uid in members if uid in check_ins and check_ins[uid][1]]  # joiners still without state
+        first = max([self.current.first] + [step + 1 for step in posted.values()])
         left = {uid: dead.get(uid, "left") for uid in old if uid not in members}
-        text = json.dumps({"members": members, "posted": posted, "joined": joiners, "left": left, "joins": joins})
+        text = json.dumps({"members": members, "posted": posted, "joined": waiting + joiners, "left": left,
+                           "joins": joins, "first": first})  # fmt: skip
         self.store.compare_set(f"e{epoch}/decision", "", text)
 
     def _read_decision(self, epoch: int) -> Decision:
@@ -339,6 +414,7 @@ class Membership:
             joined=tuple(data["joined"]),
             left={int(uid): how for uid, how in data.get("left", {}).items()},
             joins=data.get("joins", 0),
+            first=data.get("first", 0),
         )
 
     def exit_time(self, uid: int) -> float | None:

@@ -17,11 +17,17 @@ Real-process elastic runs need a schedule with at most one partner per rank and 
   applies its update without mixing; the partner did not apply it either (it is dead, or never posted).
 
 The new group starts at R = 1 + the highest step any member posted; a member behind R trains alone (identity
-mixing, a one-rank group) until it reaches R. Everyone then rebinds (:func:`gossip.wrapper.elastic.rebind`:
-schedule of the same family over the new size or its named fallback, fresh per-edge state) and logs one line
-naming who left, at which step, and the new schedule. Failure detection takes at most the membership's
-``interval`` when the launcher reports the exit (``gossip-train --nproc N --elastic``), ``detect + interval``
-otherwise; the re-formation adds one Gloo group creation.
+mixing, a one-rank group) until it reaches R. A partner of a completed step that dies before its message arrived
+turns the step into a skipped one on this end (the dead end does not matter). At R the members meet on the store
+(:meth:`~gossip.backends.membership.Membership.await_group`) and form the group; if a member dies before the
+group is formed (while another catches up, or during the formation or the hand-over), the survivors decide the
+next epoch at once and form that one instead, starting at R or later (a change during a change: the survivors'
+step in flight was already resolved, nobody posted anything since). Everyone then rebinds
+(:func:`gossip.wrapper.elastic.rebind`: schedule of the same family over the new size or its named fallback,
+fresh per-edge state) and logs one line naming who left, at which step, and the new schedule. Failure detection
+takes at most the membership's ``interval`` when the launcher reports the exit (``gossip-train --nproc N
+--elastic``), ``detect + interval`` otherwise; the re-formation adds one Gloo group creation (a member that dies
+after the others passed :meth:`~gossip.backends.membership.Membership.await_group` costs the group's timeout).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -38,7 +45,13 @@ from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.powergossip import PowerGossip
 from gossip.backends.elastic_comm import ElasticCommunicator, open_epoch
 from gossip.backends.membership import Decision, Membership
-from gossip.errors import CommTimeoutError, ElasticUnsupportedError, MembershipChangedError, PeerFailedError
+from gossip.errors import (
+    CommTimeoutError,
+    ElasticUnsupportedError,
+    MembershipChangedError,
+    MembershipError,
+    PeerFailedError,
+)
 from gossip.wrapper.elastic import choose_donor, hand_over, rebind, schedule_for, solo_communicator
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from topologies import Schedule
@@ -47,6 +60,18 @@ logger = logging.getLogger("gossip")
 
 #: What a wait raises when a peer is gone or a change is under way: the step is resolved, not failed.
 CHANGE_SIGNALS = (MembershipChangedError, PeerFailedError, CommTimeoutError)
+
+
+@dataclass(frozen=True)
+class _Change:
+    """A decided change not yet entered: the epoch, its group's first step, and what the log line reports."""
+
+    decision: Decision
+    first: int
+    started: float
+    noticed_at: int
+    outcome: str
+    left: dict[int, str] = field(default_factory=dict)  # every departure since the last formed group
 
 
 def check_supported(schedule: Schedule, algorithm: Algorithm) -> None:
@@ -107,7 +132,7 @@ class ElasticRun:
         #: the membership a loaded checkpoint recorded (see :meth:`load_state_dict`), else None
         self.restored: dict[str, Any] | None = None
         self._comm: ElasticCommunicator | None = model.comm if isinstance(model.comm, ElasticCommunicator) else None
-        self._pending: tuple[Decision, int, float, int, str] | None = None  # decision, R, start, step, outcome
+        self._pending: _Change | None = None
         #: the uids of the group the wrapper is bound to, in rank order (this worker alone while behind R)
         self.group: tuple[int, ...] = membership.current.members
         #: the group of the last completed mixing step (what its schedule ran over)
@@ -148,7 +173,7 @@ class ElasticRun:
 
     def before_step(self) -> None:
         """At the top of a step: enter the new epoch once this worker reached its first step R."""
-        if self._pending is not None and self.model.step_count >= self._pending[1]:
+        if self._pending is not None and self.model.step_count >= self._pending.first:
             self._enter()
 
     def join(self) -> None:
@@ -159,9 +184,8 @@ class ElasticRun:
         """
         started = time.perf_counter()
         decision = self.membership.join()
-        first = max([s + 1 for s in decision.posted.values()], default=0)
-        self.model.step_count = first
-        self._pending = (decision, first, started, first, "joined")
+        self.model.step_count = decision.first
+        self._pending = _Change(decision, decision.first, started, decision.first, "joined", dict(decision.left))
         self._enter()
 
     def finish(self) -> None:
@@ -171,19 +195,23 @@ class ElasticRun:
 
     def update(self) -> None:
         """``optimizer.step()`` (mixing and update), resolving a membership change that interrupts it."""
-        try:
-            self.optimizer.step()
-            self.last_group = self.group
-            return
-        except CHANGE_SIGNALS as error:
-            if self._pending is not None or self._comm is None:
-                raise
-            self._resolve(error)
-        if self.model.step_count >= self._pending[1]:
-            self._enter()  # this step was never posted and the new group starts with it: mix it there
-        self.optimizer.step()  # completes the step: the mixing (completed, or in the new group) or a local update
+        while True:
+            try:
+                self.optimizer.step()  # the mixing (completed, or in the new group) or a local update, and the update
+                break
+            except CHANGE_SIGNALS as error:
+                if self._comm is None:
+                    raise
+                if self._pending is None:
+                    self._resolve(error)
+                    if self.model.step_count >= self._pending.first:
+                        self._enter()  # this step was never posted and the new group starts with it: mix it there
+                elif self.model.comm is self._comm:  # a completed step's partner died before its message arrived
+                    self._go_solo()
+                else:
+                    raise
         self.last_group = self.group
-        if self._pending is not None and self.model.step_count < self._pending[1] and self.model.comm is self._comm:
+        if self._pending is not None and self.model.step_count < self._pending.first and self.model.comm is self._comm:
             self._go_solo()  # behind the new group's first step: train alone until it
 
     def _go_solo(self) -> None:
@@ -204,33 +232,73 @@ class ElasticRun:
             completed = all(u in decision.members and decision.posted.get(u, -1) >= step for u in partners)
         if not completed:
             self._go_solo()  # step `step` is mixed with nobody: its exchange is dropped on both ends
-        first = max([s + 1 for s in decision.posted.values()] + [step])
         outcome = "completed" if completed else "skipped"
-        self._pending = (decision, first, started, step, outcome)
+        self._pending = _Change(decision, max(decision.first, step), started, step, outcome, dict(decision.left))
         logger.debug("member %d: step %d %s after %s", self.membership.uid, step, outcome, type(error).__name__)
 
+    def _next_epoch(self, change: _Change, error: BaseException) -> _Change | None:
+        """The group of ``change`` did not form (``error``): decide the next epoch; None when this member waits."""
+        self.membership.restart_silence_watch()
+        decision = self.membership.decide()
+        if isinstance(error, MembershipError) and set(change.decision.members) <= set(decision.members):
+            raise error  # the formation failed with every member alive: retrying would fail alike
+        logger.debug("member %d: epoch %d not formed (%s); epoch %d decided", self.membership.uid,
+                     change.decision.epoch, error, decision.epoch)  # fmt: skip
+        change = replace(change, decision=decision, first=max(change.first, decision.first),
+                         left={**change.left, **decision.left})  # fmt: skip
+        if self.membership.needs_state:
+            self.model.step_count = change.first  # a joiner takes its state at the group's first step
+        elif self.model.step_count < change.first:
+            self._pending = change
+            self._go_solo()  # the others went ahead: train alone until their first step
+            return None
+        return change
+
+    def _form(self, change: _Change) -> tuple[ElasticCommunicator, str, dict[int, int], int]:
+        """Form ``change``'s group and hand the joiners their state: the communicator, schedule note, donors, bytes."""
+        decision = change.decision
+        self.membership.await_group(decision)
+        comm = open_epoch(self.membership, decision.epoch, decision.members, self.timeout, self.step_of)
+        try:
+            schedule, note = schedule_for(self.schedule_name, len(decision.members))
+            algorithm = self.make_algorithm()
+            check_supported(schedule, algorithm)
+            rebind(self.model, comm, schedule, algorithm)
+            old = [rank for rank, uid in enumerate(decision.members) if uid not in decision.joined]
+            donors = {
+                decision.members.index(uid): choose_donor(schedule, decision.members.index(uid), change.first, old)
+                for uid in decision.joined
+            }
+            moved = hand_over(self.model, self.optimizer, donors, comm.inner) if donors else 0
+        except CHANGE_SIGNALS:
+            comm.abandon()
+            raise
+        return comm, note, donors, moved
+
     def _enter(self) -> None:
-        decision, first, started, step, outcome = self._pending
-        if self._comm is not None:
+        change = self._pending
+        if self._comm is not None and not self._comm._closed:
             self._comm.abandon()
-        self._comm = open_epoch(self.membership, decision.epoch, decision.members, self.timeout, self.step_of)
-        schedule, note = schedule_for(self.schedule_name, len(decision.members))
-        algorithm = self.make_algorithm()
-        check_supported(schedule, algorithm)
-        rebind(self.model, self._comm, schedule, algorithm)
-        old = [rank for rank, uid in enumerate(decision.members) if uid not in decision.joined]
-        donors = {
-            decision.members.index(uid): choose_donor(schedule, decision.members.index(uid), first, old)
-            for uid in decision.joined
-        }
-        moved = hand_over(self.model, self.optimizer, donors, self._comm.inner) if donors else 0
+        while True:
+            try:
+                comm, note, donors, moved = self._form(change)
+                break
+            except (*CHANGE_SIGNALS, MembershipError) as error:
+                change = self._next_epoch(change, error)
+                if change is None:
+                    return
+        decision, first, started = change.decision, change.first, change.started
+        self._comm = comm
+        if self.membership.uid in decision.joined:
+            self.membership.received_state()
         self.group = decision.members
         self.membership.open(first)
         self._pending = None
+        step, outcome = change.noticed_at, change.outcome
         seconds = time.perf_counter() - started
-        exits = [t for t in (self.membership.exit_time(uid) for uid in decision.left) if t is not None]
+        exits = [t for t in (self.membership.exit_time(uid) for uid in change.left) if t is not None]
         since_exit = time.time() - min(exits) if exits else None
-        left = ", ".join(f"{uid} ({how})" for uid, how in sorted(decision.left.items())) or "nobody"
+        left = ", ".join(f"{uid} ({how})" for uid, how in sorted(change.left.items())) or "nobody"
         if donors:
             left += "; joined: " + ", ".join(f"{decision.members[j]} (from {decision.members[d]}, {moved:,} bytes)"
                                              for j, d in donors.items())  # fmt: skip
@@ -244,7 +312,7 @@ class ElasticRun:
         self.events.append(
             {
                 "epoch": decision.epoch,
-                "left": {str(uid): how for uid, how in decision.left.items()},
+                "left": {str(uid): how for uid, how in change.left.items()},
                 "joined": {str(decision.members[j]): decision.members[d] for j, d in donors.items()},
                 "handover_bytes": moved,
                 "noticed_at_step": step,

@@ -8,7 +8,11 @@ test, so after - delta is exactly what the mixing made of x. A worker named in K
 that step, after writing its x: its exchange of that step is already posted (the kill lands mid-exchange). A
 worker started again with the same RANK joins the run (OUT/rank<uid>.joined.jsonl); with ELASTIC_WORKER_AFTER_DEATH
 set it first waits for the launcher to report that RANK's exit (so the test can start it early); with
-ELASTIC_WORKER_HOLD_AT=STEP the others wait at STEP until a join is asked (so that it lands mid-run).
+ELASTIC_WORKER_HOLD_AT=STEP the others wait at STEP until a join is asked (so that it lands mid-run). With
+ELASTIC_WORKER_DIE_AT_FORMATION=UID:EPOCH:WHEN worker UID SIGKILLs itself when it arrives at the formation of
+EPOCH's group: before it tells the others it is there (WHEN=before), or just after (WHEN=after: the others may
+already form the Gloo group, which then waits for it until the timeout). ELASTIC_WORKER_DETECT sets the seconds of
+silence after which a member is declared dead (10 by default).
 """
 
 from __future__ import annotations
@@ -45,6 +49,23 @@ def own_client(address: str) -> TCPStore:
     return TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT))
 
 
+def die_at_formation(membership, spec: str) -> None:
+    """Make this worker die at the formation of an epoch's group, as ``spec`` (UID:EPOCH:WHEN) says."""
+    if not spec or int(spec.split(":")[0]) != membership.uid:
+        return
+    _, epoch, when = spec.split(":")
+    arrive = membership.await_group
+
+    def await_group(decision):
+        if decision.epoch == int(epoch):
+            if when == "after":  # what await_group writes first: the others see this member arrive
+                membership.store.set(f"e{epoch}/ready/{membership.uid}", "1")
+            os.kill(os.getpid(), signal.SIGKILL)
+        arrive(decision)
+
+    membership.await_group = await_group
+
+
 def main() -> None:
     out, steps = sys.argv[1], int(sys.argv[2])
     kills = {int(r): int(s) for r, s in (item.split("@") for item in sys.argv[3].split(",") if item)}
@@ -54,7 +75,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if os.environ.get("ELASTIC_WORKER_AFTER_DEATH"):  # a restart: wait until the launcher reported this uid's exit
         own_client(os.environ[STORE_VARIABLE]).wait([f"dead/{uid}"], datetime.timedelta(seconds=60))
-    membership = connect(os.environ[STORE_VARIABLE], uid, timeout=TIMEOUT)
+    detect = float(os.environ.get("ELASTIC_WORKER_DETECT", "10"))  # seconds of silence that make a member dead
+    membership = connect(os.environ[STORE_VARIABLE], uid, timeout=TIMEOUT, detect=detect)
+    die_at_formation(membership, os.environ.get("ELASTIC_WORKER_DIE_AT_FORMATION", ""))
     holder = []
     net = nn.Linear(4, 1, bias=False).double()
     joining = membership.joining
