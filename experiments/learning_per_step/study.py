@@ -115,6 +115,7 @@ class RunConfig:
     local_steps: int = 20  # diloco: local steps between two synchronisations (H)
     outer_lr: float = 0.7  # diloco: the outer Nesterov SGD's learning rate
     outer_momentum: float = 0.9  # diloco: and its momentum
+    between: str = ""  # diloco: "powergossip" mixes the replicas every step between synchronisations (a hybrid)
     gradient_tracking: bool = False  # the wrapper's exact gradient tracking: the optimizer steps on y_i, not g_i
     delayed_last_iteration: bool = False  # PowerGossip's last power iteration applied at the next step
     optimizer: str = "adamw"  # adamw | accum-adamw | debiased-adamw | smoothed-v-adamw | shared-v-adamw | sgd
@@ -142,6 +143,12 @@ def make_algorithm(config: RunConfig) -> Algorithm:
     if config.algorithm == "diloco":
         if config.average_every:
             raise ValueError(f"{config.name}: diloco synchronises every local_steps steps; average_every must be 0")
+        if config.between == "powergossip":  # the PowerGossip of this configuration every step, DiLoCo every H
+            between = make_algorithm(dataclasses.replace(config, algorithm="powergossip", between=""))
+            return gossip.OuterOptimizer(gossip.AllReduce(), config.local_steps, config.outer_lr,
+                                         config.outer_momentum, between=between)  # fmt: skip
+        if config.between:
+            raise ValueError(f"{config.name}: between must be '' or 'powergossip', got {config.between!r}")
         return gossip.DiLoCo(config.local_steps, outer_lr=config.outer_lr, outer_momentum=config.outer_momentum)
     if config.algorithm == "none":
         inner: Algorithm = NoMixing()
@@ -507,6 +514,19 @@ def suite(name: str) -> list[RunConfig]:
             **d,
         ),
         c("n16b1-exact-gt-s4000", algorithm="exact", gradient_tracking=True, steps=4000, warmup=100, **many),
+        # the outer step without momentum at lr 1 is a plain average of the replicas every H steps (local AdamW);
+        # the hybrid gossips every step with the defaults' PowerGossip and takes DiLoCo's outer step every H
+        c("diloco-h10-olr1.0-m0", algorithm="diloco", local_steps=10, outer_lr=1.0, outer_momentum=0.0, **d),
+        c(
+            "hybrid-pg4-it2-fp16-h10",
+            algorithm="diloco",
+            local_steps=10,
+            between="powergossip",
+            rank=4,
+            iterations=2,
+            message_dtype="float16",
+            **d,
+        ),
         c("n16b1-ddp-s4000", algorithm="ddp", steps=4000, warmup=100, **many),
     ]
 
