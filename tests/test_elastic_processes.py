@@ -11,6 +11,8 @@ step, with that step's exchange already posted: the kill lands mid-exchange. Pin
   neither; an applied one is the exact average of the two replicas; with the dead worker, a survivor either kept its
   replica or averaged with the dead worker's last replica (its share, nothing else);
 * the time from the exit to the new group stays under the documented bound;
+* the consensus distance measured between two steps over the worker's group, across the changes, is the exact one
+  of the group's replicas;
 * two workers killed at once: the two survivors go on, over a 2-rank hypercube; two killed one after the other
   (the second 20 steps after the first, once the first change is complete): two changes, 4 -> 3 -> 2 members;
   two steps apart (while a member may still catch up alone after the first change): one or two changes, the same
@@ -149,6 +151,27 @@ def test_survivors_finish_and_log_who_left(job):
         assert any(f"{uid} (killed by SIGKILL)" in line for line in lines)
     wanted = "random_matchings (fallback: one_peer_hypercube over 3 ranks"
     assert all(wanted in line for line in lines if "members [0, 2, 3]" in line or "members [0, 1, 3]" in line)
+
+
+@pytest.mark.multiprocess
+def test_consensus_distance_over_the_group_across_changes(job):
+    _, runs, n, steps, dead, _, _ = job
+    by_step = {uid: {row["step"]: row for row in runs[uid] if "step" in row} for uid in range(n)}
+    measured = 0
+    for uid in sorted(set(range(n)) - dead):
+        for step, row in by_step[uid].items():
+            if row.get("consensus") is None:
+                continue
+            replicas = torch.stack([vector(by_step[member][step]["after"]) for member in row["group"]])
+            expected = (replicas - replicas.mean(0)).square().sum(1).mean().sqrt()
+            torch.testing.assert_close(torch.tensor(row["consensus"], dtype=torch.float64), expected, rtol=1e-9,
+                                       atol=1e-9)  # fmt: skip
+            measured += 1
+    after = [
+        row for uid in set(range(n)) - dead for s, row in by_step[uid].items() if s > steps - 20 and "consensus" in row
+    ]
+    assert after and all(row["consensus"] is not None for row in after)  # measured over the survivors at the end
+    assert measured >= 10
 
 
 @pytest.mark.multiprocess

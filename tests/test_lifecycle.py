@@ -12,13 +12,14 @@
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.launch import REPO, _env, mpiexec
+from helpers.launch import REPO, _env, _free_port, mpiexec
 from helpers.lifecycle_worker import train_a_few_steps
 
 import gossip
@@ -143,3 +144,27 @@ def test_a_rank_killed_during_an_mpi_collective_leaves_the_others_with_the_named
                 "process of this job died (SIGUSR1)"
             )
         ), output
+
+
+def test_a_rank_killed_during_a_gloo_average_leaves_the_others_with_the_named_error(tmp_path):
+    """Gloo averages as a sum, then a division: the sum's wait used to leak Gloo's raw RuntimeError (``Connection
+    reset by peer``) instead of the named error."""
+    port = str(_free_port())
+    worker = [sys.executable, str(REPO / "tests" / "helpers" / "collective_dead_peer_worker.py"), str(tmp_path), "gloo"]
+    place = {"WORLD_SIZE": str(N), "LOCAL_WORLD_SIZE": str(N), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    procs = [
+        subprocess.Popen(
+            worker,
+            env=_env({**place, "RANK": str(r), "LOCAL_RANK": str(r)}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(N)
+    ]
+    outputs = [proc.communicate(timeout=120)[0].decode(errors="replace") for proc in procs]
+    assert procs[2].returncode == -signal.SIGKILL, outputs[2]
+    for rank in (0, 1, 3):
+        assert procs[rank].returncode == 1, outputs[rank]
+        error = (tmp_path / f"rank{rank}.err").read_text()
+        assert error.startswith(f"PeerFailedError: rank {rank}: all_reduce(avg) of torch.float32[3]"), error
+        assert "terminate called" not in outputs[rank]

@@ -213,9 +213,17 @@ class Membership:
         self.changed.set()
 
     def request_change(self) -> None:
-        """Start epoch e + 1 (a peer failed): move the store's epoch once, and check in."""
-        self.store.compare_set("epoch", str(self.epoch), str(self.epoch + 1))
-        self._check_in(self.epoch + 1)
+        """Start epoch e + 1 (a peer failed): move the store's epoch once, and check in.
+
+        An unreachable store is not raised here but kept (as the heartbeat thread keeps it): the decision that
+        follows raises the :class:`MembershipError` that names it.
+        """
+        try:
+            self.store.compare_set("epoch", str(self.epoch), str(self.epoch + 1))
+            self._check_in(self.epoch + 1)
+        except Exception as error:  # TCPStore raises plain RuntimeErrors / DistNetworkErrors when its host is gone
+            self.error = error
+            self.changed.set()
 
     def decide(self) -> Decision:
         """Check in (if not yet), help write the next epoch's decision, and return it (posting stays off: :meth:`open`).

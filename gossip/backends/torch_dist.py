@@ -283,29 +283,34 @@ class TorchDistCommunicator(Communicator):
                 check_steady_header(incoming.tolist(), peer, seq, self.rank, sends, recvs)
 
     # -- collectives ----------------------------------------------------------------------------------------
-    def _collective(self, operation: str, post: Any) -> Handle:
+    def _collective(self, operation: str, post: Any, after: Any = None) -> Handle:
         def run(progress: Progress) -> None:
             # The Work object dies here, not in a handle the caller may keep: a Gloo work that outlives its process
             # group holds tensors whose release at interpreter exit needs the GIL and aborts the process.
             self._check_pending()
             progress.add("every rank")
-            work = post()
+            try:
+                work = post()
+            except RuntimeError as error:  # Gloo refuses to post on a connection a dead peer closed
+                raise PeerFailedError(
+                    f"rank {self.rank}: {progress.operation}: a peer failed or closed its connection before this rank "
+                    f"could post it: {str(error).splitlines()[0]}"
+                ) from error
             if isinstance(work, dist.Work):
-                self._wait(work, "hear from every rank", progress, None)
+                self._wait(work, "hear from every rank", progress, None)  # a failed peer: PeerFailedError, named
+            if after is not None:
+                after()
 
         return self._thread.submit(operation, run)
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
         reduce_op = dist.ReduceOp.AVG if op == "avg" and self.backend == "nccl" else dist.ReduceOp.SUM
-
-        def post() -> dist.Work:
-            work = dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True)
-            if op == "avg" and reduce_op == dist.ReduceOp.SUM:
-                work.wait(datetime.timedelta(seconds=self.timeout))
-                tensor.div_(self.size)
-            return work
-
-        return self._collective(f"all_reduce({op}) of {tensor.dtype}{list(tensor.shape)}", post)
+        divide = (lambda: tensor.div_(self.size)) if op == "avg" and reduce_op == dist.ReduceOp.SUM else None
+        return self._collective(
+            f"all_reduce({op}) of {tensor.dtype}{list(tensor.shape)}",
+            lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True),
+            divide,
+        )
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
         return self._collective(

@@ -4,7 +4,8 @@ Usage: ``elastic_worker.py OUT STEPS KILLS`` under gossip.app.elastic_launch.lau
 Worker RANK starts from x = [RANK, 10 RANK, 100 RANK, 1000 RANK]. Every step it writes one JSON line to
 OUT/rank<uid>.jsonl with the step, the group its mixing ran over (uids in rank order; itself alone while behind),
 x before the step and x after it. The update (SGD, lr 1, gradient set by hand) adds delta(uid, step), known to the
-test, so after - delta is exactly what the mixing made of x. A worker named in KILLS SIGKILLs itself at the top of
+test, so after - delta is exactly what the mixing made of x. Every 5th step the row also has the consensus
+distance over the worker's group after the step (or None). A worker named in KILLS SIGKILLs itself at the top of
 that step, after writing its x: its exchange of that step is already posted (the kill lands mid-exchange). A
 worker started again with the same RANK joins the run (OUT/rank<uid>.joined.jsonl); with ELASTIC_WORKER_AFTER_DEATH
 set it first waits for the launcher to report that RANK's exit (so the test can start it early); with
@@ -36,6 +37,8 @@ from gossip.wrapper.elastic import schedule_for, solo_communicator
 from gossip.wrapper.elastic_run import ElasticRun
 
 TIMEOUT = 20.0
+#: steps between two measurements of the consensus distance
+CONSENSUS_EVERY = 5
 
 
 def delta(uid: int, step: int) -> torch.Tensor:
@@ -113,6 +116,8 @@ def main() -> None:
             optimizer.zero_grad()
             row["after"] = model.buckets[0].buffer.tolist()
             row["group"] = list(elastic.last_group)
+            if step % CONSENSUS_EVERY == 0:  # between two steps, over the group it trains in (None: none to be had)
+                row["consensus"] = elastic.consensus_distance()
             log.write(json.dumps(row) + "\n")
             log.flush()
         elastic.finish()
