@@ -129,6 +129,26 @@ def run(kind: str, seed: int, workdir: Path) -> tuple[list[dict], dict]:
     return [{"kind": kind, "seed": seed, **row} for row in rows], info
 
 
+def restart_cost(repeats: int, workdir: Path) -> list[float]:
+    """Wall seconds of a whole one-step DDP job of 8 workers: what a restart costs besides the lost steps, at most.
+
+    It starts the launcher, the rendezvous, 8 interpreters with torch, the corpus, the model and the first
+    validation, takes one step and writes its outputs; a restart from a checkpoint would also read the checkpoint
+    (1.8 MB of parameters, 3.5 MB of AdamW moments) and skip the sample and plots.
+    """
+    seconds = []
+    for repeat in range(repeats):
+        out = workdir / f"restart_cost_{repeat}"
+        shutil.rmtree(out, ignore_errors=True)
+        argv = [sys.executable, "-m", "gossip", "--nproc", str(WORKERS), "--algorithm", "ddp", "--steps", "1",
+                "--out", str(out)]  # fmt: skip
+        started = time.perf_counter()
+        subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+        seconds.append(time.perf_counter() - started)
+        print(f"one-step DDP job: {seconds[-1]:.1f} s", flush=True)
+    return seconds
+
+
 def plot(rows: list[dict]) -> Path:
     """``results/churn_real.png``: mean and range over the seeds of each run's validation loss."""
     plt = pyplot()
@@ -163,10 +183,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kinds", default="gossip,elastic,ddp")
     parser.add_argument("--workdir", type=Path, default=Path("runs/elastic_churn_real"))
     parser.add_argument("--plot-only", action="store_true", help="redraw from results/curves_real.csv")
+    parser.add_argument("--restart-cost", type=int, default=0, metavar="N",
+                        help="only time N one-step DDP jobs (into results/runs_real.json)")  # fmt: skip
     args = parser.parse_args(argv)
     path, info_path = RESULTS / "curves_real.csv", RESULTS / "runs_real.json"
     rows = [r for r in read_csv(path) if r["kind"] != "ddp_restarted"] if path.exists() else []
     infos = json.loads(info_path.read_text()) if info_path.exists() else []
+    if args.restart_cost:
+        infos = [i for i in infos if i["kind"] != "restart_cost"]
+        infos.append(
+            {"kind": "restart_cost", "seed": None, "wall_seconds": restart_cost(args.restart_cost, args.workdir)}
+        )
+        info_path.write_text(json.dumps(infos, indent=1) + "\n")
+        return 0
     if not args.plot_only:
         for seed in range(args.seeds):
             for kind in args.kinds.split(","):
