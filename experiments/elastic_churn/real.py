@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--kinds", default="gossip,elastic,ddp")
     parser.add_argument("--workdir", type=Path, default=Path("runs/elastic_churn_real"))
+    parser.add_argument("--redo", action="store_true", help="run again what results/curves_real.csv holds")
     parser.add_argument("--plot-only", action="store_true", help="redraw from results/curves_real.csv")
     parser.add_argument("--restart-cost", type=int, default=0, metavar="N",
                         help="only time N one-step DDP jobs (into results/runs_real.json)")  # fmt: skip
@@ -199,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.plot_only:
         for seed in range(args.seeds):
             for kind in args.kinds.split(","):
+                if not args.redo and any((r["kind"], r["seed"]) == (kind, seed) for r in rows):
+                    continue  # measured already
                 new, info = run(kind, seed, args.workdir)
                 rows = [r for r in rows if (r["kind"], r["seed"]) != (kind, seed)] + new
                 infos = [i for i in infos if (i["kind"], i["seed"]) != (kind, seed)] + [info]

@@ -6,6 +6,9 @@ process -- so any worker may die -- starts the workers as plain subprocesses, an
 exit to the store the moment it sees it (:func:`~gossip.backends.membership.mark_dead`), which is what makes
 failure detection take one membership interval. It forwards SIGTERM and SIGINT to the workers.
 
+Workers ``--kill``ed at the same step die together: each waits at the top of the step until all of them are
+there (:func:`die_together`), so that the survivors see one change naming them all.
+
 ``--restart RANK@STEP`` (after ``--kill RANK@K``, ``K < STEP``): once the survivors agreed that worker RANK left
 (an epoch's decision without it), the launcher starts it again with the same command and environment. The
 restarted worker waits until the group reached step STEP, then asks to join through
@@ -43,6 +46,8 @@ logger = logging.getLogger("gossip")
 POLL = 0.05
 #: The store key the members set when they reach a restart's step (formatted with the step).
 REACHED = "restart/reached/{step}"
+#: The store counter of the workers at the top of a kill step (formatted with the step).
+KILLED = "kill/arrived/{step}"
 #: The store key a restarted worker sets when it saw its step reached and asks to join (formatted with its uid).
 READY = "restart/ready/{uid}"
 #: The store key the launcher sets when a restarted worker's process failed (formatted with its uid).
@@ -152,6 +157,27 @@ def hold_for_joiners(
         if waiting:
             time.sleep(POLL)
     return waiting
+
+
+def die_together(store: TCPStore, step: int, count: int, timeout: float) -> None:
+    """In a worker ``--kill``ed at ``step`` with others: wait until all ``count`` of them are at its top.
+
+    Several workers killed at the same step then die within moments of each other, before the survivors can agree
+    on a member set that still holds one of them (a death during the re-formation is a documented end, not a second
+    re-formation: docs/failures.md). The wait is bounded by ``timeout`` seconds: a co-killed worker that died
+    before reaching the step is not waited for longer.
+
+    Args:
+        store: a client of the membership store.
+        step: the kill step.
+        count: how many workers are killed at it.
+        timeout: the most seconds to wait.
+    """
+    key, deadline = KILLED.format(step=step), time.monotonic() + timeout
+    arrived = store.add(key, 1)
+    while arrived < count and time.monotonic() < deadline:
+        time.sleep(POLL / 5)
+        arrived = store.add(key, 0)
 
 
 def _departed(store: TCPStore, uid: int) -> bool:

@@ -4,7 +4,8 @@ Launched by ``gossip-train --nproc N --elastic`` (:mod:`gossip.app.elastic_launc
 store and reports a worker's exit at once. The loop is :func:`gossip.app.train.train_step`'s, driven through
 :class:`gossip.wrapper.elastic_run.ElasticRun`: ``before_step`` at the top of each step, ``update`` for the
 optimizer step. ``--kill RANK@STEP`` makes worker RANK SIGKILL itself at the top of step STEP -- its exchange of
-that step is already posted, so the kill lands mid-exchange, with no clean-up, as a node loss would.
+that step is already posted, so the kill lands mid-exchange, with no clean-up, as a node loss would; workers killed
+at the same step die together (:func:`gossip.app.elastic_launch.die_together`).
 
 Elastic settings: PowerGossip runs one power iteration and no periodic average unless given (real-process elastic
 needs one exchange per step); the default schedule is ``one_peer_hypercube`` (a power of two) or
@@ -39,7 +40,7 @@ from pathlib import Path
 import torch
 
 from gossip.app.corpus import ShardedBatches, load_corpus, validation_batches
-from gossip.app.elastic_launch import hold_for_joiners, wait_for_step
+from gossip.app.elastic_launch import die_together, hold_for_joiners, wait_for_step
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.app.run_dir import RunSummary, prepare_run_dir, write_outputs
 from gossip.app.train import (
@@ -199,6 +200,9 @@ def train_elastic(
         step = model.step_count
         elastic.before_step()
         if kills.get(uid) == step:
+            together = sum(at == step for at in kills.values())
+            if together > 1:
+                die_together(membership.store, step, together, config.timeout)
             os.kill(os.getpid(), signal.SIGKILL)  # no clean-up: as a node loss
         if step in joiners_at:  # once per restart step: let the restarted workers join here
             late = hold_for_joiners(membership.store, uid, step, joiners_at[step], membership.changed, config.timeout)
