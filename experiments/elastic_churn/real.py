@@ -159,10 +159,11 @@ def plot(rows: list[dict]) -> Path:
         values = [[r["val_loss"] for r in mine if r["step"] == s] for s in steps]
         (line,) = ax.plot(steps, [statistics.mean(v) for v in values], label=kind)
         ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], alpha=0.2, color=line.get_color())
+    ax.set_xlim(left=50)
+    ax.set_ylim(top=min(ax.get_ylim()[1], 2.7))
     for step, text in ((LEAVE, "2 killed"), (REJOIN, "1 restarted")):
         ax.axvline(step, color="grey", linestyle=":")
-        ax.text(step, ax.get_ylim()[1], text, va="top", ha="right", rotation=90, fontsize=8)
-    ax.set_ylim(top=min(ax.get_ylim()[1], 3.0))
+        ax.text(step, ax.get_ylim()[0], text + " ", va="bottom", ha="right", rotation=90, fontsize=8)
     ax.set(xlabel="steps executed", ylabel="validation loss (averaged model)",
            title=f"{WORKERS} Gloo workers, kill at {LEAVE}, restart at {REJOIN}: mean, range over seeds")  # fmt: skip
     ax.legend()
