@@ -134,7 +134,7 @@ def restart_cost(repeats: int, workdir: Path) -> list[float]:
 
     It starts the launcher, the rendezvous, 8 interpreters with torch, the corpus, the model and the first
     validation, takes one step and writes its outputs; a restart from a checkpoint would also read the checkpoint
-    (1.8 MB of parameters, 3.5 MB of AdamW moments) and skip the sample and plots.
+    (the parameters and AdamW's moments) and skip the sample and plots.
     """
     seconds = []
     for repeat in range(repeats):
