@@ -140,6 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--kill", type=_kill, action="append", default=[], metavar="RANK@STEP",
         help="(--elastic) worker RANK SIGKILLs itself at step STEP; repeatable",
     )  # fmt: skip
+    launch.add_argument(
+        "--restart", type=_kill, action="append", default=[], metavar="RANK@STEP",
+        help="(--elastic, after --kill RANK@K, K < STEP) the launcher starts worker RANK again once its departure is "
+        "agreed; it joins from a neighbour when the group reaches step STEP; repeatable",
+    )  # fmt: skip
+    launch.add_argument(
+        "--save-replicas", action="store_true",
+        help="(--elastic) each member writes its parameters to OUT/replicas/ at every --eval-every step",
+    )  # fmt: skip
     gossip_options = parser.add_argument_group("gossip")
     gossip_options.add_argument(
         "--algorithm",
@@ -309,6 +318,22 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_s
             parser.error(f"argument {err}")
 
 
+def _validate_restarts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--restart`` and ``--save-replicas`` need ``--elastic``; a restart needs a kill before it (a ConfigError)."""
+    from gossip.app.elastic_launch import check_restarts
+
+    for option, given in (("--restart", args.restart), ("--save-replicas", args.save_replicas)):
+        if given and not args.elastic:
+            parser.error(f"argument {option}: needs --elastic")
+    ranks = [rank for rank, _ in args.restart]
+    if len(set(ranks)) < len(ranks):
+        parser.error(f"argument --restart: a worker is restarted at most once, got {ranks}")
+    try:
+        check_restarts(dict(args.kill), dict(args.restart), args.nproc, args.steps)
+    except ConfigError as err:
+        parser.error(f"argument {err}")
+
+
 def _worker_argv(argv: Sequence[str], out: str) -> list[str]:
     """``argv`` without ``--nproc``, ``--out`` and ``--backend`` (``--opt V`` or ``--opt=V``), then ``--out out
     --backend gloo``."""
@@ -424,7 +449,7 @@ def run_worker(args: argparse.Namespace) -> int:
         if args.elastic:
             from gossip.app.train_elastic import train_elastic
 
-            summary = train_elastic(config_from(args), dict(args.kill))
+            summary = train_elastic(config_from(args), dict(args.kill), dict(args.restart), args.save_replicas)
         else:
             summary = train(config_from(args))
     except Exception as err:
@@ -458,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _validate(parser, args, args.nproc)
     if args.kill and not args.elastic:
         parser.error("argument --kill: needs --elastic (without it, a dead worker stops the job)")
+    _validate_restarts(parser, args)
     if args.nproc is not None:
         if args.backend not in ("auto", "gloo"):
             parser.error(f"argument --backend: --nproc starts Gloo workers; got --backend {args.backend}")
@@ -466,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gossip.app.elastic_launch import launch_elastic
 
             command = [sys.executable, "-m", "gossip", *_worker_argv(argv, out)]
-            return launch_elastic(args.nproc, command, dict(args.kill), say=_to_stderr)
+            return launch_elastic(args.nproc, command, dict(args.kill), say=_to_stderr, restarts=dict(args.restart))
         return launch_local(args.nproc, argv, out)
     code = run_worker(args)
     sys.stdout.flush()

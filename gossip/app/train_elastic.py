@@ -4,7 +4,8 @@ Launched by ``gossip-train --nproc N --elastic`` (:mod:`gossip.app.elastic_launc
 store and reports a worker's exit at once. The loop is :func:`gossip.app.train.train_step`'s, driven through
 :class:`gossip.wrapper.elastic_run.ElasticRun`: ``before_step`` at the top of each step, ``update`` for the
 optimizer step. ``--kill RANK@STEP`` makes worker RANK SIGKILL itself at the top of step STEP -- its exchange of
-that step is already posted, so the kill lands mid-exchange, with no clean-up, as a node loss would.
+that step is already posted, so the kill lands mid-exchange, with no clean-up, as a node loss would; workers killed
+at the same step die together (:func:`gossip.app.elastic_launch.die_together`).
 
 Elastic settings: PowerGossip runs one power iteration and no periodic average unless given (real-process elastic
 needs one exchange per step); the default schedule is ``one_peer_hypercube`` (a power of two) or
@@ -14,7 +15,14 @@ lowest surviving member; its ``result.json`` has a ``membership`` list naming wh
 
 A worker started again with the same command, ``RANK`` and ``GOSSIP_ELASTIC_STORE`` (the launcher prints it) joins
 the run from a neighbour at the group's next step boundary; it writes no per-step metrics file, and the summary's
-per-step losses are those of the workers that took every step.
+per-step losses are those of the workers that took every step. With ``--restart RANK@STEP`` the launcher restarts
+it (:mod:`gossip.app.elastic_launch`): it waits until the group reached STEP (the members wait for it there),
+then joins, and logs the step it joined at.
+
+``--save-replicas``: at every ``--eval-every`` step (and the last), each member writes its parameters to
+``<out>/replicas/<step>_<uid>.pt`` (the step, the uid, the members and the module's state dict), so that the
+averaged model of whoever was a member then can be evaluated afterwards (a mid-run evaluation of the averaged
+model would be a collective, which a membership change may interrupt).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from pathlib import Path
 import torch
 
 from gossip.app.corpus import ShardedBatches, load_corpus, validation_batches
+from gossip.app.elastic_launch import die_together, hold_for_joiners, wait_for_step
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.app.run_dir import RunSummary, prepare_run_dir, write_outputs
 from gossip.app.train import (
@@ -92,12 +101,38 @@ def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, 
     return resolve(elastic, world_size)
 
 
-def train_elastic(config: TrainConfig, kills: dict[int, int]) -> RunSummary | None:
+def save_replica(run_dir: Path, step: int, uid: int, members: tuple[int, ...], module: torch.nn.Module) -> Path:
+    """Write this member's parameters after ``step`` steps (``--save-replicas``), atomically.
+
+    Args:
+        run_dir: the run directory.
+        step: the number of steps taken.
+        uid: this member.
+        members: the members of its epoch.
+        module: its model.
+
+    Returns:
+        The file written: ``<run_dir>/replicas/<step>_<uid>.pt``.
+    """
+    folder = run_dir / "replicas"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{step:06d}_{uid}.pt"
+    partial = path.with_suffix(".partial")
+    torch.save({"step": step, "uid": uid, "members": list(members), "state": module.state_dict()}, partial)
+    partial.replace(path)
+    return path
+
+
+def train_elastic(
+    config: TrainConfig, kills: dict[int, int], restarts: dict[int, int] | None = None, save_replicas: bool = False
+) -> RunSummary | None:
     """Run one elastic worker of the job ``config`` describes.
 
     Args:
         config: the config (resolved here).
         kills: worker uid -> the step at whose top it SIGKILLs itself.
+        restarts: worker uid -> the step a restarted worker joins at (``--restart``; see the module docstring).
+        save_replicas: write each member's parameters at every ``eval_every`` step (see the module docstring).
 
     Returns:
         The summary on the lowest surviving member, None elsewhere.
@@ -105,6 +140,7 @@ def train_elastic(config: TrainConfig, kills: dict[int, int]) -> RunSummary | No
     Raises:
         ElasticUnsupportedError: no membership store in the environment (not launched with ``--elastic``).
         NonFiniteError: the training loss became NaN or Inf.
+        MembershipError: restarted, but the group ended before reaching the restart's step.
     """
     if STORE_VARIABLE not in os.environ:
         raise ElasticUnsupportedError(
@@ -142,8 +178,13 @@ def train_elastic(config: TrainConfig, kills: dict[int, int]) -> RunSummary | No
     held_out = validation_batches(corpus.validation, config.batch_size, config.model["block_size"], config.eval_batches)
     if uid == 0:
         logger.info("gossip-train --elastic: %d worker(s), schedule %s, run dir %s", size, config.schedule, run_dir)
+    restarts = restarts or {}
     if joining:
+        if uid in restarts:
+            wait_for_step(membership.store, uid, restarts[uid], membership.interval)
         elastic.join()
+        logger.info("gossip-train --elastic: member %d joined at step %d (donor: %s)", uid, model.step_count,
+                    elastic.events[-1]["joined"].get(str(uid)) if elastic.events else "none")  # fmt: skip
         scheduler.last_epoch = model.step_count - 1
         with warnings.catch_warnings():  # stepped before any optimizer step, on purpose
             warnings.simplefilter("ignore", UserWarning)
@@ -152,11 +193,21 @@ def train_elastic(config: TrainConfig, kills: dict[int, int]) -> RunSummary | No
     else:
         initial_validation = validation_loss(model, held_out, comm)
     started, losses = time.perf_counter(), []
+    joiners_at: dict[int, list[int]] = {}
+    for restarted, at in restarts.items():
+        joiners_at.setdefault(at, []).append(restarted)
     while model.step_count < config.steps:
         step = model.step_count
         elastic.before_step()
         if kills.get(uid) == step:
+            together = sum(at == step for at in kills.values())
+            if together > 1:
+                die_together(membership.store, step, together, config.timeout)
             os.kill(os.getpid(), signal.SIGKILL)  # no clean-up: as a node loss
+        if step in joiners_at:  # once per restart step: let the restarted workers join here
+            late = hold_for_joiners(membership.store, uid, step, joiners_at[step], membership.changed, config.timeout)
+            if late:
+                logger.info("member %d: at step %d, restarted worker(s) %s not ready yet", uid, step, late)
         x, y = batches.batch(step)
         _, loss = model(x, y)
         loss.backward()
@@ -167,6 +218,8 @@ def train_elastic(config: TrainConfig, kills: dict[int, int]) -> RunSummary | No
         if not math.isfinite(losses[-1]):
             raise NonFiniteError(f"member {uid}: training loss is {losses[-1]} at step {step}; lower --lr")
         model.log(loss=losses[-1], elapsed_seconds=time.perf_counter() - started, members=len(elastic.members))
+        if save_replicas and (model.step_count % config.eval_every == 0 or model.step_count == config.steps):
+            save_replica(run_dir, model.step_count, uid, elastic.members, model.module)
     elastic.finish()
     train_seconds = time.perf_counter() - started
     comm = model.comm
@@ -175,6 +228,11 @@ def train_elastic(config: TrainConfig, kills: dict[int, int]) -> RunSummary | No
     sample = _sample(model, config.seed, comm.rank)
     # a joiner trained fewer steps: the summary's per-step means are over the workers that took every step
     all_losses = [mine for mine in comm.all_gather_object(losses) if len(mine) == config.steps]
+    moved: dict[int, int] = {}  # epoch -> bytes handed over (known to the donors and joiners only)
+    for events in comm.all_gather_object(elastic.events):
+        for event in events:
+            moved[event["epoch"]] = max(moved.get(event["epoch"], 0), event["handover_bytes"])
+    events = [{**event, "handover_bytes": moved.get(event["epoch"], 0)} for event in elastic.events]
     traffic = model.close()
     membership.close()
     if comm.rank != 0:
@@ -182,7 +240,7 @@ def train_elastic(config: TrainConfig, kills: dict[int, int]) -> RunSummary | No
     summary = RunSummary(config=config, losses_by_rank=all_losses, initial_val_loss=initial_validation,
                          final_val_loss=final_validation, consensus_distance=consensus, train_seconds=train_seconds,
                          traffic=traffic or {}, sample=sample)  # fmt: skip
-    write_elastic_outputs(run_dir, summary, uid, elastic.events)
+    write_elastic_outputs(run_dir, summary, uid, events)
     return summary
 
 
