@@ -162,10 +162,10 @@ def hold_for_joiners(
 def die_together(store: TCPStore, step: int, count: int, timeout: float) -> None:
     """In a worker ``--kill``ed at ``step`` with others: wait until all ``count`` of them are at its top.
 
-    Several workers killed at the same step then die within moments of each other, before the survivors can agree
-    on a member set that still holds one of them (a death during the re-formation is a documented end, not a second
-    re-formation: docs/failures.md). The wait is bounded by ``timeout`` seconds: a co-killed worker that died
-    before reaching the step is not waited for longer.
+    Several workers killed at the same step then die within moments of each other, as the workers of one lost node
+    would, and the survivors see one change naming them all (otherwise a later one dies during the re-formation and
+    the next epoch drops it: docs/failures.md). The wait is bounded by ``timeout`` seconds: a co-killed worker that
+    died before reaching the step is not waited for longer.
 
     Args:
         store: a client of the membership store.
