@@ -52,7 +52,7 @@ from gossip.app.train import (
 from gossip.wrapper.tracking import TRACKER_MIXINGS
 
 ERROR_DIR_VARIABLE = "GOSSIP_TRAIN_ERROR_DIR"  # workers of --nproc write rank<r>.txt there when they fail
-LAUNCHER_OPTIONS = ("--nproc", "--out", "--backend")
+LAUNCHER_OPTIONS = ("--nproc", "--out", "--backend", "--nnodes", "--node-rank")
 
 
 def _positive(kind: type) -> Callable[[str], int | float]:
@@ -145,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="(--elastic, after --kill RANK@K, K < STEP) the launcher starts worker RANK again once its departure is "
         "agreed; it joins from a neighbour when the group reaches step STEP; repeatable",
     )  # fmt: skip
+    launch.add_argument(
+        "--nnodes", type=_positive(int), default=1,
+        help="(--elastic --nproc) nodes of the job, one launcher each; node 0's MASTER_ADDR and MASTER_PORT host the "
+        "membership store",
+    )  # fmt: skip
+    launch.add_argument(
+        "--node-rank", type=_nonnegative_int, default=0, help="(--elastic --nproc --nnodes) this node, in [0, nnodes)"
+    )
     launch.add_argument(
         "--save-replicas", action="store_true",
         help="(--elastic) each member writes its parameters to OUT/replicas/ at every --eval-every step",
@@ -329,13 +337,30 @@ def _validate_restarts(parser: argparse.ArgumentParser, args: argparse.Namespace
     if len(set(ranks)) < len(ranks):
         parser.error(f"argument --restart: a worker is restarted at most once, got {ranks}")
     try:
-        check_restarts(dict(args.kill), dict(args.restart), args.nproc, args.steps)
+        check_restarts(dict(args.kill), dict(args.restart), args.nproc and args.nproc * args.nnodes, args.steps)
     except ConfigError as err:
         parser.error(f"argument {err}")
 
 
+def _validate_nodes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, int] | None:
+    """``--nnodes`` / ``--node-rank``: elastic launchers only; several nodes need node 0's MASTER_ADDR/PORT."""
+    if args.nnodes == 1 and args.node_rank == 0:
+        return None
+    if not (args.elastic and args.nproc):
+        parser.error("argument --nnodes/--node-rank: needs --elastic and --nproc (one elastic launcher per node)")
+    if args.node_rank >= args.nnodes:
+        parser.error(f"argument --node-rank: {args.node_rank} is outside [0, {args.nnodes})")
+    if args.restart:
+        parser.error("argument --restart: runs on one node (--nnodes 1)")
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if not address or not port.isdigit():
+        parser.error("argument --nnodes: several nodes need MASTER_ADDR and MASTER_PORT set to node 0's address and a "
+                     "free port there (the membership store)")  # fmt: skip
+    return address, int(port)
+
+
 def _worker_argv(argv: Sequence[str], out: str) -> list[str]:
-    """``argv`` without ``--nproc``, ``--out`` and ``--backend`` (``--opt V`` or ``--opt=V``), then ``--out out
+    """``argv`` without the launcher's options (:data:`LAUNCHER_OPTIONS`, ``--opt V`` or ``--opt=V``), then ``--out out
     --backend gloo``."""
     kept, skip = [], False
     for item in argv:
@@ -484,6 +509,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.kill and not args.elastic:
         parser.error("argument --kill: needs --elastic (without it, a dead worker stops the job)")
     _validate_restarts(parser, args)
+    master = _validate_nodes(parser, args)
     if args.nproc is not None:
         if args.backend not in ("auto", "gloo"):
             parser.error(f"argument --backend: --nproc starts Gloo workers; got --backend {args.backend}")
@@ -492,7 +518,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gossip.app.elastic_launch import launch_elastic
 
             command = [sys.executable, "-m", "gossip", *_worker_argv(argv, out)]
-            return launch_elastic(args.nproc, command, dict(args.kill), say=_to_stderr, restarts=dict(args.restart))
+            return launch_elastic(args.nproc, command, dict(args.kill), say=_to_stderr, restarts=dict(args.restart),
+                                  nodes=args.nnodes, node_rank=args.node_rank, master=master)  # fmt: skip
         return launch_local(args.nproc, argv, out)
     code = run_worker(args)
     sys.stdout.flush()

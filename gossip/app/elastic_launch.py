@@ -20,12 +20,21 @@ that wait ends early when a membership change is under way or the restarted proc
 group cannot reach it any more: the launcher sets ``restart/cancelled`` and they end with a
 :class:`~gossip.errors.MembershipError`.
 
+**Several nodes** (``gossip-train --nproc 4 --elastic --nnodes 2 --node-rank K``, one launcher per node, e.g.
+under ``srun --ntasks-per-node 1``, with ``MASTER_ADDR`` and ``MASTER_PORT`` naming node 0): node 0's launcher hosts
+the store on ``MASTER_PORT``; every launcher starts its ``nproc`` workers (global ranks ``K * nproc`` onwards) and
+reports their exits to it. A whole node lost (its launcher and workers) is found by the members' heartbeats: its
+workers are declared dead after the membership's ``detect`` seconds of silence. Node 0's launcher keeps the store
+until the other launchers are done, or until the other nodes' workers have been silent that long. The store's node
+is the one a job cannot lose (as today's single launcher).
+
 Exit status: 0 when every worker ended with status 0 except those ``--kill`` told to kill themselves (and at least
 one finished), and every ``--restart`` took place; else 1, naming each worker that failed otherwise.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -37,7 +46,7 @@ from collections.abc import Callable, Sequence
 
 from torch.distributed import TCPStore
 
-from gossip.backends.membership import STORE_VARIABLE, host_store, mark_dead
+from gossip.backends.membership import DETECT_SECONDS, STORE_VARIABLE, host_store, mark_dead
 from gossip.errors import ConfigError, MembershipError
 
 logger = logging.getLogger("gossip")
@@ -54,6 +63,8 @@ READY = "restart/ready/{uid}"
 FAILED = "restart/failed/{uid}"
 #: The store key the launcher sets when a restarted worker's step can no longer be reached.
 CANCELLED = "restart/cancelled"
+#: The store counter of the launchers of nodes other than node 0 whose workers all ended.
+NODES_DONE = "launchers/done"
 
 
 def parse_kill(text: str) -> tuple[int, int]:
@@ -197,42 +208,109 @@ def _how(code: int) -> str:
     return f"exited with status {code}"
 
 
+def node_store(nodes: int, node_rank: int, size: int, master: tuple[str, int] | None, timeout: float) -> TCPStore:
+    """The membership store as this node's launcher sees it: hosted here on node 0, a client of it elsewhere.
+
+    Args:
+        nodes: the number of nodes.
+        node_rank: this node, in ``[0, nodes)``.
+        size: the workers of the job.
+        master: node 0's address and the store's port (None on one node: a free port on this host).
+        timeout: seconds a store operation (and the connection to node 0) may wait.
+
+    Returns:
+        The store.
+
+    Raises:
+        MembershipError: node 0's store cannot be reached within ``timeout``.
+    """
+    if node_rank == 0:
+        return host_store(size, port=master[1] if master else 0)
+    host, port = master
+    try:
+        return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    except Exception as error:  # c10d raises DistNetworkError / RuntimeError
+        raise MembershipError(
+            f"node {node_rank}: cannot reach the membership store at {host}:{port} (node 0's launcher) within "
+            f"{timeout:.0f} s: {error}; start node 0 too, with the same MASTER_ADDR and MASTER_PORT"
+        ) from error
+
+
+def wait_for_other_nodes(store: TCPStore, nodes: int, local: Sequence[int], size: int, silence: float) -> None:
+    """On node 0, after its workers ended: keep the store until the other nodes are done or silent.
+
+    Args:
+        store: the hosted store.
+        nodes: the number of nodes.
+        local: node 0's workers.
+        size: the workers of the job.
+        silence: seconds after which the other nodes' workers count as gone when no heartbeat of theirs changed.
+    """
+    remote = [f"hb/{uid}" for uid in range(size) if uid not in local]
+    seen, since = None, time.monotonic()
+    while int(store.add(NODES_DONE, 0)) < nodes - 1:
+        beats = store.multi_get(remote)
+        if beats != seen:
+            seen, since = beats, time.monotonic()
+        elif time.monotonic() - since >= silence:
+            return
+        time.sleep(POLL)
+
+
 def launch_elastic(
     nproc: int,
     command: Sequence[str],
     kills: dict[int, int],
     say: Callable[[str], None] = logger.warning,
     restarts: dict[int, int] | None = None,
+    *,
+    nodes: int = 1,
+    node_rank: int = 0,
+    master: tuple[str, int] | None = None,
+    timeout: float = 300.0,
 ) -> int:
     """Run ``nproc`` elastic workers of ``command`` and wait for all of them (and for the restarted ones).
 
     Args:
-        nproc: the number of workers.
+        nproc: the number of workers (on this node).
         command: each worker's command line (e.g. ``python -m gossip ...`` without ``--nproc``).
         kills: worker -> the step at which it kills itself (``--kill``), to tell those deaths from failures.
         say: where the launcher's messages go (the store's address, each exit); ``gossip-train`` prints them on
             stderr.
         restarts: worker -> the step from which it trains again (``--restart``; see the module docstring).
+        nodes: the number of nodes, one launcher each.
+        node_rank: this node, in ``[0, nodes)``.
+        master: node 0's address and the store's port (needed with several nodes).
+        timeout: seconds a launcher waits for node 0's store.
 
     Returns:
         The exit status (see the module docstring).
+
+    Raises:
+        ConfigError: several nodes without ``master``, or with ``--restart``.
+        MembershipError: node 0's store cannot be reached.
     """
     restarts = dict(restarts or {})
-    store = host_store(nproc)
+    if nodes > 1 and master is None:
+        raise ConfigError("--nnodes", "several nodes need MASTER_ADDR and MASTER_PORT (node 0's address, a free port)")
+    if nodes > 1 and restarts:
+        raise ConfigError("--restart", "--restart runs on one node")
+    size, local = nproc * nodes, range(node_rank * nproc, (node_rank + 1) * nproc)
+    store = node_store(nodes, node_rank, size, master, timeout)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_", "TORCHELASTIC_"))}
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    env[STORE_VARIABLE] = f"127.0.0.1:{store.port}"
+    env[STORE_VARIABLE] = f"{master[0] if master else '127.0.0.1'}:{store.port}"
     say(f"gossip-train: membership store at {env[STORE_VARIABLE]} (a worker restarted with the same command and "
         f"RANK, and {STORE_VARIABLE} set to it, joins the run)")  # fmt: skip
 
     def start(rank: int) -> subprocess.Popen:
-        place = {"RANK": rank, "WORLD_SIZE": nproc, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": nproc}
-        worker_env = {**env, **{k: str(v) for k, v in place.items()}, "MASTER_ADDR": "127.0.0.1",
+        place = {"RANK": rank, "WORLD_SIZE": size, "LOCAL_RANK": rank - local[0], "LOCAL_WORLD_SIZE": nproc}
+        worker_env = {**env, **{k: str(v) for k, v in place.items()}, "MASTER_ADDR": env[STORE_VARIABLE].split(":")[0],
                       "MASTER_PORT": str(store.port)}  # fmt: skip
         return subprocess.Popen(list(command), env=worker_env)
 
     # (rank, process, restarted): a restarted worker is a second process of its rank
-    workers = [(rank, start(rank), False) for rank in range(nproc)]
+    workers = [(rank, start(rank), False) for rank in local]
 
     def forward(signum: int, _frame: object) -> None:
         for _, process, _ in workers:
@@ -272,6 +350,10 @@ def launch_elastic(
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if node_rank > 0:
+        store.add(NODES_DONE, 1)
+    elif nodes > 1:
+        wait_for_other_nodes(store, nodes, local, size, DETECT_SECONDS)
     failed = {}
     for index, code in sorted(codes.items()):
         rank, _, restarted = workers[index]

@@ -45,19 +45,23 @@ logger = logging.getLogger("gossip")
 
 #: The environment variable that gives a worker the membership store, ``host:port``.
 STORE_VARIABLE = "GOSSIP_ELASTIC_STORE"
+#: Seconds without a heartbeat after which a member is declared dead, by default.
+DETECT_SECONDS = 10.0
 
 
-def host_store(size: int, timeout: float = 300.0) -> TCPStore:
+def host_store(size: int, timeout: float = 300.0, port: int = 0) -> TCPStore:
     """Start the membership store (in the launcher) with epoch 0 of members ``0 .. size - 1``.
 
     Args:
         size: the members at the start.
         timeout: seconds a store operation may wait.
+        port: the port to serve on (0: a free one); the store listens on every interface of this host, so that
+            the launchers and workers of other nodes reach it.
 
     Returns:
         The hosting store; its ``port`` goes to the workers.
     """
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
     store.set("epoch", "0")
     store.set("deaths", "0")
@@ -116,7 +120,13 @@ class Membership:
     """
 
     def __init__(
-        self, store: TCPStore, uid: int, *, interval: float = 0.1, detect: float = 10.0, decide_timeout: float = 60.0
+        self,
+        store: TCPStore,
+        uid: int,
+        *,
+        interval: float = 0.1,
+        detect: float = DETECT_SECONDS,
+        decide_timeout: float = 60.0,
     ):
         self.store, self.uid = store, uid
         self.interval, self.detect, self.decide_timeout = interval, detect, decide_timeout
