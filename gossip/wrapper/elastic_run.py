@@ -172,15 +172,20 @@ class ElasticRun:
         """
         self.restored = dict(state)
 
-    def consensus_distance(self) -> float | None:
-        r"""The exact consensus distance over the current group, between two steps; None when it cannot be had.
+    def consensus_distance(self, sampled: bool = False) -> float | None:
+        r"""The consensus distance over the current group, between two steps; None when it cannot be had.
 
         :math:`\Xi = \sqrt{\frac1m \sum_i \lVert x_i - \bar x \rVert^2}` over the m members of the group this
         worker trains in (:meth:`DecentralizedDataParallel.consensus_distance`, a collective: every member of the group
-        calls it at the same step). None while this worker trains alone before a new group's first step, and when a
-        membership change interrupts the collective or a failed peer broke the group (e.g. the exchange posted for the
-        next step failed): the change is then resolved by the next :meth:`update` (a failed peer moves the membership
-        to its next epoch here, so that nothing more is posted on the broken group).
+        calls it at the same step), or its estimate from sampled coordinates
+        (:meth:`DecentralizedDataParallel.estimate_consensus_distance`, a small all-reduce). None while this worker
+        trains alone before a new group's first step, and when a membership change interrupts the collective or a
+        failed peer broke the group (e.g. the exchange posted for the next step failed): the change is then resolved
+        by the next :meth:`update` (a failed peer moves the membership to its next epoch here, so that nothing more is
+        posted on the broken group).
+
+        Args:
+            sampled: estimate it from the wrapper's sampled coordinates instead of all of them.
 
         Returns:
             :math:`\Xi`, the same on every member of the group, or None.
@@ -188,7 +193,7 @@ class ElasticRun:
         if self._pending is not None or self._comm is None or self.model.comm is not self._comm:
             return None
         try:
-            return self.model.consensus_distance()
+            return self.model.estimate_consensus_distance() if sampled else self.model.consensus_distance()
         except (*CHANGE_SIGNALS, UseAfterCloseError) as error:
             if isinstance(error, UseAfterCloseError) and self._comm.failure is None:
                 raise  # refused for another reason than a failed peer (e.g. after close())
