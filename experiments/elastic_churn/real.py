@@ -36,13 +36,12 @@ from pathlib import Path
 
 import torch
 
+from experiments.elastic_churn.study import EVAL_EVERY, LEAVE, REJOIN, STEPS, WORKERS, restarted
 from experiments.shared import pyplot, read_csv, save_figure, write_csv
 from gossip.app.corpus import load_corpus, validation_batches
 from gossip.app.gpt import GPT, GPTConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WORKERS, STEPS, EVAL_EVERY = 8, 450, 25
-LEAVE, REJOIN, CHECKPOINT_EVERY = 150, 300, 100
 KINDS = {
     "elastic": ["--elastic", "--algorithm", "exact", "--save-replicas", "--kill", f"2@{LEAVE}", "--kill",
                 f"5@{LEAVE}", "--restart", f"2@{REJOIN}"],
@@ -97,16 +96,6 @@ def ddp_rows(run_dir: Path) -> list[dict]:
             rows.append({"step": record["step"] + 1, "val_loss": value, "replica_val_loss": value, "members": WORKERS,
                          "uids": ""})  # fmt: skip
     return rows
-
-
-def restarted(rows: list[dict]) -> list[dict]:
-    """The DDP curve as a restart from its last checkpoint gives it, on the axis of executed steps (see above)."""
-    checkpoint = (LEAVE // CHECKPOINT_EVERY) * CHECKPOINT_EVERY
-    lost = LEAVE - checkpoint
-    out = [{**row, "kind": "ddp_restarted"} for row in rows if row["step"] <= LEAVE]
-    out += [{**row, "kind": "ddp_restarted", "step": row["step"] + lost} for row in rows
-            if row["step"] > checkpoint and row["step"] + lost <= STEPS]  # fmt: skip
-    return out
 
 
 def run(kind: str, seed: int, workdir: Path) -> tuple[list[dict], dict]:
@@ -211,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"seed {seed} {kind}: val loss at {STEPS} {new[-1]['val_loss']:.4f}, "
                       f"wall {info['wall_seconds']:.0f} s", flush=True)  # fmt: skip
     for seed in sorted({r["seed"] for r in rows if r["kind"] == "ddp"}):
-        rows += restarted([r for r in rows if r["kind"] == "ddp" and r["seed"] == seed])
+        rows += restarted([r for r in rows if r["kind"] == "ddp" and r["seed"] == seed], "ddp_restarted")
     write_csv(path, rows)
     plot(rows)
     for kind in ORDER:

@@ -79,16 +79,16 @@ def run(kind: str, seed: int) -> list[dict]:
     return rows
 
 
-def restarted(rows: list[dict]) -> list[dict]:
-    """The all-reduce curve as a restart from the last checkpoint would give it, on the axis of executed steps.
+def restarted(rows: list[dict], kind: str = "allreduce_restarted") -> list[dict]:
+    """An uninterrupted curve as a restart from the last checkpoint would give it, on the axis of executed steps.
 
     Steps up to the failure run once; then the steps since the checkpoint run again (their evaluations repeat, the
-    run being deterministic) and the rest follows, ``lost`` executed steps later.
+    run being deterministic) and the rest follows, ``lost`` executed steps later. The rows get ``kind``.
     """
     checkpoint = (LEAVE // CHECKPOINT_EVERY) * CHECKPOINT_EVERY
     lost = LEAVE - checkpoint
-    out = [{**row, "kind": "allreduce_restarted"} for row in rows if row["step"] <= LEAVE]
-    out += [{**row, "kind": "allreduce_restarted", "step": row["step"] + lost} for row in rows
+    out = [{**row, "kind": kind} for row in rows if row["step"] <= LEAVE]
+    out += [{**row, "kind": kind, "step": row["step"] + lost} for row in rows
             if row["step"] > checkpoint and row["step"] + lost <= STEPS]  # fmt: skip
     return out
 
