@@ -9,7 +9,9 @@ Properties pinned, deterministically:
 * PowerGossip: per-edge state only for edges of the new group, both ends bit-identical, the sum preserved across
   churn, and the joiner/donor edge (identical replicas at the join) is not silenced: the replicas keep converging;
 * PeriodicAverage: its next averaging step after a departure makes every survivor equal to the survivors' mean;
-* a plan that removes a non-member, or leaves nobody, is refused with a named error.
+* a plan that removes a non-member, or leaves nobody, is refused with a named error;
+* no collective runs inside a step after a change (the schedule-agreement check of a schedule without period is off:
+  a change could interrupt it after the update was applied).
 """
 
 from __future__ import annotations
@@ -209,3 +211,17 @@ def test_checkpoint_records_the_members(tmp_path):
     for rank, restored in enumerate(simulate(2, worker)):
         assert restored == {"uid": [4, 7][rank], "epoch": 3, "members": [4, 7],
                             "events": [{"epoch": 3, "left": {"2": "killed by SIGKILL"}}]}  # fmt: skip
+
+
+def test_no_collective_inside_a_step_after_a_change(monkeypatch):
+    from gossip.backends.simulator import SimulatorCommunicator
+
+    calls = []
+    all_reduce = SimulatorCommunicator.all_reduce
+    monkeypatch.setattr(SimulatorCommunicator, "all_reduce", lambda self, *a, **k: calls.append(self.rank) or
+                        all_reduce(self, *a, **k))  # fmt: skip
+    changes = [Change(4, 1), Change(4, 3), Change(4, 6)]  # 5 members: random_matchings, a schedule without period
+    _, epochs = simulate_elastic(SIZE, 80, changes, build=_build(), train_step=mix_only,
+                                 schedule="one_peer_hypercube", algorithm=ExactGossip)  # fmt: skip
+    assert epochs[-1].schedule.startswith("random_matchings (fallback")
+    assert calls == []  # before the fix: the agreement check's all-reduce at steps 39, 49, ... on every member

@@ -64,6 +64,20 @@ def _close_open_communicators() -> None:
     _watched.clear()
 
 
+def _wraps_ours(hook: Any, depth: int = 0) -> bool:
+    """Whether ``hook`` is this module's hook or a wrapper that calls it (e.g. the one ``init_process_group``
+    installs over the current hook each time a group is created: re-installing ours on top would close a cycle)."""
+    if hook is _hook:
+        return True
+    if depth >= 8:
+        return False
+    for cell in getattr(hook, "__closure__", None) or ():
+        with contextlib.suppress(ValueError):  # an empty cell
+            if callable(cell.cell_contents) and _wraps_ours(cell.cell_contents, depth + 1):
+                return True
+    return False
+
+
 def watch(comm: Any) -> None:
     """Apply the exit rules above to ``comm``.
 
@@ -75,7 +89,7 @@ def watch(comm: Any) -> None:
     with _lock:
         _watched[:] = [c for c in _watched if _open(c)]  # forget closed ones
         _watched.append(comm)
-        if sys.excepthook is not _hook:
+        if not _wraps_ours(sys.excepthook):
             _previous_hook = sys.excepthook
             sys.excepthook = _hook
         if not _atexit_registered:

@@ -19,6 +19,7 @@ agree on the new member set first and then do exactly this.
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Sequence
 
 import torch
@@ -107,7 +108,21 @@ def rebind(model: DecentralizedDataParallel, comm: Communicator, schedule: Sched
     model._state_before_start = None
     algorithm.setup(comm, schedule, model.buckets)
     model.comm, model.schedule, model.algorithm = comm, schedule, algorithm
-    model._schedule_checked_to = max(schedule.window, model.step_count)
+    without_schedule_checks(model)
+
+
+def without_schedule_checks(model: DecentralizedDataParallel) -> None:
+    """Turn off the wrapper's later schedule-agreement checks for a wrapper whose members change.
+
+    For a schedule without period the wrapper compares the ranks' schedules every few steps with an all-reduce inside
+    the optimizer step, after the update. A membership change can interrupt that collective, and the step could not
+    be resolved without applying the update twice. Every member builds each epoch's schedule alike from its family
+    and size (:func:`schedule_for`), so the check guards nothing there; the check at construction stays.
+
+    Args:
+        model: the wrapper.
+    """
+    model._schedule_checked_to = math.inf
 
 
 def choose_donor(schedule: Schedule, joiner: int, step: int, old: Sequence[int]) -> int:

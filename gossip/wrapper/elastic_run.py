@@ -53,7 +53,14 @@ from gossip.errors import (
     PeerFailedError,
     UseAfterCloseError,
 )
-from gossip.wrapper.elastic import choose_donor, hand_over, rebind, schedule_for, solo_communicator
+from gossip.wrapper.elastic import (
+    choose_donor,
+    hand_over,
+    rebind,
+    schedule_for,
+    solo_communicator,
+    without_schedule_checks,
+)
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from topologies import Schedule
 
@@ -126,6 +133,7 @@ class ElasticRun:
         timeout: float,
     ):
         check_supported(model.schedule, model.algorithm)
+        without_schedule_checks(model)  # no collective inside a step that a change could interrupt
         self.model, self.optimizer, self.membership = model, optimizer, membership
         self.schedule_name, self.make_algorithm, self.timeout = schedule, algorithm, timeout
         #: one dict per membership change, for the run's summary
