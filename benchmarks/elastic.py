@@ -52,9 +52,9 @@ def summarize(code: int, logs: dict[int, list[dict]], killed: bool) -> dict:
 
     Returns:
         ``step_seconds`` (the median over workers of the mean step time after the first 10 steps),
-        ``changes_seen``; with a kill ``reformed_since_exit``, ``resume_step``, ``kill_to_next_step`` (from the
-        launcher seeing the exit), ``kill_to_next_step_from_kill`` (from the worker's own time just before its
-        SIGKILL); ``failed`` when the run did not end well.
+        ``changes_seen``; with a kill ``resume_step``, and ``reformed_since_exit``, ``kill_to_next_step`` (from the
+        launcher seeing the exit) where the launcher reported it, ``kill_to_next_step_from_kill`` (from the worker's
+        own time just before its SIGKILL); ``failed`` when the run did not end well.
     """
     step_times = []
     for rows in logs.values():
@@ -71,11 +71,10 @@ def summarize(code: int, logs: dict[int, list[dict]], killed: bool) -> dict:
         resume = events[0]["resume_step"]
         exit_time = events[0]["exit_wall_time"]
         first_done = min(row["t"] for rows in logs.values() for row in rows if row.get("step") == resume and "t" in row)
-        result.update(
-            reformed_since_exit=max(e["seconds_since_exit"] for e in events),
-            resume_step=resume,
-            kill_to_next_step=first_done - exit_time,
-        )
+        result["resume_step"] = resume
+        if exit_time is not None:  # the launcher reported the exit
+            result.update(reformed_since_exit=max(e["seconds_since_exit"] for e in events),
+                          kill_to_next_step=first_done - exit_time)  # fmt: skip
         kill_times = [row["killed_at"] for rows in logs.values() for row in rows if "killed_at" in row]
         if kill_times:
             result["kill_to_next_step_from_kill"] = first_done - min(kill_times)

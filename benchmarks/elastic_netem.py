@@ -1,11 +1,12 @@
 """Elastic gossip on the emulated network: a kill, a join, and the cost when nothing fails, N hosts at a rate.
 
 ``sudo python benchmarks/elastic_netem.py [--hosts 8] [--rate 100mbit] [--steps 150] [--floats 1048576]
-[--repeats 3] [--kill-step 30] [--rejoin-after 2] [--store-host 0|extra] [--silent]`` (root, from the repository
-root; see experiments/netem/README.md) creates one :class:`experiments.netem.EmulatedNetwork` of ``hosts``
+[--repeats 3] [--kill-step 30] [--rejoin-after 2] [--store-host 0|extra] [--silent] [--kill-only]`` (root, from the
+repository root; see experiments/netem/README.md) creates one :class:`experiments.netem.EmulatedNetwork` of ``hosts``
 namespaces, each limited to ``rate`` up and down, and runs in it, ``repeats`` times, interleaved: elastic off and
 elastic on with nothing failing (their order alternates between repeats), then elastic on with worker 3 SIGKILLed
-at the top of ``--kill-step`` and started again ``--rejoin-after`` seconds after the exit was seen, so that it joins.
+at the top of ``--kill-step`` and started again ``--rejoin-after`` seconds after the exit was seen, so that it joins
+(``--kill-only``: only this run).
 The workers are benchmarks/elastic_worker.py (exact gossip of a FLOATS-element float32 matrix over
 one_peer_hypercube, SGD with momentum 0.9), one per namespace, Gloo on the namespace's ``eth0``.
 
@@ -175,6 +176,7 @@ def main() -> None:
     parser.add_argument("--rejoin-after", type=float, default=2.0)
     parser.add_argument("--store-host", choices=("0", "extra"), default="0")
     parser.add_argument("--silent", action="store_true", help="do not report exits: detection by silence")
+    parser.add_argument("--kill-only", action="store_true", help="only the run with the kill and the join")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--coordinate", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -188,23 +190,27 @@ def main() -> None:
         store_host = args.hosts if extra else 0
         for repeat in range(args.repeats):
             row = {"repeat": repeat, "load": os.getloadavg()}
-            for name in ("off", "on") if repeat % 2 == 0 else ("on", "off"):
+            for name in () if args.kill_only else ("off", "on") if repeat % 2 == 0 else ("on", "off"):
                 row[name] = run(net, store_host, args, name == "on", False)
             row["kill"] = run(net, store_host, args, True, True)
             row["load_after"] = os.getloadavg()
             results.append(row)
             print(json.dumps(row), flush=True)
-    good = [r for r in results if not any(r[k].get("failed") or "join_failed" in r[k] for k in ("off", "on", "kill"))]
+    good = [
+        r for r in results if not any(v.get("failed") or "join_failed" in v for v in r.values() if isinstance(v, dict))
+    ]
     print(f"{len(good)} of {len(results)} repeats without failure; min / median / max:")
     if not good:
         return
-    print(f"step time off {spread([r['off']['step_seconds'] for r in good], 1e3, 1)} ms, on "
-          f"{spread([r['on']['step_seconds'] for r in good], 1e3, 1)} ms, on/off "
-          f"{spread([r['on']['step_seconds'] / r['off']['step_seconds'] for r in good], 1, 3)}")  # fmt: skip
+    if not args.kill_only:
+        print(f"step time off {spread([r['off']['step_seconds'] for r in good], 1e3, 1)} ms, on "
+              f"{spread([r['on']['step_seconds'] for r in good], 1e3, 1)} ms, on/off "
+              f"{spread([r['on']['step_seconds'] / r['off']['step_seconds'] for r in good], 1, 3)}")  # fmt: skip
     kills = [r["kill"] for r in good]
     for key in ("kill_to_next_step_from_kill", "kill_to_next_step", "reformed_since_exit", "start_to_first_mix",
                 "asked_to_first_mix", "asked_to_taken_in", "survivors_longest_step_after_failure"):  # fmt: skip
-        print(f"{key}: {spread([k[key] for k in kills])} s")
+        if all(key in k for k in kills):
+            print(f"{key}: {spread([k[key] for k in kills])} s")
     for key in ("handover_bytes", "join_wire_rx", "join_wire_tx"):
         if all(key in k for k in kills):
             print(f"{key}: {spread([k[key] for k in kills], 1e-6, 2)} MB")
