@@ -1,21 +1,23 @@
 """Elastic gossip on the emulated network: a kill, a join, and the cost when nothing fails, N hosts at a rate.
 
 ``sudo python benchmarks/elastic_netem.py [--hosts 8] [--rate 100mbit] [--steps 150] [--floats 1048576]
-[--repeats 3] [--kill-step 30] [--rejoin-after 2] [--store-host 0|extra] [--silent] [--kill-only]`` (root, from the
-repository root; see experiments/netem/README.md) creates one :class:`experiments.netem.EmulatedNetwork` of ``hosts``
-namespaces, each limited to ``rate`` up and down, and runs in it, ``repeats`` times, interleaved: elastic off and
-elastic on with nothing failing (their order alternates between repeats), then elastic on with worker 3 SIGKILLed
-at the top of ``--kill-step`` and started again ``--rejoin-after`` seconds after the exit was seen, so that it joins
-(``--kill-only``: only this run).
-The workers are benchmarks/elastic_worker.py (exact gossip of a FLOATS-element float32 matrix over
-one_peer_hypercube, SGD with momentum 0.9), one per namespace, Gloo on the namespace's ``eth0``.
+[--repeats 3] [--kill-step 30] [--rejoin-after 2] [--store-host 0|extra] [--silent] [--kill-only] [--keep DIR]``
+(root, from the repository root; see experiments/netem/README.md) creates one
+:class:`experiments.netem.EmulatedNetwork` of ``hosts`` namespaces, each limited to ``rate`` up and down, and runs
+in it, ``repeats`` times, interleaved: elastic off and elastic on with nothing failing (their order alternates
+between repeats), then elastic on with worker 3 SIGKILLed at the top of ``--kill-step`` and started again
+``--rejoin-after`` seconds after the exit was seen, so that it joins (``--kill-only``: only this run; ``--keep``:
+every run's logs are copied to ``DIR/<repeat>-<off|on|kill>``). The workers are benchmarks/elastic_worker.py
+(exact gossip of a FLOATS-element float32 matrix over one_peer_hypercube, SGD with momentum 0.9), one per
+namespace, Gloo on the namespace's ``eth0``.
 
 The membership store cannot be reached from the namespaces when the launcher hosts it outside them, so this file
 is its own launcher: ``--coordinate`` runs inside host 0's namespace (``--store-host extra``: a namespace of its
 own, one more host at the same rate), hosts the store with :func:`gossip.backends.membership.host_store`, starts
 each worker with ``ip netns exec`` in its namespace, reports an unfinished exit with
 :func:`~gossip.backends.membership.mark_dead` (as ``gossip-train --elastic`` does; ``--silent``: it does not, and
-the survivors find the death by the heartbeat silence) and restarts the killed worker.
+the survivors find the death by the heartbeat silence; give it a ``--rejoin-after`` above the membership's
+detection time, else the restarted worker is still a member and cannot join) and restarts the killed worker.
 
 Printed per run (and as JSON): the step time (mean after the first 10 steps, median over workers); for the kill:
 the time from the kill (the worker's own clock just before its SIGKILL) and from the launcher seeing the exit
@@ -33,6 +35,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -133,8 +136,8 @@ def join_summary(out: Path, logs: dict[int, list[dict]], coordinator: dict, resu
     return result
 
 
-def run(net: object, store_host: int, args: argparse.Namespace, elastic: bool, kill: bool) -> dict:
-    """One run of 8 workers in ``net`` under a coordinator in namespace ``store_host``; its summary."""
+def run(net: object, store_host: int, args: argparse.Namespace, elastic: bool, kill: bool, name: str) -> dict:
+    """One run of the workers in ``net`` under a coordinator in namespace ``store_host``; its summary."""
     from experiments.netem.network import python_path_env
 
     with tempfile.TemporaryDirectory() as out:
@@ -155,6 +158,8 @@ def run(net: object, store_host: int, args: argparse.Namespace, elastic: bool, k
         elif kill:
             coordinator = json.loads(Path(out, "coordinator.json").read_text())
             result.update(join_summary(Path(out), logs, coordinator, result["resume_step"]))
+        if args.keep:
+            shutil.copytree(out, Path(args.keep, name))
     return result
 
 
@@ -177,6 +182,7 @@ def main() -> None:
     parser.add_argument("--store-host", choices=("0", "extra"), default="0")
     parser.add_argument("--silent", action="store_true", help="do not report exits: detection by silence")
     parser.add_argument("--kill-only", action="store_true", help="only the run with the kill and the join")
+    parser.add_argument("--keep", help="copy each run's logs to KEEP/<repeat>-<run>")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--coordinate", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -191,8 +197,8 @@ def main() -> None:
         for repeat in range(args.repeats):
             row = {"repeat": repeat, "load": os.getloadavg()}
             for name in () if args.kill_only else ("off", "on") if repeat % 2 == 0 else ("on", "off"):
-                row[name] = run(net, store_host, args, name == "on", False)
-            row["kill"] = run(net, store_host, args, True, True)
+                row[name] = run(net, store_host, args, name == "on", False, f"{repeat}-{name}")
+            row["kill"] = run(net, store_host, args, True, True, f"{repeat}-kill")
             row["load_after"] = os.getloadavg()
             results.append(row)
             print(json.dumps(row), flush=True)
