@@ -90,10 +90,10 @@ def coordinate(config: dict) -> int:
             del running[rank]
             codes.append((rank, code))
             if code != 0:
-                times["exited"][rank] = time.time()
+                times["exited"].setdefault(rank, time.time())
                 if config["report"]:
                     mark_dead(store, rank, f"exited with {code}")
-                if config["rejoin_after"] is not None and rank not in times["respawned"]:
+                if config["rejoin_after"] is not None and rank == KILLED and rank not in times["respawned"]:
                     restart_at[rank] = time.monotonic() + config["rejoin_after"]
         for rank, at in list(restart_at.items()):
             if time.monotonic() >= at:
