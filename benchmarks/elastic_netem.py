@@ -1,15 +1,16 @@
 """Elastic gossip on the emulated network: a kill, a join, and the cost when nothing fails, N hosts at a rate.
 
 ``sudo python benchmarks/elastic_netem.py [--hosts 8] [--rate 100mbit] [--steps 150] [--floats 1048576]
-[--repeats 3] [--kill-step 30] [--rejoin-after 2] [--store-host 0|extra] [--silent] [--kill-only] [--keep DIR]``
+[--repeats 3] [--kill-step 30] [--rejoin-after 2] [--store-host 0|extra] [--silent] [--kill-only|--no-kill]
+[--keep DIR]``
 (root, from the repository root; see experiments/netem/README.md) creates one
 :class:`experiments.netem.EmulatedNetwork` of ``hosts`` namespaces, each limited to ``rate`` up and down, and runs
 in it, ``repeats`` times, interleaved: elastic off and elastic on with nothing failing (their order alternates
 between repeats), then elastic on with worker 3 SIGKILLed at the top of ``--kill-step`` and started again
-``--rejoin-after`` seconds after the exit was seen, so that it joins (``--kill-only``: only this run; ``--keep``:
-every run's logs are copied to ``DIR/<repeat>-<off|on|kill>``). The workers are benchmarks/elastic_worker.py
-(exact gossip of a FLOATS-element float32 matrix over one_peer_hypercube, SGD with momentum 0.9), one per
-namespace, Gloo on the namespace's ``eth0``.
+``--rejoin-after`` seconds after the exit was seen, so that it joins (``--kill-only``: only this run,
+``--no-kill``: only the others; ``--keep``: every run's logs are copied to ``DIR/<repeat>-<off|on|kill>``). The
+workers are benchmarks/elastic_worker.py (exact gossip of a FLOATS-element float32 matrix over one_peer_hypercube,
+SGD with momentum 0.9), one per namespace, Gloo on the namespace's ``eth0``.
 
 The membership store cannot be reached from the namespaces when the launcher hosts it outside them, so this file
 is its own launcher: ``--coordinate`` runs inside host 0's namespace (``--store-host extra``: a namespace of its
@@ -182,6 +183,7 @@ def main() -> None:
     parser.add_argument("--store-host", choices=("0", "extra"), default="0")
     parser.add_argument("--silent", action="store_true", help="do not report exits: detection by silence")
     parser.add_argument("--kill-only", action="store_true", help="only the run with the kill and the join")
+    parser.add_argument("--no-kill", action="store_true", help="only the runs with nothing failing")
     parser.add_argument("--keep", help="copy each run's logs to KEEP/<repeat>-<run>")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--coordinate", help=argparse.SUPPRESS)
@@ -198,7 +200,8 @@ def main() -> None:
             row = {"repeat": repeat, "load": os.getloadavg()}
             for name in () if args.kill_only else ("off", "on") if repeat % 2 == 0 else ("on", "off"):
                 row[name] = run(net, store_host, args, name == "on", False, f"{repeat}-{name}")
-            row["kill"] = run(net, store_host, args, True, True, f"{repeat}-kill")
+            if not args.no_kill:
+                row["kill"] = run(net, store_host, args, True, True, f"{repeat}-kill")
             row["load_after"] = os.getloadavg()
             results.append(row)
             print(json.dumps(row), flush=True)
@@ -212,6 +215,8 @@ def main() -> None:
         print(f"step time off {spread([r['off']['step_seconds'] for r in good], 1e3, 1)} ms, on "
               f"{spread([r['on']['step_seconds'] for r in good], 1e3, 1)} ms, on/off "
               f"{spread([r['on']['step_seconds'] / r['off']['step_seconds'] for r in good], 1, 3)}")  # fmt: skip
+    if args.no_kill:
+        return
     kills = [r["kill"] for r in good]
     for key in ("kill_to_next_step_from_kill", "kill_to_next_step", "reformed_since_exit", "start_to_first_mix",
                 "asked_to_first_mix", "asked_to_taken_in", "survivors_longest_step_after_failure"):  # fmt: skip
