@@ -25,14 +25,37 @@ from gossip.app.elastic_launch import launch_elastic  # noqa: E402
 WORKER = Path(__file__).resolve().parent / "elastic_worker.py"
 
 
-def run(workers: int, steps: int, floats: int, elastic: bool, kill: int | None) -> dict:
-    with tempfile.TemporaryDirectory() as out:
-        kills = f"3@{kill}" if kill is not None else ""
-        code = launch_elastic(workers, [sys.executable, str(WORKER), out, str(steps), kills, str(floats),
-                                        "1" if elastic else "0"], {3: kill} if kill is not None else {})  # fmt: skip
-        logs = {}
-        for path in Path(out).glob("rank*.jsonl"):
-            logs[int(path.stem[4:])] = [json.loads(line) for line in path.read_text().splitlines()]
+def read_logs(out: str | Path) -> dict[int, list[dict]]:
+    """The rows of every ``rank<uid>.jsonl`` under ``out`` (a joiner's ``.joined.jsonl`` is not among them).
+
+    Args:
+        out: the workers' output folder.
+
+    Returns:
+        uid -> its rows, in order.
+    """
+    logs = {}
+    for path in Path(out).glob("rank*.jsonl"):
+        if not path.stem[4:].isdigit():
+            continue
+        logs[int(path.stem[4:])] = [json.loads(line) for line in path.read_text().splitlines()]
+    return logs
+
+
+def summarize(code: int, logs: dict[int, list[dict]], killed: bool) -> dict:
+    """Step time and, for a run with a kill, the times from the exit (and from the kill) to the new group's step.
+
+    Args:
+        code: the launcher's exit status.
+        logs: the workers' rows (:func:`read_logs`).
+        killed: whether a worker was told to kill itself.
+
+    Returns:
+        ``step_seconds`` (the median over workers of the mean step time after the first 10 steps),
+        ``changes_seen``; with a kill ``resume_step``, and ``reformed_since_exit``, ``kill_to_next_step`` (from the
+        launcher seeing the exit) where the launcher reported it, ``kill_to_next_step_from_kill`` (from the worker's
+        own time just before its SIGKILL); ``failed`` when the run did not end well.
+    """
     step_times = []
     for rows in logs.values():
         times = [row["t"] for row in rows if "t" in row]
@@ -42,20 +65,29 @@ def run(workers: int, steps: int, floats: int, elastic: bool, kill: int | None) 
     if code != 0 or not step_times:  # a failed run is reported, not timed
         return {"code": code, "step_seconds": float("nan"), "changes_seen": len(changes), "failed": True}
     result = {"code": code, "step_seconds": statistics.median(step_times), "changes_seen": len(changes)}
-    if kill is not None:
-        events = [e for rows in logs.values() if rows and "events" in rows[-1] for e in rows[-1]["events"] if e["left"]]
-        result["spurious_changes"] = sum(
-            1 for rows in logs.values() if rows and "events" in rows[-1] for e in rows[-1]["events"] if not e["left"]
-        )
+    if killed:
+        events = [e for e in changes if e["left"]]
+        result["spurious_changes"] = sum(1 for e in changes if not e["left"] and not e.get("joined"))
         resume = events[0]["resume_step"]
         exit_time = events[0]["exit_wall_time"]
-        first_done = min(row["t"] for rows in logs.values() for row in rows if row.get("step") == resume)
-        result.update(
-            reformed_since_exit=max(e["seconds_since_exit"] for e in events),
-            resume_step=resume,
-            kill_to_next_step=first_done - exit_time,
-        )
+        first_done = min(row["t"] for rows in logs.values() for row in rows if row.get("step") == resume and "t" in row)
+        result["resume_step"] = resume
+        if exit_time is not None:  # the launcher reported the exit
+            result.update(reformed_since_exit=max(e["seconds_since_exit"] for e in events),
+                          kill_to_next_step=first_done - exit_time)  # fmt: skip
+        kill_times = [row["killed_at"] for rows in logs.values() for row in rows if "killed_at" in row]
+        if kill_times:
+            result["kill_to_next_step_from_kill"] = first_done - min(kill_times)
     return result
+
+
+def run(workers: int, steps: int, floats: int, elastic: bool, kill: int | None) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        kills = f"3@{kill}" if kill is not None else ""
+        code = launch_elastic(workers, [sys.executable, str(WORKER), out, str(steps), kills, str(floats),
+                                        "1" if elastic else "0"], {3: kill} if kill is not None else {})  # fmt: skip
+        logs = read_logs(out)
+    return summarize(code, logs, kill is not None)
 
 
 def main() -> None:
