@@ -369,6 +369,23 @@ class Algorithm(abc.ABC):
         """The algorithm's part of :meth:`finish`: wait (:meth:`_wait`), check what peers sent
         (:meth:`_nonfinite_peers`) and mix into the buckets in place."""
 
+    def progress(self, pending: Any) -> bool:
+        """Make progress on the open step's communication without waiting, between ``start`` and ``finish``.
+
+        :class:`gossip.DecentralizedDataParallel` calls it from its backward hooks (the parameters are not written
+        between ``start`` and ``finish``, so whatever depends only on x_t may run there), until it returns False.
+        It must never wait, and must leave ``finish``'s result bit for bit what it would be without it. Default:
+        nothing to do. :meth:`gossip.algorithms.powergossip.PowerGossip.progress` runs its further power
+        iterations there.
+
+        Args:
+            pending: what :meth:`start` returned for the open step.
+
+        Returns:
+            Whether a later call may still make progress this step.
+        """
+        return False
+
     def drain(self) -> None:
         """Complete communication still in flight from an earlier step and drop its result (default: none).
 

@@ -84,7 +84,8 @@ def _forget_closed_wrappers_of(module: nn.Module) -> None:
 
 
 class _BackwardSeen:
-    """Post-accumulate-grad hook: notes that a backward ran since the last optimizer step (holds a weak ref)."""
+    """Post-accumulate-grad hook: notes that a backward ran since the last optimizer step, and lets the algorithm
+    make progress on the step's exchange (:meth:`gossip.Algorithm.progress`) while it wants to (holds a weak ref)."""
 
     def __init__(self, wrapper: DecentralizedDataParallel):
         self._wrapper = weakref.ref(wrapper)
@@ -93,6 +94,8 @@ class _BackwardSeen:
         wrapper = self._wrapper()
         if wrapper is not None:
             wrapper._backward_since_step = True
+            if wrapper._progressing and wrapper._step.in_flight:
+                wrapper._progress()
 
 
 def _warn_if_average_drifts(schedule: Schedule, algorithm: Algorithm, rank: int) -> None:
@@ -284,6 +287,7 @@ class DecentralizedDataParallel(nn.Module):
         self._averaging = False  # inside averaged()
         self._backward_since_step = False  # a backward accumulated gradients since the last optimizer step
         self._forward_since_step = False  # the wrapper's forward ran since the last optimizer step
+        self._progressing = False  # the algorithm may make progress on the exchange in flight (backward hooks)
         self._schedule_checked_to = schedule.window  # a schedule without period: steps agreed on so far
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -367,6 +371,12 @@ class DecentralizedDataParallel(nn.Module):
         if self.phase is StepPhase.IDLE:
             self._start()
         return self.module(*args, **kwargs)
+
+    def _progress(self) -> None:
+        """From a backward hook: let the algorithm progress on step t's exchange (it never waits), until it says
+        there is nothing more to do before the optimizer step."""
+        with torch.no_grad(), self._naming_step():
+            self._progressing = self.algorithm.progress(self._exchange)
 
     def _skipped_step(self) -> None:
         """A backward ran, then the gradients were cleared without an optimizer step (e.g. ``GradScaler`` found
@@ -607,6 +617,7 @@ class DecentralizedDataParallel(nn.Module):
             self._last_step_end = time.perf_counter()
         self._move("start", "starting the exchange", check_only=True)
         self._exchange = self.algorithm.start(self.step_count)
+        self._progressing = True
         if self.tracker is not None:
             self.tracker.start(self.step_count)  # overlapped tracking only: y^{t-1}'s exchange joins x_t's
         self._move("start", "starting the exchange")
