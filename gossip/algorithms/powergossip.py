@@ -80,8 +80,9 @@ uncompressed tensors' bytes again (their share of the main job's message: benchm
 averaging where the step has several peers or gamma < 1.
 
 Delayed last iteration (``delayed_last_iteration=True``, with ``num_iterations`` >= 2): the first iteration's
-exchange is posted at ``start`` and overlaps forward and backward, but the further ones run in ``finish``, after
-backward, where their exchanges are exposed. With the option, the last iteration of step t is posted in step t's
+exchange is posted at ``start`` and overlaps forward and backward, but the further ones must complete before the
+optimizer step: posted during backward once the previous one has arrived (below) or in ``finish``, their exchanges
+overlap at most the rest of backward. With the option, the last iteration of step t is posted in step t's
 ``finish`` and applied in step t + 1's ``finish``, before that step's first iteration: its exchange overlaps the
 optimizer's update and step t + 1's forward and backward. The correction it applies was computed from the replicas
 before step t's update (a delay of one step, as the first iteration's products are taken before forward and
