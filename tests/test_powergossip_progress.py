@@ -14,7 +14,15 @@ import pytest
 import torch
 from helpers.algorithm_scenarios import local_model
 from helpers.launch import launch
-from helpers.progress_scenarios import STEPS, checkpoint_in_flight, close_in_flight, powergossip, run_all, train
+from helpers.progress_scenarios import (
+    STEPS,
+    averaged_mid_step,
+    checkpoint_in_flight,
+    close_in_flight,
+    powergossip,
+    run_all,
+    train,
+)
 
 import gossip
 import topologies
@@ -117,6 +125,15 @@ def test_close_with_an_iteration_in_flight_mixes_as_without_it():
         assert result["steps"] == 3
 
 
+def test_a_collective_mid_step_lets_every_rank_post_what_a_peer_posted_early():
+    mixed = gossip.simulate(N, averaged_mid_step, True)
+    none = gossip.simulate(N, averaged_mid_step, False)
+    assert equal(mixed, none) and equal(mixed, none, "averages")
+    for rank, result in enumerate(mixed):
+        # even ranks post during backward; odd ones post before averaged()'s collective, on demand
+        assert result["ahead"] == STEPS, rank
+
+
 def test_a_checkpoint_with_an_iteration_in_flight_resumes_bit_identically(tmp_path):
     for rank, result in enumerate(gossip.simulate(N, checkpoint_in_flight, tmp_path)):
         assert result["in_flight"], rank
@@ -135,11 +152,13 @@ def oracle(tmp_path_factory) -> list[dict]:
 def test_gloo_and_mpi_equal_the_simulator_bit_for_bit(backend, oracle, tmp_path):
     per_rank = launch("progress_worker.py", tmp_path, [backend], backend=backend, n=N)[0]
     for rank, (got, expected) in enumerate(zip(per_rank, oracle, strict=True)):
-        for scenario in ("float16", "three", "close"):
+        for scenario in ("float16", "three", "close", "averaged"):
             assert torch.equal(got[scenario]["params"], expected[scenario]["params"]), (backend, rank, scenario)
         assert got["float16"]["ahead"] == STEPS, (backend, rank)
         assert got["three"]["ahead"] >= STEPS, (backend, rank)
         assert got["close"]["ahead_before_close"] == 3, (backend, rank)
+        # the all-reduce's order of summation is the backend's own: close, not bit for bit
+        torch.testing.assert_close(got["averaged"]["averages"], expected["averaged"]["averages"], rtol=0, atol=1e-6)
         checkpoint = got["checkpoint"]
         assert checkpoint["in_flight"], (backend, rank)
         for key in ("uninterrupted", "continued", "resumed"):

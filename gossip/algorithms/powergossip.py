@@ -959,8 +959,8 @@ class PowerGossip(Algorithm):
     def _start_step(self, step: int) -> _Round:
         return self._post(step, 0)
 
-    def progress(self, pending: _Round) -> bool:
-        """Run the open step's next power iterations whose previous exchange has arrived; never waits.
+    def progress(self, pending: _Round, wait: bool = False) -> bool:
+        """Run the open step's next power iterations whose previous exchange has arrived (``wait``: all of them).
 
         With ``num_iterations`` >= 2 (and ``tuning.iterations_during_backward``, without
         ``delayed_last_iteration``): when iteration k's exchange has completed (``Handle.done()``), its result is
@@ -970,15 +970,19 @@ class PowerGossip(Algorithm):
         writes the copy into the buckets. The same kernels run on the same values in the same order as in
         ``finish`` without it, so the parameters and factors are bit for bit the same (module docstring,
         "Iterations during backward"). A round holding a NaN or Inf is left to ``finish``, which raises or warns
-        as without progress.
+        as without progress. With ``wait`` every further iteration is posted, waiting for the exchanges before it
+        (:meth:`gossip.Algorithm.progress` says why), also where ``tuning`` turns the iterations during backward
+        off: the ranks may differ in that setting, and a peer may have posted them.
 
         Args:
             pending: what :meth:`start` returned for the open step.
+            wait: post every further iteration, waiting for each previous exchange.
 
         Returns:
             Whether a later call may still make progress this step (False: none is needed before ``finish``).
         """
-        if not self._progresses or not isinstance(pending, _Round) or not pending.peers:
+        allowed = self._progresses or (wait and self._may_progress)  # wait: also when the switch is off here
+        if not allowed or not isinstance(pending, _Round) or not pending.peers:
             return False
         ahead = self._ahead
         if ahead is None:
@@ -987,7 +991,9 @@ class PowerGossip(Algorithm):
         while not ahead.stopped and len(ahead.rounds) < self.num_iterations:
             last = ahead.rounds[-1]
             if not last.handle.done():
-                return True
+                if not wait:
+                    return True
+                self._wait(last.handle)
             if not self._finite_on_host(last):
                 ahead.stopped = True  # finish applies it, raising or warning where it would without progress
                 break
@@ -1001,9 +1007,14 @@ class PowerGossip(Algorithm):
         return False
 
     @property
+    def _may_progress(self) -> bool:
+        """Whether further iterations may be posted before ``finish``: there are some, and none is delayed."""
+        return self.num_iterations > 1 and not self.delayed_last_iteration
+
+    @property
     def _progresses(self) -> bool:
-        """Whether :meth:`progress` runs iterations ahead of ``finish`` (see there)."""
-        return self.num_iterations > 1 and not self.delayed_last_iteration and self.tuning.iterations_during_backward
+        """Whether :meth:`progress` runs iterations ahead of ``finish`` when it need not wait (see there)."""
+        return self._may_progress and self.tuning.iterations_during_backward
 
     def _finite_on_host(self, round_: _Round) -> bool:
         """Whether ``round_``'s received messages and own products are finite; True without a look where the

@@ -378,6 +378,16 @@ class DecentralizedDataParallel(nn.Module):
         with torch.no_grad(), self._naming_step():
             self._progressing = self.algorithm.progress(self._exchange)
 
+    def _settle_exchange(self) -> None:
+        """Before a collective inside step t after its backward (``averaged()``, the consensus distances, a
+        checkpoint's agreement): post every exchange of step t that the backward hooks may have posted early on
+        some ranks only (:meth:`gossip.Algorithm.progress` with ``wait``), so that every rank's communicator runs
+        the same operations in the same order. Nothing to do before the step's backward (no rank progressed)."""
+        if self._step.in_flight and self._backward_since_step:
+            with torch.no_grad(), self._naming_step():
+                self.algorithm.progress(self._exchange, wait=True)
+            self._progressing = False
+
     def _skipped_step(self) -> None:
         """A backward ran, then the gradients were cleared without an optimizer step (e.g. ``GradScaler`` found
         an overflow on this rank only): the update is skipped, but step t's mixing still runs, so this rank
@@ -514,6 +524,7 @@ class DecentralizedDataParallel(nn.Module):
         exchange first (a timeout or an exchange mismatch naming the step); this catches different *weights*,
         which would otherwise mix silently wrong.
         """
+        self._settle_exchange()  # every caller goes on to a collective (averaged(), a checkpoint, close())
         first, last = self._schedule_checked_to, self.step_count
         if self.schedule.period is not None or last < first:  # periodic: compared whole at construction; or
             return  # still inside the window compared at construction (the same on every rank)
@@ -788,6 +799,7 @@ class DecentralizedDataParallel(nn.Module):
             UseAfterCloseError: called after ``close()``.
         """
         self._require_usable("consensus_distance()")
+        self._settle_exchange()
         return math.sqrt(exact_consensus_sq([bucket.buffer for bucket in self.buckets], self.comm))
 
     def estimate_consensus_distance(self, step: int | None = None) -> float:
@@ -803,6 +815,7 @@ class DecentralizedDataParallel(nn.Module):
             UseAfterCloseError: called after ``close()``.
         """
         self._require_usable("estimate_consensus_distance()")
+        self._settle_exchange()
         step = self.step_count if step is None else step
         return math.sqrt(self._sampler.estimate_sq(self._replica_views, self.comm, step))
 

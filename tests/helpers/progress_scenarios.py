@@ -55,6 +55,26 @@ def train(
     return {"params": params, "ahead": algorithm.posted_ahead}
 
 
+def averaged_mid_step(comm, mixed: bool) -> dict[str, Any]:
+    """STEPS steps, each with ``averaged()`` (a collective) between backward and the optimizer step. ``mixed``: the
+    even ranks run the second iteration during backward, the odd ones do not (the setting is not part of the
+    config), so that at the collective a rank has posted an exchange its peer has not: the wrapper must let the
+    peer post it first (else the peer's collective waits for one queued behind that exchange). Else: none does."""
+    algorithm = powergossip(2, mixed and comm.rank % 2 == 0, torch.float16)
+    model = wrap(comm, make_mlp(comm.rank), algorithm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    averages = []
+    for step in range(STEPS):
+        forward_backward(model, comm.rank, step, True)
+        with model.averaged() as net:
+            averages.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+        optimizer.step()
+        optimizer.zero_grad()
+    params = flat_parameters(model)
+    model.close()
+    return {"params": params, "averages": torch.stack(averages), "ahead": algorithm.posted_ahead}
+
+
 def close_in_flight(comm, during_backward: bool) -> dict[str, Any]:
     """Two steps, then a third's forward and backward (its second iteration posted during backward) and close()
     without the optimizer step: close completes the step's mixing (the update skipped) on every rank."""
@@ -122,5 +142,6 @@ def run_all(comm, directory: Path) -> dict[str, Any]:
         "float16": train(comm, 2, True, torch.float16),
         "three": train(comm, 3, True),
         "close": close_in_flight(comm, True),
+        "averaged": averaged_mid_step(comm, True),
         "checkpoint": checkpoint_in_flight(comm, directory),
     }
