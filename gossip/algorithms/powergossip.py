@@ -110,7 +110,10 @@ the same values in the same order, so the parameters and both ends' factors are 
 entirely in ``finish`` (a test pins it on the simulator, Gloo and MPI); ranks may differ in the setting. A round
 holding a NaN or Inf (on the CPU, where that is checked on the host) is left to ``finish``, which raises or warns
 as without it. Cost: one copy of the parameters in memory, and two copies of them per step. Nothing is kept
-across steps, so checkpoints and ``close()`` are as without it.
+across steps, so checkpoints and ``close()`` are as without it. A communicator runs its operations in order, so
+before a collective inside the step (``averaged()``, a consensus distance, a checkpoint) the wrapper has every rank
+post its further iterations first (``progress(pending, wait=True)``, also where the setting is off): a peer that
+had posted one early would otherwise hold the collective behind an exchange this rank posts only in ``finish``.
 
 ``nonfinite="drop"``: when a peer's products or uncompressed tensors hold NaN or Inf, this end skips that
 edge's correction for the step (its uncompressed tensors' weight goes back to the self weight, so that row stays
