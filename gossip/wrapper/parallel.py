@@ -6,7 +6,9 @@ The order of one step (docs/design.md B.1 and G; Decent-DP's schema, arXiv 2410.
 
 1. the exchange of :math:`x^t` with step t's peers starts right after step t-1's ``optimizer.step()`` (for t = 0
    at the first forward) -- ``algorithm.start(t)``;
-2. forward and backward at :math:`x_i^t` run while it is in flight;
+2. forward and backward at :math:`x_i^t` run while it is in flight; the backward hooks let the algorithm progress
+   on it without waiting (``algorithm.progress``: PowerGossip posts its further power iterations there once the
+   previous exchange has arrived), and before a collective inside the step every rank posts what it could post early;
 3. at ``optimizer.step()`` the wrapper first completes the exchange and writes the mixed parameters
    :math:`\sum_j W_{ij} x_j^t` -- ``algorithm.finish`` -- then the optimizer applies its update computed from
    :math:`g_i(x_i^t)`.
