@@ -59,9 +59,19 @@ def algorithms() -> dict[str, Callable[[], object]]:
         from gossip.algorithms.powergossip import PowerGossip
 
         found["powergossip"] = lambda: PowerGossip(rank=1)
-        # the main job's PowerGossip (rank 4, 2 power iterations, float16 products), and with its second iteration
+        from gossip.algorithms.powergossip import PowerGossipTuning
+
+        # the main job's PowerGossip (rank 4, 2 power iterations, float16 products), whose second iteration runs
+        # during backward once the first has arrived (bit-identical); the same with every iteration after the first
+        # run in the optimizer step (the defaults before iterations_during_backward); and with its second iteration
         # applied at the next step, so that its exchange overlaps that step's forward and backward
         found["pg-defaults"] = lambda: PowerGossip(rank=4, num_iterations=2, message_dtype=torch.float16)
+        found["pg-in-finish"] = lambda: PowerGossip(
+            rank=4,
+            num_iterations=2,
+            message_dtype=torch.float16,
+            tuning=PowerGossipTuning(iterations_during_backward=False),
+        )
         found["pg-delayed"] = lambda: PowerGossip(
             rank=4, num_iterations=2, message_dtype=torch.float16, delayed_last_iteration=True
         )
@@ -114,13 +124,16 @@ def measure_gossip(comm, args, make_algorithm: Callable[[], object], batches: li
         make_model(args.model), comm, topologies.one_peer_hypercube(comm.size), make_algorithm(), consensus_every=0
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    rows = []
+    rows, ahead_before = [], 0
     comm.barrier()
-    for x, y in batches:
+    for index, (x, y) in enumerate(batches):
+        if index == args.warmup:
+            ahead_before = getattr(model.algorithm, "posted_ahead", 0)
         loss_fn(args.model, model, x, y).backward()
         optimizer.step()
         optimizer.zero_grad()
         rows.append(dict(model.metrics.last))
+    ahead = getattr(model.algorithm, "posted_ahead", 0) - ahead_before
     model.close()
     blocking = []
     for k in range(args.comm_repeats):
@@ -135,6 +148,8 @@ def measure_gossip(comm, args, make_algorithm: Callable[[], object], batches: li
         "comm": statistics.median(blocking),
         "exposed": statistics.mean(r["wait_seconds"] for r in rows),
         "bytes_sent_per_step": statistics.mean(r["bytes_sent"] for r in rows),
+        # power iterations posted during backward (PowerGossip.progress) per measured step
+        "ahead_per_step": ahead / len(rows),
     }
 
 
@@ -189,7 +204,7 @@ def report(args: argparse.Namespace, size: int, numel: int, gathered: list[dict]
     local = table["local"]["step"]
     print(
         f"{'method':<12}{'step ms':>10}{'vs local ms':>13}{'comm ms':>10}{'exposed ms':>12}{'exposed/comm':>14}"
-        f"{'MB sent/step':>14}"
+        f"{'MB sent/step':>14}{'ahead/step':>12}"
     )
     for method, row in table.items():
         fraction = row["exposed"] / row["comm"] if row["comm"] > 0 else float("nan")
@@ -197,7 +212,7 @@ def report(args: argparse.Namespace, size: int, numel: int, gathered: list[dict]
         print(
             f"{method:<12}{row['step'] * 1e3:>10.1f}{(row['step'] - local) * 1e3:>13.1f}{row['comm'] * 1e3:>10.1f}"
             f"{row['exposed'] * 1e3:>12.1f}"
-            f"{fraction:>14.2f}{row['bytes_sent_per_step'] / 1e6:>14.2f}"
+            f"{fraction:>14.2f}{row['bytes_sent_per_step'] / 1e6:>14.2f}{row.get('ahead_per_step', 0.0):>12.2f}"
         )
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": table}, indent=2) + "\n")

@@ -68,3 +68,30 @@ def test_mpi_on_the_device_equals_the_simulator_bit_for_bit(runs, mpi):
 def test_the_replicas_differ_so_the_comparison_is_not_vacuous(runs):
     one, other = runs["mpi1"]
     assert any(not torch.equal(x, y) for x, y in zip(one["parameters"], other["parameters"], strict=True))
+
+
+@pytest.fixture(scope="module")
+def progress_runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """The main job's PowerGossip (2 iterations, float16 products) with CUDA graphs: MPI with the second iteration
+    run during backward (from the backward hooks' thread) and in finish, and the simulator during backward."""
+    found = {}
+    for during in ("1", "0"):
+        out_dir = tmp_path_factory.mktemp(f"gpu_mpi_progress{during}")
+        found[f"mpi{during}"] = launch(
+            "gpu_mpi_worker.py", out_dir, [DEVICE.type, "1", "2", during], backend="mpi", n=2, timeout=300.0
+        )[0]
+    found["simulator"] = gossip.simulate(2, train_small_gpt, True, 2, True, device=DEVICE, timeout=120.0)
+    return found
+
+
+def test_iterations_during_backward_on_the_device_are_bit_identical_and_run_as_cuda_graphs(progress_runs):
+    from helpers.gpu_mpi_scenario import STEPS
+
+    for rank in range(2):
+        during, in_finish, simulated = (progress_runs[key][rank] for key in ("mpi1", "mpi0", "simulator"))
+        assert during["ahead"] == STEPS and simulated["ahead"] == STEPS and in_finish["ahead"] == 0, rank
+        if DEVICE.type == "cuda":  # each sequence of the step captured once, on the plans or on their twins
+            assert during["graphs"] == in_finish["graphs"] == 6, (rank, during["graphs"], in_finish["graphs"])
+        for other in (in_finish, simulated):
+            assert other["losses"] == during["losses"], rank
+            assert all(torch.equal(x, y) for x, y in zip(during["parameters"], other["parameters"], strict=True))

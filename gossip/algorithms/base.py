@@ -369,6 +369,27 @@ class Algorithm(abc.ABC):
         """The algorithm's part of :meth:`finish`: wait (:meth:`_wait`), check what peers sent
         (:meth:`_nonfinite_peers`) and mix into the buckets in place."""
 
+    def progress(self, pending: Any, wait: bool = False) -> bool:
+        """Make progress on the open step's communication, between ``start`` and ``finish``.
+
+        :class:`gossip.DecentralizedDataParallel` calls it from its backward hooks (the parameters are not written
+        between ``start`` and ``finish``, so whatever depends only on x_t may run there), until it returns False.
+        It must leave ``finish``'s result bit for bit what it would be without it. Without ``wait`` it never
+        waits; with ``wait`` it posts every exchange of the step that it could post early, waiting for those they
+        need: the wrapper does so before a collective inside the step, so that every rank's communicator holds the
+        same operations in the same order (a communicator runs them in order, and a collective queued behind an
+        exchange whose peer posts it only in ``finish`` would never start). Default: nothing to do.
+        :meth:`gossip.algorithms.powergossip.PowerGossip.progress` runs its further power iterations there.
+
+        Args:
+            pending: what :meth:`start` returned for the open step.
+            wait: post everything that may be posted early, waiting as needed.
+
+        Returns:
+            Whether a later call may still make progress this step.
+        """
+        return False
+
     def drain(self) -> None:
         """Complete communication still in flight from an earlier step and drop its result (default: none).
 

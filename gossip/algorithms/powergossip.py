@@ -80,8 +80,9 @@ uncompressed tensors' bytes again (their share of the main job's message: benchm
 averaging where the step has several peers or gamma < 1.
 
 Delayed last iteration (``delayed_last_iteration=True``, with ``num_iterations`` >= 2): the first iteration's
-exchange is posted at ``start`` and overlaps forward and backward, but the further ones run in ``finish``, after
-backward, where their exchanges are exposed. With the option, the last iteration of step t is posted in step t's
+exchange is posted at ``start`` and overlaps forward and backward, but the further ones must complete before the
+optimizer step: posted during backward once the previous one has arrived (below) or in ``finish``, their exchanges
+overlap at most the rest of backward. With the option, the last iteration of step t is posted in step t's
 ``finish`` and applied in step t + 1's ``finish``, before that step's first iteration: its exchange overlaps the
 optimizer's update and step t + 1's forward and backward. The correction it applies was computed from the replicas
 before step t's update (a delay of one step, as the first iteration's products are taken before forward and
@@ -93,6 +94,26 @@ checkpoint waits for it and stores its messages (:meth:`PowerGossip.in_flight_st
 as the uninterrupted one does. The uncompressed tensors must be mixed once per step (a delayed exact mixing would
 write values from before the update over it), and a composite's part or an :class:`AdaptivePowerGossip` cannot
 delay (they do not pass the delayed exchange on).
+
+Iterations during backward (``PowerGossipTuning(iterations_during_backward=True)``, the default; with
+``num_iterations`` >= 2 and without ``delayed_last_iteration``). Every iteration of step t is a function of the
+replicas x_t of the step's edges alone: iteration k + 1 multiplies X_t + (the corrections of iterations 0..k),
+which depend only on x_t and on the factors, and the optimizer's update of step t comes after all of them. So
+iteration k + 1 can run as soon as iteration k's exchange has arrived, before backward has ended -- but not on the
+parameters, which backward still reads. :meth:`PowerGossip.progress`, which the wrapper calls from its backward
+hooks, checks without waiting whether the exchange in flight has completed; if so, it applies that iteration to a
+copy of the parameters (filled with x_t at the step's first such call; :mod:`gossip.algorithms.powergossip_shadow`)
+and posts the next iteration's products, taken from the copy, so that its exchange overlaps the rest of backward.
+``finish`` waits for what is still in flight, runs the iterations not started yet on the copy, and writes the copy
+into the parameters. The copy's views have the buckets' shapes, strides and offsets, and the same kernels run on
+the same values in the same order, so the parameters and both ends' factors are bit for bit those of the step run
+entirely in ``finish`` (a test pins it on the simulator, Gloo and MPI); ranks may differ in the setting. A round
+holding a NaN or Inf (on the CPU, where that is checked on the host) is left to ``finish``, which raises or warns
+as without it. Cost: one copy of the parameters in memory, and two copies of them per step. Nothing is kept
+across steps, so checkpoints and ``close()`` are as without it. A communicator runs its operations in order, so
+before a collective inside the step (``averaged()``, a consensus distance, a checkpoint) the wrapper has every rank
+post its further iterations first (``progress(pending, wait=True)``, also where the setting is off): a peer that
+had posted one early would otherwise hold the collective behind an exchange this rank posts only in ``finish``.
 
 ``nonfinite="drop"``: when a peer's products or uncompressed tensors hold NaN or Inf, this end skips that
 edge's correction for the step (its uncompressed tensors' weight goes back to the self weight, so that row stays
@@ -131,6 +152,7 @@ from gossip.algorithms.powergossip_layout import (
     Side,
     group_matrices,
 )
+from gossip.algorithms.powergossip_shadow import Shadow, twin_plan
 from gossip.backends.base import Communicator
 from gossip.backends.comm_thread import CompletedHandle, Handle
 from gossip.errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, NonFiniteWarning
@@ -348,6 +370,12 @@ class PowerGossipTuning:
             and the non-finite check deferred on the device (``nonfinite="raise"``), and one rank per process
             (not on the simulator's threads). The same kernels run, with the same results (a GPU test compares
             both); not part of the config.
+        iterations_during_backward: with ``num_iterations`` >= 2, run each further power iteration of a step as
+            soon as the previous one's exchange has arrived, during backward (:meth:`PowerGossip.progress`, which
+            the wrapper calls from its backward hooks), on a copy of the parameters, so that its exchange overlaps
+            the rest of backward instead of waiting for the optimizer step; the same results bit for bit (module
+            docstring, "Iterations during backward"), for one more copy of the parameters in memory. Not part of
+            the config (ranks may differ in it).
     """
 
     orthonormalization: str | None = None
@@ -355,6 +383,7 @@ class PowerGossipTuning:
     pad_ratio: int | None = None
     uncompressed_every_iteration: bool = False
     cuda_graphs: bool = True
+    iterations_during_backward: bool = True
 
     def __post_init__(self) -> None:
         if self.orthonormalization not in (None, *METHODS):
@@ -374,6 +403,7 @@ class PowerGossipTuning:
             )
         object.__setattr__(self, "uncompressed_every_iteration", bool(self.uncompressed_every_iteration))
         object.__setattr__(self, "cuda_graphs", bool(self.cuda_graphs))
+        object.__setattr__(self, "iterations_during_backward", bool(self.iterations_during_backward))
 
 
 @dataclass
@@ -384,6 +414,18 @@ class _Round:
     handle: Handle
     exact: bool  # whether the messages carry the uncompressed tensors
     right: bool = False  # the side of the multiplication (a delayed round's plans are looked up again on resume)
+    shadow: bool = False  # its plans multiply and update the copy of the parameters (progress), not the buckets
+
+
+@dataclass
+class _Ahead:
+    """The open step's power iterations that :meth:`PowerGossip.progress` ran before ``finish``."""
+
+    step: int
+    in_peers: list[tuple[int, float]]
+    rounds: list[_Round]  # iteration k's round at index k; the last one may still be in flight
+    applied: int = 0  # how many of them were applied to the copy (which holds x_t from the first on)
+    stopped: bool = False  # a round held a non-finite value: finish applies the rest, so that it raises or warns
 
 
 class PowerGossip(Algorithm):
@@ -482,6 +524,10 @@ class PowerGossip(Algorithm):
                 f"{self.tuning.uncompressed_every_iteration}"
             )
         self._delayed: _Round | None = None  # the last iteration of the previous step, applied at this one's finish
+        self._ahead: _Ahead | None = None  # the open step's iterations run during backward (progress)
+        self._shadow: Shadow | None = None  # the copy of the parameters they run on, allocated on first use
+        #: Power iterations posted by :meth:`progress` before ``finish`` so far (the ones overlapped with backward).
+        self.posted_ahead = 0
 
     # -- binding --------------------------------------------------------------------------------------------
     def _compress(self, entry: Entry) -> bool:
@@ -541,6 +587,7 @@ class PowerGossip(Algorithm):
             )
         if self._delayed is not None:  # bound again mid-run: its plans hold views of the previous binding
             self.drain()
+        self._ahead, self._shadow, self._shadow_exact = None, None, []
         super().setup(comm, schedule, buckets)
         dtypes = {str(bucket.buffer.dtype).removeprefix("torch.") for bucket in buckets}
         if len(dtypes) > 1:
@@ -738,9 +785,11 @@ class PowerGossip(Algorithm):
         for block, triangle in plan.classes:
             orthonormalize_(block, dtype=dtype, method=method, triangle=triangle)
 
-    def _post(self, step: int, iteration: int, in_peers: list[tuple[int, float]] | None = None) -> _Round:
+    def _post(
+        self, step: int, iteration: int, in_peers: list[tuple[int, float]] | None = None, shadow: bool = False
+    ) -> _Round:
         """Iteration ``iteration`` of step ``step`` with ``in_peers`` (the schedule's, looked up when not given: a
-        step's further iterations reuse its first's)."""
+        step's further iterations reuse its first's), multiplying the parameters or (``shadow``) their copy."""
         if in_peers is None:
             in_peers = self.schedule.peers(self.comm.rank, step).in_peers
         exact = bool(self._exact_numel) and (iteration == 0 or self.tuning.uncompressed_every_iteration)
@@ -749,6 +798,8 @@ class PowerGossip(Algorithm):
             edge = self.edge(peer)
             right = edge.iteration % 2 == 1  # the same for every peer of a round: edges advance in step
             plan = self._plan(peer, edge, right, exact)
+            if shadow:
+                plan = self._twin(edge, right, exact, plan)
             if not self.warm_start:
                 for stack in plan.factor:
                     for factor in stack:
@@ -758,12 +809,21 @@ class PowerGossip(Algorithm):
                 if peers:
                     plan.sent_exact.copy_(peers[0][3].sent_exact)
                 else:
-                    torch.cat(self._exact_views, out=plan.sent_exact)
+                    torch.cat(self._shadow_exact if shadow else self._exact_views, out=plan.sent_exact)
             planned = plan.exchange if planned is None else planned + plan.exchange
             peers.append((peer, weight, edge, plan))
         seq = step * self.num_iterations + iteration
         handle = self._exchange([], [], seq) if planned is None else self._start_planned(planned, seq)
-        return _Round(step, seq, peers, handle, exact, right)
+        return _Round(step, seq, peers, handle, exact, right, shadow)
+
+    def _twin(self, edge: EdgeState, right: bool, exact: bool, plan: Plan) -> Plan:
+        """``plan`` on the copy of the parameters (:func:`twin_plan`), built on first use and kept with the edge's
+        plans (so that setup, which clears them, drops it too)."""
+        key = ("shadow", right, exact)
+        twin = edge.plans.get(key)
+        if twin is None:
+            twin = edge.plans[key] = twin_plan(plan, self._shadow)
+        return twin
 
     def _products(self, plan: Plan) -> None:
         """Orthonormalise the factor ``plan`` multiplies with and write its products into the message."""
@@ -806,7 +866,7 @@ class PowerGossip(Algorithm):
             first.sent_exact.mul_(1.0 - gamma * sum(weight for weight, _ in kept))
             for weight, incoming in kept:
                 first.sent_exact.add_(incoming, alpha=gamma * weight)
-            torch._foreach_copy_(self._exact_views, first.sent_exact_parts)
+            torch._foreach_copy_(self._shadow_exact if round_.shadow else self._exact_views, first.sent_exact_parts)
         # Matrices: equal and opposite low-rank corrections on the two ends of every edge, one batch per run.
         for peer, weight, edge, plan in peers:
             if peer not in dropped and peer not in skipped and self.groups:
@@ -902,7 +962,91 @@ class PowerGossip(Algorithm):
     def _start_step(self, step: int) -> _Round:
         return self._post(step, 0)
 
+    def progress(self, pending: _Round, wait: bool = False) -> bool:
+        """Run the open step's next power iterations whose previous exchange has arrived (``wait``: all of them).
+
+        With ``num_iterations`` >= 2 (and ``tuning.iterations_during_backward``, without
+        ``delayed_last_iteration``): when iteration k's exchange has completed (``Handle.done()``), its result is
+        applied to a copy of the parameters (filled from x_t the first time) and iteration k + 1's products are
+        taken from that copy and posted, so that its exchange overlaps what runs until ``finish`` (backward).
+        ``finish`` applies what is still in flight, runs the iterations not started yet, all on the copy, and
+        writes the copy into the buckets. The same kernels run on the same values in the same order as in
+        ``finish`` without it, so the parameters and factors are bit for bit the same (module docstring,
+        "Iterations during backward"). A round holding a NaN or Inf is left to ``finish``, which raises or warns
+        as without progress. With ``wait`` every further iteration is posted, waiting for the exchanges before it
+        (:meth:`gossip.Algorithm.progress` says why), also where ``tuning`` turns the iterations during backward
+        off: the ranks may differ in that setting, and a peer may have posted them.
+
+        Args:
+            pending: what :meth:`start` returned for the open step.
+            wait: post every further iteration, waiting for each previous exchange.
+
+        Returns:
+            Whether a later call may still make progress this step (False: none is needed before ``finish``).
+        """
+        allowed = self._progresses or (wait and self._may_progress)  # wait: also when the switch is off here
+        if not allowed or not isinstance(pending, _Round) or not pending.peers:
+            return False
+        ahead = self._ahead
+        if ahead is None:
+            in_peers = [(peer, weight) for peer, weight, _, _ in pending.peers]
+            ahead = self._ahead = _Ahead(pending.step, in_peers, [pending])
+        while not ahead.stopped and len(ahead.rounds) < self.num_iterations:
+            last = ahead.rounds[-1]
+            if not last.handle.done():
+                if not wait:
+                    return True
+                self._wait(last.handle)
+            if not self._finite_on_host(last):
+                ahead.stopped = True  # finish applies it, raising or warning where it would without progress
+                break
+            if ahead.applied == 0:
+                self._fill_shadow()
+                last = ahead.rounds[0] = self._on_shadow(last)
+            self._apply(last)
+            ahead.applied += 1
+            ahead.rounds.append(self._post(ahead.step, len(ahead.rounds), ahead.in_peers, shadow=True))
+            self.posted_ahead += 1
+        return False
+
+    @property
+    def _may_progress(self) -> bool:
+        """Whether further iterations may be posted before ``finish``: there are some, and none is delayed."""
+        return self.num_iterations > 1 and not self.delayed_last_iteration
+
+    @property
+    def _progresses(self) -> bool:
+        """Whether :meth:`progress` runs iterations ahead of ``finish`` when it need not wait (see there)."""
+        return self._may_progress and self.tuning.iterations_during_backward
+
+    def _finite_on_host(self, round_: _Round) -> bool:
+        """Whether ``round_``'s received messages and own products are finite; True without a look where the
+        non-finite check runs on the device (it raises at the next step either way)."""
+        if self.deferred_nonfinite_check and self.nonfinite == "raise":
+            return True
+        return all_finite_on_host([t for _, _, _, plan in round_.peers for t in (*plan.inboxes, plan.sent_products)])
+
+    def _fill_shadow(self) -> None:
+        """Copy x_t into the copy of the parameters (allocated on first use)."""
+        if self._shadow is None:
+            self._shadow = Shadow(self.buckets)
+            self._shadow_exact = [self._shadow.view(view) for view in self._exact_views]
+        self._shadow.fill()
+
+    def _on_shadow(self, round_: _Round) -> _Round:
+        """``round_`` (posted on the parameters) with plans that update the copy instead."""
+        peers = [(p, w, edge, self._twin(edge, round_.right, round_.exact, plan)) for p, w, edge, plan in round_.peers]
+        return dataclasses.replace(round_, peers=peers, shadow=True)
+
     def _finish_step(self, pending: _Round) -> None:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.applied:  # iterations ran during backward: the rest on the copy too
+            for round_ in ahead.rounds[ahead.applied :]:
+                self._apply(round_)
+            for iteration in range(len(ahead.rounds), self.num_iterations):
+                self._apply(self._post(ahead.step, iteration, ahead.in_peers, shadow=True))
+            self._shadow.write_back()
+            return
         if self._delayed is not None:  # the previous step's last iteration; its exchange overlapped this step
             delayed, self._delayed = self._delayed, None
             self._apply(delayed)

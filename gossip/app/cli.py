@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--delay-last-iteration",
         action="store_true",
         help="PowerGossip with 2 or more power iterations: apply the last one at the next step, so that its "
-        "exchange overlaps that step's forward and backward instead of blocking after backward; default: off",
+        "exchange overlaps that step's forward and backward instead of completing before the optimizer step "
+        "(changes the result); default: off",
     )
     gossip_options.add_argument(
         "--average-every",

@@ -162,6 +162,7 @@ def load_on_every_rank(
         UntrustedCheckpointError: a rank's file needs ``trusted=True``.
     """
     extra = dict(extra or {})
+    model._settle_exchange()  # before the agreement's collective (inside a step, after its backward)
     rank = model.comm.rank
     state, problem = None, None
     if path.exists():

@@ -6,7 +6,9 @@ The order of one step (docs/design.md B.1 and G; Decent-DP's schema, arXiv 2410.
 
 1. the exchange of :math:`x^t` with step t's peers starts right after step t-1's ``optimizer.step()`` (for t = 0
    at the first forward) -- ``algorithm.start(t)``;
-2. forward and backward at :math:`x_i^t` run while it is in flight;
+2. forward and backward at :math:`x_i^t` run while it is in flight; the backward hooks let the algorithm progress
+   on it without waiting (``algorithm.progress``: PowerGossip posts its further power iterations there once the
+   previous exchange has arrived), and before a collective inside the step every rank posts what it could post early;
 3. at ``optimizer.step()`` the wrapper first completes the exchange and writes the mixed parameters
    :math:`\sum_j W_{ij} x_j^t` -- ``algorithm.finish`` -- then the optimizer applies its update computed from
    :math:`g_i(x_i^t)`.
@@ -84,7 +86,8 @@ def _forget_closed_wrappers_of(module: nn.Module) -> None:
 
 
 class _BackwardSeen:
-    """Post-accumulate-grad hook: notes that a backward ran since the last optimizer step (holds a weak ref)."""
+    """Post-accumulate-grad hook: notes that a backward ran since the last optimizer step, and lets the algorithm
+    make progress on the step's exchange (:meth:`gossip.Algorithm.progress`) while it wants to (holds a weak ref)."""
 
     def __init__(self, wrapper: DecentralizedDataParallel):
         self._wrapper = weakref.ref(wrapper)
@@ -93,6 +96,8 @@ class _BackwardSeen:
         wrapper = self._wrapper()
         if wrapper is not None:
             wrapper._backward_since_step = True
+            if wrapper._progressing and wrapper._step.in_flight:
+                wrapper._progress()
 
 
 def _warn_if_average_drifts(schedule: Schedule, algorithm: Algorithm, rank: int) -> None:
@@ -284,6 +289,7 @@ class DecentralizedDataParallel(nn.Module):
         self._averaging = False  # inside averaged()
         self._backward_since_step = False  # a backward accumulated gradients since the last optimizer step
         self._forward_since_step = False  # the wrapper's forward ran since the last optimizer step
+        self._progressing = False  # the algorithm may make progress on the exchange in flight (backward hooks)
         self._schedule_checked_to = schedule.window  # a schedule without period: steps agreed on so far
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -367,6 +373,22 @@ class DecentralizedDataParallel(nn.Module):
         if self.phase is StepPhase.IDLE:
             self._start()
         return self.module(*args, **kwargs)
+
+    def _progress(self) -> None:
+        """From a backward hook: let the algorithm progress on step t's exchange (it never waits), until it says
+        there is nothing more to do before the optimizer step."""
+        with torch.no_grad(), self._naming_step():
+            self._progressing = self.algorithm.progress(self._exchange)
+
+    def _settle_exchange(self) -> None:
+        """Before a collective inside step t after its backward (``averaged()``, the consensus distances, a
+        checkpoint's agreement): post every exchange of step t that the backward hooks may have posted early on
+        some ranks only (:meth:`gossip.Algorithm.progress` with ``wait``), so that every rank's communicator runs
+        the same operations in the same order. Nothing to do before the step's backward (no rank progressed)."""
+        if self._step.in_flight and self._backward_since_step:
+            with torch.no_grad(), self._naming_step():
+                self.algorithm.progress(self._exchange, wait=True)
+            self._progressing = False
 
     def _skipped_step(self) -> None:
         """A backward ran, then the gradients were cleared without an optimizer step (e.g. ``GradScaler`` found
@@ -504,6 +526,7 @@ class DecentralizedDataParallel(nn.Module):
         exchange first (a timeout or an exchange mismatch naming the step); this catches different *weights*,
         which would otherwise mix silently wrong.
         """
+        self._settle_exchange()  # every caller goes on to a collective (averaged(), a checkpoint, close())
         first, last = self._schedule_checked_to, self.step_count
         if self.schedule.period is not None or last < first:  # periodic: compared whole at construction; or
             return  # still inside the window compared at construction (the same on every rank)
@@ -607,6 +630,7 @@ class DecentralizedDataParallel(nn.Module):
             self._last_step_end = time.perf_counter()
         self._move("start", "starting the exchange", check_only=True)
         self._exchange = self.algorithm.start(self.step_count)
+        self._progressing = True
         if self.tracker is not None:
             self.tracker.start(self.step_count)  # overlapped tracking only: y^{t-1}'s exchange joins x_t's
         self._move("start", "starting the exchange")
@@ -777,6 +801,7 @@ class DecentralizedDataParallel(nn.Module):
             UseAfterCloseError: called after ``close()``.
         """
         self._require_usable("consensus_distance()")
+        self._settle_exchange()
         return math.sqrt(exact_consensus_sq([bucket.buffer for bucket in self.buckets], self.comm))
 
     def estimate_consensus_distance(self, step: int | None = None) -> float:
@@ -792,6 +817,7 @@ class DecentralizedDataParallel(nn.Module):
             UseAfterCloseError: called after ``close()``.
         """
         self._require_usable("estimate_consensus_distance()")
+        self._settle_exchange()
         step = self.step_count if step is None else step
         return math.sqrt(self._sampler.estimate_sq(self._replica_views, self.comm, step))
 
