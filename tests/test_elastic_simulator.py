@@ -4,7 +4,7 @@ Properties pinned, deterministically:
 
 * exact gossip: after a departure at t the survivors' mean equals the mean of their replicas just before t, at every
   later step; after a join it moves by the joiner's copy only, to (m x̄ + x_donor) / (m + 1);
-* the joiner holds its donor's parameters and optimizer state at the join;
+* the joiner holds its donor's parameters and optimizer state at the join (Adam, and AccumAdamW with its accumulators);
 * the schedule is rebuilt in the same family, or falls back (and says so) when the family needs n = 2^k;
 * PowerGossip: per-edge state only for edges of the new group, both ends bit-identical, the sum preserved across
   churn, and the joiner/donor edge (identical replicas at the join) is not silenced: the replicas keep converging;
@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+import optim
 from gossip import DecentralizedDataParallel, ExactGossip, PeriodicAverage, PowerGossip
 from gossip.errors import InvalidArgumentError
 from gossip.wrapper.elastic import schedule_for
@@ -30,7 +31,7 @@ from gossip.wrapper.elastic_sim import Change, Member, plan_epochs, simulate_ela
 SIZE, STEPS = 8, 24
 
 
-def _build(with_optimizer: bool = False):
+def _build(with_optimizer: bool = False, make_optimizer=lambda params: torch.optim.Adam(params, lr=1e-3)):
     def build(comm, schedule, algorithm, uid):
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 4)).double()
@@ -38,7 +39,7 @@ def _build(with_optimizer: bool = False):
         with torch.no_grad():  # distinct replicas: uid-dependent offsets
             for bucket in model.buckets:
                 bucket.buffer.add_(torch.linspace(-1, 1, bucket.buffer.numel(), dtype=torch.float64) * (uid + 1))
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3) if with_optimizer else None
+        optimizer = make_optimizer(model.parameters()) if with_optimizer else None
         return Member(uid, model, optimizer)
 
     return build
@@ -83,7 +84,12 @@ def test_exact_gossip_mean_after_departure_and_join():
     assert epochs[2].schedule == "one_peer_hypercube"
 
 
-def test_joiner_receives_donor_parameters_and_optimizer_state():
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [lambda params: torch.optim.Adam(params, lr=1e-3), lambda params: optim.AccumAdamW(params, lr=1e-3, accum_iter=4)],
+    ids=["adam", "accum_adamw"],
+)
+def test_joiner_receives_donor_parameters_and_optimizer_state(make_optimizer):
     seen = {}
 
     def train(member: Member, step: int) -> None:
@@ -100,17 +106,20 @@ def test_joiner_receives_donor_parameters_and_optimizer_state():
             seen["before"] = {uid: (flat(m), copy.deepcopy(m.optimizer.state_dict())) for uid, m in members.items()}
 
     members, epochs = simulate_elastic(
-        4, 10, [Change(6, 9, join=True)], build=_build(with_optimizer=True), train_step=train,
+        4, 10, [Change(6, 9, join=True)], build=_build(True, make_optimizer), train_step=train,
         schedule="ring", algorithm=ExactGossip, between=between,
     )  # fmt: skip
     donor = epochs[1].joined[9]
     params, state = seen["joiner"]
     torch.testing.assert_close(params, seen["before"][donor][0], rtol=0, atol=0)
     want = seen["before"][donor][1]["state"]
-    assert state["state"].keys() == want.keys()
+    assert state["state"].keys() == want.keys() and want  # every parameter's state (AccumAdamW: its accumulators too)
     for key in want:
-        for name in ("exp_avg", "exp_avg_sq", "step"):
-            torch.testing.assert_close(state["state"][key][name], want[key][name], rtol=0, atol=0)
+        assert state["state"][key].keys() == want[key].keys()
+        for name, value in want[key].items():
+            torch.testing.assert_close(
+                torch.as_tensor(state["state"][key][name]), torch.as_tensor(value), rtol=0, atol=0
+            )
     assert members[9].model.step_count == 10  # it continued at the group's step
 
 
