@@ -9,7 +9,7 @@ at the same step die together (:func:`gossip.app.elastic_launch.die_together`).
 
 Elastic settings: PowerGossip runs one power iteration and no periodic average unless given (real-process elastic
 needs one exchange per step); the default schedule is ``one_peer_hypercube`` (a power of two) or
-``random_matchings``; the sampled consensus distance is measured between two steps, every ``--log-every`` steps,
+``random_matchings``; the sampled consensus distance is taken between two steps, every ``--log-every`` steps,
 over the group the worker trains in (:meth:`gossip.wrapper.elastic_run.ElasticRun.consensus_distance`); the data
 shards stay those of the original ranks (a departed worker's shard is not reassigned). The summary is written by
 the lowest surviving member; its ``result.json`` has a ``membership`` list naming who left, when, and the new schedule.
