@@ -10,9 +10,6 @@ delegates every operation to a :class:`~gossip.backends.torch_dist.TorchDistComm
   posted: waiting on the handle again after the decision completes them when the peer posted them too).
 
 A collective (all-reduce, all-gather) is refused with :class:`MembershipChangedError` while a change is under way.
-An all-reduce runs as point-to-point messages through rank 0 (the others send to it, it sums in rank order and sends
-the result back): a Gloo collective that a change interrupts keeps running in the group's thread until the group's
-timeout, and destroying the group waits for it, while a pending point-to-point receive is dropped at once.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from gossip.backends.base import Communicator
-from gossip.backends.comm_thread import CompletedHandle, Handle
+from gossip.backends.comm_thread import Handle
 from gossip.backends.launch_env import LaunchInfo
 from gossip.backends.membership import Membership
 from gossip.backends.torch_dist import TorchDistCommunicator
@@ -36,8 +33,6 @@ from gossip.errors import MembershipChangedError, MembershipError
 
 #: Seconds between two looks at the membership while a wait is blocked.
 POLL = 0.02
-#: The sequence numbers of an all-reduce's messages: far above any step's (and below the hand-over's).
-REDUCE_SEQ = 2**39
 
 
 class _NotPosted(Handle):
@@ -89,7 +84,6 @@ class ElasticCommunicator(Communicator):
         self.local_rank, self.local_size = inner.local_rank, inner.local_size
         self.device, self.timeout = inner.device, inner.timeout
         self._closed = False
-        self._reductions = 0  # all-reduces so far: their messages' sequence numbers
 
     @property
     def failure(self) -> BaseException | None:
@@ -107,27 +101,7 @@ class ElasticCommunicator(Communicator):
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
         self._refuse_during_change("all_reduce")
-        self._reductions += 1
-        seq = REDUCE_SEQ + 2 * self._reductions
-        others = range(1, self.size)
-        if self.rank == 0:  # gather, sum in rank order, send the result back
-            parts = [torch.empty_like(tensor) for _ in others]
-            self._message([], list(zip(others, parts, strict=True)), seq)
-            for part in parts:
-                tensor.add_(part)
-            if op == "avg":
-                tensor.div_(self.size)
-            self._message([(peer, tensor) for peer in others], [], seq + 1)
-        elif self.size > 1:
-            self._message([(0, tensor)], [], seq)
-            self._message([], [(0, tensor)], seq + 1)
-        return CompletedHandle()
-
-    def _message(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]], seq: int) -> None:
-        """One point-to-point exchange of an all-reduce, interrupted by a change (it is no training step's)."""
-        self._refuse_during_change("all_reduce")
-        plan = self.inner.plan_exchange(sends, recvs)
-        _Interruptible(self.inner.start_planned(plan, seq=seq), self.membership, self.rank).wait()
+        return _Interruptible(self.inner._all_reduce(tensor, op), self.membership, self.rank)
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
         self._refuse_during_change("broadcast")
