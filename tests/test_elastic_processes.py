@@ -34,7 +34,6 @@ step, with that step's exchange already posted: the kill lands mid-exchange. Pin
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -46,7 +45,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.elastic_worker import delta
-from helpers.launch import REPO, metrics_rows, run_main_job
+from helpers.launch import REPO, run_main_job
 
 from gossip.app.cli import main
 from gossip.app.train import TrainConfig
@@ -230,7 +229,7 @@ def test_kill_without_elastic_is_an_argparse_error(capsys):
 def test_main_job_elastic_kill_exits_zero_and_names_the_change(tmp_path):
     out = tmp_path / "run"
     args = ["--nproc", "4", "--elastic", "--kill", "2@8", "--steps", "16", "--batch-size", "4", "--algorithm",
-            "exact", "--eval-every", "100", "--log-every", "2", "--out", str(out)]  # fmt: skip
+            "exact", "--eval-every", "100", "--out", str(out)]  # fmt: skip
     result = run_main_job(args, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (event,) = json.loads((out / "result.json").read_text())["membership"]
@@ -239,10 +238,6 @@ def test_main_job_elastic_kill_exits_zero_and_names_the_change(tmp_path):
     assert 8 <= event["noticed_at_step"] <= event["resume_step"] <= 16
     assert "membership: epoch 1: left 2 (killed by SIGKILL)" in result.stdout
     assert (out / "membership.png").stat().st_size > 0  # the curve, marked where the new member set began
-    # the sampled consensus distance over member 0's group, every 2 steps, before the change and after it
-    measured = {int(row["step"]): float(row["consensus"]) for row in metrics_rows(out) if row["consensus"]}
-    assert any(step < 8 for step in measured) and any(step >= event["resume_step"] for step in measured), measured
-    assert all(math.isfinite(value) and value >= 0 for value in measured.values())
 
 
 def _alive(pid: int) -> bool:

@@ -9,10 +9,11 @@ at the same step die together (:func:`gossip.app.elastic_launch.die_together`).
 
 Elastic settings: PowerGossip runs one power iteration and no periodic average unless given (real-process elastic
 needs one exchange per step); the default schedule is ``one_peer_hypercube`` (a power of two) or
-``random_matchings``; the sampled consensus distance is taken between two steps, every ``--log-every`` steps,
-over the group the worker trains in (:meth:`gossip.wrapper.elastic_run.ElasticRun.consensus_distance`); the data
-shards stay those of the original ranks (a departed worker's shard is not reassigned). The summary is written by
-the lowest surviving member; its ``result.json`` has a ``membership`` list naming who left, when, and the new schedule.
+``random_matchings``; the sampled consensus distance is off (a collective that a membership change interrupting it
+would make the next re-formation wait for, until the group's timeout: see
+:meth:`gossip.wrapper.elastic_run.ElasticRun.consensus_distance`); the data shards stay those of the original ranks
+(a departed worker's shard is not reassigned). The summary is written by the lowest surviving member; its
+``result.json`` has a ``membership`` list naming who left, when, and the new schedule.
 
 A worker started again with the same command, ``RANK`` and ``GOSSIP_ELASTIC_STORE`` (the launcher prints it) joins
 the run from a neighbour at the group's next step boundary; it writes no per-step metrics file, and the summary's
@@ -218,10 +219,7 @@ def train_elastic(
         losses.append(loss.item())
         if not math.isfinite(losses[-1]):
             raise NonFiniteError(f"member {uid}: training loss is {losses[-1]} at step {step}; lower --lr")
-        # the sampled consensus distance over the group this worker trains in (None: alone, or a change under way)
-        consensus = elastic.consensus_distance(sampled=True) if model.step_count % config.log_every == 0 else None
-        model.log(loss=losses[-1], elapsed_seconds=time.perf_counter() - started, members=len(elastic.members),
-                  **({"consensus": consensus} if consensus is not None else {}))  # fmt: skip
+        model.log(loss=losses[-1], elapsed_seconds=time.perf_counter() - started, members=len(elastic.members))
         if save_replicas and (model.step_count % config.eval_every == 0 or model.step_count == config.steps):
             save_replica(run_dir, model.step_count, uid, elastic.members, model.module)
     elastic.finish()
