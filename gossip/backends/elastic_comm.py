@@ -4,8 +4,9 @@
 epoch's group must have been abandoned first: :meth:`ElasticCommunicator.abandon`). :class:`ElasticCommunicator`
 delegates every operation to a :class:`~gossip.backends.torch_dist.TorchDistCommunicator` on it, with two changes:
 
-* an exchange is posted only while :meth:`Membership.try_post` allows it (no change under way); otherwise its handle
-  raises :class:`MembershipChangedError` when waited for, and nothing was sent;
+* an exchange is posted only while :meth:`Membership.try_post` allows it (no change under way) and the group is not
+  broken by a failed peer; otherwise its handle raises :class:`MembershipChangedError` when waited for, and nothing
+  was sent;
 * a wait returns, or raises :class:`MembershipChangedError` as soon as a change is under way (the transfers stay
   posted: waiting on the handle again after the decision completes them when the peer posted them too).
 
@@ -95,7 +96,9 @@ class ElasticCommunicator(Communicator):
             raise MembershipChangedError(f"rank {self.rank}: {operation} refused: the membership is changing")
 
     def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle:
-        if not self.membership.try_post(self._step_of()):
+        # a group broken by a failed peer (e.g. in a collective) posts nothing more: its wait asks for the change,
+        # before the step's update, as an exchange that fails does
+        if self.inner.failure is not None or not self.membership.try_post(self._step_of()):
             return _NotPosted(self.rank, seq)
         return _Interruptible(self.inner._start_exchange(sends, recvs, seq), self.membership, self.rank)
 
