@@ -119,6 +119,14 @@ def _diloco(local_steps: int) -> Method:
     return Method(f"diloco-h{local_steps}-adamw", label, _gossip_train(*diloco(local_steps), "--optimizer", "adamw"))
 
 
+def _periodic_average(local_steps: int) -> Method:
+    """DiLoCo's outer step at lr 1 without momentum: a plain average of the replicas every ``local_steps`` steps
+    (AdamW inside), the best of the learning-per-step study's outer-step grid."""
+    label = f"DiLoCo H={local_steps}, outer lr 1 without momentum (a plain average), AdamW"
+    options = diloco(local_steps, outer_lr=1.0, outer_momentum=0.0)
+    return Method(f"diloco-h{local_steps}-avg-adamw", label, _gossip_train(*options, "--optimizer", "adamw"))
+
+
 def _pga(name: str, *, rank: int, iterations: int, every: int, adamw: bool) -> Method:
     """PowerGossip (``rank``, ``iterations`` per step) with an exact global average every ``every`` steps."""
     label = f"PowerGossip r={rank}, {iterations} iteration(s), one-peer hypercube, exact average every {every} steps"
@@ -204,6 +212,7 @@ METHODS = {
         # the low-communication baseline: 1/20 of DDP's bytes (the byte budget) and 1/50
         _diloco(20),
         _diloco(50),
+        _periodic_average(10),
         Method("decentdp", "decent-dp 0.2.3, one-peer-exp", _decent_dp("one-peer-exp")),
         Method("decentdp-aer", "decent-dp 0.2.3, alternating-exp-ring", _decent_dp("alternating-exp-ring")),
     )
