@@ -528,6 +528,30 @@ def suite(name: str) -> list[RunConfig]:
             **d,
         ),
         c("n16b1-ddp-s4000", algorithm="ddp", steps=4000, warmup=100, **many),
+        # n = 16 x 1 at 4000 steps: the defaults with and without tracking, and the best DiLoCo of the n = 8 grid
+        *(
+            c(
+                f"n16b1-pg4-it2-fp16{gt}-s4000",
+                rank=4,
+                iterations=2,
+                message_dtype="float16",
+                gradient_tracking=bool(gt),
+                steps=4000,
+                warmup=100,
+                **many,
+            )
+            for gt in ("", "-gt")
+        ),
+        c(
+            "n16b1-diloco-h10-olr1.0-m0-s4000",
+            algorithm="diloco",
+            local_steps=10,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            steps=4000,
+            warmup=100,
+            **many,
+        ),
     ]
 
 
