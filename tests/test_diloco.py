@@ -9,18 +9,17 @@ import re
 
 import pytest
 import torch
+from helpers.outer_scenarios import SHAPES, local_buckets, nan_replica_message, outer_resume
 from helpers.parallel_scenarios import batch, loss_of, make_mlp, wrap
 
 import gossip
 import topologies
 from gossip.algorithms.base import COLLECTIVE
-from gossip.algorithms.buckets import pack
 from gossip.algorithms.diloco import DiLoCo, outer_step
 from gossip.backends.base import ring_all_reduce_bytes
-from gossip.errors import CheckpointError, NonFiniteError
+from gossip.errors import CheckpointError
 
 N = 4
-SHAPES = [(6, 5), (7,)]
 
 
 def tensors(seed: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
@@ -109,12 +108,6 @@ def test_the_outer_step_equals_torchfts_diloco_on_identical_pseudo_gradients():
 
 
 # -- on the simulator, without the wrapper ----------------------------------------------------------------------
-def local_buckets(rank: int) -> list:
-    generator = torch.Generator().manual_seed(100 + rank)
-    named = [(f"t{i}", torch.randn(shape, generator=generator, dtype=torch.float64)) for i, shape in enumerate(SHAPES)]
-    return pack(named, bucket_bytes=256)
-
-
 def two_synchronisations(comm) -> dict:
     buckets = local_buckets(comm.rank)
     before = [b.buffer.clone() for b in buckets]
@@ -169,7 +162,7 @@ def train(comm, algorithm: gossip.Algorithm, steps: int, dtype: torch.dtype = to
         loss_of(model, x.to(dtype), y.to(dtype)).backward()
         model.finish_mixing()
         sent.append(dict(algorithm.traffic.last_sent))
-        if isinstance(algorithm, DiLoCo) and algorithm.syncs(step):
+        if isinstance(algorithm, DiLoCo) and algorithm.period.ends(step):
             replica = torch.cat([b.buffer for b in model.buckets]).clone()
             synced[step] = (comm.all_gather_object(replica), torch.cat(algorithm.synchronised()).clone())
         optimizer.step()
@@ -206,39 +199,10 @@ def test_one_local_step_with_outer_lr_1_and_no_momentum_is_the_exact_average_eve
         assert diloco[rank]["sent"] == exact[rank]["sent"]  # the same all-reduce, every step
 
 
-def checkpoint_resume(comm, directory, steps: int, save_at: int) -> dict:
-    """``steps`` AdamW steps uninterrupted vs ``save_at`` + save + fresh objects + load + the rest."""
-
-    def fresh(seed: int):
-        model = wrap(comm, make_mlp(seed), DiLoCo(local_steps=3))
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    def run(model, optimizer, span) -> None:
-        for step in span:
-            loss_of(model, *batch(comm.rank, step)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-    model, optimizer = fresh(comm.rank)
-    run(model, optimizer, range(steps))
-    uninterrupted = (torch.cat([b.buffer for b in model.buckets]).clone(), model.algorithm.state_dict())
-    model.close()
-    model, optimizer = fresh(comm.rank)
-    run(model, optimizer, range(save_at))
-    gossip.save_checkpoint(directory, model, optimizer)
-    model.close()
-    model, optimizer = fresh(50 + comm.rank)
-    resumed_at = gossip.load_checkpoint(directory, model, optimizer)
-    run(model, optimizer, range(resumed_at, steps))
-    resumed = (torch.cat([b.buffer for b in model.buckets]).clone(), model.algorithm.state_dict())
-    model.close()
-    return {"uninterrupted": uninterrupted, "resumed": resumed, "resumed_at": resumed_at}
-
-
 def test_a_run_resumed_in_the_middle_of_a_period_is_bit_identical(tmp_path):
     """Saved at step 4 (H = 3: one outer step behind it at step 2, the next at 5): the parameters, theta, the outer
     momentum and the outer step count after 9 steps are those of the uninterrupted run, bit for bit."""
-    for rank, result in enumerate(gossip.simulate(N, checkpoint_resume, tmp_path, 9, 4)):
+    for rank, result in enumerate(gossip.simulate(N, outer_resume, tmp_path, lambda: DiLoCo(local_steps=3), 9, 4)):
         assert result["resumed_at"] == 4
         (params, state), (resumed_params, resumed_state) = result["uninterrupted"], result["resumed"]
         assert torch.equal(params, resumed_params), f"rank {rank}"
@@ -269,21 +233,8 @@ def test_a_state_that_differs_between_ranks_is_refused_at_the_next_step_on_every
         assert message.startswith(f"rank {rank}: step 2: rank 2's DiLoCo state") and "differs from rank 0's" in message
 
 
-def diverged_replica(comm) -> str:
-    buckets = local_buckets(comm.rank)
-    algorithm = DiLoCo(local_steps=1)
-    algorithm.setup(comm, None, buckets)
-    if comm.rank == 1:
-        buckets[0].buffer[0] = math.nan
-    try:
-        algorithm.step(0)
-    except NonFiniteError as error:
-        return str(error)
-    return "accepted"
-
-
 def test_a_replica_holding_nan_at_a_synchronisation_is_named_on_every_rank():
-    for rank, message in enumerate(gossip.simulate(N, diverged_replica)):
+    for rank, message in enumerate(gossip.simulate(N, nan_replica_message, lambda: DiLoCo(local_steps=1))):
         assert message.startswith(f"rank {rank}: step 0: DiLoCo's mean pseudo-gradient is non-finite")
         assert "ranks [1]" in message
 

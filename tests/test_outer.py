@@ -6,27 +6,18 @@ its refusals. Gloo and MPI against the simulator: test_outer_backends.py."""
 
 from __future__ import annotations
 
-import math
 import re
 
 import pytest
 import torch
+from helpers.outer_scenarios import local_buckets, nan_replica_message, outer_resume
 from helpers.parallel_scenarios import batch, loss_of, make_mlp, wrap
 
 import gossip
 import topologies
 from gossip.algorithms.base import COLLECTIVE
-from gossip.algorithms.buckets import pack
-from gossip.errors import NonFiniteError
 
 N = 4
-SHAPES = [(6, 5), (7,)]
-
-
-def local_buckets(rank: int) -> list:
-    generator = torch.Generator().manual_seed(100 + rank)
-    named = [(f"t{i}", torch.randn(shape, generator=generator, dtype=torch.float64)) for i, shape in enumerate(SHAPES)]
-    return pack(named, bucket_bytes=256)
 
 
 def update(rank: int, step: int, like: torch.Tensor) -> torch.Tensor:
@@ -86,7 +77,7 @@ def gossip_syncs(comm, averaging: str, steps: int = 8) -> list[dict]:
         pending = algorithm.start(step)
         own = torch.cat(algorithm.pseudo_gradients()).clone()
         algorithm.finish(pending)
-        if algorithm.syncs(step):
+        if algorithm.period.ends(step):
             after = [torch.cat(t).clone() for t in (algorithm.synchronised(), algorithm._momentum)]
             rows.append({"own": own, "mixed": torch.cat(algorithm.pseudo_gradients()).clone(), "before": before})
             rows[-1]["after"] = after
@@ -189,8 +180,8 @@ def test_a_hybrid_sends_the_gossip_on_the_other_steps_and_the_averaging_on_the_s
 
 def test_between_counts_its_own_steps_so_a_time_varying_schedule_cycles_through_its_phases():
     algorithm = gossip.OuterOptimizer(gossip.AllReduce(), 4, between=gossip.ExactGossip())
-    steps = [t for t in range(12) if not algorithm.syncs(t)]
-    assert [algorithm.between_step(t) for t in steps] == list(range(9))
+    steps = [t for t in range(12) if not algorithm.period.ends(t)]
+    assert [algorithm.period.between(t) for t in steps] == list(range(9))
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------------------
@@ -203,38 +194,6 @@ CONFIGS = {
     ),
     "allreduce-delay-2": lambda: gossip.OuterOptimizer(gossip.AllReduce(), 4, delay=2, merge=0.5),
 }
-
-
-def checkpoint_resume(comm, directory, config: str, steps: int, save_at: int) -> dict:
-    def fresh(seed: int):
-        model = wrap(comm, make_mlp(seed), CONFIGS[config]())
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    def run(model, optimizer, span) -> None:
-        for step in span:
-            loss_of(model, *batch(comm.rank, step)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-    def outcome(model) -> tuple:
-        state = model.algorithm.state_dict()
-        return torch.cat([b.buffer for b in model.buckets]).clone(), state["sync"], state["momentum"]
-
-    model, optimizer = fresh(comm.rank)
-    run(model, optimizer, range(steps))
-    uninterrupted = outcome(model)
-    model.close()
-    model, optimizer = fresh(comm.rank)
-    run(model, optimizer, range(save_at))
-    inflight = model.algorithm.state_dict()["inflight"]
-    gossip.save_checkpoint(directory, model, optimizer)
-    model.close()
-    model, optimizer = fresh(50 + comm.rank)
-    resumed_at = gossip.load_checkpoint(directory, model, optimizer)
-    run(model, optimizer, range(resumed_at, steps))
-    resumed = outcome(model)
-    model.close()
-    return {"uninterrupted": uninterrupted, "resumed": resumed, "resumed_at": resumed_at, "inflight": inflight}
 
 
 @pytest.mark.parametrize(
@@ -250,13 +209,13 @@ def test_a_run_resumed_mid_period_or_mid_flight_is_bit_identical(tmp_path, confi
     """Saved after ``save_at`` steps; ``in_flight``: the step whose synchronisation is still in flight then (saved
     with this rank's pseudo-gradients and posted again on resume). Parameters, anchors and momenta after 10 steps
     are the uninterrupted run's, bit for bit."""
-    for rank, result in enumerate(gossip.simulate(N, checkpoint_resume, tmp_path, config, 10, save_at)):
+    for rank, result in enumerate(gossip.simulate(N, outer_resume, tmp_path, CONFIGS[config], 10, save_at)):
         assert result["resumed_at"] == save_at
         assert (result["inflight"] or {}).get("step") == in_flight
-        for a, b in zip(result["uninterrupted"][:1], result["resumed"][:1], strict=True):
-            assert torch.equal(a, b), f"rank {rank}: parameters"
-        for key, index in (("sync", 1), ("momentum", 2)):
-            pairs = zip(result["uninterrupted"][index], result["resumed"][index], strict=True)
+        (params, state), (resumed_params, resumed_state) = result["uninterrupted"], result["resumed"]
+        assert torch.equal(params, resumed_params), f"rank {rank}: parameters"
+        for key in ("sync", "momentum"):
+            pairs = zip(state[key], resumed_state[key], strict=True)
             assert all(torch.equal(a, b) for a, b in pairs), f"rank {rank}: {key}"
 
 
@@ -301,24 +260,13 @@ def test_an_averaging_that_is_not_an_algorithm_is_refused():
         gossip.OuterOptimizer("allreduce")  # type: ignore[arg-type]
 
 
-def own_replica_diverged(comm) -> str:
-    buckets = local_buckets(comm.rank)
-    algorithm = gossip.OuterOptimizer(gossip.ExactGossip(nonfinite="drop"), 1)
-    algorithm.setup(comm, topologies.ring(comm.size), buckets)
-    if comm.rank == 1:
-        buckets[0].buffer[0] = math.nan
-    try:
-        algorithm.step(0)
-    except NonFiniteError as error:
-        return str(error)
-    return "accepted"
-
-
 @pytest.mark.filterwarnings("ignore::gossip.errors.NonFiniteWarning")  # the neighbours' drops (threads: not caught)
 def test_a_replica_holding_nan_is_named_by_its_own_rank_with_gossip_averaging():
     """Rank 1's replica holds NaN; its ring neighbours drop what it sent (nonfinite='drop'), and rank 1 itself
     finds its averaged pseudo-gradient non-finite and says whose replica it is."""
-    messages = gossip.simulate(N, own_replica_diverged)
+    messages = gossip.simulate(
+        N, nan_replica_message, lambda: gossip.OuterOptimizer(gossip.ExactGossip(nonfinite="drop"), 1), "ring"
+    )
     assert messages[1].startswith("rank 1: step 0: OuterOptimizer's averaged pseudo-gradient is non-finite")
     assert "this rank's replica holds NaN or Inf" in messages[1]
     assert messages[0] == messages[2] == messages[3] == "accepted"

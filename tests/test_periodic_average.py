@@ -59,11 +59,11 @@ def _trajectory_and_twin(comm, inner_name: str, schedule_name: str) -> dict:
             theirs.buffer.copy_(mine.buffer)
         twin.load_state_dict(copy.deepcopy(wrapper.inner.state_dict()))
         wrapper.step(step)
-        if not wrapper.averages(step):
-            twin.step(wrapper.inner_step(step))
+        if not wrapper.period.ends(step):
+            twin.step(wrapper.period.between(step))
         rows.append(
             {
-                "averaged": wrapper.averages(step),
+                "averaged": wrapper.period.ends(step),
                 "buffers": [b.buffer.clone() for b in buckets],
                 "twin": [b.buffer.clone() for b in twin_buckets],
                 "consensus_sq": exact_consensus_sq([b.buffer for b in buckets], comm),
@@ -120,7 +120,7 @@ def test_the_inner_algorithm_counts_only_its_own_steps_so_every_phase_of_the_sch
         return {key: edge.iteration for key, edge in algorithm.inner.edges.items()}
 
     every_third = gossip.PeriodicAverage(gossip.ExactGossip(), every=3)
-    assert [every_third.inner_step(t) for t in (0, 1, 3, 4, 6)] == [0, 1, 2, 3, 4]
+    assert [every_third.period.between(t) for t in (0, 1, 3, 4, 6)] == [0, 1, 2, 3, 4]
     assert gossip.simulate(4, run)[0] == {(0, 1): 1, (0, 2): 1}
 
 

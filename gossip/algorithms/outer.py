@@ -71,6 +71,7 @@ import torch
 from gossip.algorithms.allreduce import AllReduce
 from gossip.algorithms.base import Algorithm, all_finite_on_host
 from gossip.algorithms.buckets import Bucket
+from gossip.algorithms.period import Period
 from gossip.backends.base import Communicator
 from gossip.errors import ArgumentTypeError, CheckpointMismatchError, InvalidArgumentError, NonFiniteError
 from topologies import Schedule
@@ -212,6 +213,7 @@ class OuterOptimizer(Algorithm):
         self.merge = _number(label, "merge", merge, 0.0, 1.0, low_open=False, high_open=False)
         self.averaging, self.between, self.sync_schedule = averaging, between, schedule
         self.local_steps, self.delay = local_steps, delay
+        self.period = Period(local_steps)  # which steps synchronise, and between's step numbers
         self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), nesterov
         self._sync: list[torch.Tensor] = []  # theta_i, one tensor per bucket
         self._momentum: list[torch.Tensor] = []  # v_i (none with outer_momentum 0)
@@ -261,29 +263,6 @@ class OuterOptimizer(Algorithm):
             self.setup_part(self.between, schedule, buckets)
         self._outer_steps, self._inflight, self._open = 0, None, None
 
-    # -- the calendar -----------------------------------------------------------------------------------------
-    def syncs(self, step: int) -> bool:
-        """Whether ``step`` starts a synchronisation: (step + 1) % local_steps == 0.
-
-        Args:
-            step: a training step.
-
-        Returns:
-            True on a synchronisation step.
-        """
-        return (step + 1) % self.local_steps == 0
-
-    def between_step(self, step: int) -> int:
-        """``between``'s own step number for training step ``step``: step - (step + 1) // local_steps.
-
-        Args:
-            step: a training step that is not a synchronisation step.
-
-        Returns:
-            The step number ``between`` runs.
-        """
-        return step - (step + 1) // self.local_steps
-
     @property
     def outer_steps(self) -> int:
         """The outer steps taken so far."""
@@ -322,16 +301,16 @@ class OuterOptimizer(Algorithm):
         parts = _Step(step)
         if self._inflight is not None and self._inflight.pending is None:  # loaded: post its averaging again
             self._inflight.pending = self.averaging.start(self._inflight.index)
-        if self.syncs(step):
+        if self.period.ends(step):
             with torch.no_grad():
                 for delta, sync, bucket in zip(self._deltas, self._sync, self.buckets, strict=True):
                     torch.sub(sync, bucket.buffer, out=delta.buffer)
-            index = (step + 1) // self.local_steps - 1
+            index = self.period.index(step)
             self._averaging_before = copy.deepcopy(self.averaging.state_dict())
             self._inflight = _Sync(step, index, self.averaging.start(index))
         elif self.between is not None:
             self._between_before = copy.deepcopy(self.between.state_dict())
-            parts.between = self.between.start(self.between_step(step))
+            parts.between = self.between.start(self.period.between(step))
         return parts
 
     def _finish_step(self, pending: _Step) -> None:
@@ -503,7 +482,7 @@ class OuterOptimizer(Algorithm):
             self.between.load_state_dict(copy.deepcopy(state["between"]))
         if inflight is not None:
             step = int(inflight["step"])
-            self._inflight = _Sync(step, (step + 1) // self.local_steps - 1, None)
+            self._inflight = _Sync(step, self.period.index(step), None)
             self._averaging_before = copy.deepcopy(state["averaging"])
         self._outer_steps = int(state["outer_steps"])
         self._open, self._between_before = None, None

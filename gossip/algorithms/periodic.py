@@ -50,6 +50,7 @@ import torch
 
 from gossip.algorithms.base import Algorithm
 from gossip.algorithms.buckets import Bucket
+from gossip.algorithms.period import Period
 from gossip.backends.base import Communicator
 from gossip.backends.comm_thread import Handle
 from gossip.errors import ArgumentTypeError, GossipError, InvalidArgumentError, NonFiniteError, NonFiniteWarning
@@ -96,6 +97,7 @@ class PeriodicAverage(Algorithm):
                 f"PeriodicAverage: every must be an integer >= 1 (steps between global averages), got {every!r}"
             )
         self.inner, self.every = inner, every
+        self.period = Period(every)  # which steps average, and the inner algorithm's step numbers
 
     @property
     def needs_symmetric_schedule(self) -> bool:  # type: ignore[override]
@@ -120,35 +122,13 @@ class PeriodicAverage(Algorithm):
         super().setup(comm, schedule, buckets)
         self.setup_part(self.inner, schedule, buckets)
 
-    def averages(self, step: int) -> bool:
-        """Whether ``step`` is an averaging step: (step + 1) % every == 0.
-
-        Args:
-            step: a training step.
-
-        Returns:
-            True on an averaging step.
-        """
-        return (step + 1) % self.every == 0
-
-    def inner_step(self, step: int) -> int:
-        """The inner algorithm's own step number for training step ``step``: step - (step + 1) // every.
-
-        Args:
-            step: a training step that is not an averaging step.
-
-        Returns:
-            The inner algorithm's step number.
-        """
-        return step - (step + 1) // self.every
-
     @contextlib.contextmanager
     def _naming_training_step(self, step: int) -> Iterator[None]:
         try:
             yield
         except GossipError as error:
             if error.args and isinstance(error.args[0], str):
-                note = f" [{self.inner.name} step {self.inner_step(step)} is step {step} of PeriodicAverage]"
+                note = f" [{self.inner.name} step {self.period.between(step)} is step {step} of PeriodicAverage]"
                 error.args = (error.args[0] + note, *error.args[1:])
             raise
 
@@ -158,14 +138,14 @@ class PeriodicAverage(Algorithm):
         if self.inner is not None and getattr(self.inner, "_unchecked", None):
             inner_step = self.inner._unchecked[0][0]
             # the training step whose gossip was inner step s: s plus the averaging steps before it
-            with self._naming_training_step(inner_step + inner_step // (self.every - 1)):
+            with self._naming_training_step(self.period.training_step(inner_step)):
                 self.inner.check_deferred()
 
     # -- the Algorithm interface ----------------------------------------------------------------------------
     def _start_step(self, step: int) -> _Averaging | _Gossip:
-        if not self.averages(step):
+        if not self.period.ends(step):
             with self._naming_training_step(step):
-                return _Gossip(step, self.inner.start(self.inner_step(step)))
+                return _Gossip(step, self.inner.start(self.period.between(step)))
         copies = [bucket.buffer.clone() for bucket in self.buckets]
         return _Averaging(step, copies, [self._all_reduce(copy) for copy in copies])
 

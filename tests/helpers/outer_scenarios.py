@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 import gossip
 import topologies
+from gossip.algorithms.buckets import pack
+from gossip.errors import NonFiniteError
 from helpers.algorithm_scenarios import local_model
+from helpers.parallel_scenarios import batch, loss_of, make_mlp, wrap
 
 STEPS = 9
 
@@ -76,3 +80,58 @@ def run_case(comm: gossip.Communicator, name: str) -> dict[str, Any]:
 
 def run_all(comm: gossip.Communicator) -> dict[str, Any]:
     return {name: run_case(comm, name) for name in CASES}
+
+
+def outer_resume(comm, directory, make_algorithm, steps: int, save_at: int) -> dict[str, Any]:
+    """``steps`` AdamW steps of an MLP wrapped with ``make_algorithm()`` uninterrupted, against ``save_at`` steps,
+    a checkpoint, fresh objects (other initial weights), the load and the rest. Each outcome: the parameters and the
+    algorithm's state_dict; ``inflight``: the synchronisation in flight when saved (None if none)."""
+
+    def fresh(seed: int):
+        model = wrap(comm, make_mlp(seed), make_algorithm())
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def run(model, optimizer, span) -> tuple[torch.Tensor, dict]:
+        for step in span:
+            loss_of(model, *batch(comm.rank, step)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return torch.cat([b.buffer for b in model.buckets]).clone(), model.algorithm.state_dict()
+
+    model, optimizer = fresh(comm.rank)
+    uninterrupted = run(model, optimizer, range(steps))
+    model.close()
+    model, optimizer = fresh(comm.rank)
+    inflight = run(model, optimizer, range(save_at))[1].get("inflight")
+    gossip.save_checkpoint(directory, model, optimizer)
+    model.close()
+    model, optimizer = fresh(50 + comm.rank)
+    resumed_at = gossip.load_checkpoint(directory, model, optimizer)
+    resumed = run(model, optimizer, range(resumed_at, steps))
+    model.close()
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "resumed_at": resumed_at, "inflight": inflight}
+
+
+#: Shapes of :func:`local_buckets`' tensors: a matrix and a vector.
+SHAPES = [(6, 5), (7,)]
+
+
+def local_buckets(rank: int) -> list:
+    """Rank ``rank``'s float64 tensors of SHAPES, packed into small buckets (for an algorithm without the wrapper)."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    named = [(f"t{i}", torch.randn(shape, generator=generator, dtype=torch.float64)) for i, shape in enumerate(SHAPES)]
+    return pack(named, bucket_bytes=256)
+
+
+def nan_replica_message(comm, make_algorithm, schedule: str | None = None) -> str:
+    """``make_algorithm()``'s step 0 (on the built-in ``schedule``, if any) on :func:`local_buckets` with a NaN in
+    rank 1's replica: the NonFiniteError's message on this rank, or "accepted"."""
+    buckets, algorithm = local_buckets(comm.rank), make_algorithm()
+    algorithm.setup(comm, schedule and topologies.by_name(schedule, comm.size), buckets)
+    if comm.rank == 1:
+        buckets[0].buffer[0] = math.nan
+    try:
+        algorithm.step(0)
+    except NonFiniteError as error:
+        return str(error)
+    return "accepted"
