@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.algorithm_scenarios import CASES, run_all
-from helpers.launch import launch
+from helpers.launch import results_on_backend
 
 import gossip
 from gossip.algorithms.allreduce import COLLECTIVE
@@ -22,8 +22,7 @@ def oracle() -> list[dict]:
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def real(request, tmp_path_factory) -> tuple[str, list[dict]]:
-    out_dir = tmp_path_factory.mktemp(request.param)
-    return request.param, launch("algorithm_worker.py", out_dir, [request.param], backend=request.param, n=N)[0]
+    return results_on_backend("algorithm_worker.py", request.param, tmp_path_factory, n=N)
 
 
 @pytest.mark.parametrize("case", [f"{a}/{s}" for a, s in CASES])

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.parallel_scenarios import batch, checkpoint_resume, flat_parameters, loss_of, make_mlp, train, wrap
+from helpers.parallel_scenarios import batch, checkpoint_resume, loss_of, make_mlp, train, wrap
+from helpers.tracking_scenarios import EPS, assert_trackers_sum_to_the_gradients, tracked_steps
 
 import gossip
 import topologies
@@ -20,51 +21,17 @@ from gossip.wrapper.parallel import DecentralizedDataParallel
 
 N = 4
 STEPS = 10
-EPS = torch.finfo(torch.float32).eps
 
 
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors]).clone()
+def trackers_per_step(comm, schedule: str, algorithm: str = "exact") -> list[dict]:
+    """SGD with exact gradient tracking on ``schedule``, STEPS steps (tracking_scenarios.tracked_steps' rows)."""
+    return tracked_steps(comm, algorithm, True, steps=STEPS, schedule=schedule)
 
 
-def trackers_per_step(comm, schedule_name: str, algorithm_factory=ExactGossip) -> list[dict]:
-    """SGD with gradient tracking; after every step: this rank's tracker, its gradient g^t, its ``.grad``, x."""
-    schedule = topologies.complete(comm.size) if schedule_name == "complete" else topologies.ring(comm.size)
-    model = DecentralizedDataParallel(make_mlp(comm.rank), comm, schedule, algorithm_factory(), gradient_tracking=True)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    rows = []
-    for step in range(STEPS):
-        loss_of(model, *batch(comm.rank, step)).backward()
-        optimizer.step()
-        rows.append(
-            {
-                "y": _flat([t.buffer for t in model.tracker.trackers]),
-                "g": _flat(model.tracker.previous),
-                "grad": _flat([p.grad for p in model.parameters()]),
-                "x": flat_parameters(model),
-                "bytes_sent": model.metrics.last["bytes_sent"],
-            }
-        )
-        optimizer.zero_grad()
-    model.close()
-    return rows
-
-
-@pytest.mark.parametrize("algorithm", [ExactGossip, PowerGossip], ids=["exact", "powergossip"])
+@pytest.mark.parametrize("algorithm", ["exact", "powergossip"])
 def test_the_trackers_sum_is_the_gradients_sum_at_every_step(algorithm):
     per_rank = gossip.simulate(N, trackers_per_step, "ring", algorithm)
-    for step in range(STEPS):
-        y = torch.stack([rows[step]["y"] for rows in per_rank]).double()
-        g = torch.stack([rows[step]["g"] for rows in per_rank]).double()
-        # Float32 rounding only: each step's update y + g - g_prev and the mixing round every term once (relative
-        # eps each, at most N + 2 roundings per coordinate per step), and the error of the sum accumulates over the
-        # steps so far; the bound is that many eps times the largest magnitude involved.
-        scale = max(y.abs().max().item(), g.abs().max().item())
-        tolerance = (step + 1) * (N + 2) * N * EPS * scale
-        gap = (y.sum(0) - g.sum(0)).abs().max().item()
-        assert gap <= tolerance, f"step {step}: |sum y - sum g| = {gap:.3g} > {tolerance:.3g}"
-        for rank, rows in enumerate(per_rank):  # the optimizer stepped on y_i: .grad holds it
-            assert torch.equal(rows[step]["grad"], rows[step]["y"]), f"step {step} rank {rank}"
+    assert_trackers_sum_to_the_gradients(per_rank)
     # the trackers differ from the local gradients (the ranks' data differ), so tracking did something
     assert not torch.equal(per_rank[0][-1]["y"], per_rank[0][-1]["g"])
 

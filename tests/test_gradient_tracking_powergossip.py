@@ -8,32 +8,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.launch import launch
+from helpers.launch import results_on_backend
 from helpers.parallel_scenarios import batch, checkpoint_resume, loss_of, make_mlp, wrap
-from helpers.tracking_scenarios import STEPS, run_all, tracked_steps, tracker
+from helpers.tracking_scenarios import STEPS, assert_trackers_sum_to_the_gradients, run_all, tracked_steps, tracker
 
 import gossip
 import topologies
 from gossip.errors import ArgumentTypeError, InvalidArgumentError
 
 N = 4
-EPS = torch.finfo(torch.float32).eps
 
 
 @pytest.mark.parametrize("algorithm", ["exact", "powergossip"])
 def test_the_trackers_sum_is_the_gradients_sum_after_every_step(algorithm):
     per_rank = gossip.simulate(N, tracked_steps, algorithm)
     exact_trackers = gossip.simulate(N, tracked_steps, algorithm, True)
-    for step in range(STEPS):
-        y = torch.stack([rows[step]["y"] for rows in per_rank]).double()
-        g = torch.stack([rows[step]["g"] for rows in per_rank]).double()
-        # float32 rounding only, bounded as in test_gradient_tracking.py: each step rounds every term a few times
-        scale = max(y.abs().max().item(), g.abs().max().item())
-        tolerance = (step + 1) * (N + 2) * N * EPS * scale
-        gap = (y.sum(0) - g.sum(0)).abs().max().item()
-        assert gap <= tolerance, f"step {step}: |sum y - sum g| = {gap:.3g} > {tolerance:.3g}"
-        for rank, rows in enumerate(per_rank):  # the optimizer stepped on y_i
-            assert torch.equal(rows[step]["grad"], rows[step]["y"]), f"step {step} rank {rank}"
+    assert_trackers_sum_to_the_gradients(per_rank)
     # compression changed the trackers (they are not the exact mixing's), and they are not the local gradients
     assert not torch.equal(per_rank[0][-1]["y"], exact_trackers[0][-1]["y"])
     assert not torch.equal(per_rank[0][-1]["y"], per_rank[0][-1]["g"])
@@ -122,8 +112,7 @@ def oracle(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def real(request, tmp_path_factory) -> tuple[str, list[dict]]:
-    out_dir = tmp_path_factory.mktemp(request.param)
-    return request.param, launch("tracking_worker.py", out_dir, [request.param], backend=request.param, n=N)[0]
+    return results_on_backend("tracking_worker.py", request.param, tmp_path_factory, n=N)
 
 
 @pytest.mark.multiprocess

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.launch import REPO, metrics_rows, run_main_job
+from helpers.launch import REPO, main_job_run, metrics_rows, run_main_job
 
 from gossip.app.cli import main
 from gossip.app.corpus import load_corpus
@@ -26,9 +26,8 @@ STEPS = 30
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path_factory.mktemp("job") / "run"
-    args = ["--nproc", "2", "--steps", str(STEPS), "--batch-size", "4", "--eval-every", "10", "--out", str(out)]
-    return run_main_job(args, out.parent), out
+    args = ["--nproc", "2", "--steps", str(STEPS), "--batch-size", "4", "--eval-every", "10"]
+    return main_job_run(tmp_path_factory.mktemp("job"), args)
 
 
 @pytest.mark.multiprocess
@@ -217,15 +216,15 @@ def test_a_sigkilled_worker_is_the_one_the_launcher_names(tmp_path):
         os.kill(victim[0], signal.SIGKILL)
         stderr = launcher.communicate(timeout=60)[1]
     assert launcher.returncode == 1, stderr
-    assert "gossip-train: worker rank 2 of 4 was killed by SIGKILL" in stderr, stderr
+    assert "gossip-train: worker rank 2 of 4 killed by SIGKILL" in stderr, stderr
 
 
 def test_the_launcher_blames_a_failed_worker_over_those_that_lost_it(tmp_path):
-    from gossip.app.cli import _describe, _root_cause
+    from gossip.app.local_launch import exit_description, root_cause
 
     for rank in (0, 1, 3):
         (tmp_path / f"rank{rank}.txt").write_text(f"PeerFailedError: step 7: rank {rank}: peer 2 failed")
-    assert _root_cause({0: 1, 1: 1, 2: -signal.SIGKILL, 3: 1}, tmp_path) == (2, "(see its output above)")
-    assert _describe(-signal.SIGKILL) == "was killed by SIGKILL"
+    assert root_cause({0: 1, 1: 1, 2: -signal.SIGKILL, 3: 1}, tmp_path) == (2, "(see its output above)")
+    assert exit_description(-signal.SIGKILL) == "killed by SIGKILL" and exit_description(3) == "exited with status 3"
     (tmp_path / "rank2.txt").write_text("ValueError: bad batch")
-    assert _root_cause({0: 1, 2: 1}, tmp_path) == (2, "ValueError: bad batch")
+    assert root_cause({0: 1, 2: 1}, tmp_path) == (2, "ValueError: bad batch")

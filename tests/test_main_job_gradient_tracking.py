@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-import math
 import subprocess
 from pathlib import Path
 
 import pytest
-from helpers.launch import metrics_rows, run_main_job
+from helpers.launch import completed_rows, main_job_run
 
 from gossip.app.cli import build_parser, config_from
 from gossip.app.gpt import GPT, GPTConfig
@@ -32,19 +31,14 @@ def test_ddp_refuses_gradient_tracking():
 
 @pytest.fixture(scope="module")
 def tracking_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path_factory.mktemp("tracking") / "run"
     args = ["--nproc", "2", "--steps", str(STEPS), "--algorithm", "exact", "--average-every", "0"]
-    args += ["--gradient-tracking", "--batch-size", "4", "--eval-every", str(STEPS), "--out", str(out)]
-    return run_main_job(args, out.parent), out
+    args += ["--gradient-tracking", "--batch-size", "4", "--eval-every", str(STEPS)]
+    return main_job_run(tmp_path_factory.mktemp("tracking"), args)
 
 
 @pytest.mark.multiprocess
 def test_a_tracking_run_sends_the_parameters_and_the_trackers_every_step(tracking_run):
-    result, out = tracking_run
-    assert result.returncode == 0, result.stdout + result.stderr
-    rows = metrics_rows(out)
-    assert [int(row["step"]) for row in rows] == list(range(STEPS))
-    assert all(math.isfinite(float(row["mean_loss"])) for row in rows)
+    rows = completed_rows(*tracking_run, STEPS)
     # 2 workers, one_peer_hypercube: one peer per step; exact gossip sends the model (float32) once, and the
     # tracker exchange sends one more model-sized message to the same peer
     model_bytes = 4 * GPT(GPTConfig()).num_parameters()

@@ -5,12 +5,11 @@ every step sends the parameters' exact gossip plus the trackers' compressed prod
 
 from __future__ import annotations
 
-import math
 import subprocess
 from pathlib import Path
 
 import pytest
-from helpers.launch import metrics_rows, run_main_job
+from helpers.launch import completed_rows, main_job_run
 
 import gossip
 from gossip.app.cli import build_parser, config_from, main
@@ -52,20 +51,14 @@ def test_an_unknown_mixing_is_refused_by_argparse_and_by_resolve(capsys):
 
 @pytest.fixture(scope="module")
 def compressed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
-    out = tmp_path_factory.mktemp("tracking") / "run"
     args = ["--nproc", "2", "--steps", str(STEPS), "--algorithm", "exact", "--gradient-tracking", "powergossip"]
-    args += ["--tracking-overlap"]
-    args += ["--batch-size", "4", "--eval-every", str(STEPS), "--out", str(out)]
-    return run_main_job(args, out.parent), out
+    args += ["--tracking-overlap", "--batch-size", "4", "--eval-every", str(STEPS)]
+    return main_job_run(tmp_path_factory.mktemp("tracking"), args)
 
 
 @pytest.mark.multiprocess
 def test_a_compressed_tracking_run_sends_the_model_and_the_trackers_products_every_step(compressed_run):
-    result, out = compressed_run
-    assert result.returncode == 0, result.stdout + result.stderr
-    rows = metrics_rows(out)
-    assert [int(row["step"]) for row in rows] == list(range(STEPS))
-    assert all(math.isfinite(float(row["mean_loss"])) for row in rows)
+    rows = completed_rows(*compressed_run, STEPS)
     # one peer per step: exact gossip sends the float32 model; the trackers' PowerGossip (rank 4) adds its
     # compressed products and uncompressed small tensors, a few percent of the model, not a second model
     model_bytes = 4 * GPT(GPTConfig()).num_parameters()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.launch import launch
+from helpers.launch import results_on_backend
 from helpers.outer_scenarios import CASES, run_all
 
 import gossip
@@ -23,8 +23,7 @@ def oracle() -> list[dict]:
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def real(request, tmp_path_factory) -> tuple[str, list[dict]]:
-    out_dir = tmp_path_factory.mktemp(request.param)
-    return request.param, launch("outer_worker.py", out_dir, [request.param], backend=request.param, n=N)[0]
+    return results_on_backend("outer_worker.py", request.param, tmp_path_factory, n=N)
 
 
 @pytest.mark.multiprocess

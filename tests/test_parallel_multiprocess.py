@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.launch import launch
+from helpers.launch import results_on_backend
 from helpers.parallel_scenarios import run_all
 
 import gossip
@@ -25,8 +25,7 @@ def oracle(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module", params=["gloo", "mpi"])
 def results(request, tmp_path_factory) -> tuple[str, list[dict]]:
-    out_dir = tmp_path_factory.mktemp(request.param)
-    return request.param, launch("parallel_worker.py", out_dir, [request.param], backend=request.param, n=N)[0]
+    return results_on_backend("parallel_worker.py", request.param, tmp_path_factory, n=N)
 
 
 def test_loss_falls(results):

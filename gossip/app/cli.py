@@ -25,18 +25,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
-import signal
 import sys
-import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import gossip
 import topologies
+from gossip.app.arg_types import fraction, int_at_least, positive
+from gossip.app.local_launch import ERROR_DIR_VARIABLE, launch_local, worker_argv
 from gossip.app.outer_options import add_outer_options, outer_settings
 from gossip.app.train import (
     ALGORITHM_CHOICES,
@@ -51,33 +50,6 @@ from gossip.app.train import (
 )
 from gossip.wrapper.tracking import TRACKER_MIXINGS
 
-ERROR_DIR_VARIABLE = "GOSSIP_TRAIN_ERROR_DIR"  # workers of --nproc write rank<r>.txt there when they fail
-LAUNCHER_OPTIONS = ("--nproc", "--out", "--backend", "--nnodes", "--node-rank")
-
-
-def _positive(kind: type) -> Callable[[str], int | float]:
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not (value > 0 and math.isfinite(value)):
-            raise argparse.ArgumentTypeError(f"must be positive and finite, got {text!r}")
-        return value
-
-    return parse
-
-
-def _fraction(text: str) -> float:
-    """A number in [0, 1) (a momentum)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a float, got {text!r}") from None
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text!r}")
-    return value
-
 
 def _to_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -90,16 +62,6 @@ def _kill(text: str) -> tuple[int, int]:
         return parse_kill(text)
     except ConfigError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
 
 
 class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -130,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     launch = parser.add_argument_group("launch")
-    launch.add_argument("--nproc", type=_positive(int), help="start N local workers on Gloo (else: as launched)")
+    launch.add_argument("--nproc", type=positive(int), help="start N local workers on Gloo (else: as launched)")
     launch.add_argument("--backend", choices=gossip.BACKENDS, default=defaults.backend, help="communication backend")
-    launch.add_argument("--timeout", type=_positive(float), default=defaults.timeout, help="seconds per wait")
+    launch.add_argument("--timeout", type=positive(float), default=defaults.timeout, help="seconds per wait")
     launch.add_argument(
         "--elastic", action="store_true", help="survive dead workers: drop them and train on (with --nproc)"
     )
@@ -146,12 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
         "agreed; it joins from a neighbour when the group reaches step STEP; repeatable",
     )  # fmt: skip
     launch.add_argument(
-        "--nnodes", type=_positive(int), default=1,
+        "--nnodes", type=positive(int), default=1,
         help="(--elastic --nproc) nodes of the job, one launcher each; node 0's MASTER_ADDR and MASTER_PORT host the "
         "membership store",
     )  # fmt: skip
     launch.add_argument(
-        "--node-rank", type=_nonnegative_int, default=0, help="(--elastic --nproc --nnodes) this node, in [0, nnodes)"
+        "--node-rank", type=int_at_least(0), default=0, help="(--elastic --nproc --nnodes) this node, in [0, nnodes)"
     )
     launch.add_argument(
         "--save-replicas", action="store_true",
@@ -171,10 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="default: one_peer_hypercube, or ring when the worker count is not a power of two",
     )
-    gossip_options.add_argument("--rank", type=_positive(int), default=defaults.rank, help="PowerGossip rank")
+    gossip_options.add_argument("--rank", type=positive(int), default=defaults.rank, help="PowerGossip rank")
     gossip_options.add_argument(
         "--power-iterations",
-        type=_positive(int),
+        type=positive(int),
         default=None,
         help=f"PowerGossip power iterations (exchanges) per step; default: {DEFAULTS.power_iterations}",
     )
@@ -195,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gossip_options.add_argument(
         "--average-every",
-        type=_nonnegative_int,
+        type=int_at_least(0),
         default=None,
         help="exact global average (all-reduce) every K steps instead of gossip (gossip.PeriodicAverage); 0 = off; "
         f"default: {DEFAULTS.average_every} (0 for ddp and allreduce)",
@@ -231,19 +193,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     diloco.add_argument(
         "--local-steps",
-        type=_positive(int),
+        type=positive(int),
         default=None,
         help=f"local steps between two synchronisations (H); default: {DILOCO_DEFAULTS['local_steps']}",
     )
     diloco.add_argument(
         "--outer-lr",
-        type=_positive(float),
+        type=positive(float),
         default=None,
         help=f"learning rate of the outer Nesterov SGD; default: {DILOCO_DEFAULTS['outer_lr']}",
     )
     diloco.add_argument(
         "--outer-momentum",
-        type=_fraction,
+        type=fraction,
         default=None,
         help=f"momentum of the outer Nesterov SGD, in [0, 1); default: {DILOCO_DEFAULTS['outer_momentum']}",
     )
@@ -256,10 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="local update rule: adamw is torch.optim.AdamW, accum-adamw optim.AccumAdamW (moments advance once per "
         "--accum-iter steps), sgd Nesterov SGD",
     )
-    training.add_argument("--accum-iter", type=_positive(int), default=None, help="default: max(1, workers // 4)")
-    training.add_argument("--steps", type=_positive(int), default=defaults.steps, help="optimizer steps")
-    training.add_argument("--batch-size", type=_positive(int), default=defaults.batch_size, help="per worker")
-    training.add_argument("--lr", type=_positive(float), default=defaults.lr, help="peak learning rate")
+    training.add_argument("--accum-iter", type=positive(int), default=None, help="default: max(1, workers // 4)")
+    training.add_argument("--steps", type=positive(int), default=defaults.steps, help="optimizer steps")
+    training.add_argument("--batch-size", type=positive(int), default=defaults.batch_size, help="per worker")
+    training.add_argument("--lr", type=positive(float), default=defaults.lr, help="peak learning rate")
     training.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="on matrices only")
     training.add_argument("--seed", type=int, default=defaults.seed, help="model init, batches, sampling")
     training.add_argument("--split", choices=("iid", "noniid"), default=defaults.split, help="data per worker")
@@ -267,10 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     output = parser.add_argument_group("output")
     output.add_argument("--out", default=None, help="run directory (default: runs/<timestamp>)")
     output.add_argument(
-        "--eval-every", type=_positive(int), default=defaults.eval_every, help="steps between validation losses"
+        "--eval-every", type=positive(int), default=defaults.eval_every, help="steps between validation losses"
     )
     output.add_argument(
-        "--log-every", type=_positive(int), default=defaults.log_every, help="steps between consensus estimates"
+        "--log-every", type=positive(int), default=defaults.log_every, help="steps between consensus estimates"
     )
     return parser
 
@@ -360,92 +322,6 @@ def _validate_nodes(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     return address, int(port)
 
 
-def _worker_argv(argv: Sequence[str], out: str) -> list[str]:
-    """``argv`` without the launcher's options (:data:`LAUNCHER_OPTIONS`, ``--opt V`` or ``--opt=V``), then ``--out out
-    --backend gloo``."""
-    kept, skip = [], False
-    for item in argv:
-        if skip:
-            skip = False
-        elif item in LAUNCHER_OPTIONS:
-            skip = True
-        elif not item.startswith(tuple(f"{option}=" for option in LAUNCHER_OPTIONS)):
-            kept.append(item)
-    return [*kept, "--out", out, "--backend", "gloo"]
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"failed with exit code {code}"
-
-
-def _root_cause(failed: dict[int, int], errors: Path) -> tuple[int, str]:
-    """The failed rank to blame: one that did not merely lose a peer (timeout or closed connection), if any."""
-    messages = {}
-    for rank in failed:
-        error_file = errors / f"rank{rank}.txt"
-        messages[rank] = error_file.read_text().strip() if error_file.exists() else "(see its output above)"
-    secondary = ("PeerFailedError", "CommTimeoutError")
-    primary = [rank for rank in failed if not any(name in messages[rank] for name in secondary)]
-    rank = (primary or sorted(failed))[0]
-    return rank, messages[rank]
-
-
-def launch_local(nproc: int, argv: Sequence[str], out: str) -> int:
-    """Run ``nproc`` workers of this command on Gloo through torch's elastic launcher.
-
-    What torchrun runs, with ``--standalone``. The launcher sets torchrun's environment for each worker, stops the
-    others when one fails, and forwards SIGTERM, SIGINT and SIGHUP to the workers and waits for them (a scheduler's
-    ``kill`` leaves nothing running).
-
-    Args:
-        nproc: the number of worker processes.
-        argv: the command line of each worker (without ``--nproc``).
-        out: the run directory, shared by the workers.
-
-    Returns:
-        0, or 1 with the failed worker to blame and its error printed.
-    """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    for name in [name for name in os.environ if name.startswith(("PMI_", "OMPI_", "SLURM_"))]:
-        del os.environ[name]  # the workers inherit this process's environment: no other launcher's variables
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"gossip-train-{os.getpid()}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",  # a free port, as torchrun --standalone
-        max_restarts=0,
-        monitor_interval=0.1,
-        local_addr="127.0.0.1",
-    )
-    with tempfile.TemporaryDirectory(prefix="gossip-train-") as errors:
-        os.environ[ERROR_DIR_VARIABLE] = errors
-        try:
-            elastic_launch(config, sys.executable)("-m", "gossip", *_worker_argv(argv, out))
-            return 0
-        except ChildFailedError as failure:
-            failed = {rank: process.exitcode for rank, process in failure.failures.items()}
-        except SignalException as stopped:
-            print(f"gossip-train: {stopped.sigval.name} received; workers stopped", file=sys.stderr)
-            return 128 + int(stopped.sigval)
-        rank, message = _root_cause(failed, Path(errors))
-        others = f" ({len(failed) - 1} other worker(s) failed too)" if len(failed) > 1 else ""
-        print(
-            f"gossip-train: worker rank {rank} of {nproc} {_describe(failed[rank])}: {message}{others}", file=sys.stderr
-        )
-        return 1
-
-
 def _show_library_messages() -> None:
     """The library logs its notes (``logging``, logger ``gossip``); the command shows them on stdout."""
     library = logging.getLogger("gossip")
@@ -518,7 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.elastic:
             from gossip.app.elastic_launch import launch_elastic
 
-            command = [sys.executable, "-m", "gossip", *_worker_argv(argv, out)]
+            command = [sys.executable, "-m", "gossip", *worker_argv(argv, out)]
             return launch_elastic(args.nproc, command, dict(args.kill), say=_to_stderr, restarts=dict(args.restart),
                                   nodes=args.nnodes, node_rank=args.node_rank, master=master)  # fmt: skip
         return launch_local(args.nproc, argv, out)

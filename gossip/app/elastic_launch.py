@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 
 from torch.distributed import TCPStore
 
+from gossip.app.local_launch import exit_description
 from gossip.backends.membership import DETECT_SECONDS, STORE_VARIABLE, host_store, mark_dead
 from gossip.errors import ConfigError, MembershipError
 
@@ -199,15 +200,6 @@ def _departed(store: TCPStore, uid: int) -> bool:
     return uid not in json.loads(store.get(f"e{epoch}/decision"))["members"]
 
 
-def _how(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with status {code}"
-
-
 def node_store(nodes: int, node_rank: int, size: int, master: tuple[str, int] | None, timeout: float) -> TCPStore:
     """The membership store as this node's launcher sees it: hosted here on node 0, a client of it elsewhere.
 
@@ -329,9 +321,9 @@ def launch_elastic(
                     codes[index] = code
                     if code != 0:
                         if restarted:
-                            store.set(FAILED.format(uid=rank), _how(code))  # members no longer wait for it
-                        mark_dead(store, rank, _how(code))
-                        say(f"gossip-train: worker {rank} {_how(code)}")
+                            store.set(FAILED.format(uid=rank), exit_description(code))  # members no longer wait for it
+                        mark_dead(store, rank, exit_description(code))
+                        say(f"gossip-train: worker {rank} {exit_description(code)}")
                         if rank in restarts and not restarted:
                             due[rank] = restarts[rank]
             for rank, step in list(due.items()):
@@ -363,6 +355,6 @@ def launch_elastic(
         say(f"gossip-train: worker {rank} not restarted: every other worker ended before its departure was agreed")
     if failed or never or all(c != 0 for c in codes.values()):
         for rank, code in sorted(failed.items()):
-            say(f"gossip-train: worker {rank} of {nproc} {_how(code)}")
+            say(f"gossip-train: worker {rank} of {nproc} {exit_description(code)}")
         return 1
     return 0

@@ -18,6 +18,7 @@ import argparse
 from typing import Any
 
 import gossip
+from gossip.app.arg_types import int_at_least, unit
 from gossip.errors import ConfigError
 
 OUTER_SYNCS = ("allreduce", "gossip", "powergossip")
@@ -25,29 +26,6 @@ OUTER_SYNCS = ("allreduce", "gossip", "powergossip")
 HYBRID_ALGORITHMS = ("exact", "powergossip")
 #: ``--outer-merge`` when ``--outer-delay`` is given without it: the mixing factor of Streaming DiLoCo.
 DEFAULT_MERGE = 0.5
-
-
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text!r}")
-        return value
-
-    return parse
-
-
-def _unit(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a float, got {text!r}") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
-    return value
 
 
 def add_outer_options(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +45,7 @@ def add_outer_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--outer-every",
         metavar="H",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=0,
         help="with --algorithm exact or powergossip: keep that gossip every step and take an outer step every H "
         "steps (a hybrid); 0 = off; default: 0",
@@ -75,7 +53,7 @@ def add_outer_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--outer-delay",
         metavar="TAU",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=0,
         help="steps a synchronisation stays in flight, overlapping their compute (Streaming DiLoCo's tau), below "
         "the steps between synchronisations; 0 = lands in its own step; default: 0",
@@ -83,7 +61,7 @@ def add_outer_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--outer-merge",
         metavar="A",
-        type=_unit,
+        type=unit,
         default=None,
         help="with --outer-delay: when the average lands, the replica becomes theta + a (x - theta); 0 drops the "
         f"delayed local steps; default: {DEFAULT_MERGE}",

@@ -8,6 +8,7 @@ with every rank's output when a process exits non-zero or the job outlives its t
 from __future__ import annotations
 
 import csv
+import math
 import os
 import shutil
 import socket
@@ -101,11 +102,33 @@ def launch(
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(n)], "\n".join(outputs)
 
 
+def results_on_backend(worker: str, backend: str, tmp_path_factory: Any, n: int = 4) -> tuple[str, list[Any]]:
+    """``backend`` and the per-rank results of ``tests/helpers/<worker>`` run on it with ``[backend]`` as its
+    argument (the scenario worker's convention), in a fresh temporary directory: a module fixture's body."""
+    return backend, launch(worker, tmp_path_factory.mktemp(backend), [backend], backend=backend, n=n)[0]
+
+
 def run_main_job(args: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
     """``python -m gossip ARGS`` in ``cwd`` with the repository importable; output captured, not checked."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "gossip", *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def main_job_run(parent: Path, args: list[str]) -> tuple[subprocess.CompletedProcess, Path]:
+    """``python -m gossip ARGS --out PARENT/run`` in ``parent``: the finished process and its run directory."""
+    out = parent / "run"
+    return run_main_job([*args, "--out", str(out)], parent), out
+
+
+def completed_rows(result: subprocess.CompletedProcess, run_dir: Path, steps: int) -> list[dict[str, str]]:
+    """The metrics.csv rows of a run, asserting first that it exited 0 with one row per step, in order, each with a
+    finite mean loss."""
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = metrics_rows(run_dir)
+    assert [int(row["step"]) for row in rows] == list(range(steps))
+    assert all(math.isfinite(float(row["mean_loss"])) for row in rows), rows
+    return rows
 
 
 def metrics_rows(run_dir: Path) -> list[dict[str, str]]:

@@ -9,9 +9,11 @@ from typing import Any
 import torch
 
 import gossip
-from helpers.parallel_scenarios import batch, checkpoint_resume, flat_parameters, loss_of, make_mlp, wrap
+import topologies
+from helpers.parallel_scenarios import batch, checkpoint_resume, flat_parameters, loss_of, make_mlp
 
 STEPS = 8
+EPS = torch.finfo(torch.float32).eps
 OVERLAPPED_POWERGOSSIP_TRACKERS = {"gradient_tracking": "powergossip", "tracking_overlap": True}
 
 
@@ -21,13 +23,24 @@ def tracker(rank: int = 1) -> gossip.PowerGossip:
 
 
 def tracked_steps(
-    comm, algorithm: str = "exact", tracking: Any = None, steps: int = STEPS, overlap: bool = False
+    comm,
+    algorithm: str = "exact",
+    tracking: Any = None,
+    steps: int = STEPS,
+    overlap: bool = False,
+    schedule: str = "one_peer_hypercube",
 ) -> list[dict]:
-    """SGD with gradient tracking (``overlap``: the overlapped, combine-then-adapt form); after every step: this
-    rank's tracker y, its gradient g^t, its ``.grad``, x and the bytes the step sent."""
+    """SGD with gradient tracking (``tracking``; default: PowerGossip trackers) on the built-in ``schedule``
+    (``overlap``: the overlapped, combine-then-adapt form); after every step: this rank's tracker y, its gradient
+    g^t, its ``.grad``, x and the bytes the step sent."""
     make = {"exact": gossip.ExactGossip, "powergossip": lambda: gossip.PowerGossip(rank=1, min_compression=1)}
-    model = wrap(
-        comm, make_mlp(comm.rank), make[algorithm](), gradient_tracking=tracking or tracker(), tracking_overlap=overlap
+    model = gossip.DecentralizedDataParallel(
+        make_mlp(comm.rank),
+        comm,
+        topologies.by_name(schedule, comm.size),
+        make[algorithm](),
+        gradient_tracking=tracking or tracker(),
+        tracking_overlap=overlap,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     rows = []
@@ -46,6 +59,27 @@ def tracked_steps(
         optimizer.zero_grad()
     model.close()
     return rows
+
+
+def assert_trackers_sum_to_the_gradients(per_rank: list[list[dict]], optimizer_sees_trackers: bool = True) -> None:
+    """After every step of :func:`tracked_steps`, sum_i y_i = sum_i g_i up to float32 rounding, and (unless told
+    otherwise) the optimizer stepped on y_i: ``.grad`` holds it bit for bit.
+
+    The bound: each step's update y + g - g_prev and the mixing round every term once (relative eps each, at most
+    n + 2 roundings per coordinate per step), and the error of the sum accumulates over the steps so far; that many
+    eps times the largest magnitude involved.
+    """
+    n = len(per_rank)
+    for step in range(len(per_rank[0])):
+        y = torch.stack([rows[step]["y"] for rows in per_rank]).double()
+        g = torch.stack([rows[step]["g"] for rows in per_rank]).double()
+        scale = max(y.abs().max().item(), g.abs().max().item())
+        tolerance = (step + 1) * (n + 2) * n * EPS * scale
+        gap = (y.sum(0) - g.sum(0)).abs().max().item()
+        assert gap <= tolerance, f"step {step}: |sum y - sum g| = {gap:.3g} > {tolerance:.3g}"
+        if optimizer_sees_trackers:
+            for rank, rows in enumerate(per_rank):
+                assert torch.equal(rows[step]["grad"], rows[step]["y"]), f"step {step} rank {rank}"
 
 
 def run_all(comm, directory: Path) -> dict[str, Any]:
