@@ -263,7 +263,8 @@ def median_seconds(run: Callable[[], Any], device: torch.device, warmup: int = 1
 def kernels(config: GPTConfig, ranks: list[int], device: torch.device) -> None:
     """Print, per group of the model's matrices and rank: Gram-Schmidt vs QR on its factors, and the products
     with the factors stored rows x r vs transposed (microseconds, warm medians)."""
-    from gossip.algorithms.powergossip import PowerGossip, gram_schmidt, orthonormalize
+    from gossip.algorithms.powergossip import PowerGossip
+    from gossip.algorithms.powergossip_factors import gram_schmidt, orthonormalize
 
     _, buckets = model_buckets(config, device, 0)
     print(

@@ -215,7 +215,7 @@ def test_an_edge_first_used_on_identical_replicas_keeps_mixing(schedule, rank):
 
 
 def test_the_warm_start_rule_replaces_only_all_zero_columns():
-    from gossip.algorithms.powergossip import keep_nonzero_columns_
+    from gossip.algorithms.powergossip_factors import keep_nonzero_columns_
 
     # A class's block of factors stored transposed: a row per factor column. Row 0 is zero throughout, row 2 too
     # (its last element is padding); row 1 has a zero element only, row 3 no positive one: both are taken.
@@ -239,7 +239,7 @@ def test_r_replaces_the_factors_but_for_its_columns_zero_throughout(rows, kept, 
     """Two classes of factors stored transposed (a row per factor column), of 3 and 2 rows, the second padded
     (each row's last element): the columns' sums, read on the host with the received uncompressed tensors' sum,
     tell whether the rule runs at all; where it runs, it keeps only the columns zero throughout."""
-    from gossip.algorithms.powergossip import column_sums, replace_factors
+    from gossip.algorithms.powergossip_factors import column_sums, replace_factors
     from gossip.algorithms.powergossip_layout import Replacement
 
     incoming = torch.tensor([float(v) for row in rows for v in row])

@@ -11,7 +11,8 @@ import gossip
 import topologies
 from gossip.algorithms import powergossip
 from gossip.algorithms.buckets import Entry, bucket_parameters
-from gossip.algorithms.powergossip import PowerGossip, PowerGossipTuning, orthonormalize
+from gossip.algorithms.powergossip import PowerGossip, PowerGossipTuning
+from gossip.algorithms.powergossip_factors import orthonormalize, orthonormalize_
 from gossip.algorithms.powergossip_layout import Group, Matrix, Run, group_matrices, row_classes
 from gossip.app.gpt import GPT, GPTConfig
 
@@ -173,11 +174,11 @@ def test_orthonormalize_in_place_writes_the_bits_orthonormalize_returns(dtype, m
         expected = orthonormalize(stored.mT, dtype=work, method=method)
         for triangle in (None, torch.empty(3, r, r, dtype=dtype)):
             factor = stored.clone()
-            powergossip.orthonormalize_(factor.mT, dtype=work, method=method, triangle=triangle)
+            orthonormalize_(factor.mT, dtype=work, method=method, triangle=triangle)
             assert torch.equal(factor.mT, expected), (rows, r, triangle is None)
         row_major = stored.mT.contiguous()  # another layout (Gram-Schmidt's reductions may round differently)
         expected = orthonormalize(row_major, dtype=work, method=method)
-        powergossip.orthonormalize_(row_major, dtype=work, method=method)
+        orthonormalize_(row_major, dtype=work, method=method)
         assert torch.equal(row_major, expected), (rows, r)
 
 
