@@ -60,29 +60,15 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return number(int, lambda value: value >= low, f"must be >= {low}")  # type: ignore[return-value]
 
 
-def fraction(text: str) -> float:
-    """An argparse type for a float in [0, 1) (a momentum).
+def in_unit_interval(*, include_one: bool) -> Callable[[str], float]:
+    """An argparse type for a float in [0, 1] (a mixing weight) or [0, 1) (a momentum).
 
     Args:
-        text: the option's value.
+        include_one: whether 1 is accepted.
 
     Returns:
-        The number.
+        The parser.
     """
-    return _FRACTION(text)
-
-
-def unit(text: str) -> float:
-    """An argparse type for a float in [0, 1] (a mixing weight).
-
-    Args:
-        text: the option's value.
-
-    Returns:
-        The number.
-    """
-    return _UNIT(text)
-
-
-_FRACTION = number(float, lambda value: 0 <= value < 1, "must be in [0, 1)")
-_UNIT = number(float, lambda value: 0 <= value <= 1, "must be in [0, 1]")
+    if include_one:
+        return number(float, lambda value: 0 <= value <= 1, "must be in [0, 1]")  # type: ignore[return-value]
+    return number(float, lambda value: 0 <= value < 1, "must be in [0, 1)")  # type: ignore[return-value]

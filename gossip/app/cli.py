@@ -34,7 +34,7 @@ from pathlib import Path
 
 import gossip
 import topologies
-from gossip.app.arg_types import fraction, int_at_least, positive
+from gossip.app.arg_types import in_unit_interval, int_at_least, positive
 from gossip.app.local_launch import ERROR_DIR_VARIABLE, launch_local, worker_argv
 from gossip.app.outer_options import add_outer_options, outer_settings
 from gossip.app.train import (
@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     diloco.add_argument(
         "--outer-momentum",
-        type=fraction,
+        type=in_unit_interval(include_one=False),
         default=None,
         help=f"momentum of the outer Nesterov SGD, in [0, 1); default: {DILOCO_DEFAULTS['outer_momentum']}",
     )

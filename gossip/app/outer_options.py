@@ -18,7 +18,7 @@ import argparse
 from typing import Any
 
 import gossip
-from gossip.app.arg_types import int_at_least, unit
+from gossip.app.arg_types import in_unit_interval, int_at_least
 from gossip.errors import ConfigError
 
 OUTER_SYNCS = ("allreduce", "gossip", "powergossip")
@@ -61,7 +61,7 @@ def add_outer_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--outer-merge",
         metavar="A",
-        type=unit,
+        type=in_unit_interval(include_one=True),
         default=None,
         help="with --outer-delay: when the average lands, the replica becomes theta + a (x - theta); 0 drops the "
         f"delayed local steps; default: {DEFAULT_MERGE}",
