@@ -1,0 +1,3 @@
+from experiments.main_job_baselines.study import main
+
+main()

@@ -1,0 +1,90 @@
+"""The main job's defaults against ``--algorithm ddp`` and ``--algorithm diloco`` of the same command.
+
+Every run is ``gossip-train --nproc N --batch-size B --steps T --seed S --out <work>/<method>-s<seed>`` plus the
+method's options (none for the defaults), one after another; this script reads each run's ``result.json`` and
+writes ``<results>/<csv>`` (one row per method and seed: final training loss, validation loss of the averaged model,
+consensus distance, bytes sent per worker per step, training seconds) and prints, per method, the mean and spread
+over seeds and the gap to the defaults paired by seed. Runs whose ``result.json`` exists are read, not rerun.
+
+    python -m experiments.main_job_baselines --nproc 8 --batch-size 8 --steps 1000 --seeds 0 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+#: method name -> the gossip-train options that select it (the defaults: none)
+METHODS = {
+    "defaults": (),
+    "ddp": ("--algorithm", "ddp"),
+    "diloco": ("--algorithm", "diloco"),
+    "diloco-h10-avg": ("--algorithm", "diloco", "--local-steps", "10", "--outer-lr", "1", "--outer-momentum", "0"),
+}
+COLUMNS = (
+    "method",
+    "seed",
+    "final_train_loss",
+    "final_val_loss",
+    "consensus_distance",
+    "bytes_sent_per_worker_per_step",
+    "train_seconds",
+)
+
+
+def run_once(method: str, seed: int, args: argparse.Namespace) -> dict[str, object]:
+    """Train ``method`` with ``seed`` (unless its result.json exists) and return its row."""
+    out = args.work / f"{method}-s{seed}"
+    if not (out / "result.json").exists():
+        command = [sys.executable, "-m", "gossip", "--nproc", str(args.nproc), "--batch-size", str(args.batch_size)]
+        command += ["--steps", str(args.steps), "--seed", str(seed), "--out", str(out), *METHODS[method]]
+        print("gossip-train", *command[3:], flush=True)
+        finished = subprocess.run(command, capture_output=True, text=True)
+        if finished.returncode != 0:
+            raise RuntimeError(f"{method} seed {seed} failed ({finished.returncode}):\n{finished.stderr[-2000:]}")
+    result = json.loads((out / "result.json").read_text())
+    return {"method": method, "seed": seed, **{key: result.get(key, "") for key in COLUMNS[2:]}}
+
+
+def summary_lines(rows: list[dict[str, object]], column: str = "final_val_loss") -> list[str]:
+    """Per method: mean ± sample standard deviation of ``column`` over seeds and the gap to the defaults, paired."""
+    by_method: dict[str, dict[int, float]] = {}
+    for row in rows:
+        by_method.setdefault(str(row["method"]), {})[int(row["seed"])] = float(row[column])
+    base = by_method.get("defaults", {})
+    lines = []
+    for method, values in by_method.items():
+        seeds = sorted(values)
+        spread = statistics.stdev(values.values()) if len(values) > 1 else 0.0
+        line = f"{method:16s} {column} {statistics.mean(values.values()):.3f} ± {spread:.3f}"
+        paired = [values[s] - base[s] for s in seeds if s in base]
+        if method != "defaults" and paired:
+            line += " | minus the defaults, seeds " + " / ".join(f"{gap:+.3f}" for gap in paired)
+        lines.append(line)
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--methods", nargs="+", choices=sorted(METHODS), default=list(METHODS))
+    parser.add_argument("--work", type=Path, default=Path("runs/main_job_baselines"), help="run directories")
+    parser.add_argument("--csv", default="summary.csv", help="file name under results/")
+    args = parser.parse_args(argv)
+    rows = [run_once(method, seed, args) for seed in args.seeds for method in args.methods]
+    RESULTS.mkdir(exist_ok=True)
+    with (RESULTS / args.csv).open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    for column in ("final_val_loss", "final_train_loss"):
+        print("\n".join(summary_lines(rows, column)))
