@@ -397,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             command = [sys.executable, "-m", "gossip", *worker_argv(argv, out)]
             return launch_elastic(args.nproc, command, dict(args.kill), say=_to_stderr, restarts=dict(args.restart),
                                   nodes=args.nnodes, node_rank=args.node_rank, master=master)  # fmt: skip
-        return launch_local(args.nproc, argv, out)
+        return launch_local(args.nproc, argv, out, _to_stderr)
     code = run_worker(args)
     sys.stdout.flush()
     sys.stderr.flush()

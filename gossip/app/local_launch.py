@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ERROR_DIR_VARIABLE = "GOSSIP_TRAIN_ERROR_DIR"  # workers of --nproc write rank<r>.txt there when they fail
@@ -76,7 +76,7 @@ def root_cause(failed: dict[int, int], errors: Path) -> tuple[int, str]:
     return rank, messages[rank]
 
 
-def launch_local(nproc: int, argv: Sequence[str], out: str) -> int:
+def launch_local(nproc: int, argv: Sequence[str], out: str, report: Callable[[str], None]) -> int:
     """Run ``nproc`` workers of this command on Gloo through torch's elastic launcher.
 
     What torchrun runs, with ``--standalone``. The launcher sets torchrun's environment for each worker, stops the
@@ -87,6 +87,7 @@ def launch_local(nproc: int, argv: Sequence[str], out: str) -> int:
         nproc: the number of worker processes.
         argv: the command line of each worker (without ``--nproc``).
         out: the run directory, shared by the workers.
+        report: where the launcher's own messages go (the command line writes them to stderr).
 
     Returns:
         0, or 1 with the failed worker to blame and its error printed.
@@ -117,12 +118,10 @@ def launch_local(nproc: int, argv: Sequence[str], out: str) -> int:
         except ChildFailedError as failure:
             failed = {rank: process.exitcode for rank, process in failure.failures.items()}
         except SignalException as stopped:
-            print(f"gossip-train: {stopped.sigval.name} received; workers stopped", file=sys.stderr)
+            report(f"gossip-train: {stopped.sigval.name} received; workers stopped")
             return 128 + int(stopped.sigval)
         rank, message = root_cause(failed, Path(errors))
         others = f" ({len(failed) - 1} other worker(s) failed too)" if len(failed) > 1 else ""
-        print(
-            f"gossip-train: worker rank {rank} of {nproc} {exit_description(failed[rank])}: {message}{others}",
-            file=sys.stderr,
-        )
+        how = exit_description(failed[rank])
+        report(f"gossip-train: worker rank {rank} of {nproc} {how}: {message}{others}")
         return 1
