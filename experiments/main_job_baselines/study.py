@@ -12,12 +12,13 @@ over seeds and the gap to the defaults paired by seed. Runs whose ``result.json`
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from experiments.shared import write_csv
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: method name -> the gossip-train options that select it (the defaults: none)
@@ -81,10 +82,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--csv", default="summary.csv", help="file name under results/")
     args = parser.parse_args(argv)
     rows = [run_once(method, seed, args) for seed in args.seeds for method in args.methods]
-    RESULTS.mkdir(exist_ok=True)
-    with (RESULTS / args.csv).open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(RESULTS / args.csv, rows)
     for column in ("final_val_loss", "final_train_loss"):
         print("\n".join(summary_lines(rows, column)))

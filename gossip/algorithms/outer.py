@@ -213,7 +213,6 @@ class OuterOptimizer(Algorithm):
         self.merge = _number(label, "merge", merge, 0.0, 1.0, low_open=False, high_open=False)
         self.averaging, self.between, self.sync_schedule = averaging, between, schedule
         self.local_steps, self.delay = local_steps, delay
-        self.period = Period(local_steps)  # which steps synchronise, and between's step numbers
         self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), nesterov
         self._sync: list[torch.Tensor] = []  # theta_i, one tensor per bucket
         self._momentum: list[torch.Tensor] = []  # v_i (none with outer_momentum 0)
@@ -262,6 +261,11 @@ class OuterOptimizer(Algorithm):
         if self.between is not None:
             self.setup_part(self.between, schedule, buckets)
         self._outer_steps, self._inflight, self._open = 0, None, None
+
+    @property
+    def period(self) -> Period:
+        """The calendar of ``local_steps``: which steps synchronise, and ``between``'s step numbers."""
+        return Period(self.local_steps)
 
     @property
     def outer_steps(self) -> int:

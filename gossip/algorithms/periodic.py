@@ -97,7 +97,11 @@ class PeriodicAverage(Algorithm):
                 f"PeriodicAverage: every must be an integer >= 1 (steps between global averages), got {every!r}"
             )
         self.inner, self.every = inner, every
-        self.period = Period(every)  # which steps average, and the inner algorithm's step numbers
+
+    @property
+    def period(self) -> Period:
+        """The calendar of ``every``: which steps average, and the inner algorithm's step numbers."""
+        return Period(self.every)
 
     @property
     def needs_symmetric_schedule(self) -> bool:  # type: ignore[override]
