@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +41,41 @@ def _best_time(action: Callable[[], None], repeats: int) -> float:
     return min(times)
 
 
+def _between_ranks_0_and_1(
+    send: Callable[[Any, int], None],
+    recv: Callable[[Any, int], None],
+    rank: int,
+    small: Any,
+    large: Any,
+    ack: Any,
+    args: argparse.Namespace,
+) -> dict[str, float]:
+    """Ranks 0 and 1: the small message's median half round trip (ms) and one large message's bandwidth (Gbit/s),
+    timed to the acknowledgement ``ack``; ``send(buffer, peer)`` and ``recv(buffer, peer)`` block."""
+
+    def ping() -> None:
+        if rank == 0:
+            send(small, 1)
+            recv(small, 1)
+        else:
+            recv(small, 0)
+            send(small, 0)
+
+    def transfer() -> None:
+        if rank == 0:
+            send(large, 1)
+            recv(ack, 1)
+        else:
+            recv(large, 0)
+            send(ack, 0)
+
+    for _ in range(5):
+        ping()
+    half_rtt_ms = 1e3 * _median_half_round_trip(ping, args.pings)
+    seconds = _best_time(transfer, args.repeats)
+    return {"half_rtt_ms": half_rtt_ms, "bandwidth_gbit_s": 8 * large.nbytes / seconds / 1e9}
+
+
 def probe_gloo(args: argparse.Namespace) -> dict[str, float] | None:
     import datetime
 
@@ -51,31 +87,9 @@ def probe_gloo(args: argparse.Namespace) -> dict[str, float] | None:
     rank = dist.get_rank()
     small = torch.zeros(args.ping_bytes // 4, dtype=torch.float32)
     large = torch.zeros(int(args.bandwidth_mb * 2**20) // 4, dtype=torch.float32)
-    ack = torch.zeros(1)
     result: dict[str, float] = {}
-
-    def ping() -> None:
-        if rank == 0:
-            dist.send(small, 1)
-            dist.recv(small, 1)
-        else:
-            dist.recv(small, 0)
-            dist.send(small, 0)
-
-    def transfer() -> None:
-        if rank == 0:
-            dist.send(large, 1)
-            dist.recv(ack, 1)
-        else:
-            dist.recv(large, 0)
-            dist.send(ack, 0)
-
     if rank < 2:
-        for _ in range(5):
-            ping()
-        result["half_rtt_ms"] = 1e3 * _median_half_round_trip(ping, args.pings)
-        seconds = _best_time(transfer, args.repeats)
-        result["bandwidth_gbit_s"] = 8 * large.numel() * 4 / seconds / 1e9
+        result.update(_between_ranks_0_and_1(dist.send, dist.recv, rank, small, large, torch.zeros(1), args))
     buffer = torch.ones(int(args.allreduce_mb * 2**20) // 4, dtype=torch.float32)
 
     def all_reduce() -> None:
@@ -95,31 +109,10 @@ def probe_mpi(args: argparse.Namespace) -> dict[str, float] | None:
     rank = comm.Get_rank()
     small = np.zeros(args.ping_bytes, dtype=np.uint8)
     large = np.zeros(int(args.bandwidth_mb * 2**20), dtype=np.uint8)
-    ack = np.zeros(1, dtype=np.uint8)
     result: dict[str, float] = {}
-
-    def ping() -> None:
-        if rank == 0:
-            comm.Send(small, 1)
-            comm.Recv(small, 1)
-        else:
-            comm.Recv(small, 0)
-            comm.Send(small, 0)
-
-    def transfer() -> None:
-        if rank == 0:
-            comm.Send(large, 1)
-            comm.Recv(ack, 1)
-        else:
-            comm.Recv(large, 0)
-            comm.Send(ack, 0)
-
     if rank < 2:
-        for _ in range(5):
-            ping()
-        result["half_rtt_ms"] = 1e3 * _median_half_round_trip(ping, args.pings)
-        seconds = _best_time(transfer, args.repeats)
-        result["bandwidth_gbit_s"] = 8 * large.nbytes / seconds / 1e9
+        ack = np.zeros(1, dtype=np.uint8)
+        result.update(_between_ranks_0_and_1(comm.Send, comm.Recv, rank, small, large, ack, args))
     _sleepy_barrier(comm)  # idle ranks must not busy-poll the 2 cores away from ranks 0, 1 and the forwarder
     buffer = np.ones(int(args.allreduce_mb * 2**20) // 4, dtype=np.float32)
 
