@@ -362,6 +362,16 @@ def suite(name: str) -> list[RunConfig]:
     main_job = {"workers": 4, "batch": 16, "steps": 300}  # gossip-train's n = 4 and batch 16; 300 of its 500 steps
     many = {"workers": 16, "batch": 1}
     accum4 = {"optimizer": "accum-adamw", "accum_iter": 4, "beta2": 0.99}  # AccumAdamW as its paper sets it at n = 16
+
+    def n16_defaults_and_diloco(suffix: str, **length: int) -> list[RunConfig]:
+        pg = {"rank": 4, "iterations": 2, "message_dtype": "float16"}
+        plain_average = {"algorithm": "diloco", "local_steps": 10, "outer_lr": 1.0, "outer_momentum": 0.0}
+        return [
+            c(f"n16b1-pg4-it2-fp16{suffix}", **pg, **length, **many),
+            c(f"n16b1-pg4-it2-fp16-gt{suffix}", gradient_tracking=True, **pg, **length, **many),
+            c(f"n16b1-diloco-h10-olr1.0-m0{suffix}", **plain_average, **length, **many),
+        ]
+
     return [
         c("ddp", algorithm="ddp", **d),
         c("pg1", spectrum=True, **d),
@@ -528,30 +538,10 @@ def suite(name: str) -> list[RunConfig]:
             **d,
         ),
         c("n16b1-ddp-s4000", algorithm="ddp", steps=4000, warmup=100, **many),
-        # n = 16 x 1 at 4000 steps: the defaults with and without tracking, and the best DiLoCo of the n = 8 grid
-        *(
-            c(
-                f"n16b1-pg4-it2-fp16{gt}-s4000",
-                rank=4,
-                iterations=2,
-                message_dtype="float16",
-                gradient_tracking=bool(gt),
-                steps=4000,
-                warmup=100,
-                **many,
-            )
-            for gt in ("", "-gt")
-        ),
-        c(
-            "n16b1-diloco-h10-olr1.0-m0-s4000",
-            algorithm="diloco",
-            local_steps=10,
-            outer_lr=1.0,
-            outer_momentum=0.0,
-            steps=4000,
-            warmup=100,
-            **many,
-        ),
+        # n = 16 x 1 at 4000 steps and at 1000 (beside n16b1-ddp and n16b1-exact): the defaults with and without
+        # tracking, and the best DiLoCo of the n = 8 grid
+        *n16_defaults_and_diloco("-s4000", steps=4000, warmup=100),
+        *n16_defaults_and_diloco(""),
     ]
 
 
