@@ -524,6 +524,7 @@ def suite(name: str) -> list[RunConfig]:
             **d,
         ),
         c("n16b1-exact-gt-s4000", algorithm="exact", gradient_tracking=True, steps=4000, warmup=100, **many),
+        c("n16b1-exact-gt", algorithm="exact", gradient_tracking=True, **many),
         # the outer step without momentum at lr 1 is a plain average of the replicas every H steps (local AdamW);
         # the hybrid gossips every step with the defaults' PowerGossip and takes DiLoCo's outer step every H
         c("diloco-h10-olr1.0-m0", algorithm="diloco", local_steps=10, outer_lr=1.0, outer_momentum=0.0, **d),
