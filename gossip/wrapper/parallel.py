@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from gossip.algorithms.base import Algorithm
-from gossip.algorithms.buckets import DEFAULT_BUCKET_BYTES, Bucket, bucket_parameters, pack
+from gossip.algorithms.buckets import DEFAULT_BUCKET_BYTES, bucket_parameters
 from gossip.backends.base import Communicator
 from gossip.errors import (
     ArgumentTypeError,
@@ -49,12 +49,11 @@ from gossip.errors import (
     InvalidArgumentError,
     MixingOnlyStepWarning,
     ModelChangedError,
-    NonFiniteError,
-    NonFiniteWarning,
     StepPhaseError,
     UseAfterCloseError,
 )
 from gossip.wrapper import optimizer_hooks
+from gossip.wrapper.buffer_average import average_buffers, float_buffers
 from gossip.wrapper.consensus import (
     DEFAULT_SAMPLES,
     ConsensusSampler,
@@ -459,7 +458,7 @@ class DecentralizedDataParallel(nn.Module):
         self._timing["wait_seconds"] = self.algorithm.wait_seconds
         self._timing["finish_seconds"] = time.perf_counter() - begin
         if self.buffers_policy == "average":
-            self._average_buffers()
+            average_buffers(self.module, self.comm, self.algorithm.nonfinite, self.step_count)
 
     def next_step(self, **values: Any) -> None:
         """End step t after the update: record its metrics, advance to t + 1 and start x_{t+1}'s exchange.
@@ -700,55 +699,6 @@ class DecentralizedDataParallel(nn.Module):
             for bucket, saved in zip(self.buckets, local, strict=True):
                 bucket.buffer.copy_(saved)
 
-    def _float_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, b) for name, b in self.module.named_buffers() if b.is_floating_point()]
-
-    def _average_buffers(self) -> None:
-        """``buffers="average"``: replace the floating-point buffers by their average over ranks.
-
-        The algorithm's non-finite policy applies as to the parameters: a rank whose buffer holds NaN or Inf
-        would spread it to every rank, so with ``"raise"`` every rank raises :class:`NonFiniteError` naming the
-        rank(s) and the buffer, and with ``"drop"`` the average is taken over the finite ranks only (a
-        :class:`NonFiniteWarning` names the dropped ranks; they receive the finite ranks' average). The check
-        costs one ``isfinite`` of the averaged result; only when it fails are the ranks asked which one it was.
-        """
-        named = self._float_buffers()
-        tensors = dict(named)
-        with torch.no_grad():
-            for flat in pack(named):
-                local = flat.buffer.clone()
-                self.comm.all_reduce(flat.buffer, "avg")
-                if not bool(torch.isfinite(flat.buffer).all()):
-                    self._average_finite_only(flat, local)
-                for entry in flat.entries:
-                    tensors[entry.name].copy_(flat.view(entry))
-
-    def _average_finite_only(self, flat: Bucket, local: torch.Tensor) -> None:
-        """The average was non-finite on every rank: find the culprits and apply the non-finite policy."""
-        mine = [entry.name for entry in flat.entries if not bool(torch.isfinite(flat.view(entry, local)).all())]
-        culprits = {rank: names for rank, names in enumerate(self.comm.all_gather_object(mine)) if names}
-        ranks = sorted(culprits)
-        first = culprits[ranks[0]][0]
-        where = f"rank {self.comm.rank}"  # the error is prefixed with the step by _naming_step
-        if self.algorithm.nonfinite != "drop":
-            raise NonFiniteError(
-                f"{where}: buffer '{first}' of rank(s) {ranks} holds non-finite values (NaN or Inf); "
-                'buffers="average" would spread them to every rank. Fix the divergence, or use '
-                "nonfinite='drop' on the algorithm to average over the finite ranks only"
-            )
-        warnings.warn(
-            f"{where}: step {self.step_count}: dropped the buffers of rank(s) {ranks} from the average "
-            f"(buffer '{first}' holds NaN or Inf)",
-            NonFiniteWarning,
-            stacklevel=4,
-        )
-        finite = len(set(range(self.comm.size)) - set(ranks))
-        if finite == 0:
-            raise NonFiniteError(f"{where}: buffer '{first}' is non-finite on every rank; nothing left to average")
-        flat.buffer.copy_(torch.zeros_like(local) if self.comm.rank in culprits else local)
-        self.comm.all_reduce(flat.buffer, "sum")
-        flat.buffer.div_(finite)
-
     # -- evaluation and consensus ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def averaged(self, buffers: bool = False) -> Iterator[nn.Module]:
@@ -779,9 +729,9 @@ class DecentralizedDataParallel(nn.Module):
         values = [bucket.view(entry, mean) for bucket, mean in zip(self.buckets, average, strict=True)
                   for entry in bucket.entries]  # fmt: skip
         if buffers:
-            float_buffers = [b for _, b in self._float_buffers()]
-            targets += float_buffers
-            values += global_average(float_buffers, self.comm)
+            floats = [b for _, b in float_buffers(self.module)]
+            targets += floats
+            values += global_average(floats, self.comm)
         self._averaging = True
         try:
             with reading(targets, values):
