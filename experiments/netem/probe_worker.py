@@ -53,21 +53,19 @@ def _between_ranks_0_and_1(
     """Ranks 0 and 1: the small message's median half round trip (ms) and one large message's bandwidth (Gbit/s),
     timed to the acknowledgement ``ack``; ``send(buffer, peer)`` and ``recv(buffer, peer)`` block."""
 
-    def ping() -> None:
+    def round_trip(there: Any, back: Any) -> None:
         if rank == 0:
-            send(small, 1)
-            recv(small, 1)
+            send(there, 1)
+            recv(back, 1)
         else:
-            recv(small, 0)
-            send(small, 0)
+            recv(there, 0)
+            send(back, 0)
+
+    def ping() -> None:
+        round_trip(small, small)
 
     def transfer() -> None:
-        if rank == 0:
-            send(large, 1)
-            recv(ack, 1)
-        else:
-            recv(large, 0)
-            send(ack, 0)
+        round_trip(large, ack)
 
     for _ in range(5):
         ping()
