@@ -543,6 +543,8 @@ def suite(name: str) -> list[RunConfig]:
         # tracking, and the best DiLoCo of the n = 8 grid
         *n16_defaults_and_diloco("-s4000", steps=4000, warmup=100),
         *n16_defaults_and_diloco(""),
+        # at n = 16 x 1 compression costs more than at n = 8 x 8: do twice the power iterations (and bytes) close it?
+        c("n16b1-pg4-it4-fp16", rank=4, iterations=4, message_dtype="float16", **many),
     ]
 
 
