@@ -358,3 +358,20 @@ def test_report_reads_each_run_from_the_first_directory_that_has_it(tmp_path):
         ("exact-gt", 0, 1.0), ("ddp", 0, 1.5), ("ddp", 1, 1.7)
     ]  # fmt: skip
     assert merged_rows([first, second], "steps") == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(
+    "settings",
+    [{"algorithm": "ddp"}, {"algorithm": "exact"}, {"rank": 4, "iterations": 2, "message_dtype": "float16"}],
+    ids=["ddp", "exact", "defaults"],
+)
+def test_a_run_on_cuda_follows_the_same_run_on_the_cpu(settings):
+    """``--device cuda``: every virtual rank's model, batches and the study's own collectives on the GPU; the curve
+    equals the CPU run's up to float rounding (CUDA orders its reductions differently), bytes exactly."""
+    config = RunConfig("on-device", **settings, workers=4, batch=2, steps=6, warmup=2)
+    on_cpu, on_cuda = (train_run(config, seed=0, device=device)["summary"][0] for device in ("cpu", "cuda"))
+    assert on_cuda["final_train_loss"] == pytest.approx(on_cpu["final_train_loss"], abs=2e-3)
+    assert on_cuda["val_loss_averaged"] == pytest.approx(on_cpu["val_loss_averaged"], abs=2e-3)
+    assert on_cuda["bytes_per_worker_per_step"] == on_cpu["bytes_per_worker_per_step"]

@@ -244,11 +244,15 @@ def _average_moments(optimizer: torch.optim.Optimizer, which: str, comm: gossip.
     _average_in_place(tensors, comm)
 
 
-def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
-    """Train ``config`` with ``seed``; return its ``steps``, ``summary`` and ``spectrum`` rows."""
+def train_run(config: RunConfig, seed: int, device: str = "cpu") -> dict[str, list[dict]]:
+    """Train ``config`` with ``seed`` on ``device`` (every virtual rank's model and batches there, e.g.
+    ``"cuda"``: the ranks share one GPU); return its ``steps``, ``summary`` and ``spectrum`` rows."""
     model_config = GPTConfig()
     corpus = load_corpus(None, block_size=model_config.block_size)
-    held_out = validation_batches(corpus.validation, config.batch, model_config.block_size, EVAL_BATCHES)
+    held_out = [
+        (x.to(device), y.to(device))
+        for x, y in validation_batches(corpus.validation, config.batch, model_config.block_size, EVAL_BATCHES)
+    ]
     schedule_config = TrainConfig(lr=config.lr, steps=config.steps, warmup_steps=config.warmup)
     init_lock = threading.Lock()
     model_bytes = 0
@@ -258,7 +262,7 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
         nonlocal model_bytes
         with init_lock:  # the virtual ranks share torch's global generator: seed and draw atomically
             torch.manual_seed(seed)
-            module = GPT(model_config)
+            module = GPT(model_config).to(device)
         model_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
         all_reduce_run = config.algorithm in ("ddp", "atc")  # identical replicas by an all-reduce, no wrapper
         algorithm = None if all_reduce_run else make_algorithm(config)
@@ -278,7 +282,7 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
         for step in range(config.steps):
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(schedule_config, step)
-            x, y = batches.batch(step)
+            x, y = (t.to(device) for t in batches.batch(step))
             _, loss = wrapped(x, y)
             loss.backward()
             if config.algorithm == "ddp":
@@ -299,11 +303,11 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
                 where = f"{config.name} seed {seed}: rank {comm.rank}, step {step}"
                 raise FloatingPointError(f"{where}: training loss {losses[-1]}; lower lr")
             if (step + 1) % RECORD_EVERY == 0 or step + 1 == config.steps:
-                block = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64)
+                block = torch.tensor([sum(losses) / len(losses)], dtype=torch.float64, device=device)
                 comm.all_reduce(block, "avg")
                 sent = ring_bytes * (step + 1) if all_reduce_run else float(algorithm.traffic.total_sent)
                 sent += sampled_bytes
-                total_sent = torch.tensor([sent], dtype=torch.float64)
+                total_sent = torch.tensor([sent], dtype=torch.float64, device=device)
                 comm.all_reduce(total_sent, "avg")
                 consensus = math.sqrt(exact_consensus_sq(parameters, comm))
                 steps.append(
@@ -321,7 +325,7 @@ def train_run(config: RunConfig, seed: int) -> dict[str, list[dict]]:
             wrapped.close()
         return {"steps": steps, "spectrum": spectrum, "val": val}
 
-    results = gossip.simulate(config.workers, worker, timeout=1800.0)
+    results = gossip.simulate(config.workers, worker, timeout=1800.0, device=device)
     rows = results[0]["steps"]
     tail = [r["train_loss"] for r in rows if r["step"] > config.steps - FINAL_TAIL_STEPS]
     summary = {
@@ -545,14 +549,28 @@ def suite(name: str) -> list[RunConfig]:
         *n16_defaults_and_diloco(""),
         # at n = 16 x 1 compression costs more than at n = 8 x 8: do twice the power iterations (and bytes) close it?
         c("n16b1-pg4-it4-fp16", rank=4, iterations=4, message_dtype="float16", **many),
+        c("n16b1-pg4-it4-fp16-s4000", rank=4, iterations=4, message_dtype="float16", steps=4000, warmup=100, **many),
+        # n = 8 x 8 at 4000 steps (warm-up as gossip-train's): DDP, exact gossip, the defaults, the plain average
+        c("ddp-s4000", algorithm="ddp", steps=4000, warmup=100),
+        c("exact-s4000", algorithm="exact", steps=4000, warmup=100),
+        c("pg4-it2-fp16-s4000", rank=4, iterations=2, message_dtype="float16", steps=4000, warmup=100),
+        c(
+            "diloco-h10-olr1.0-m0-s4000",
+            algorithm="diloco",
+            local_steps=10,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            steps=4000,
+            warmup=100,
+        ),
     ]
 
 
-def _run_job(job: tuple[RunConfig, int]) -> dict[str, list[dict]]:
+def _run_job(job: tuple[RunConfig, int, str]) -> dict[str, list[dict]]:
     torch.set_num_threads(1)
-    config, seed = job
+    config, seed, device = job
     try:
-        return train_run(config, seed)
+        return train_run(config, seed, device)
     except Exception as error:  # one failed run must not sink the sweep: record it
         return {"error": [{"config": config.name, "seed": seed, "error": f"{type(error).__name__}: {error}"}]}
 
@@ -585,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="(configuration, seed) runs in parallel processes")
     parser.add_argument("--steps", type=int, help="override every configuration's steps (calibration, smoke tests)")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--device", default="cpu", help="where the virtual ranks compute, e.g. cuda (one GPU shared)")
     args = parser.parse_args(argv)
     configs = suite(args.suite)
     if args.steps is not None:
@@ -595,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown configuration(s) {unknown}; the suite has {[c.name for c in configs]}")
         configs = [c for c in configs if c.name in args.only]
     args.out.mkdir(parents=True, exist_ok=True)
-    jobs = list(jobs_in_order(configs, args.seeds))
+    jobs = [(config, seed, args.device) for config, seed in jobs_in_order(configs, args.seeds)]
     started = time.perf_counter()
     context = multiprocessing.get_context("spawn")
     with context.Pool(args.jobs, maxtasksperchild=1) as pool:
