@@ -550,6 +550,23 @@ def suite(name: str) -> list[RunConfig]:
         # at n = 16 x 1 compression costs more than at n = 8 x 8: do twice the power iterations (and bytes) close it?
         c("n16b1-pg4-it4-fp16", rank=4, iterations=4, message_dtype="float16", **many),
         c("n16b1-pg4-it4-fp16-s4000", rank=4, iterations=4, message_dtype="float16", steps=4000, warmup=100, **many),
+        # the rest of the families at n = 16 x 1, 1000 steps: the hybrid with a plain average (outer lr 1, no
+        # momentum) every 10 steps, the plain average every 50, the paper's outer step, AccumAdamW on trackers
+        c(
+            "n16b1-hybrid-pg4-it2-fp16-h10-olr1.0-m0",
+            algorithm="diloco",
+            local_steps=10,
+            outer_lr=1.0,
+            outer_momentum=0.0,
+            between="powergossip",
+            rank=4,
+            iterations=2,
+            message_dtype="float16",
+            **many,
+        ),
+        c("n16b1-diloco-h50-olr1.0-m0", algorithm="diloco", local_steps=50, outer_lr=1.0, outer_momentum=0.0, **many),
+        c("n16b1-exact-gt-accum4", algorithm="exact", gradient_tracking=True, **accum4, **many),
+        c("n16b1-diloco-h10", algorithm="diloco", local_steps=10, **many),
         # n = 8 x 8 at 4000 steps (warm-up as gossip-train's): DDP, exact gossip, the defaults, the plain average
         c("ddp-s4000", algorithm="ddp", steps=4000, warmup=100),
         c("exact-s4000", algorithm="exact", steps=4000, warmup=100),
