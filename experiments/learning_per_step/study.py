@@ -57,7 +57,8 @@ momentum 0.9).
 
 ``python -m experiments.learning_per_step --suite study --jobs 16`` runs every configuration of the study (each
 (configuration, seed) in its own process) and appends to ``<out>/steps.csv``, ``summary.csv`` and ``spectrum.csv``
-as runs finish, so an interrupted sweep keeps what it finished. ``--suite smoke`` is a few steps of each kind.
+as runs finish, so an interrupted sweep keeps what it finished. ``--suite smoke`` is a few steps of each kind;
+``--device cuda`` puts every run's virtual ranks on one GPU, which they share.
 :mod:`experiments.learning_per_step.report` turns the CSVs into the tables and plots of the study's README.md.
 """
 
