@@ -367,14 +367,14 @@ def suite(name: str) -> list[RunConfig]:
     main_job = {"workers": 4, "batch": 16, "steps": 300}  # gossip-train's n = 4 and batch 16; 300 of its 500 steps
     many = {"workers": 16, "batch": 1}
     accum4 = {"optimizer": "accum-adamw", "accum_iter": 4, "beta2": 0.99}  # AccumAdamW as its paper sets it at n = 16
+    pg = {"rank": 4, "iterations": 2, "message_dtype": "float16"}  # the main job's PowerGossip
+    plain_average = {"algorithm": "diloco", "outer_lr": 1.0, "outer_momentum": 0.0}  # the outer step is an average
 
     def n16_defaults_and_diloco(suffix: str, **length: int) -> list[RunConfig]:
-        pg = {"rank": 4, "iterations": 2, "message_dtype": "float16"}
-        plain_average = {"algorithm": "diloco", "local_steps": 10, "outer_lr": 1.0, "outer_momentum": 0.0}
         return [
             c(f"n16b1-pg4-it2-fp16{suffix}", **pg, **length, **many),
             c(f"n16b1-pg4-it2-fp16-gt{suffix}", gradient_tracking=True, **pg, **length, **many),
-            c(f"n16b1-diloco-h10-olr1.0-m0{suffix}", **plain_average, **length, **many),
+            c(f"n16b1-diloco-h10-olr1.0-m0{suffix}", local_steps=10, **plain_average, **length, **many),
         ]
 
     return [
@@ -555,32 +555,20 @@ def suite(name: str) -> list[RunConfig]:
         # momentum) every 10 steps, the plain average every 50, the paper's outer step, AccumAdamW on trackers
         c(
             "n16b1-hybrid-pg4-it2-fp16-h10-olr1.0-m0",
-            algorithm="diloco",
             local_steps=10,
-            outer_lr=1.0,
-            outer_momentum=0.0,
             between="powergossip",
-            rank=4,
-            iterations=2,
-            message_dtype="float16",
+            **plain_average,
+            **pg,
             **many,
         ),
-        c("n16b1-diloco-h50-olr1.0-m0", algorithm="diloco", local_steps=50, outer_lr=1.0, outer_momentum=0.0, **many),
+        c("n16b1-diloco-h50-olr1.0-m0", local_steps=50, **plain_average, **many),
         c("n16b1-exact-gt-accum4", algorithm="exact", gradient_tracking=True, **accum4, **many),
         c("n16b1-diloco-h10", algorithm="diloco", local_steps=10, **many),
         # n = 8 x 8 at 4000 steps (warm-up as gossip-train's): DDP, exact gossip, the defaults, the plain average
         c("ddp-s4000", algorithm="ddp", steps=4000, warmup=100),
         c("exact-s4000", algorithm="exact", steps=4000, warmup=100),
-        c("pg4-it2-fp16-s4000", rank=4, iterations=2, message_dtype="float16", steps=4000, warmup=100),
-        c(
-            "diloco-h10-olr1.0-m0-s4000",
-            algorithm="diloco",
-            local_steps=10,
-            outer_lr=1.0,
-            outer_momentum=0.0,
-            steps=4000,
-            warmup=100,
-        ),
+        c("pg4-it2-fp16-s4000", steps=4000, warmup=100, **pg),
+        c("diloco-h10-olr1.0-m0-s4000", local_steps=10, steps=4000, warmup=100, **plain_average),
     ]
 
 
