@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 import gossip
+from helpers import own_stderr
 from helpers.parallel_scenarios import make_mlp, train_with_an_extra_step_on_rank_1, wrap
 
 TIMEOUT = 10.0
@@ -23,11 +24,10 @@ def main() -> None:
     out_dir, backend = Path(sys.argv[1]), sys.argv[2]
     warnings.simplefilter("ignore")  # the MixingOnlyStepWarning is pinned by the simulator's test
     torch.set_num_threads(1)
-    stderr = os.open(out_dir / f"stderr.{os.getpid()}", os.O_WRONLY | os.O_CREAT, 0o644)
-    os.dup2(stderr, 2)  # this process's own file: MPICH's Hydra can drop output of processes at the job's end
+    own_stderr.redirect(out_dir)
     comm = gossip.init(backend, timeout=TIMEOUT)
     (out_dir / f"rank{comm.rank}.pid").write_text(str(os.getpid()))
-    os.replace(out_dir / f"stderr.{os.getpid()}", out_dir / f"rank{comm.rank}.stderr")
+    own_stderr.name_by_rank(out_dir, comm.rank)
     model = wrap(comm, make_mlp(comm.rank))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     train_with_an_extra_step_on_rank_1(model, optimizer, comm.rank)

@@ -2,9 +2,10 @@
 
 Usage (by tests/test_failures_dead_peer.py): python tests/helpers/failure_dead_peer_worker.py OUT_DIR BACKEND KILL_RANK
 [STEPS]. KILL_RANK -1 is a healthy run. The rank ``KILL_RANK`` writes ``OUT_DIR/killed_at`` (time.time()) and
-SIGKILLs itself at the top of step ``KILL_STEP``; every rank writes its pid to ``OUT_DIR/rank<r>.pid`` first and, after
-closing, the names of its remaining threads to ``OUT_DIR/rank<r>.threads``. A
-survivor's error is not caught: it reaches the interpreter's top level, so the exit code is non-zero.
+SIGKILLs itself at the top of step ``KILL_STEP``; every rank writes its pid to ``OUT_DIR/rank<r>.pid`` first, its
+standard error to ``OUT_DIR/rank<r>.stderr`` (tests/helpers/own_stderr.py) and, after closing, the names of its
+remaining threads to ``OUT_DIR/rank<r>.threads``. A survivor's error is not caught: it reaches the interpreter's
+top level, so the exit code is non-zero.
 """
 
 import faulthandler
@@ -19,6 +20,7 @@ from torch import nn
 
 import gossip
 import topologies
+from helpers import own_stderr
 
 TIMEOUT = 5.0
 KILL_STEP = 5
@@ -29,8 +31,10 @@ def main() -> None:
     steps = int(sys.argv[4]) if len(sys.argv) > 4 else 30
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid> prints every thread's stack
     torch.set_num_threads(1)
+    own_stderr.redirect(out_dir)
     comm = gossip.init(backend, timeout=TIMEOUT)
     (out_dir / f"rank{comm.rank}.pid").write_text(str(os.getpid()))
+    own_stderr.name_by_rank(out_dir, comm.rank)
     torch.manual_seed(comm.rank)
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     model = gossip.DecentralizedDataParallel(net, comm, topologies.ring(comm.size), gossip.ExactGossip())

@@ -1,9 +1,9 @@
 """Launch tests/helpers/failure_dead_peer_worker.py on 4 processes and collect, per rank, its exit status and output.
 
-Gloo: one process per rank with torchrun's environment; each rank's stderr goes to ``rank<r>.err``. MPI:
-``mpiexec -disable-auto-cleanup -print-all-exitcodes -l -n 4`` (MPICH's Hydra; without the flag Hydra kills every
-rank as soon as one dies; a healthy job runs without it); the per-rank status comes from Hydra's "Exit codes"
-line and the output lines are attributed by their ``[r]`` prefix.
+Gloo: one process per rank with torchrun's environment. MPI: ``mpiexec -disable-auto-cleanup -print-all-exitcodes
+-n 4`` (MPICH's Hydra; without the flag Hydra kills every rank as soon as one dies; a healthy job runs without it);
+the per-rank status comes from Hydra's "Exit codes" line. A rank's output is what it wrote to its own standard-error
+file (tests/helpers/own_stderr.py), after what it wrote before it knew its rank (Gloo: captured per process).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from helpers import own_stderr
 from helpers.launch import REPO, _env, _free_port, mpiexec
 
 N = 4
@@ -42,20 +43,18 @@ def run(
         # -disable-auto-cleanup only with a failure: Hydra then also signals (SIGUSR1) the ranks still finalizing
         # when the first healthy rank exits, so a healthy job runs as users run it, without the flag.
         keep_survivors = ["-disable-auto-cleanup"] if kill_rank >= 0 else []
-        command = [mpiexec(), *keep_survivors, "-print-all-exitcodes", "-l", "-n", str(N), *argv]
+        command = [mpiexec(), *keep_survivors, "-print-all-exitcodes", "-n", str(N), *argv]
         proc = subprocess.run(command, env=_env({}), capture_output=True, text=True, timeout=timeout)
         ended_at = time.time()
-        text = proc.stdout + proc.stderr
-        codes = re.search(r"Exit codes: \[[^\]]*\] ([\d,]+)", text)
+        codes = re.search(r"Exit codes: \[[^\]]*\] ([\d,]+)", proc.stdout + proc.stderr)
         statuses = [_hydra_status(int(c)) for c in codes.group(1).split(",")] if codes else [proc.returncode] * N
-        outputs = ["\n".join(line for line in text.splitlines() if line.startswith(f"[{r}] ")) for r in range(N)]
-        return Job(statuses, outputs, ended_at)
+        return Job(statuses, [own_stderr.read(out_dir, r) for r in range(N)], ended_at)
     port = str(_free_port())
     procs, files = [], []
     for r in range(N):
         env = {"RANK": str(r), "WORLD_SIZE": str(N), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(N)}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        files.append(open(out_dir / f"rank{r}.err", "w+"))  # noqa: SIM115 -- closed below
+        files.append(open(out_dir / f"rank{r}.console", "w+"))  # noqa: SIM115 -- closed below
         procs.append(subprocess.Popen(argv, env=_env(env), stdout=files[-1], stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     try:
@@ -67,9 +66,9 @@ def run(
             if proc.poll() is None:
                 proc.kill()
     outputs = []
-    for handle in files:
+    for rank, handle in enumerate(files):
         handle.seek(0)
-        outputs.append(handle.read())
+        outputs.append(handle.read() + own_stderr.read(out_dir, rank))
         handle.close()
     return Job([proc.returncode for proc in procs], outputs, ended_at)
 

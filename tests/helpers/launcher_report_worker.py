@@ -14,15 +14,15 @@ from pathlib import Path
 import torch
 
 import gossip
+from helpers import own_stderr
 
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    stderr = os.open(out_dir / f"stderr.{os.getpid()}", os.O_WRONLY | os.O_CREAT, 0o644)
-    os.dup2(stderr, 2)  # this process's own file: MPICH's Hydra can drop output of processes at the job's end
+    own_stderr.redirect(out_dir)
     comm = gossip.init("mpi", timeout=60.0)
     (out_dir / f"rank{comm.rank}.pid").write_text(str(os.getpid()))
-    os.replace(out_dir / f"stderr.{os.getpid()}", out_dir / f"rank{comm.rank}.stderr")
+    own_stderr.name_by_rank(out_dir, comm.rank)
     if comm.rank == 1:
         time.sleep(120)
         return
