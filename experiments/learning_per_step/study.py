@@ -369,6 +369,8 @@ def suite(name: str) -> list[RunConfig]:
     accum4 = {"optimizer": "accum-adamw", "accum_iter": 4, "beta2": 0.99}  # AccumAdamW as its paper sets it at n = 16
     pg = {"rank": 4, "iterations": 2, "message_dtype": "float16"}  # the main job's PowerGossip
     plain_average = {"algorithm": "diloco", "outer_lr": 1.0, "outer_momentum": 0.0}  # the outer step is an average
+    hybrid = {"local_steps": 10, "between": "powergossip", **plain_average, **pg}  # the defaults + an average every 10
+    s4000 = {"steps": 4000, "warmup": 100}
 
     def n16_defaults_and_diloco(suffix: str, **length: int) -> list[RunConfig]:
         return [
@@ -569,6 +571,14 @@ def suite(name: str) -> list[RunConfig]:
         c("exact-s4000", algorithm="exact", steps=4000, warmup=100),
         c("pg4-it2-fp16-s4000", steps=4000, warmup=100, **pg),
         c("diloco-h10-olr1.0-m0-s4000", local_steps=10, steps=4000, warmup=100, **plain_average),
+        # the rest of the grid: the hybrid with a plain average at n = 8 x 8 (1000 and 4000 steps) and at n = 16 x 1
+        # (4000 steps), a plain average every 200 steps at n = 16 x 1, and tracking at n = 8 x 8 and 4000 steps
+        c("hybrid-pg4-it2-fp16-h10-olr1.0-m0", **hybrid),
+        c("hybrid-pg4-it2-fp16-h10-olr1.0-m0-s4000", **hybrid, **s4000),
+        c("n16b1-hybrid-pg4-it2-fp16-h10-olr1.0-m0-s4000", **hybrid, **s4000, **many),
+        c("n16b1-diloco-h200-olr1.0-m0", local_steps=200, **plain_average, **many),
+        c("exact-gt-s4000", algorithm="exact", gradient_tracking=True, **s4000),
+        c("pg4-it2-fp16-gt-s4000", gradient_tracking=True, **pg, **s4000),
     ]
 
 
