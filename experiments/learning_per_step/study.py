@@ -494,8 +494,8 @@ def suite(name: str) -> list[RunConfig]:
         c("n16b1-exact-accum4", algorithm="exact", **accum4, **many),
         c("n16b1-exact-accum8", algorithm="exact", **dict(accum4, accum_iter=8), **many),
         # and 4x longer (warm-up as gossip-train's: steps // 10, at most 100): does the deficit shrink with steps?
-        c("n16b1-exact-s4000", algorithm="exact", steps=4000, warmup=100, **many),
-        c("n16b1-exact-accum4-s4000", algorithm="exact", steps=4000, warmup=100, **accum4, **many),
+        c("n16b1-exact-s4000", algorithm="exact", **s4000, **many),
+        c("n16b1-exact-accum4-s4000", algorithm="exact", **s4000, **accum4, **many),
         # and 10x longer, the length of the runs AccumAdam was made for: does the deficit close, or turn into a gain?
         c("n16b1-ddp-s10000", algorithm="ddp", steps=10000, warmup=100, **many),
         c("n16b1-exact-s10000", algorithm="exact", steps=10000, warmup=100, **many),
@@ -530,7 +530,7 @@ def suite(name: str) -> list[RunConfig]:
             beta2=0.99,
             **d,
         ),
-        c("n16b1-exact-gt-s4000", algorithm="exact", gradient_tracking=True, steps=4000, warmup=100, **many),
+        c("n16b1-exact-gt-s4000", algorithm="exact", gradient_tracking=True, **s4000, **many),
         c("n16b1-exact-gt", algorithm="exact", gradient_tracking=True, **many),
         # the outer step without momentum at lr 1 is a plain average of the replicas every H steps (local AdamW);
         # the hybrid gossips every step with the defaults' PowerGossip and takes DiLoCo's outer step every H
@@ -545,32 +545,25 @@ def suite(name: str) -> list[RunConfig]:
             message_dtype="float16",
             **d,
         ),
-        c("n16b1-ddp-s4000", algorithm="ddp", steps=4000, warmup=100, **many),
+        c("n16b1-ddp-s4000", algorithm="ddp", **s4000, **many),
         # n = 16 x 1 at 4000 steps and at 1000 (beside n16b1-ddp and n16b1-exact): the defaults with and without
         # tracking, and the best DiLoCo of the n = 8 grid
-        *n16_defaults_and_diloco("-s4000", steps=4000, warmup=100),
+        *n16_defaults_and_diloco("-s4000", **s4000),
         *n16_defaults_and_diloco(""),
         # at n = 16 x 1 compression costs more than at n = 8 x 8: do twice the power iterations (and bytes) close it?
         c("n16b1-pg4-it4-fp16", rank=4, iterations=4, message_dtype="float16", **many),
-        c("n16b1-pg4-it4-fp16-s4000", rank=4, iterations=4, message_dtype="float16", steps=4000, warmup=100, **many),
+        c("n16b1-pg4-it4-fp16-s4000", rank=4, iterations=4, message_dtype="float16", **s4000, **many),
         # the rest of the families at n = 16 x 1, 1000 steps: the hybrid with a plain average (outer lr 1, no
         # momentum) every 10 steps, the plain average every 50, the paper's outer step, AccumAdamW on trackers
-        c(
-            "n16b1-hybrid-pg4-it2-fp16-h10-olr1.0-m0",
-            local_steps=10,
-            between="powergossip",
-            **plain_average,
-            **pg,
-            **many,
-        ),
+        c("n16b1-hybrid-pg4-it2-fp16-h10-olr1.0-m0", **hybrid, **many),
         c("n16b1-diloco-h50-olr1.0-m0", local_steps=50, **plain_average, **many),
         c("n16b1-exact-gt-accum4", algorithm="exact", gradient_tracking=True, **accum4, **many),
         c("n16b1-diloco-h10", algorithm="diloco", local_steps=10, **many),
         # n = 8 x 8 at 4000 steps (warm-up as gossip-train's): DDP, exact gossip, the defaults, the plain average
-        c("ddp-s4000", algorithm="ddp", steps=4000, warmup=100),
-        c("exact-s4000", algorithm="exact", steps=4000, warmup=100),
-        c("pg4-it2-fp16-s4000", steps=4000, warmup=100, **pg),
-        c("diloco-h10-olr1.0-m0-s4000", local_steps=10, steps=4000, warmup=100, **plain_average),
+        c("ddp-s4000", algorithm="ddp", **s4000),
+        c("exact-s4000", algorithm="exact", **s4000),
+        c("pg4-it2-fp16-s4000", **s4000, **pg),
+        c("diloco-h10-olr1.0-m0-s4000", local_steps=10, **s4000, **plain_average),
         # the rest of the grid: the hybrid with a plain average at n = 8 x 8 (1000 and 4000 steps) and at n = 16 x 1
         # (4000 steps), a plain average every 200 steps at n = 16 x 1, and tracking at n = 8 x 8 and 4000 steps
         c("hybrid-pg4-it2-fp16-h10-olr1.0-m0", **hybrid),
