@@ -565,13 +565,15 @@ def suite(name: str) -> list[RunConfig]:
         c("pg4-it2-fp16-s4000", **s4000, **pg),
         c("diloco-h10-olr1.0-m0-s4000", local_steps=10, **s4000, **plain_average),
         # the rest of the grid: the hybrid with a plain average at n = 8 x 8 (1000 and 4000 steps) and at n = 16 x 1
-        # (4000 steps), a plain average every 200 steps at n = 16 x 1, and tracking at n = 8 x 8 and 4000 steps
+        # (4000 steps), a plain average every 200 steps at n = 16 x 1, tracking and 4 power iterations at n = 8 x 8 and
+        # 4000 steps
         c("hybrid-pg4-it2-fp16-h10-olr1.0-m0", **hybrid),
         c("hybrid-pg4-it2-fp16-h10-olr1.0-m0-s4000", **hybrid, **s4000),
         c("n16b1-hybrid-pg4-it2-fp16-h10-olr1.0-m0-s4000", **hybrid, **s4000, **many),
         c("n16b1-diloco-h200-olr1.0-m0", local_steps=200, **plain_average, **many),
         c("exact-gt-s4000", algorithm="exact", gradient_tracking=True, **s4000),
         c("pg4-it2-fp16-gt-s4000", gradient_tracking=True, **pg, **s4000),
+        c("pg4-it4-fp16-s4000", **dict(pg, iterations=4), **s4000),
     ]
 
 
