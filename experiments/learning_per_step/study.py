@@ -568,6 +568,7 @@ def suite(name: str) -> list[RunConfig]:
         # (4000 steps), a plain average every 200 steps at n = 16 x 1, tracking and 4 power iterations at n = 8 x 8 and
         # 4000 steps
         c("hybrid-pg4-it2-fp16-h10-olr1.0-m0", **hybrid),
+        c("hybrid-pg4-it2-fp16-h20-olr1.0-m0", **dict(hybrid, local_steps=20)),  # within 1/10 of DDP's bytes
         c("hybrid-pg4-it2-fp16-h10-olr1.0-m0-s4000", **hybrid, **s4000),
         c("n16b1-hybrid-pg4-it2-fp16-h10-olr1.0-m0-s4000", **hybrid, **s4000, **many),
         c("n16b1-diloco-h200-olr1.0-m0", local_steps=200, **plain_average, **many),
