@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -198,3 +199,21 @@ def test_diloco_methods_are_main_job_commands_that_name_every_setting(method):
     assert isinstance(algorithm, gossip.DiLoCo) and config.optimizer == "adamw" and config.seed == 1
     assert method == f"diloco-h{algorithm.local_steps}-adamw"
     assert (algorithm.outer_lr, algorithm.outer_momentum, algorithm.nesterov) == (0.7, 0.9, True)
+
+
+def test_the_hybrid_is_the_main_jobs_powergossip_with_a_plain_average_every_h_steps():
+    """``pg4-it2-fp16-h10-avg-adamw`` keeps the defaults' PowerGossip every step (as the study's hybrid) and takes an
+    outer step at lr 1 without momentum, all-reduced, every 10 steps, each setting on the command line."""
+    import gossip
+    from gossip.app.cli import build_parser, config_from
+    from gossip.app.train import make_algorithm, resolve
+
+    argv = METHODS["pg4-it2-fp16-h10-avg-adamw"].argv(300, 8, "out", 1)
+    config, _ = resolve(config_from(build_parser().parse_args(argv[3:])), 8)
+    algorithm = make_algorithm(config)
+    assert isinstance(algorithm, gossip.OuterOptimizer) and not isinstance(algorithm, gossip.DiLoCo)
+    assert isinstance(algorithm.averaging, gossip.AllReduce) and algorithm.local_steps == 10
+    assert (algorithm.outer_lr, algorithm.outer_momentum) == (1.0, 0.0)
+    between = algorithm.between
+    assert isinstance(between, gossip.PowerGossip) and between.matrix_rank == 4 and between.num_iterations == 2
+    assert between.message_dtype == torch.float16 and config.optimizer == "adamw" and config.seed == 1

@@ -127,6 +127,15 @@ def _periodic_average(local_steps: int) -> Method:
     return Method(f"diloco-h{local_steps}-avg-adamw", label, _gossip_train(*options, "--optimizer", "adamw"))
 
 
+def _hybrid_average(local_steps: int) -> Method:
+    """The main job's PowerGossip every step and a plain average of the replicas every ``local_steps`` steps
+    (``--outer-every``, outer lr 1 without momentum): the hybrid of the learning-per-step study."""
+    label = f"PowerGossip r=4, 2 iterations, float16 messages, a plain average every {local_steps} steps, AdamW"
+    options = [*powergossip(4, 2, "float16"), "--outer-every", str(local_steps), "--outer-lr", "1.0"]
+    options += ["--outer-momentum", "0.0", "--optimizer", "adamw"]
+    return Method(f"pg4-it2-fp16-h{local_steps}-avg-adamw", label, _gossip_train(*options))
+
+
 def _pga(name: str, *, rank: int, iterations: int, every: int, adamw: bool) -> Method:
     """PowerGossip (``rank``, ``iterations`` per step) with an exact global average every ``every`` steps."""
     label = f"PowerGossip r={rank}, {iterations} iteration(s), one-peer hypercube, exact average every {every} steps"
@@ -213,6 +222,7 @@ METHODS = {
         _diloco(20),
         _diloco(50),
         _periodic_average(10),
+        _hybrid_average(10),
         Method("decentdp", "decent-dp 0.2.3, one-peer-exp", _decent_dp("one-peer-exp")),
         Method("decentdp-aer", "decent-dp 0.2.3, alternating-exp-ring", _decent_dp("alternating-exp-ring")),
     )
