@@ -27,6 +27,8 @@ METHODS = {
     "ddp": ("--algorithm", "ddp"),
     "diloco": ("--algorithm", "diloco"),
     "diloco-h10-avg": ("--algorithm", "diloco", "--local-steps", "10", "--outer-lr", "1", "--outer-momentum", "0"),
+    # the defaults' PowerGossip every step and a plain average of the replicas every 10 steps (a hybrid)
+    "hybrid-h10-avg": ("--outer-every", "10", "--outer-lr", "1", "--outer-momentum", "0"),
 }
 COLUMNS = (
     "method",
