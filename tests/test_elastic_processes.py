@@ -51,7 +51,7 @@ from gossip.app.cli import main
 from gossip.app.train import TrainConfig
 from gossip.app.train_elastic import resolve_elastic
 from gossip.backends.membership import STORE_VARIABLE
-from gossip.errors import ElasticUnsupportedError
+from gossip.errors import ConfigError, ElasticUnsupportedError
 from gossip.wrapper.elastic import schedule_for
 
 WORKER = REPO / "tests" / "helpers" / "elastic_worker.py"
@@ -217,6 +217,21 @@ def check_both_ends_or_neither(runs: dict[int, list[dict]], n: int, steps: int, 
 def test_elastic_refuses_mpi_by_name():
     with pytest.raises(ElasticUnsupportedError, match="cannot shrink without ULFM"):
         resolve_elastic(TrainConfig(backend="mpi", algorithm="exact"), 4)
+
+
+@pytest.mark.parametrize(
+    ("option", "settings"),
+    [
+        ("--algorithm", {"algorithm": "diloco"}),
+        ("--average-every", {"algorithm": "exact", "average_every": 8}),
+        ("--outer-every", {"algorithm": "powergossip", "outer_every": 10}),
+        ("--power-iterations", {"algorithm": "powergossip", "power_iterations": 2}),
+        ("--gradient-tracking", {"algorithm": "exact", "gradient_tracking": True}),
+    ],
+)
+def test_elastic_refuses_what_needs_every_rank_by_the_option_name(option, settings):
+    with pytest.raises(ConfigError, match=f"^{option}: "):
+        resolve_elastic(TrainConfig(**settings), 4)
 
 
 def test_kill_without_elastic_is_an_argparse_error(capsys):

@@ -81,8 +81,8 @@ def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, 
 
     Raises:
         ElasticUnsupportedError: a backend other than Gloo (MPI cannot shrink a communicator without ULFM).
-        ConfigError: an option elastic runs cannot take (``--average-every``, ``--power-iterations`` > 1,
-            ``--gradient-tracking``, DDP or DiLoCo).
+        ConfigError: an option elastic runs cannot take (``--average-every``, ``--outer-every``,
+            ``--power-iterations`` > 1, ``--gradient-tracking``, DDP or DiLoCo).
     """
     if config.backend not in ("auto", "gloo"):
         raise ElasticUnsupportedError(
@@ -93,6 +93,8 @@ def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, 
         raise ConfigError("--algorithm", f"--elastic runs exact or powergossip, not {config.algorithm}")
     if config.average_every:
         raise ConfigError("--average-every", "--elastic cannot run a periodic global average (a collective)")
+    if config.outer_every:
+        raise ConfigError("--outer-every", "--elastic cannot run an outer step (it synchronises every rank)")
     if config.power_iterations not in (None, 1):
         raise ConfigError("--power-iterations", "--elastic runs one power iteration per step")
     if config.gradient_tracking:
