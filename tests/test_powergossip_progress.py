@@ -15,6 +15,7 @@ import torch
 from helpers.algorithm_scenarios import local_model
 from helpers.launch import launch
 from helpers.progress_scenarios import (
+    EVERY,
     STEPS,
     averaged_mid_step,
     checkpoint_in_flight,
@@ -45,6 +46,19 @@ def test_iterations_during_backward_leave_every_parameter_bit_identical(iteratio
         # third is posted there too when the second has arrived before backward ends (timing), else in finish
         assert STEPS * min(iterations - 1, 1) <= result["ahead"] <= STEPS * (iterations - 1)
     assert all(result["ahead"] == 0 for result in in_finish)
+
+
+@pytest.mark.parametrize("composite", ["outer", "periodic"])
+def test_inside_the_main_jobs_outer_step_or_a_periodic_average_the_iterations_run_during_backward_too(composite):
+    during = gossip.simulate(N, train, 2, True, torch.float16, True, composite)
+    in_finish = gossip.simulate(N, train, 2, False, torch.float16, True, composite)
+    assert equal(during, in_finish)
+    gossip_steps = sum(1 for step in range(STEPS) if (step + 1) % EVERY)  # the others are exact averages
+    for result in during:
+        assert result["ahead"] == gossip_steps
+    assert all(result["ahead"] == 0 for result in in_finish)
+    # and the composite does change the result: the comparison above can see a difference
+    assert not equal(during, gossip.simulate(N, train, 2, True, torch.float16))
 
 
 def test_without_waiting_whatever_ran_during_backward_the_result_is_the_same():
@@ -155,6 +169,9 @@ def test_gloo_and_mpi_equal_the_simulator_bit_for_bit(backend, oracle, tmp_path)
         for scenario in ("float16", "three", "close", "averaged"):
             assert torch.equal(got[scenario]["params"], expected[scenario]["params"]), (backend, rank, scenario)
         assert got["float16"]["ahead"] == STEPS, (backend, rank)
+        assert got["outer"]["ahead"] == expected["outer"]["ahead"] > 0, (backend, rank)
+        # the outer step's all-reduce sums in the backend's own order: close, not bit for bit
+        torch.testing.assert_close(got["outer"]["params"], expected["outer"]["params"], rtol=0, atol=1e-6)
         assert got["three"]["ahead"] >= STEPS, (backend, rank)
         assert got["close"]["ahead_before_close"] == 3, (backend, rank)
         # the all-reduce's order of summation is the backend's own: close, not bit for bit

@@ -317,6 +317,22 @@ class OuterOptimizer(Algorithm):
             parts.between = self.between.start(self.period.between(step))
         return parts
 
+    def progress(self, pending: _Step, wait: bool = False) -> bool:
+        """``between``'s progress on the steps it runs (PowerGossip's further power iterations during backward).
+
+        A synchronisation's averaging is posted whole in ``start``: on those steps there is nothing to progress.
+
+        Args:
+            pending: what :meth:`start` returned for the open step.
+            wait: post everything that may be posted early, waiting as needed.
+
+        Returns:
+            Whether a later call may still make progress this step.
+        """
+        if pending.between is None:
+            return False
+        return self.between.progress(pending.between, wait)
+
     def _finish_step(self, pending: _Step) -> None:
         if pending.between is not None:
             self.between.finish(pending.between)

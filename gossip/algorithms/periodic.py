@@ -153,6 +153,21 @@ class PeriodicAverage(Algorithm):
         copies = [bucket.buffer.clone() for bucket in self.buckets]
         return _Averaging(step, copies, [self._all_reduce(copy) for copy in copies])
 
+    def progress(self, pending: _Averaging | _Gossip, wait: bool = False) -> bool:
+        """The inner algorithm's progress on its steps (PowerGossip's further power iterations during backward);
+        nothing on an averaging step, whose all-reduce is posted whole in ``start``.
+
+        Args:
+            pending: what :meth:`start` returned for the open step.
+            wait: post everything that may be posted early, waiting as needed.
+
+        Returns:
+            Whether a later call may still make progress this step.
+        """
+        if not isinstance(pending, _Gossip):
+            return False
+        return self.inner.progress(pending.inner, wait)
+
     def _finish_step(self, pending: _Averaging | _Gossip) -> None:
         if isinstance(pending, _Gossip):
             with self._naming_training_step(pending.step):

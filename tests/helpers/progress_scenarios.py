@@ -13,6 +13,10 @@ from typing import Any
 
 import torch
 
+from gossip.algorithms.allreduce import AllReduce
+from gossip.algorithms.base import Algorithm
+from gossip.algorithms.outer import OuterOptimizer
+from gossip.algorithms.periodic import PeriodicAverage
 from gossip.algorithms.powergossip import PowerGossip, PowerGossipTuning
 from gossip.checkpoint import load_checkpoint, save_checkpoint
 from helpers.parallel_scenarios import batch, flat_parameters, loss_of, make_mlp, wrap
@@ -31,20 +35,49 @@ def powergossip(iterations: int, during_backward: bool, message_dtype: torch.dty
     )
 
 
+#: Every third step is a composite's exact average (PowerGossip runs on the others).
+EVERY = 3
+
+
+def inside(composite: str | None, algorithm: PowerGossip) -> Algorithm:
+    """``algorithm`` alone (None), as the ``between`` of the main job's outer step (``"outer"``: an exact average
+    every :data:`EVERY` steps, outer lr 1, no momentum) or inside ``PeriodicAverage`` (``"periodic"``)."""
+    if composite == "outer":
+        return OuterOptimizer(AllReduce(), EVERY, outer_lr=1.0, outer_momentum=0.0, between=algorithm)
+    if composite == "periodic":
+        return PeriodicAverage(algorithm, every=EVERY)
+    return algorithm
+
+
+def powergossip_pending(exchange: Any) -> Any:
+    """PowerGossip's part of what the wrapper's algorithm started (None on a composite's averaging step)."""
+    for name in ("between", "inner"):  # OuterOptimizer's step, PeriodicAverage's gossip step
+        if hasattr(exchange, name):
+            return getattr(exchange, name)
+    return exchange if hasattr(exchange, "handle") else None
+
+
 def forward_backward(model, rank: int, step: int, wait: bool) -> None:
     """One step's forward and backward; ``wait``: for the step's first exchange in between (see the module)."""
     loss = loss_of(model, *batch(rank, step))
-    if wait:
-        model._exchange.handle.wait()
+    pending = powergossip_pending(model._exchange)
+    if wait and pending is not None:
+        pending.handle.wait()
     loss.backward()
 
 
 def train(
-    comm, iterations: int, during_backward: bool, message_dtype: torch.dtype | None = None, wait: bool = True
+    comm,
+    iterations: int,
+    during_backward: bool,
+    message_dtype: torch.dtype | None = None,
+    wait: bool = True,
+    composite: str | None = None,
 ) -> dict[str, Any]:
-    """STEPS SGD steps; the parameters and how many iterations were posted during backward."""
+    """STEPS SGD steps (PowerGossip alone or inside ``composite``, see :func:`inside`); the parameters and how many
+    iterations were posted during backward."""
     algorithm = powergossip(iterations, during_backward, message_dtype)
-    model = wrap(comm, make_mlp(comm.rank), algorithm)
+    model = wrap(comm, make_mlp(comm.rank), inside(composite, algorithm))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(STEPS):
         forward_backward(model, comm.rank, step, wait)
@@ -144,4 +177,5 @@ def run_all(comm, directory: Path) -> dict[str, Any]:
         "close": close_in_flight(comm, True),
         "averaged": averaged_mid_step(comm, True),
         "checkpoint": checkpoint_in_flight(comm, directory),
+        "outer": train(comm, 2, True, torch.float16, composite="outer"),
     }
