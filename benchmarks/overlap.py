@@ -75,6 +75,11 @@ def algorithms() -> dict[str, Callable[[], object]]:
         found["pg-delayed"] = lambda: PowerGossip(
             rank=4, num_iterations=2, message_dtype=torch.float16, delayed_last_iteration=True
         )
+        # the main job's defaults as gossip-train resolves them: that PowerGossip every step and an exact average of
+        # the replicas every 10 steps (an outer step, lr 1, no momentum, over an all-reduce)
+        from gossip.app.train import TrainConfig, make_algorithm, resolve
+
+        found["main-job-defaults"] = lambda: make_algorithm(resolve(TrainConfig(), 4)[0])
     except ImportError:
         pass
     return found
@@ -119,6 +124,12 @@ def train_steps(model: nn.Module, name: str, batches: list[tuple], lr: float = 0
     return times
 
 
+def posted_ahead(algorithm: object) -> int:
+    """PowerGossip's power iterations posted during backward so far, also inside a composite (0 for others)."""
+    inner = getattr(algorithm, "between", None) or getattr(algorithm, "inner", None) or algorithm
+    return getattr(inner, "posted_ahead", 0)
+
+
 def measure_gossip(comm, args, make_algorithm: Callable[[], object], batches: list[tuple]) -> dict[str, float]:
     model = DecentralizedDataParallel(
         make_model(args.model), comm, topologies.one_peer_hypercube(comm.size), make_algorithm(), consensus_every=0
@@ -128,12 +139,12 @@ def measure_gossip(comm, args, make_algorithm: Callable[[], object], batches: li
     comm.barrier()
     for index, (x, y) in enumerate(batches):
         if index == args.warmup:
-            ahead_before = getattr(model.algorithm, "posted_ahead", 0)
+            ahead_before = posted_ahead(model.algorithm)
         loss_fn(args.model, model, x, y).backward()
         optimizer.step()
         optimizer.zero_grad()
         rows.append(dict(model.metrics.last))
-    ahead = getattr(model.algorithm, "posted_ahead", 0) - ahead_before
+    ahead = posted_ahead(model.algorithm) - ahead_before
     model.close()
     blocking = []
     for k in range(args.comm_repeats):
@@ -203,14 +214,14 @@ def report(args: argparse.Namespace, size: int, numel: int, gathered: list[dict]
     print(f"\n{args.model}: {numel / 1e6:.2f} M parameters, batch {args.batch}, {size} ranks, {args.steps} steps")
     local = table["local"]["step"]
     print(
-        f"{'method':<12}{'step ms':>10}{'vs local ms':>13}{'comm ms':>10}{'exposed ms':>12}{'exposed/comm':>14}"
+        f"{'method':<18}{'step ms':>10}{'vs local ms':>13}{'comm ms':>10}{'exposed ms':>12}{'exposed/comm':>14}"
         f"{'MB sent/step':>14}{'ahead/step':>12}"
     )
     for method, row in table.items():
         fraction = row["exposed"] / row["comm"] if row["comm"] > 0 else float("nan")
         row["fraction"] = fraction
         print(
-            f"{method:<12}{row['step'] * 1e3:>10.1f}{(row['step'] - local) * 1e3:>13.1f}{row['comm'] * 1e3:>10.1f}"
+            f"{method:<18}{row['step'] * 1e3:>10.1f}{(row['step'] - local) * 1e3:>13.1f}{row['comm'] * 1e3:>10.1f}"
             f"{row['exposed'] * 1e3:>12.1f}"
             f"{fraction:>14.2f}{row['bytes_sent_per_step'] / 1e6:>14.2f}{row.get('ahead_per_step', 0.0):>12.2f}"
         )

@@ -47,8 +47,9 @@ import torch
 from helpers.elastic_worker import delta
 from helpers.launch import REPO, run_main_job
 
+import gossip
 from gossip.app.cli import main
-from gossip.app.train import TrainConfig
+from gossip.app.train import TrainConfig, make_algorithm
 from gossip.app.train_elastic import resolve_elastic
 from gossip.backends.membership import STORE_VARIABLE
 from gossip.errors import ConfigError, ElasticUnsupportedError
@@ -232,6 +233,17 @@ def test_elastic_refuses_mpi_by_name():
 def test_elastic_refuses_what_needs_every_rank_by_the_option_name(option, settings):
     with pytest.raises(ConfigError, match=f"^{option}: "):
         resolve_elastic(TrainConfig(**settings), 4)
+
+
+def test_elastic_runs_the_defaults_without_their_outer_step():
+    config, _ = resolve_elastic(TrainConfig(), 4)
+    assert (config.algorithm, config.outer_every, config.average_every, config.power_iterations) == (
+        "powergossip",
+        0,
+        0,
+        1,
+    )
+    assert type(make_algorithm(config)) is gossip.PowerGossip
 
 
 def test_kill_without_elastic_is_an_argparse_error(capsys):

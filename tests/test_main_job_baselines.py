@@ -47,20 +47,21 @@ def test_a_failed_run_is_an_error_with_its_stderr(tmp_path, monkeypatch):
         study.run_once("ddp", 0, args)
 
 
-def test_the_hybrid_keeps_the_defaults_powergossip_and_averages_every_10_steps():
+def test_no_outer_step_is_the_defaults_powergossip_alone():
     import gossip
     from gossip.app.cli import build_parser, config_from
     from gossip.app.train import make_algorithm, resolve
 
-    config, _ = resolve(config_from(build_parser().parse_args(list(study.METHODS["hybrid-h10-avg"]))), 8)
-    algorithm = make_algorithm(config)
-    assert isinstance(algorithm, gossip.OuterOptimizer) and isinstance(algorithm.averaging, gossip.AllReduce)
-    assert (algorithm.local_steps, algorithm.outer_lr, algorithm.outer_momentum) == (10, 1.0, 0.0)
-    defaults = make_algorithm(resolve(config_from(build_parser().parse_args([])), 8)[0])
-    between = algorithm.between
-    assert isinstance(between, gossip.PowerGossip) and isinstance(defaults, gossip.PowerGossip)
+    def algorithm_of(method):
+        return make_algorithm(resolve(config_from(build_parser().parse_args(list(study.METHODS[method]))), 8)[0])
+
+    defaults, alone = algorithm_of("defaults"), algorithm_of("no-outer-step")
+    assert isinstance(defaults, gossip.OuterOptimizer) and isinstance(defaults.averaging, gossip.AllReduce)
+    assert (defaults.local_steps, defaults.outer_lr, defaults.outer_momentum) == (10, 1.0, 0.0)
+    between = defaults.between
+    assert type(between) is gossip.PowerGossip and type(alone) is gossip.PowerGossip
     assert (between.matrix_rank, between.num_iterations, between.message_dtype) == (
-        defaults.matrix_rank,
-        defaults.num_iterations,
-        defaults.message_dtype,
+        alone.matrix_rank,
+        alone.num_iterations,
+        alone.message_dtype,
     )

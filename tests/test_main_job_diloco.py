@@ -67,21 +67,35 @@ def test_the_options_reach_the_algorithm():
     assert describe_mixing(config) == "diloco (50 local steps, outer Nesterov SGD lr 0.5 momentum 0.8)"
 
 
-def test_unset_diloco_options_resolve_to_gossip_diloco_defaults_and_stay_unset_for_other_algorithms():
+def test_unset_diloco_options_resolve_to_gossip_diloco_defaults_and_the_hybrid_keeps_its_own():
     config, _ = resolve(TrainConfig(algorithm="diloco"), 4)
     assert {option: getattr(config, option) for option in DILOCO_DEFAULTS} == DILOCO_DEFAULTS
     assert make_algorithm(config).config() == {**gossip.DiLoCo().config()}
     default, _ = resolve(TrainConfig(), 4)
-    assert default.algorithm == DEFAULTS.algorithm != "diloco"  # the main job's default is unchanged
-    assert all(getattr(default, option) is None for option in DILOCO_DEFAULTS)
+    assert default.algorithm == DEFAULTS.algorithm != "diloco"
+    # the defaults' outer step is the hybrid's (a plain average), not DiLoCo's; local steps stay DiLoCo's alone
+    assert (default.outer_every, default.outer_lr, default.outer_momentum) == (10, 1.0, 0.0)
+    assert (DEFAULTS.outer_lr, DEFAULTS.outer_momentum) != (
+        DILOCO_DEFAULTS["outer_lr"],
+        DILOCO_DEFAULTS["outer_momentum"],
+    )
+    assert default.local_steps is None
+    for algorithm in ("ddp", "allreduce"):
+        other, _ = resolve(TrainConfig(algorithm=algorithm), 4)
+        assert other.outer_every == 0
+        assert all(getattr(other, option) is None for option in DILOCO_DEFAULTS)
 
 
 @pytest.mark.parametrize(
     ("argv", "option", "says"),
     [
         (["--local-steps", "4"], "--local-steps", "applies to --algorithm diloco only, not powergossip"),
-        (["--algorithm", "exact", "--outer-lr", "0.5"], "--outer-lr", "applies to --algorithm diloco only, not exact"),
-        (["--algorithm", "ddp", "--outer-momentum", "0.5"], "--outer-momentum", "diloco only, not ddp"),
+        (
+            ["--algorithm", "exact", "--outer-every", "0", "--outer-lr", "0.5"],
+            "--outer-lr",
+            "applies to --algorithm diloco or --outer-every only, not exact",
+        ),
+        (["--algorithm", "ddp", "--outer-momentum", "0.5"], "--outer-momentum", "--outer-every only, not ddp"),
         (["--algorithm", "diloco", "--average-every", "4"], "--average-every", "synchronises every --local-steps"),
         (["--algorithm", "diloco", "--local-steps", "0"], "--local-steps", "must be positive"),
         (["--algorithm", "diloco", "--outer-lr", "-1"], "--outer-lr", "must be positive"),

@@ -97,9 +97,10 @@ def test_time_to_loss_periodic_average_methods_are_valid_main_job_commands(metho
 
 def test_message_dtype_reaches_powergossip_and_is_refused_where_it_changes_nothing():
     config, _ = resolve(config_from(build_parser().parse_args(["--message-dtype", "bfloat16"])), 4)
-    assert make_algorithm(config).message_dtype is torch.bfloat16 and config.to_json()["message_dtype"] == "bfloat16"
+    powergossip = make_algorithm(config).between  # the defaults' per-step algorithm inside their outer step
+    assert powergossip.message_dtype is torch.bfloat16 and config.to_json()["message_dtype"] == "bfloat16"
     assert "bfloat16 messages" in describe_mixing(config)
-    config, _ = resolve(TrainConfig(message_dtype="float32"), 4)
+    config, _ = resolve(TrainConfig(message_dtype="float32", outer_every=0), 4)
     assert make_algorithm(config).message_dtype is None  # the model's own float32
     with pytest.raises(ConfigError, match=r"--message-dtype.*applies to --algorithm powergossip only"):
         resolve(TrainConfig(algorithm="exact", message_dtype="float16"), 4)

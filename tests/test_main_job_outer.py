@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from helpers.launch import completed_rows, main_job_run
 
 import gossip
@@ -26,6 +27,32 @@ def test_plain_diloco_is_still_gossip_diloco_and_records_allreduce():
     config, algorithm = built(["--algorithm", "diloco"])
     assert type(algorithm) is gossip.DiLoCo
     assert (config.outer_sync, config.outer_every, config.outer_delay, config.outer_merge) == ("allreduce", 0, 0, None)
+
+
+def test_the_defaults_are_powergossip_every_step_and_an_exact_average_every_10_steps():
+    config, algorithm = built([])
+    assert type(algorithm) is gossip.OuterOptimizer and isinstance(algorithm.averaging, gossip.AllReduce)
+    assert (algorithm.local_steps, algorithm.outer_lr, algorithm.outer_momentum, algorithm.delay) == (10, 1.0, 0.0, 0)
+    between = algorithm.between
+    assert type(between) is gossip.PowerGossip
+    assert (between.matrix_rank, between.num_iterations, between.message_dtype) == (4, 2, torch.float16)
+    assert describe_mixing(config).endswith("exact average every 10 steps (outer step, lr 1, no momentum)")
+    _, exact = built(["--algorithm", "exact"])
+    assert type(exact) is gossip.OuterOptimizer and type(exact.between) is gossip.ExactGossip
+    _, off = built(["--outer-every", "0"])
+    assert type(off) is gossip.PowerGossip
+    # an outer option alone applies to the defaults' outer step
+    _, gossiped = built(["--outer-sync", "gossip", "--outer-lr", "0.8"])
+    assert isinstance(gossiped.averaging, gossip.ExactGossip) and (gossiped.local_steps, gossiped.outer_lr) == (10, 0.8)
+    for other in ("ddp", "allreduce", "diloco"):
+        assert resolve(TrainConfig(algorithm=other), 4)[0].outer_every == 0, other
+
+
+def test_average_every_takes_the_place_of_the_defaults_outer_step_and_says_so():
+    config, notes = resolve(config_from(build_parser().parse_args(["--average-every", "32"])), 4)
+    assert (config.average_every, config.outer_every) == (32, 0)
+    assert isinstance(make_algorithm(config), gossip.PeriodicAverage)
+    assert notes == ["outer step: off (--average-every takes the place of the default outer step every 10)"]
 
 
 def test_diloco_with_gossip_averaged_pseudo_gradients():
@@ -46,9 +73,10 @@ def test_a_delayed_powergossip_hybrid():
     assert isinstance(algorithm.between, gossip.PowerGossip) and algorithm.between.matrix_rank == config.rank
     assert isinstance(algorithm.averaging, gossip.PowerGossip) and algorithm.averaging.num_iterations == 1
     assert (algorithm.local_steps, algorithm.delay, algorithm.merge, algorithm.outer_lr) == (50, 2, 0.5, 0.5)
+    assert algorithm.outer_momentum == 0.0  # a hybrid's own default, not DiLoCo's 0.9
     assert config.local_steps is None  # a hybrid's period is --outer-every
     assert describe_mixing(config).endswith(
-        "outer Nesterov SGD lr 0.5 momentum 0.9 every 50 steps on powergossip-averaged pseudo-gradients, landing 2 "
+        "outer Nesterov SGD lr 0.5 momentum 0 every 50 steps on powergossip-averaged pseudo-gradients, landing 2 "
         "step(s) late (merge 0.5)"
     )
 
@@ -69,8 +97,8 @@ def test_help_lists_the_outer_options():
 @pytest.mark.parametrize(
     ("argv", "option", "says"),
     [
-        (["--outer-sync", "gossip"], "--outer-sync", "applies to --algorithm diloco or --outer-every only"),
-        (["--outer-delay", "1"], "--outer-delay", "applies to --algorithm diloco or --outer-every only"),
+        (["--outer-every", "0", "--outer-sync", "gossip"], "--outer-sync", "diloco or --outer-every only"),
+        (["--algorithm", "ddp", "--outer-delay", "1"], "--outer-delay", "diloco or --outer-every only, not ddp"),
         (["--algorithm", "diloco", "--outer-every", "5"], "--outer-every", "a hybrid runs --algorithm exact or"),
         (["--algorithm", "allreduce", "--outer-every", "5"], "--outer-every", "not allreduce"),
         (["--algorithm", "diloco", "--outer-merge", "0.5"], "--outer-merge", "applies with --outer-delay only"),

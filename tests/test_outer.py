@@ -178,6 +178,36 @@ def test_a_hybrid_sends_the_gossip_on_the_other_steps_and_the_averaging_on_the_s
                 assert list(sent.values()) == [result["model_bytes"]], f"step {step}: {sent}"
 
 
+def test_an_outer_step_with_lr_1_and_no_momentum_is_the_exact_average_of_the_replicas():
+    """The main job's defaults: PowerGossip every step, and on every third step (H = 3 here) the replicas become
+    the mean of the replicas the previous update left, on every rank; between, they differ."""
+
+    def run(comm):
+        between = gossip.PowerGossip(rank=2, num_iterations=2, message_dtype=torch.float16)
+        algorithm = gossip.OuterOptimizer(gossip.AllReduce(), 3, outer_lr=1.0, outer_momentum=0.0, between=between)
+        model = wrap(comm, make_mlp(comm.rank), algorithm)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        updated, mixed = [], []
+        for step in range(8):
+            loss_of(model, *batch(comm.rank, step)).backward()
+            model.finish_mixing()
+            mixed.append(torch.cat([b.buffer for b in model.buckets]).clone())
+            optimizer.step()
+            optimizer.zero_grad()
+            updated.append(torch.cat([b.buffer for b in model.buckets]).clone())
+        model.close()
+        return {"updated": updated, "mixed": mixed}
+
+    results = gossip.simulate(N, run)
+    for step in range(1, 8):
+        mean = torch.stack([result["updated"][step - 1] for result in results]).mean(0)
+        if step in (2, 5):
+            for rank, result in enumerate(results):
+                torch.testing.assert_close(result["mixed"][step], mean, rtol=0, atol=1e-6, msg=f"{rank} {step}")
+        else:
+            assert not torch.equal(results[0]["mixed"][step], results[1]["mixed"][step]), f"step {step}"
+
+
 def test_between_counts_its_own_steps_so_a_time_varying_schedule_cycles_through_its_phases():
     algorithm = gossip.OuterOptimizer(gossip.AllReduce(), 4, between=gossip.ExactGossip())
     steps = [t for t in range(12) if not algorithm.period.ends(t)]

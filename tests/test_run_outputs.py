@@ -70,7 +70,8 @@ def test_plot_title_names_the_configuration():
         world_size=4,
     )
     assert plot_title(config) == (
-        "powergossip on one_peer_hypercube (rank 2, 3 power iterations, float16 messages), 4 workers, accum-adamw "
+        "powergossip on one_peer_hypercube (rank 2, 3 power iterations, float16 messages), exact average every 10 "
+        "steps (outer step, lr 1, no momentum), 4 workers, accum-adamw "
         "lr 0.003, "
         "300 steps x 16, iid, seed 7"
     )

@@ -23,12 +23,13 @@ from experiments.shared import write_csv
 RESULTS = Path(__file__).resolve().parent / "results"
 #: method name -> the gossip-train options that select it (the defaults: none)
 METHODS = {
+    # PowerGossip every step and an exact average of the replicas every 10 steps (an outer step, lr 1, no momentum)
     "defaults": (),
+    # the defaults' PowerGossip alone (the main job's defaults before issue 27)
+    "no-outer-step": ("--outer-every", "0"),
     "ddp": ("--algorithm", "ddp"),
     "diloco": ("--algorithm", "diloco"),
     "diloco-h10-avg": ("--algorithm", "diloco", "--local-steps", "10", "--outer-lr", "1", "--outer-momentum", "0"),
-    # the defaults' PowerGossip every step and a plain average of the replicas every 10 steps (a hybrid)
-    "hybrid-h10-avg": ("--outer-every", "10", "--outer-lr", "1", "--outer-momentum", "0"),
 }
 COLUMNS = (
     "method",

@@ -11,10 +11,11 @@ Two ways to run it:
 
 Defaults (:data:`gossip.app.train.DEFAULTS`, the best configuration of the learning-per-step study at this scale:
 experiments/learning_per_step/README.md): PowerGossip at rank 4 with 2 power iterations per step and its products
-in float16 on one_peer_hypercube (ring when the number of workers is not a power of two), AdamW, 500 steps of 16 x 64
-bytes per worker, lr 3e-3 with warmup and cosine decay. What a run with them reaches is in docs/results.md,
-section "The main job, one run". ``--algorithm exact --optimizer accum-adamw`` (accum_iter = max(1, n // 4)) runs
-the exact gossip + AccumAdamW configuration.
+in float16 on one_peer_hypercube (ring when the number of workers is not a power of two), and every 10 steps an exact
+average of the replicas (an outer step with lr 1 and no momentum over an all-reduce; ``--outer-every 0`` turns it
+off), AdamW, 500 steps of 16 x 64 bytes per worker, lr 3e-3 with warmup and cosine decay. What a run with them
+reaches is in docs/results.md, section "The main job, one run". ``--algorithm exact --optimizer accum-adamw``
+(accum_iter = max(1, n // 4)) runs the exact gossip + AccumAdamW configuration.
 
 Baselines: ``--algorithm ddp`` (torch DistributedDataParallel) and ``--algorithm diloco`` (DiLoCo: ``--local-steps``
 H = 20 local AdamW steps, then an all-reduce of the pseudo-gradient and an outer Nesterov SGD step, ``--outer-lr``
@@ -201,13 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--outer-lr",
         type=positive(float),
         default=None,
-        help=f"learning rate of the outer Nesterov SGD; default: {DILOCO_DEFAULTS['outer_lr']}",
+        help=f"learning rate of the outer Nesterov SGD; default: {DILOCO_DEFAULTS['outer_lr']} for diloco, "
+        f"{DEFAULTS.outer_lr:g} for a hybrid",
     )
     diloco.add_argument(
         "--outer-momentum",
         type=in_unit_interval(include_one=False),
         default=None,
-        help=f"momentum of the outer Nesterov SGD, in [0, 1); default: {DILOCO_DEFAULTS['outer_momentum']}",
+        help=f"momentum of the outer Nesterov SGD, in [0, 1); default: {DILOCO_DEFAULTS['outer_momentum']} for "
+        f"diloco, {DEFAULTS.outer_momentum:g} for a hybrid",
     )
     add_outer_options(parser)
     training = parser.add_argument_group("training")

@@ -46,9 +46,10 @@ def add_outer_options(parser: argparse.ArgumentParser) -> None:
         "--outer-every",
         metavar="H",
         type=int_at_least(0),
-        default=0,
+        default=None,
         help="with --algorithm exact or powergossip: keep that gossip every step and take an outer step every H "
-        "steps (a hybrid); 0 = off; default: 0",
+        "steps (a hybrid; with --outer-lr 1 and --outer-momentum 0 an exact average of the replicas); 0 = off; "
+        "default: 10 for exact and powergossip (0 with --average-every, --delay-last-iteration or --elastic)",
     )
     group.add_argument(
         "--outer-delay",
@@ -202,9 +203,15 @@ def describe_outer(config: Any) -> str:
         config: a resolved config that runs an outer optimizer.
 
     Returns:
-        E.g. "outer Nesterov SGD lr 0.7 momentum 0.9 every 50 steps on gossip-averaged pseudo-gradients".
+        E.g. "outer Nesterov SGD lr 0.7 momentum 0.9 every 50 steps on gossip-averaged pseudo-gradients", or "exact
+        average every 10 steps (outer step, lr 1, no momentum)" for the defaults' outer step.
     """
-    text = f"outer Nesterov SGD lr {config.outer_lr:g} momentum {config.outer_momentum:g} every {period(config)} steps"
+    if config.outer_lr == 1 and config.outer_momentum == 0 and config.outer_sync == "allreduce":
+        text = f"exact average every {period(config)} steps (outer step, lr 1, no momentum)"
+    else:
+        text = (
+            f"outer Nesterov SGD lr {config.outer_lr:g} momentum {config.outer_momentum:g} every {period(config)} steps"
+        )
     if config.outer_sync != "allreduce":
         text += f" on {config.outer_sync}-averaged pseudo-gradients"
     if config.outer_delay:

@@ -40,7 +40,7 @@ from gossip.algorithms.diloco import LOCAL_STEPS, OUTER_LR, OUTER_MOMENTUM
 from gossip.app.corpus import ShardedBatches, decode, encode, load_corpus, validation_batches
 from gossip.app.ddp_baseline import DDPBaseline
 from gossip.app.gpt import GPT, GPTConfig
-from gossip.app.outer_options import check_outer_options, make_outer, resolve_outer
+from gossip.app.outer_options import HYBRID_ALGORITHMS, check_outer_options, make_outer, resolve_outer
 from gossip.app.run_dir import RunSummary, describe_mixing, prepare_run_dir, write_outputs
 from gossip.backends.base import Communicator
 from gossip.errors import ConfigError, NonFiniteError
@@ -62,10 +62,15 @@ SAMPLE_BYTES = 80
 
 @dataclasses.dataclass(frozen=True)
 class MixingDefaults:
-    """The main job's default mixing and local optimizer, in one place (``gossip-train``'s defaults follow it).
+    r"""The main job's default mixing and local optimizer, in one place (``gossip-train``'s defaults follow it).
 
-    ``power_iterations`` applies when the algorithm is PowerGossip and ``average_every`` to the gossip algorithms
-    (not to ``ddp`` or ``allreduce``, which average every step); :func:`resolve` fills them in where unset.
+    ``power_iterations`` applies when the algorithm is PowerGossip, ``average_every`` to the gossip algorithms
+    (not to ``ddp`` or ``allreduce``, which average every step) and ``outer_every`` to the algorithms a hybrid runs
+    every step (exact gossip and PowerGossip): the defaults are a hybrid, PowerGossip every step and an outer step
+    every ``outer_every`` steps. With ``outer_lr = 1`` and no momentum the outer step
+    :math:`\theta \leftarrow \theta_{sync} - \frac{1}{n}\sum_i (\theta_{sync} - \theta_i)` is the exact average
+    of the replicas (:class:`gossip.OuterOptimizer` over :class:`gossip.AllReduce`). :func:`resolve` fills these in
+    where unset; ``--elastic`` runs without the outer step (it synchronises every rank).
     Why these values: experiments/learning_per_step/README.md, section "Why these are the main job's defaults".
 
     Attributes:
@@ -73,7 +78,10 @@ class MixingDefaults:
         rank: PowerGossip's rank.
         power_iterations: PowerGossip's power iterations per step.
         message_dtype: the dtype PowerGossip's products travel in.
-        average_every: an exact global average every this many steps (0: never).
+        average_every: an exact global average every this many steps instead of the mixing (0: never).
+        outer_every: an outer step every this many steps, on top of the mixing (0: never).
+        outer_lr: the hybrid's outer learning rate (DiLoCo keeps its own, :data:`DILOCO_DEFAULTS`).
+        outer_momentum: the hybrid's outer Nesterov momentum.
         optimizer: the local optimizer.
         lr: the peak learning rate.
     """
@@ -83,6 +91,9 @@ class MixingDefaults:
     power_iterations: int = 2
     message_dtype: str = "float16"
     average_every: int = 0
+    outer_every: int = 10
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
     optimizer: str = "adamw"
     lr: float = 3e-3
 
@@ -118,11 +129,14 @@ class TrainConfig:
         delayed_last_iteration: PowerGossip's last power iteration is applied at the next step, so that its
             exchange overlaps that step's compute (``PowerGossip(delayed_last_iteration=True)``).
         local_steps: DiLoCo's local steps per round (None: :data:`DILOCO_DEFAULTS`' for DiLoCo).
-        outer_lr: DiLoCo's outer learning rate.
-        outer_momentum: DiLoCo's outer Nesterov momentum.
+        outer_lr: the outer learning rate (None: :data:`DILOCO_DEFAULTS`' for DiLoCo, :data:`DEFAULTS`' for a
+            hybrid).
+        outer_momentum: the outer Nesterov momentum (None: as ``outer_lr``).
         outer_sync: how the pseudo-gradients are averaged: allreduce, gossip or powergossip
             (:mod:`gossip.app.outer_options`; None: allreduce where an outer optimizer runs).
-        outer_every: a hybrid: the per-step gossip algorithm and an outer step every this many steps (0: off).
+        outer_every: a hybrid: the per-step gossip algorithm and an outer step every this many steps (0: off;
+            None: :data:`DEFAULTS`' for exact gossip and PowerGossip, unless ``average_every`` or
+            ``delayed_last_iteration`` is given, which take its place; else 0).
         outer_delay: steps a synchronisation stays in flight (the delayed, streaming outer update; 0: none).
         outer_merge: with a delay, the weight of the replica's own progress when the average lands.
         schedule: the schedule name (None: :func:`default_schedule`).
@@ -158,7 +172,7 @@ class TrainConfig:
     outer_lr: float | None = None
     outer_momentum: float | None = None
     outer_sync: str | None = None
-    outer_every: int = 0
+    outer_every: int | None = None
     outer_delay: int = 0
     outer_merge: float | None = None
     schedule: str | None = None
@@ -230,9 +244,10 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     """Fill the per-world-size defaults.
 
     ``accum_iter`` defaults to max(1, n // 4) (docs/design.md B.3: A ~ n/4 ... n/2); ``warmup_steps`` to
-    ``steps // 10`` capped at 100; ``power_iterations``, ``message_dtype`` and ``average_every`` to
-    :data:`DEFAULTS`' where they apply (else 1, float32 and 0); ``local_steps``, ``outer_lr`` and ``outer_momentum``
-    to :data:`DILOCO_DEFAULTS` for DiLoCo (else None).
+    ``steps // 10`` capped at 100; ``power_iterations``, ``message_dtype``, ``average_every`` and ``outer_every`` to
+    :data:`DEFAULTS`' where they apply (else 1, float32, 0 and 0); ``local_steps``, ``outer_lr`` and
+    ``outer_momentum`` to :data:`DILOCO_DEFAULTS` for DiLoCo, ``outer_lr`` and ``outer_momentum`` to
+    :data:`DEFAULTS`' for a hybrid (else None).
 
     Args:
         config: the config as given.
@@ -260,7 +275,9 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
         raise ConfigError("--algorithm", f"unknown {config.algorithm!r}; choose one of {list(ALGORITHM_CHOICES)}")
     if config.optimizer not in OPTIMIZERS:
         raise ConfigError("--optimizer", f"unknown {config.optimizer!r}; choose one of {list(OPTIMIZERS)}")
-    _check_mixing_options(config)
+    if config.outer_every is None:
+        resolved.outer_every = _default_outer_every(config, notes)
+    _check_mixing_options(resolved)
     if config.gradient_tracking not in (False, True, "exact", "powergossip"):
         raise ConfigError(
             "--gradient-tracking", f"must be off, on, 'exact' or 'powergossip', got {config.gradient_tracking!r}"
@@ -274,10 +291,14 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
         resolved.message_dtype = DEFAULTS.message_dtype if config.algorithm == "powergossip" else "float32"
     if config.average_every is None:
         resolved.average_every = 0 if config.algorithm in (*AVERAGING_EVERY_STEP, DILOCO) else DEFAULTS.average_every
-    if config.algorithm == DILOCO or config.outer_every:
+    if config.algorithm == DILOCO:
         for option, default in DILOCO_DEFAULTS.items():
-            if getattr(config, option) is None and (config.algorithm == DILOCO or option != "local_steps"):
+            if getattr(config, option) is None:
                 setattr(resolved, option, default)
+    elif resolved.outer_every:
+        for option in ("outer_lr", "outer_momentum"):
+            if getattr(config, option) is None:
+                setattr(resolved, option, getattr(DEFAULTS, option))
     check_outer_options(resolved)
     resolve_outer(resolved)
     if config.data is not None and not Path(config.data).is_file():
@@ -287,6 +308,30 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     if resolved.algorithm != DDP:
         build_schedule(resolved)
     return resolved, notes
+
+
+def _default_outer_every(config: TrainConfig, notes: list[str]) -> int:
+    """``outer_every`` where unset: :data:`DEFAULTS`' for a hybrid's algorithms, unless an option takes its place.
+
+    Args:
+        config: the config as given.
+        notes: the notes of :func:`resolve`; one is added when an option turns the default outer step off.
+
+    Returns:
+        The steps between outer steps (0: none).
+    """
+    if config.algorithm not in HYBRID_ALGORITHMS or not DEFAULTS.outer_every:
+        return 0
+    for option, given in (
+        ("--average-every", config.average_every),
+        ("--delay-last-iteration", config.delayed_last_iteration),
+    ):
+        if given:
+            notes.append(
+                f"outer step: off ({option} takes the place of the default outer step every {DEFAULTS.outer_every})"
+            )
+            return 0
+    return DEFAULTS.outer_every
 
 
 def _check_mixing_options(config: TrainConfig) -> None:
@@ -340,7 +385,8 @@ def _check_diloco_options(config: TrainConfig) -> None:
         hybrid = bool(config.outer_every) and option != "local_steps"  # a hybrid's period is --outer-every
         if getattr(config, option) is not None and config.algorithm != DILOCO and not hybrid:
             flag = "--" + option.replace("_", "-")
-            raise ConfigError(flag, f"applies to --algorithm diloco only, not {config.algorithm}; drop {flag}")
+            where = "--algorithm diloco only" if option == "local_steps" else "--algorithm diloco or --outer-every only"
+            raise ConfigError(flag, f"applies to {where}, not {config.algorithm}; drop {flag}")
     local_steps, outer_lr, outer_momentum = config.local_steps, config.outer_lr, config.outer_momentum
     if local_steps is not None and (type(local_steps) is not int or local_steps < 1):
         raise ConfigError("--local-steps", f"must be an integer >= 1, got {local_steps!r}")

@@ -99,7 +99,7 @@ def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, 
         raise ConfigError("--power-iterations", "--elastic runs one power iteration per step")
     if config.gradient_tracking:
         raise ConfigError("--gradient-tracking", "--elastic cannot track gradients (the dead rank's share is lost)")
-    elastic = dataclasses.replace(config, average_every=0, power_iterations=1)
+    elastic = dataclasses.replace(config, average_every=0, outer_every=0, power_iterations=1)
     if config.schedule is None and not (world_size >= 2 and world_size & (world_size - 1) == 0):
         elastic.schedule = ELASTIC_FALLBACK_SCHEDULE
     return resolve(elastic, world_size)
