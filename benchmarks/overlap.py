@@ -154,7 +154,12 @@ def measure_gossip(comm, args, make_algorithm: Callable[[], object], batches: li
         model.algorithm.drain()  # a delayed last iteration: completed here, so it is timed too
         blocking.append(time.perf_counter() - begin)
     rows = rows[args.warmup :]
+    # a composite's averaging steps apart from its gossip steps (0 where it has none)
+    period = getattr(model.algorithm, "period", None)
+    syncs = [r["wait_seconds"] for r in rows if period is not None and period.ends(int(r["step"]))]
     return {
+        "exposed_on_averaging_steps": statistics.mean(syncs) if syncs else 0.0,
+        "averaging_steps": len(syncs),
         "step": statistics.mean(r["step_seconds"] for r in rows),
         "comm": statistics.median(blocking),
         "exposed": statistics.mean(r["wait_seconds"] for r in rows),
