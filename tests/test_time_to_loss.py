@@ -183,6 +183,34 @@ def test_every_powergossip_method_names_its_settings_so_a_changed_default_leaves
             assert ("fp16" in method.name) == (dtype == "float16"), method.name
 
 
+def test_every_gossip_method_names_its_outer_step_so_the_defaults_average_stays_out_where_not_named():
+    """The main job's defaults take an exact average every 10 steps; every exact or PowerGossip method says whether it
+    runs one (only the hybrid ``-h10-avg-`` does), and resolves to it."""
+    from gossip.app.cli import build_parser, config_from
+    from gossip.app.train import resolve
+
+    gossiping = 0
+    for method in METHODS.values():
+        argv = method.argv(300, 8, "out", 0)
+        if "exact" not in argv and "powergossip" not in argv:
+            continue
+        gossiping += 1
+        assert "--outer-every" in argv, method.name
+        config, _ = resolve(config_from(build_parser().parse_args(argv[3:])), 8)
+        assert config.outer_every == (10 if "-h10-avg-" in method.name else 0), method.name
+    assert gossiping >= 15
+
+
+def test_allreduce_vs_gossip_runs_gossip_alone():
+    from experiments.allreduce_vs_gossip.study import Run
+    from gossip.app.cli import build_parser, config_from
+    from gossip.app.train import resolve
+
+    for algorithm in ("exact", "powergossip"):
+        argv = Run(algorithm, "ring", 4 if algorithm == "powergossip" else 0, "iid").arguments()
+        assert resolve(config_from(build_parser().parse_args(argv)), 4)[0].outer_every == 0, algorithm
+
+
 @pytest.mark.parametrize("method", ["diloco-h20-adamw", "diloco-h50-adamw"])
 def test_diloco_methods_are_main_job_commands_that_name_every_setting(method):
     """The DiLoCo baselines run ``gossip-train --algorithm diloco`` with H as named, the paper's outer SGD and

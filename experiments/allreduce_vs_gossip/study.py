@@ -88,6 +88,8 @@ class Run:
         args += ["--optimizer", "accum-adamw"]
         if self.algorithm == "powergossip":
             args += ["--power-iterations", "1"]
+        if self.algorithm in ("exact", "powergossip"):
+            args += ["--outer-every", "0"]  # gossip alone, without the main job's average every 10 steps
         return args
 
 

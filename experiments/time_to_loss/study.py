@@ -96,15 +96,19 @@ def _decent_dp(topology: str) -> Callable[[int, int, str, int], list[str]]:
     return argv
 
 
-# Every method names its algorithm and optimizer, so that a change of gossip-train's defaults leaves it as labelled.
-EXACT = ("--algorithm", "exact", "--schedule", "one_peer_hypercube")
+# Every method names its algorithm, optimizer and outer step (0: none, gossip alone), so that a change of
+# gossip-train's defaults leaves it as labelled.
+EXACT = ("--algorithm", "exact", "--schedule", "one_peer_hypercube", "--outer-every", "0")
 
 
-def powergossip(rank: int, iterations: int = 1, message_dtype: str = "float32") -> tuple[str, ...]:
+def powergossip(
+    rank: int, iterations: int = 1, message_dtype: str = "float32", outer_every: int = 0
+) -> tuple[str, ...]:
     """PowerGossip at ``rank``, ``iterations`` power iterations per step, products sent in ``message_dtype``, on the
-    one-peer hypercube."""
+    one-peer hypercube; with an outer step every ``outer_every`` steps (0: none)."""
     return ("--algorithm", "powergossip", "--rank", str(rank), "--power-iterations", str(iterations),
-            "--message-dtype", message_dtype, "--schedule", "one_peer_hypercube")  # fmt: skip
+            "--message-dtype", message_dtype, "--schedule", "one_peer_hypercube",
+            "--outer-every", str(outer_every))  # fmt: skip
 
 
 def diloco(local_steps: int, outer_lr: float = 0.7, outer_momentum: float = 0.9) -> tuple[str, ...]:
@@ -131,7 +135,7 @@ def _hybrid_average(local_steps: int) -> Method:
     """The main job's PowerGossip every step and a plain average of the replicas every ``local_steps`` steps
     (``--outer-every``, outer lr 1 without momentum): the hybrid of the learning-per-step study."""
     label = f"PowerGossip r=4, 2 iterations, float16 messages, a plain average every {local_steps} steps, AdamW"
-    options = [*powergossip(4, 2, "float16"), "--outer-every", str(local_steps), "--outer-lr", "1.0"]
+    options = [*powergossip(4, 2, "float16", outer_every=local_steps), "--outer-lr", "1.0"]
     options += ["--outer-momentum", "0.0", "--optimizer", "adamw"]
     return Method(f"pg4-it2-fp16-h{local_steps}-avg-adamw", label, _gossip_train(*options))
 
@@ -173,7 +177,9 @@ METHODS = {
         Method(
             "exact-ring",
             "exact gossip, ring",
-            _gossip_train("--algorithm", "exact", "--schedule", "ring", "--optimizer", "accum-adamw"),
+            _gossip_train(
+                "--algorithm", "exact", "--schedule", "ring", "--outer-every", "0", "--optimizer", "accum-adamw"
+            ),
         ),
         *(
             Method(
@@ -200,7 +206,7 @@ METHODS = {
         ),
         Method(
             "pg4-it2-fp16-adamw",
-            "PowerGossip r=4, 2 iterations, float16 messages, one-peer hypercube, AdamW (the main job's defaults)",
+            "PowerGossip r=4, 2 iterations, float16 messages, one-peer hypercube, AdamW (the main job's PowerGossip)",
             _gossip_train(*powergossip(4, 2, "float16"), "--optimizer", "adamw"),
         ),
         Method(

@@ -154,8 +154,9 @@ class PeriodicAverage(Algorithm):
         return _Averaging(step, copies, [self._all_reduce(copy) for copy in copies])
 
     def progress(self, pending: _Averaging | _Gossip, wait: bool = False) -> bool:
-        """The inner algorithm's progress on its steps (PowerGossip's further power iterations during backward);
-        nothing on an averaging step, whose all-reduce is posted whole in ``start``.
+        """The inner algorithm's progress on its steps (PowerGossip's further power iterations during backward).
+
+        Nothing on an averaging step, whose all-reduce is posted whole in ``start``.
 
         Args:
             pending: what :meth:`start` returned for the open step.

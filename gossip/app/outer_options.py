@@ -203,8 +203,8 @@ def describe_outer(config: Any) -> str:
         config: a resolved config that runs an outer optimizer.
 
     Returns:
-        E.g. "outer Nesterov SGD lr 0.7 momentum 0.9 every 50 steps on gossip-averaged pseudo-gradients", or "exact
-        average every 10 steps (outer step, lr 1, no momentum)" for the defaults' outer step.
+        E.g. "outer Nesterov SGD lr 0.7 momentum 0.9 every 50 steps on gossip-averaged pseudo-gradients", or
+            "exact average every 10 steps (outer step, lr 1, no momentum)" for the defaults' outer step.
     """
     if config.outer_lr == 1 and config.outer_momentum == 0 and config.outer_sync == "allreduce":
         text = f"exact average every {period(config)} steps (outer step, lr 1, no momentum)"
