@@ -39,6 +39,11 @@ def test_the_defaults_are_powergossip_every_step_and_an_exact_average_every_10_s
     assert describe_mixing(config).endswith("exact average every 10 steps (outer step, lr 1, no momentum)")
     _, exact = built(["--algorithm", "exact"])
     assert type(exact) is gossip.OuterOptimizer and type(exact.between) is gossip.ExactGossip
+    # landing late, the replica merges with the average instead of becoming it: not called an exact average
+    delayed, _ = built(["--outer-delay", "1"])
+    assert describe_mixing(delayed).endswith(
+        "outer Nesterov SGD lr 1 momentum 0 every 10 steps, landing 1 step(s) late (merge 0.5)"
+    )
     _, off = built(["--outer-every", "0"])
     assert type(off) is gossip.PowerGossip
     # an outer option alone applies to the defaults' outer step

@@ -206,7 +206,8 @@ def describe_outer(config: Any) -> str:
         E.g. "outer Nesterov SGD lr 0.7 momentum 0.9 every 50 steps on gossip-averaged pseudo-gradients", or
             "exact average every 10 steps (outer step, lr 1, no momentum)" for the defaults' outer step.
     """
-    if config.outer_lr == 1 and config.outer_momentum == 0 and config.outer_sync == "allreduce":
+    exact = config.outer_sync == "allreduce" and not config.outer_delay  # a delayed one merges, not replaces
+    if exact and config.outer_lr == 1 and config.outer_momentum == 0:
         text = f"exact average every {period(config)} steps (outer step, lr 1, no momentum)"
     else:
         text = (
