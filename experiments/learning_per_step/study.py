@@ -575,6 +575,9 @@ def suite(name: str) -> list[RunConfig]:
         c("exact-gt-s4000", algorithm="exact", gradient_tracking=True, **s4000),
         c("pg4-it2-fp16-gt-s4000", gradient_tracking=True, **pg, **s4000),
         c("pg4-it4-fp16-s4000", **dict(pg, iterations=4), **s4000),
+        # does the paper's outer step (Nesterov momentum 0.9, lr 0.7) pay once the run is 4x longer? Beside the
+        # plain average every 10 steps (diloco-h10-olr1.0-m0-s4000), the only difference the outer step
+        c("diloco-h10-s4000", algorithm="diloco", local_steps=10, **s4000),
     ]
 
 
