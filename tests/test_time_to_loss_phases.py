@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from experiments.time_to_loss.phases import main, phases, split
+from experiments.time_to_loss.phases import arrival_spreads, main, phases, split
 from experiments.time_to_loss.study import BenchmarkError
 
 
-def _row(step: int, sent: int, step_s: float, compute_s: float, wait_s: float) -> dict:
+def _row(step: int, sent: int, step_s: float, compute_s: float, wait_s: float, elapsed_s: float = 0.0) -> dict:
     return {
         "step": step,
+        "elapsed_seconds": elapsed_s,
         "bytes_sent": sent,
         "step_seconds": step_s,
         "compute_seconds": compute_s,
@@ -33,12 +34,16 @@ def _run(root: Path, name: str, ranks: list[list[dict]]) -> Path:
 
 
 def _hybrid_rank(offset: float) -> list[dict]:
-    """12 steps: the set-up steps 0-1 (huge, must be left out), then every 5th an all-reduce of the model."""
-    rows = [_row(0, 50, 9.0, 9.0, 9.0), _row(1, 50, 9.0, 9.0, 9.0)]
+    """12 steps: the set-up steps 0-1 (huge, must be left out), then every 5th an all-reduce of the model; every
+    step ``offset`` s slower than on a rank with offset 0."""
+    rows = [_row(0, 50, 9.0, 9.0, 9.0, 9.0), _row(1, 50, 9.0, 9.0, 9.0, 18.0)]
     for step in range(2, 12):
         sync = step % 5 == 4
+        seconds = (0.3 if sync else 0.1) + offset
         rows.append(
-            _row(step, 3000 if sync else 50, 0.3 + offset if sync else 0.1 + offset, 0.05, 0.2 if sync else 0.01)
+            _row(
+                step, 3000 if sync else 50, seconds, 0.05, 0.2 if sync else 0.01, rows[-1]["elapsed_seconds"] + seconds
+            )
         )
     return rows
 
@@ -63,6 +68,14 @@ def test_phases_average_every_rank_and_seed_after_the_set_up_steps(tmp_path):
     assert table["gossip"]["step_ms"] == pytest.approx(130.0)
     assert table["gossip"]["wait_ms"] == pytest.approx(10.0) and table["sync"]["wait_ms"] == pytest.approx(200.0)
     assert table["gossip"]["finish_ms"] == pytest.approx(11.0) and table["gossip"]["compute_ms"] == pytest.approx(50.0)
+    # from the end of step 4 to the end of step 8 the ranks of a run 0.02 s a step apart drift 4 x 0.02 s apart
+    assert table["sync"]["arrival_spread_ms"] == pytest.approx(80.0) and table["gossip"]["arrival_spread_ms"] == ""
+
+
+def test_the_arrival_spread_needs_two_synchronisation_steps_with_steps_between():
+    assert arrival_spreads([_hybrid_rank(0.0)[2:8], _hybrid_rank(0.5)[2:8]]) == []  # one synchronisation step: 4
+    spreads = arrival_spreads([_hybrid_rank(0.0), _hybrid_rank(0.5)])
+    assert spreads == [pytest.approx(2.0)]  # steps 5-8 on the slower rank: 4 x 0.5 s later
 
 
 def test_the_command_line_writes_the_table_as_csv(tmp_path):
@@ -85,5 +98,5 @@ def test_a_run_without_per_rank_metrics_is_skipped_and_no_runs_at_all_is_an_erro
 
 def test_per_rank_metrics_without_the_timings_are_named(tmp_path):
     run = _run(tmp_path, "20261126-100000-100mbit-r0-s0-ddp", [[{"step": 2, "bytes_sent": 1}]])
-    with pytest.raises(BenchmarkError, match=r"metrics_rank0.jsonl: no step_seconds"):
+    with pytest.raises(BenchmarkError, match=r"metrics_rank0.jsonl: no step_seconds, .*elapsed_seconds"):
         phases(run.parent)

@@ -12,6 +12,11 @@ for two kinds of step:
   of the whole model among PowerGossip's few-kB steps, an exact average among gossip steps);
 * **gossip steps**: all the others (all of a run that sends the same bytes every step).
 
+For the synchronisation steps it also gives the **arrival spread**: per pair of consecutive synchronisation steps
+a < b, max_r - min_r over the ranks of (end of step b - 1) - (end of step a), each on rank r's own clock
+(``elapsed_seconds``). The ranks leave a synchronisation step together (its all-reduce completes on all of them
+within a transfer of one another), so this is how far apart they reach the next one, which an all-reduce waits out.
+
 It answers "did a change move time between compute and wait, and on which steps", e.g. when work moves from the
 optimizer step into backward on a machine whose cores are all busy.
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import statistics
 import sys
@@ -33,7 +39,8 @@ from pathlib import Path
 from experiments.time_to_loss.study import CLOCK_START_STEP, RESULTS, BenchmarkError, finished_runs
 
 PHASES = ("step_seconds", "compute_seconds", "finish_seconds", "wait_seconds")
-FIELDS = ("runs", "rate", "method", "kind", "seeds", "samples", "step_ms", "compute_ms", "finish_ms", "wait_ms")
+FIELDS = ("runs", "rate", "method", "kind", "seeds", "samples", "step_ms", "compute_ms", "finish_ms", "wait_ms",
+          "arrival_spread_ms")  # fmt: skip
 
 
 def read_steps(run_dir: Path) -> list[list[dict]]:
@@ -44,7 +51,7 @@ def read_steps(run_dir: Path) -> list[list[dict]]:
     ranks = []
     for path in paths:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        missing = [key for key in (*PHASES, "bytes_sent") if rows and key not in rows[0]]
+        missing = [key for key in (*PHASES, "bytes_sent", "elapsed_seconds") if rows and key not in rows[0]]
         if missing:
             raise BenchmarkError(f"{path}: no {', '.join(missing)} in its steps")
         ranks.append([row for row in rows if row["step"] > CLOCK_START_STEP])
@@ -64,14 +71,29 @@ def split(ranks: list[list[dict]]) -> dict[str, list[dict]]:
     return kinds
 
 
+def arrival_spreads(ranks: list[list[dict]]) -> list[float]:
+    """Per pair of consecutive synchronisation steps of one run: the ranks' arrival spread in seconds (module doc)."""
+    syncs = sorted({row["step"] for row in split(ranks)["sync"]})
+    ends = [{row["step"]: row["elapsed_seconds"] for row in rows} for rows in ranks]
+    spreads = []
+    for first, second in itertools.pairwise(syncs):
+        if second - 1 > first and all(first in end and second - 1 in end for end in ends):
+            between = [end[second - 1] - end[first] for end in ends]
+            spreads.append(max(between) - min(between))
+    return spreads
+
+
 def phases(root: Path) -> list[dict]:
     """Per (rate, method, kind) of the finished runs under ``root``: mean step, compute and wait in ms."""
     pooled: dict[tuple[str, str, str], tuple[set[int], list[dict]]] = {}
+    spreads: dict[tuple[str, str], list[float]] = {}
     for (_stamp, rate, _repeat, seed), runs in finished_runs(root).items():
         for method, run_dir in runs:
             if not any(run_dir.glob("metrics_rank*.jsonl")):
                 continue  # decent-dp's runner writes metrics.csv only
-            for kind, rows in split(read_steps(run_dir)).items():
+            ranks = read_steps(run_dir)
+            spreads.setdefault((rate, method), []).extend(arrival_spreads(ranks))
+            for kind, rows in split(ranks).items():
                 seeds, samples = pooled.setdefault((rate, method, kind), (set(), []))
                 seeds.add(seed)
                 samples.extend(rows)
@@ -92,9 +114,15 @@ def phases(root: Path) -> list[dict]:
                 "compute_ms": round(means["compute_seconds"], 1),
                 "finish_ms": round(means["finish_seconds"], 1),
                 "wait_ms": round(means["wait_seconds"], 1),
+                "arrival_spread_ms": spread_ms(spreads.get((rate, method), [])) if kind == "sync" else "",
             }
         )
     return table
+
+
+def spread_ms(spreads: list[float]) -> float | str:
+    """The mean arrival spread in ms, rounded; "" when there is none (fewer than two synchronisation steps)."""
+    return round(1000 * statistics.fmean(spreads), 1) if spreads else ""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{row['runs']:>12} {row['rate']:>8} {row['method']:<28} {row['kind']:<6} seeds {row['seeds']:<6} "
             f"ms: step {row['step_ms']:6.1f}, compute {row['compute_ms']:6.1f}, finish {row['finish_ms']:6.1f} "
             f"(wait {row['wait_ms']:6.1f})"
+            + (f", arrival spread {row['arrival_spread_ms']}" if row["arrival_spread_ms"] != "" else "")
         )
     if args.csv:
         args.results.mkdir(parents=True, exist_ok=True)
