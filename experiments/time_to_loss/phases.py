@@ -28,7 +28,6 @@ Prints one line per (runs directory, rate, method, kind) and, with ``--csv``, wr
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import json
 import statistics
@@ -36,7 +35,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from experiments.time_to_loss.study import CLOCK_START_STEP, RESULTS, BenchmarkError, finished_runs
+from experiments.time_to_loss.study import CLOCK_START_STEP, RESULTS, BenchmarkError, finished_runs, write_table
 
 PHASES = ("step_seconds", "compute_seconds", "finish_seconds", "wait_seconds")
 FIELDS = ("runs", "rate", "method", "kind", "seeds", "samples", "step_ms", "compute_ms", "finish_ms", "wait_ms",
@@ -142,11 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             + (f", arrival spread {row['arrival_spread_ms']}" if row["arrival_spread_ms"] != "" else "")
         )
     if args.csv:
-        args.results.mkdir(parents=True, exist_ok=True)
-        with open(args.results / args.csv, "w", newline="") as file:
-            writer = csv.DictWriter(file, fieldnames=FIELDS)
-            writer.writeheader()
-            writer.writerows(table)
+        write_table(args.results / args.csv, FIELDS, table)
         print(f"wrote {args.results / args.csv}")
     return 0
 

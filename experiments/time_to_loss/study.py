@@ -498,6 +498,15 @@ def reanalyze(args: argparse.Namespace, results: Path) -> list[dict]:
     return table
 
 
+def write_table(path: Path, fields: Sequence[str], rows: Sequence[dict]) -> None:
+    """Write ``rows`` to the CSV at ``path``, columns ``fields`` in that order, creating its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(fields))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.time_to_loss", description=__doc__.split("\n")[0])
     parser.add_argument("--hosts", type=int, default=8)
@@ -524,16 +533,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     table = reanalyze(args, results) if args.from_runs else train_all(args, results)
-    with open(results / args.csv, "w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(table)
+    write_table(results / args.csv, FIELDS, table)
     summary = across_seeds(table)
     summary_path = results / f"{Path(args.csv).stem}_summary.csv"
-    with open(summary_path, "w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=SUMMARY_FIELDS)
-        writer.writeheader()
-        writer.writerows(summary)
+    write_table(summary_path, SUMMARY_FIELDS, summary)
     for row in summary:
         print(
             f"  {row['rate']:>8} {row['method']:<13} over {row['runs']} run(s) (seeds {row['seeds']}): "
