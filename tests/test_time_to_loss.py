@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 
 import numpy as np
 import pytest
@@ -197,7 +198,7 @@ def test_every_gossip_method_names_its_outer_step_so_the_defaults_average_stays_
         gossiping += 1
         assert "--outer-every" in argv, method.name
         config, _ = resolve(config_from(build_parser().parse_args(argv[3:])), 8)
-        assert config.outer_every == (10 if "-h10-avg-" in method.name else 0), method.name
+        assert config.outer_every == (10 if re.search(r"-h10(-d\d+)?-avg-", method.name) else 0), method.name
     assert gossiping >= 15
 
 
@@ -229,19 +230,23 @@ def test_diloco_methods_are_main_job_commands_that_name_every_setting(method):
     assert (algorithm.outer_lr, algorithm.outer_momentum, algorithm.nesterov) == (0.7, 0.9, True)
 
 
-def test_the_hybrid_is_the_main_jobs_powergossip_with_a_plain_average_every_h_steps():
+@pytest.mark.parametrize(("method", "delay", "merge"), [("pg4-it2-fp16-h10-avg-adamw", 0, None),
+                                                      ("pg4-it2-fp16-h10-d1-avg-adamw", 1, 0.5)])  # fmt: skip
+def test_the_hybrid_is_the_main_jobs_powergossip_with_a_plain_average_every_h_steps(method, delay, merge):
     """``pg4-it2-fp16-h10-avg-adamw`` keeps the defaults' PowerGossip every step (as the study's hybrid) and takes an
-    outer step at lr 1 without momentum, all-reduced, every 10 steps, each setting on the command line."""
+    outer step at lr 1 without momentum, all-reduced, every 10 steps, each setting on the command line; its ``-d1``
+    twin lands each average a step late and merges halfway."""
     import gossip
     from gossip.app.cli import build_parser, config_from
     from gossip.app.train import make_algorithm, resolve
 
-    argv = METHODS["pg4-it2-fp16-h10-avg-adamw"].argv(300, 8, "out", 1)
+    argv = METHODS[method].argv(300, 8, "out", 1)
     config, _ = resolve(config_from(build_parser().parse_args(argv[3:])), 8)
     algorithm = make_algorithm(config)
     assert isinstance(algorithm, gossip.OuterOptimizer) and not isinstance(algorithm, gossip.DiLoCo)
     assert isinstance(algorithm.averaging, gossip.AllReduce) and algorithm.local_steps == 10
     assert (algorithm.outer_lr, algorithm.outer_momentum) == (1.0, 0.0)
+    assert algorithm.delay == delay and (merge is None or algorithm.merge == merge)
     between = algorithm.between
     assert isinstance(between, gossip.PowerGossip) and between.matrix_rank == 4 and between.num_iterations == 2
     assert between.message_dtype == torch.float16 and config.optimizer == "adamw" and config.seed == 1

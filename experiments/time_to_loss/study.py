@@ -131,13 +131,19 @@ def _periodic_average(local_steps: int) -> Method:
     return Method(f"diloco-h{local_steps}-avg-adamw", label, _gossip_train(*options, "--optimizer", "adamw"))
 
 
-def _hybrid_average(local_steps: int) -> Method:
+def _hybrid_average(local_steps: int, delay: int = 0) -> Method:
     """The main job's PowerGossip every step and a plain average of the replicas every ``local_steps`` steps
-    (``--outer-every``, outer lr 1 without momentum): the hybrid of the learning-per-step study."""
+    (``--outer-every``, outer lr 1 without momentum): the hybrid of the learning-per-step study. With ``delay``
+    the average lands ``delay`` steps after it was posted, its all-reduce overlapping their compute, and each
+    replica moves halfway to it (``--outer-delay``, ``--outer-merge 0.5``: Streaming DiLoCo's merge)."""
     label = f"PowerGossip r=4, 2 iterations, float16 messages, a plain average every {local_steps} steps, AdamW"
     options = [*powergossip(4, 2, "float16", outer_every=local_steps), "--outer-lr", "1.0"]
     options += ["--outer-momentum", "0.0", "--optimizer", "adamw"]
-    return Method(f"pg4-it2-fp16-h{local_steps}-avg-adamw", label, _gossip_train(*options))
+    if not delay:
+        return Method(f"pg4-it2-fp16-h{local_steps}-avg-adamw", label, _gossip_train(*options))
+    label += f", landing {delay} step(s) late and merged halfway"
+    options += ["--outer-delay", str(delay), "--outer-merge", "0.5"]
+    return Method(f"pg4-it2-fp16-h{local_steps}-d{delay}-avg-adamw", label, _gossip_train(*options))
 
 
 def _pga(name: str, *, rank: int, iterations: int, every: int, adamw: bool) -> Method:
@@ -229,6 +235,7 @@ METHODS = {
         _diloco(50),
         _periodic_average(10),
         _hybrid_average(10),
+        _hybrid_average(10, delay=1),  # the defaults' average overlapped with the next step (issue 27)
         Method("decentdp", "decent-dp 0.2.3, one-peer-exp", _decent_dp("one-peer-exp")),
         Method("decentdp-aer", "decent-dp 0.2.3, alternating-exp-ring", _decent_dp("alternating-exp-ring")),
     )
