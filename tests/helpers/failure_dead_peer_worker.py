@@ -1,11 +1,12 @@
 """Worker: train a tiny model with DecentralizedDataParallel (ExactGossip on a ring); one rank may kill itself.
 
-Usage (by tests/test_failures_dead_peer.py): python tests/helpers/failure_dead_peer_worker.py OUT_DIR BACKEND KILL_RANK
-[STEPS]. KILL_RANK -1 is a healthy run. The rank ``KILL_RANK`` writes ``OUT_DIR/killed_at`` (time.time()) and
-SIGKILLs itself at the top of step ``KILL_STEP``; every rank writes its pid to ``OUT_DIR/rank<r>.pid`` first, its
-standard error to ``OUT_DIR/rank<r>.stderr`` (tests/helpers/own_stderr.py) and, after closing, the names of its
-remaining threads to ``OUT_DIR/rank<r>.threads``. A survivor's error is not caught: it reaches the interpreter's
-top level, so the exit code is non-zero.
+Usage (by tests/test_failures_dead_peer.py): python tests/helpers/failure_dead_peer_worker.py OUT_DIR BACKEND
+KILL_RANK [STEPS]. KILL_RANK -1 is a healthy run (exchange timeout 60 s instead of 5 s: nothing is meant to time
+out). The rank ``KILL_RANK`` writes ``OUT_DIR/killed_at`` (time.time()) and SIGKILLs itself at the top of step
+``KILL_STEP``; every rank writes its pid to ``OUT_DIR/rank<r>.pid`` first, its standard error to
+``OUT_DIR/rank<r>.stderr`` (tests/helpers/own_stderr.py) and, after closing, the names of its remaining threads to
+``OUT_DIR/rank<r>.threads``. A survivor's error is not caught: it reaches the interpreter's top level, so the exit
+code is non-zero.
 """
 
 import faulthandler
@@ -22,7 +23,8 @@ import gossip
 import topologies
 from helpers import own_stderr
 
-TIMEOUT = 5.0
+TIMEOUT = 5.0  # with a rank killed: how soon the survivors must name it
+HEALTHY_TIMEOUT = 60.0  # with none: nothing may time out, however loaded the machine (a peer slow to its first step)
 KILL_STEP = 5
 
 
@@ -32,7 +34,7 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid> prints every thread's stack
     torch.set_num_threads(1)
     own_stderr.redirect(out_dir)
-    comm = gossip.init(backend, timeout=TIMEOUT)
+    comm = gossip.init(backend, timeout=TIMEOUT if kill_rank >= 0 else HEALTHY_TIMEOUT)
     (out_dir / f"rank{comm.rank}.pid").write_text(str(os.getpid()))
     own_stderr.name_by_rank(out_dir, comm.rank)
     torch.manual_seed(comm.rank)
