@@ -73,8 +73,10 @@ def test_phases_average_every_rank_and_seed_after_the_set_up_steps(tmp_path):
 
 
 def test_the_arrival_spread_needs_two_synchronisation_steps_with_steps_between():
-    assert arrival_spreads([_hybrid_rank(0.0)[2:8], _hybrid_rank(0.5)[2:8]]) == []  # one synchronisation step: 4
-    spreads = arrival_spreads([_hybrid_rank(0.0), _hybrid_rank(0.5)])
+    few = [_hybrid_rank(0.0)[2:8], _hybrid_rank(0.5)[2:8]]
+    assert arrival_spreads(few, split(few)["sync"]) == []  # one synchronisation step: 4
+    ranks = [_hybrid_rank(0.0), _hybrid_rank(0.5)]
+    spreads = arrival_spreads(ranks, split(ranks)["sync"])
     assert spreads == [pytest.approx(2.0)]  # steps 5-8 on the slower rank: 4 x 0.5 s later
 
 

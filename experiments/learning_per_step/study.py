@@ -578,7 +578,7 @@ def suite(name: str) -> list[RunConfig]:
         # does the paper's outer step (Nesterov momentum 0.9, lr 0.7) pay once the run is 4x longer? Beside the
         # plain average every 10 steps (diloco-h10-olr1.0-m0-s4000), the only difference the outer step
         c("diloco-h10-s4000", algorithm="diloco", local_steps=10, **s4000),
-        # it does in training loss: the defaults' PowerGossip between the paper's outer steps
+        # and the defaults' PowerGossip between the paper's outer steps
         c("hybrid-pg4-it2-fp16-h10-s4000", **dict(hybrid, outer_lr=0.7, outer_momentum=0.9), **s4000),
     ]
 

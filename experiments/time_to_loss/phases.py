@@ -70,9 +70,10 @@ def split(ranks: list[list[dict]]) -> dict[str, list[dict]]:
     return kinds
 
 
-def arrival_spreads(ranks: list[list[dict]]) -> list[float]:
-    """Per pair of consecutive synchronisation steps of one run: the ranks' arrival spread in seconds (module doc)."""
-    syncs = sorted({row["step"] for row in split(ranks)["sync"]})
+def arrival_spreads(ranks: list[list[dict]], sync: list[dict]) -> list[float]:
+    """Per pair of consecutive synchronisation steps of one run (``sync``: its rows of that kind, from :func:`split`):
+    the ranks' arrival spread in seconds (module doc)."""
+    syncs = sorted({row["step"] for row in sync})
     ends = [{row["step"]: row["elapsed_seconds"] for row in rows} for rows in ranks]
     spreads = []
     for first, second in itertools.pairwise(syncs):
@@ -83,7 +84,8 @@ def arrival_spreads(ranks: list[list[dict]]) -> list[float]:
 
 
 def phases(root: Path) -> list[dict]:
-    """Per (rate, method, kind) of the finished runs under ``root``: mean step, compute and wait in ms."""
+    """Per (rate, method, kind) of the finished runs under ``root``: mean step, compute, finish and wait in ms, and
+    on synchronisation steps the mean arrival spread."""
     pooled: dict[tuple[str, str, str], tuple[set[int], list[dict]]] = {}
     spreads: dict[tuple[str, str], list[float]] = {}
     for (_stamp, rate, _repeat, seed), runs in finished_runs(root).items():
@@ -91,8 +93,9 @@ def phases(root: Path) -> list[dict]:
             if not any(run_dir.glob("metrics_rank*.jsonl")):
                 continue  # decent-dp's runner writes metrics.csv only
             ranks = read_steps(run_dir)
-            spreads.setdefault((rate, method), []).extend(arrival_spreads(ranks))
-            for kind, rows in split(ranks).items():
+            kinds = split(ranks)
+            spreads.setdefault((rate, method), []).extend(arrival_spreads(ranks, kinds["sync"]))
+            for kind, rows in kinds.items():
                 seeds, samples = pooled.setdefault((rate, method, kind), (set(), []))
                 seeds.add(seed)
                 samples.extend(rows)
