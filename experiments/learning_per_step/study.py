@@ -580,6 +580,9 @@ def suite(name: str) -> list[RunConfig]:
         c("diloco-h10-s4000", algorithm="diloco", local_steps=10, **s4000),
         # and the defaults' PowerGossip between the paper's outer steps
         c("hybrid-pg4-it2-fp16-h10-s4000", **dict(hybrid, outer_lr=0.7, outer_momentum=0.9), **s4000),
+        # the paper's outer step at n = 16 x 1 and 4000 steps, beside n16b1-diloco-h10-olr1.0-m0-s4000
+        c("n16b1-diloco-h10-s4000", algorithm="diloco", local_steps=10, **s4000, **many),
+        c("n16b1-hybrid-pg4-it2-fp16-h10-s4000", **dict(hybrid, outer_lr=0.7, outer_momentum=0.9), **s4000, **many),
     ]
 
 
