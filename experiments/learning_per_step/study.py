@@ -583,6 +583,9 @@ def suite(name: str) -> list[RunConfig]:
         # the paper's outer step at n = 16 x 1 and 4000 steps, beside n16b1-diloco-h10-olr1.0-m0-s4000
         c("n16b1-diloco-h10-s4000", algorithm="diloco", local_steps=10, **s4000, **many),
         c("n16b1-hybrid-pg4-it2-fp16-h10-s4000", **dict(hybrid, outer_lr=0.7, outer_momentum=0.9), **s4000, **many),
+        # DiLoCo's H grid at 4000 steps: the paper's outer step every 50 steps, at both n
+        c("diloco-h50-s4000", algorithm="diloco", local_steps=50, **s4000),
+        c("n16b1-diloco-h50-s4000", algorithm="diloco", local_steps=50, **s4000, **many),
     ]
 
 
