@@ -586,6 +586,8 @@ def suite(name: str) -> list[RunConfig]:
         # DiLoCo's H grid at 4000 steps: the paper's outer step every 50 steps, at both n
         c("diloco-h50-s4000", algorithm="diloco", local_steps=50, **s4000),
         c("n16b1-diloco-h50-s4000", algorithm="diloco", local_steps=50, **s4000, **many),
+        # AccumAdamW on exact trackers at 4000 steps, beside n16b1-exact-gt-s4000 and n16b1-exact-accum4-s4000
+        c("n16b1-exact-gt-accum4-s4000", algorithm="exact", gradient_tracking=True, **accum4, **s4000, **many),
     ]
 
 
