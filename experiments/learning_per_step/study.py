@@ -370,6 +370,7 @@ def suite(name: str) -> list[RunConfig]:
     pg = {"rank": 4, "iterations": 2, "message_dtype": "float16"}  # the main job's PowerGossip
     plain_average = {"algorithm": "diloco", "outer_lr": 1.0, "outer_momentum": 0.0}  # the outer step is an average
     hybrid = {"local_steps": 10, "between": "powergossip", **plain_average, **pg}  # the defaults + an average every 10
+    hybrid_paper = dict(hybrid, outer_lr=0.7, outer_momentum=0.9)  # ... + the paper's outer step instead
     s4000 = {"steps": 4000, "warmup": 100}
 
     def n16_defaults_and_diloco(suffix: str, **length: int) -> list[RunConfig]:
@@ -579,10 +580,10 @@ def suite(name: str) -> list[RunConfig]:
         # plain average every 10 steps (diloco-h10-olr1.0-m0-s4000), the only difference the outer step
         c("diloco-h10-s4000", algorithm="diloco", local_steps=10, **s4000),
         # and the defaults' PowerGossip between the paper's outer steps
-        c("hybrid-pg4-it2-fp16-h10-s4000", **dict(hybrid, outer_lr=0.7, outer_momentum=0.9), **s4000),
+        c("hybrid-pg4-it2-fp16-h10-s4000", **hybrid_paper, **s4000),
         # the paper's outer step at n = 16 x 1 and 4000 steps, beside n16b1-diloco-h10-olr1.0-m0-s4000
         c("n16b1-diloco-h10-s4000", algorithm="diloco", local_steps=10, **s4000, **many),
-        c("n16b1-hybrid-pg4-it2-fp16-h10-s4000", **dict(hybrid, outer_lr=0.7, outer_momentum=0.9), **s4000, **many),
+        c("n16b1-hybrid-pg4-it2-fp16-h10-s4000", **hybrid_paper, **s4000, **many),
         # DiLoCo's H grid at 4000 steps: the paper's outer step every 50 steps, at both n
         c("diloco-h50-s4000", algorithm="diloco", local_steps=50, **s4000),
         c("n16b1-diloco-h50-s4000", algorithm="diloco", local_steps=50, **s4000, **many),
