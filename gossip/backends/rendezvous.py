@@ -17,9 +17,9 @@ none of this applies (:func:`agent_serves_the_store`).
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import os
+import socket
 import threading
 import time
 from urllib.parse import urlparse
@@ -41,53 +41,53 @@ def agent_serves_the_store() -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
 
 
-#: the store client's own connect, one attempt: it retries within this and may overrun it about threefold
-_ATTEMPT_SECONDS = 1.0
-#: how long the interpreter's exit waits for a connect still under way when the rendezvous gave up
-_EXIT_WAIT_SECONDS = 4 * _ATTEMPT_SECONDS
+def _listening(host: str, port: int, deadline: float) -> bool:
+    """Whether something accepts TCP connections at ``host:port`` before ``deadline`` (``time.monotonic()``).
+
+    A connection that closes at once leaves rank 0's store undisturbed."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.01, min(1.0, deadline - time.monotonic()))):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_SECONDS)
 
 
 def _connect(host: str, port: int, info: LaunchInfo, timeout: float) -> dist.TCPStore:
     """A client of rank 0's store, or a LaunchError when none answers within ``timeout``.
 
-    The store's constructor blocks: without bound when a stranger holds the port (it waits for a handshake), and
-    up to about three times its timeout when nobody listens. So it runs in a daemon thread, in attempts of
-    ``_ATTEMPT_SECONDS`` until ``timeout``: the thread ends by itself shortly after this rank gives up, and the
-    interpreter's exit waits for it (at most ``_EXIT_WAIT_SECONDS``). A connect that returns into an interpreter
-    already shutting down aborts the process ("terminate called without an active exception"). A thread blocked
-    on a stranger's handshake never returns, and the process exits around it.
+    The store's constructor is only called once the port accepts connections: waiting inside it for a rank 0 that
+    never listens would leave a thread in it after this rank gives up, and a constructor that returns into an
+    interpreter already shutting down aborts the process ("terminate called without an active exception"). It
+    still runs in a daemon thread, because with a stranger on the port it waits for a handshake without bound; that
+    thread stays blocked, and the process exits around it.
     """
-    result: list = []
     deadline = time.monotonic() + timeout
+    result: list = []
 
     def connect() -> None:
-        while True:
-            attempt = datetime.timedelta(seconds=max(0.1, min(_ATTEMPT_SECONDS, deadline - time.monotonic())))
-            try:
-                store = dist.TCPStore(host, port, None, False, attempt, wait_for_workers=False)
-            except Exception as error:  # reported below, in the caller's thread
-                if time.monotonic() < deadline:
-                    time.sleep(_POLL_SECONDS)  # an error at once (say, an unknown host) must not spin
-                    continue
-                result.append(error)
-                return
-            store.set_timeout(datetime.timedelta(seconds=timeout))
-            result.append(store)
-            return
+        remaining = datetime.timedelta(seconds=max(0.1, deadline - time.monotonic()))
+        try:
+            result.append(dist.TCPStore(host, port, None, False, remaining, wait_for_workers=False))
+        except Exception as error:  # reported below, in the caller's thread
+            result.append(error)
 
-    thread = threading.Thread(target=connect, name=f"gossip-rendezvous-rank{info.rank}", daemon=True)
-    thread.start()
-    thread.join(timeout)
+    if _listening(host, port, deadline):
+        thread = threading.Thread(target=connect, name=f"gossip-rendezvous-rank{info.rank}", daemon=True)
+        thread.start()
+        thread.join(max(1.0, deadline - time.monotonic()))  # a listening store answers in milliseconds
     if not result or isinstance(result[0], Exception):
-        if thread.is_alive():
-            atexit.register(thread.join, _EXIT_WAIT_SECONDS)
         cause = f": {str(result[0]).splitlines()[0]}" if result else ""
         raise LaunchError(
             f"rank {info.rank}: no rendezvous with rank 0 at {host}:{port} within {timeout:g} s{cause}. Rank 0 "
             "did not start its store there (see its output), or another program holds that port: choose a free "
             "MASTER_PORT"
         )
-    return result[0]
+    store = result[0]
+    store.set_timeout(datetime.timedelta(seconds=timeout))
+    return store
 
 
 def _listen(host: str, port: int, info: LaunchInfo, timeout: float) -> dist.TCPStore:
