@@ -16,6 +16,9 @@ communication, and exposed / communication (0 = fully hidden behind forward and 
 the step time minus the local one (everything the method costs: exposed communication, mixing arithmetic, and
 CPU contention from the communication threads when ranks share cores). For DDP the last two coincide by
 construction, so its fraction can exceed 1 when its overhead is more than a blocking all-reduce.
+For the gossip methods also "peer late": per step, how long after this rank its latest in-peer of that step (every
+rank on an averaging step) ended backward, by one wall clock; and "exposed of it": the part of each step's wait
+no longer than that lateness, the wait a late peer accounts for rather than the transfer.
 
 Usage::
 
@@ -130,22 +133,44 @@ def posted_ahead(algorithm: object) -> int:
     return getattr(inner, "posted_ahead", 0)
 
 
+def peer_lateness(comm, schedule, period, rows: list[dict], ready: list[float]) -> list[float]:
+    """Per step, how long after this rank its latest in-peer finished backward (0 if none was later).
+
+    ``ready`` holds each step's wall-clock time (``time.time()``, one clock for the processes of one host) at the end
+    of backward. A wait no longer than this lateness is the peer's lateness (unequal or jittered compute, a
+    descheduled process), not the transfer: no overlap can hide it, and DDP pays it too.
+    """
+    everyone = comm.all_gather_object(ready)
+    late = []
+    for index, row in enumerate(rows):
+        step = int(row["step"])
+        if period is not None and period.ends(step):
+            peers = [j for j in range(comm.size) if j != comm.rank]
+        else:
+            peers = [j for j, _ in schedule.peers(comm.rank, step).in_peers]
+        latest = max((everyone[j][index] for j in peers), default=ready[index])
+        late.append(max(0.0, latest - ready[index]))
+    return late
+
+
 def measure_gossip(comm, args, make_algorithm: Callable[[], object], batches: list[tuple]) -> dict[str, float]:
-    model = DecentralizedDataParallel(
-        make_model(args.model), comm, topologies.one_peer_hypercube(comm.size), make_algorithm(), consensus_every=0
-    )
+    schedule = topologies.one_peer_hypercube(comm.size)
+    model = DecentralizedDataParallel(make_model(args.model), comm, schedule, make_algorithm(), consensus_every=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    rows, ahead_before = [], 0
+    rows, ready, ahead_before = [], [], 0
     comm.barrier()
     for index, (x, y) in enumerate(batches):
         if index == args.warmup:
             ahead_before = posted_ahead(model.algorithm)
         loss_fn(args.model, model, x, y).backward()
+        ready.append(time.time())  # what this rank's peers wait for: its gradients, then its last message
         optimizer.step()
         optimizer.zero_grad()
         rows.append(dict(model.metrics.last))
     ahead = posted_ahead(model.algorithm) - ahead_before
     model.close()
+    period = getattr(model.algorithm, "period", None)
+    late = peer_lateness(comm, schedule, period, rows, ready)[args.warmup :]
     blocking = []
     for k in range(args.comm_repeats):
         comm.barrier()
@@ -155,7 +180,6 @@ def measure_gossip(comm, args, make_algorithm: Callable[[], object], batches: li
         blocking.append(time.perf_counter() - begin)
     rows = rows[args.warmup :]
     # a composite's averaging steps apart from its gossip steps (0 where it has none)
-    period = getattr(model.algorithm, "period", None)
     syncs = [r["wait_seconds"] for r in rows if period is not None and period.ends(int(r["step"]))]
     return {
         "exposed_on_averaging_steps": statistics.mean(syncs) if syncs else 0.0,
@@ -163,6 +187,9 @@ def measure_gossip(comm, args, make_algorithm: Callable[[], object], batches: li
         "step": statistics.mean(r["step_seconds"] for r in rows),
         "comm": statistics.median(blocking),
         "exposed": statistics.mean(r["wait_seconds"] for r in rows),
+        # the part of each step's wait that its latest peer's lateness accounts for, and the lateness itself
+        "exposed_peer_late": statistics.mean(min(r["wait_seconds"], d) for r, d in zip(rows, late, strict=True)),
+        "peer_late": statistics.mean(late),
         "bytes_sent_per_step": statistics.mean(r["bytes_sent"] for r in rows),
         # power iterations posted during backward (PowerGossip.progress) per measured step
         "ahead_per_step": ahead / len(rows),
@@ -220,7 +247,7 @@ def report(args: argparse.Namespace, size: int, numel: int, gathered: list[dict]
     local = table["local"]["step"]
     print(
         f"{'method':<18}{'step ms':>10}{'vs local ms':>13}{'comm ms':>10}{'exposed ms':>12}{'exposed/comm':>14}"
-        f"{'MB sent/step':>14}{'ahead/step':>12}"
+        f"{'MB sent/step':>14}{'ahead/step':>12}{'peer late ms':>14}{'exposed of it':>15}"
     )
     for method, row in table.items():
         fraction = row["exposed"] / row["comm"] if row["comm"] > 0 else float("nan")
@@ -229,6 +256,7 @@ def report(args: argparse.Namespace, size: int, numel: int, gathered: list[dict]
             f"{method:<18}{row['step'] * 1e3:>10.1f}{(row['step'] - local) * 1e3:>13.1f}{row['comm'] * 1e3:>10.1f}"
             f"{row['exposed'] * 1e3:>12.1f}"
             f"{fraction:>14.2f}{row['bytes_sent_per_step'] / 1e6:>14.2f}{row.get('ahead_per_step', 0.0):>12.2f}"
+            f"{row.get('peer_late', 0.0) * 1e3:>14.1f}{row.get('exposed_peer_late', 0.0) * 1e3:>15.1f}"
         )
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": table}, indent=2) + "\n")
