@@ -1,14 +1,17 @@
-"""The GPU benchmarks on a machine without CUDA: they say so and return, instead of failing in torch's CUDA
-initialisation (the tier's tests skip the same way, tests/test_gpu_tier.py)."""
+"""The benchmarks' own arithmetic, and the GPU benchmarks on a machine without CUDA: they say so and return, instead
+of failing in torch's CUDA initialisation (the tier's tests skip the same way, tests/test_gpu_tier.py)."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
+
+import topologies
+from gossip.algorithms.period import Period
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -50,3 +53,18 @@ def test_the_profile_runs_on_the_cpu_and_names_the_host_operations(monkeypatch, 
     out = capsys.readouterr().out
     assert "rank 4, op by op: wall" in out and "aten::" in out
     assert "CUDA graph capture failed: RuntimeError: CUDA graphs need a CUDA device" in out
+
+
+def test_peer_lateness_is_how_long_after_the_rank_its_latest_peer_of_the_step_ended_backward(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    lateness = load("overlap.py").peer_lateness
+    # 4 ranks, one-peer hypercube: rank 0's peer is rank 1 at steps 0 and 2, rank 2 at step 1; step 3 ends a period
+    ready = [[10.0, 20.0, 30.0, 40.0], [10.5, 19.0, 30.25, 40.0], [9.0, 21.0, 35.0, 40.5], [12.0, 20.0, 30.0, 43.0]]
+    rows = [{"step": step} for step in range(4)]
+    comm = SimpleNamespace(rank=0, size=4, all_gather_object=lambda own: [own, *ready[1:]])
+    late = lateness(comm, topologies.one_peer_hypercube(4), Period(4), rows, ready[0])
+    # step 0: rank 1 half a second later; step 1: rank 2 one later (rank 3, later still, is not its peer);
+    # step 2: rank 1 a quarter later (rank 2 is not its peer); step 3 averages: rank 3, the latest of all, 3 later
+    assert late == [0.5, 1.0, 0.25, 3.0]
+    comm = SimpleNamespace(rank=3, size=4, all_gather_object=lambda own: [*ready[:3], own])
+    assert lateness(comm, topologies.one_peer_hypercube(4), None, rows, ready[3]) == [0.0, 0.0, 5.0, 0.0]
