@@ -1,9 +1,10 @@
 """Launch tests/helpers/failure_dead_peer_worker.py on 4 processes and collect, per rank, its exit status and output.
 
-Gloo: one process per rank with torchrun's environment. MPI: ``mpiexec -disable-auto-cleanup -print-all-exitcodes
--n 4`` (MPICH's Hydra; without the flag Hydra kills every rank as soon as one dies; a healthy job runs without it);
-the per-rank status comes from Hydra's "Exit codes" line. A rank's output is what it wrote to its own standard-error
-file (tests/helpers/own_stderr.py), after what it wrote before it knew its rank (Gloo: captured per process).
+Gloo: one process per rank with torchrun's environment (helpers.launch.start_worker). MPI: ``mpiexec
+-disable-auto-cleanup -print-all-exitcodes -n 4`` (MPICH's Hydra; without the flag Hydra kills every rank as soon as
+one dies; a healthy job runs without it); the per-rank status comes from Hydra's "Exit codes" line. A rank's output
+is what it wrote to its own standard-error file (tests/helpers/own_stderr.py), after what it wrote before it knew
+its rank (Gloo: captured per process).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from helpers import own_stderr
-from helpers.launch import REPO, _env, _free_port, mpiexec
+from helpers.launch import REPO, _env, _free_port, mpiexec, start_worker
 
 N = 4
 WORKER = REPO / "tests" / "helpers" / "failure_dead_peer_worker.py"
@@ -50,12 +51,11 @@ def run(
         statuses = [_hydra_status(int(c)) for c in codes.group(1).split(",")] if codes else [proc.returncode] * N
         return Job(statuses, [own_stderr.read(out_dir, r) for r in range(N)], ended_at)
     port = str(_free_port())
-    procs, files = [], []
+    procs, consoles = [], [out_dir / f"rank{r}.console" for r in range(N)]
     for r in range(N):
         env = {"RANK": str(r), "WORLD_SIZE": str(N), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(N)}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        files.append(open(out_dir / f"rank{r}.console", "w+"))  # noqa: SIM115 -- closed below
-        procs.append(subprocess.Popen(argv, env=_env(env), stdout=files[-1], stderr=subprocess.STDOUT))
+        procs.append(start_worker(argv[1:], env, consoles[r]))
     deadline = time.monotonic() + timeout
     try:
         for proc in procs:
@@ -65,11 +65,7 @@ def run(
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    outputs = []
-    for rank, handle in enumerate(files):
-        handle.seek(0)
-        outputs.append(handle.read() + own_stderr.read(out_dir, rank))
-        handle.close()
+    outputs = [console.read_text() + own_stderr.read(out_dir, rank) for rank, console in enumerate(consoles)]
     return Job([proc.returncode for proc in procs], outputs, ended_at)
 
 

@@ -14,10 +14,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from helpers.warm_workers import WarmWorker
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -41,6 +44,19 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")) if p)
     env.update({"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}, **extra)
     return env
+
+
+def start_worker(argv: list[str], extra: dict[str, str], output: Path) -> Any:
+    """``python argv[0] argv[1:]`` with :func:`_env` and ``extra``, its output (stdout and stderr) to ``output``.
+
+    The worker is forked from the session's warm Python (:mod:`helpers.warm_workers`: torch and this repository
+    imported once); with ``GOSSIP_TEST_COLD_START=1`` it starts from scratch instead. Returns a handle with
+    ``pid``, ``poll()``, ``wait(timeout)``, ``kill()`` and ``returncode``.
+    """
+    if os.environ.get("GOSSIP_TEST_COLD_START") == "1":
+        with open(output, "w") as console:
+            return subprocess.Popen([sys.executable, *argv], env=_env(extra), stdout=console, stderr=subprocess.STDOUT)
+    return WarmWorker(argv, _env(extra), output, base_env=_env({}))
 
 
 def launch(
@@ -68,34 +84,38 @@ def launch(
                 stderr=subprocess.STDOUT,
             )
         ]
+        try:
+            outputs = [procs[0].communicate(timeout=timeout)[0].decode(errors="replace")]
+        except subprocess.TimeoutExpired:
+            procs[0].kill()
+            raise AssertionError(f"{backend} job {script} did not finish within {timeout} s") from None
     else:
         port = str(_free_port())
+        consoles = [out_dir.parent / f"{out_dir.name}.rank{r}.console" for r in range(n)]
         procs = [
-            subprocess.Popen(
-                argv,
-                env=_env(
-                    {
-                        "RANK": str(r),
-                        "WORLD_SIZE": str(n),
-                        "LOCAL_RANK": str(r % local_size),
-                        "LOCAL_WORLD_SIZE": str(local_size),
-                        "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": port,
-                    }
-                ),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
+            start_worker(
+                argv[1:],
+                {
+                    "RANK": str(r),
+                    "WORLD_SIZE": str(n),
+                    "LOCAL_RANK": str(r % local_size),
+                    "LOCAL_WORLD_SIZE": str(local_size),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port,
+                },
+                consoles[r],
             )
             for r in range(n)
         ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0].decode(errors="replace"))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        raise AssertionError(f"{backend} job {script} did not finish within {timeout} s") from None
+        deadline = time.monotonic() + timeout
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for proc in procs:
+                proc.kill()
+            raise AssertionError(f"{backend} job {script} did not finish within {timeout} s") from None
+        outputs = [console.read_text(errors="replace") for console in consoles]
     failed = [i for i, proc in enumerate(procs) if proc.returncode != 0]
     if failed or "terminate called" in "".join(outputs):
         raise AssertionError(f"{backend} job {script} failed or crashed at exit:\n" + "\n".join(outputs))
