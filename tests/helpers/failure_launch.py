@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from helpers import own_stderr
-from helpers.launch import REPO, _env, _free_port, mpiexec, start_worker
+from helpers.launch import REPO, _env, mpiexec, start_gloo_workers, wait_for_all
 
 N = 4
 WORKER = REPO / "tests" / "helpers" / "failure_dead_peer_worker.py"
@@ -50,21 +50,12 @@ def run(
         codes = re.search(r"Exit codes: \[[^\]]*\] ([\d,]+)", proc.stdout + proc.stderr)
         statuses = [_hydra_status(int(c)) for c in codes.group(1).split(",")] if codes else [proc.returncode] * N
         return Job(statuses, [own_stderr.read(out_dir, r) for r in range(N)], ended_at)
-    port = str(_free_port())
-    procs, consoles = [], [out_dir / f"rank{r}.console" for r in range(N)]
-    for r in range(N):
-        env = {"RANK": str(r), "WORLD_SIZE": str(N), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(N)}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(start_worker(argv[1:], env, consoles[r]))
-    deadline = time.monotonic() + timeout
+    consoles = [out_dir / f"rank{r}.console" for r in range(N)]
+    procs = start_gloo_workers(argv[1:], consoles)
     try:
-        for proc in procs:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        wait_for_all(procs, timeout)
     finally:
         ended_at = time.time()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
     outputs = [console.read_text() + own_stderr.read(out_dir, rank) for rank, console in enumerate(consoles)]
     return Job([proc.returncode for proc in procs], outputs, ended_at)
 

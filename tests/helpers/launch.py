@@ -50,13 +50,39 @@ def start_worker(argv: list[str], extra: dict[str, str], output: Path) -> Any:
     """``python argv[0] argv[1:]`` with :func:`_env` and ``extra``, its output (stdout and stderr) to ``output``.
 
     The worker is forked from the session's warm Python (:mod:`helpers.warm_workers`: torch and this repository
-    imported once); with ``GOSSIP_TEST_COLD_START=1`` it starts from scratch instead. Returns a handle with
+    imported once, so what torch reads from the environment at import comes from :func:`_env` alone, as for every
+    worker here); with ``GOSSIP_TEST_COLD_START=1`` it starts from scratch instead. Returns a handle with
     ``pid``, ``poll()``, ``wait(timeout)``, ``kill()`` and ``returncode``.
     """
     if os.environ.get("GOSSIP_TEST_COLD_START") == "1":
         with open(output, "w") as console:
             return subprocess.Popen([sys.executable, *argv], env=_env(extra), stdout=console, stderr=subprocess.STDOUT)
     return WarmWorker(argv, _env(extra), output, base_env=_env({}))
+
+
+def start_gloo_workers(argv: list[str], consoles: list[Path], local_size: int | None = None) -> list[Any]:
+    """One worker per console (rank r writes ``consoles[r]``), each ``python argv[0] argv[1:]`` with torchrun's
+    environment on a free loopback port; ``local_size`` emulates nodes: LOCAL_RANK = r % local_size (default one)."""
+    n, port = len(consoles), str(_free_port())
+    local_size = n if local_size is None else local_size
+    place = {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(local_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    return [
+        start_worker(argv, {"RANK": str(r), "LOCAL_RANK": str(r % local_size), **place}, console)
+        for r, console in enumerate(consoles)
+    ]
+
+
+def wait_for_all(procs: list[Any], timeout: float) -> None:
+    """Wait until every worker ended, within ``timeout`` seconds in all; past it, kill those still running and raise
+    ``subprocess.TimeoutExpired``."""
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        raise
 
 
 def launch(
@@ -73,7 +99,6 @@ def launch(
 
     ``local_size`` (Gloo only) emulates nodes of that many ranks: LOCAL_RANK = r % local_size (default: one node).
     """
-    local_size = n if local_size is None else local_size
     argv = [sys.executable, str(REPO / "tests" / "helpers" / script), str(out_dir), *args]
     if backend == "mpi":
         procs = [
@@ -90,30 +115,11 @@ def launch(
             procs[0].kill()
             raise AssertionError(f"{backend} job {script} did not finish within {timeout} s") from None
     else:
-        port = str(_free_port())
         consoles = [out_dir.parent / f"{out_dir.name}.rank{r}.console" for r in range(n)]
-        procs = [
-            start_worker(
-                argv[1:],
-                {
-                    "RANK": str(r),
-                    "WORLD_SIZE": str(n),
-                    "LOCAL_RANK": str(r % local_size),
-                    "LOCAL_WORLD_SIZE": str(local_size),
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": port,
-                },
-                consoles[r],
-            )
-            for r in range(n)
-        ]
-        deadline = time.monotonic() + timeout
+        procs = start_gloo_workers(argv[1:], consoles, local_size)
         try:
-            for proc in procs:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            wait_for_all(procs, timeout)
         except subprocess.TimeoutExpired:
-            for proc in procs:
-                proc.kill()
             raise AssertionError(f"{backend} job {script} did not finish within {timeout} s") from None
         outputs = [console.read_text(errors="replace") for console in consoles]
     failed = [i for i, proc in enumerate(procs) if proc.returncode != 0]
