@@ -37,7 +37,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.elastic_worker import delta
-from helpers.launch import REPO, run_main_job
+from helpers.launch import REPO, python, run_main_job
 
 import gossip
 from gossip.app.cli import main
@@ -73,7 +72,7 @@ def launcher_command(out: Path, n: int, steps: int, kills: str, dead: set[int] |
         f"sys.exit(launch_elastic({n}, [sys.executable, {str(WORKER)!r}, {str(out)!r}, '{steps}', {kills!r}], "
         f"{dict.fromkeys(dead, 0)!r}, say))"
     )
-    return [sys.executable, "-c", code]
+    return [python(), "-c", code]
 
 
 ENV = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "PATH": "/usr/bin:/bin"}
@@ -322,7 +321,7 @@ def test_restarted_worker_joins_with_its_donors_replica(tmp_path, kills):
         drain = threading.Thread(target=launcher.stderr.read, daemon=True)
         drain.start()
         env = {**ENV, "RANK": "2", "WORLD_SIZE": "4", STORE_VARIABLE: address, "ELASTIC_WORKER_AFTER_DEATH": "1"}
-        joiner = subprocess.run([sys.executable, str(WORKER), str(tmp_path), str(steps), ""], env=env,
+        joiner = subprocess.run([python(), str(WORKER), str(tmp_path), str(steps), ""], env=env,
                                 capture_output=True, text=True, timeout=120)  # fmt: skip
         error = tmp_path / "rank2.error"
         assert joiner.returncode == 0, error.read_text() if error.exists() else joiner.stderr[-3000:]

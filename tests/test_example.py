@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.launch import REPO, _env, mpiexec
+from helpers.launch import REPO, _env, mpiexec, python
 
 import topologies
 
@@ -29,9 +28,9 @@ ARGS = ["--steps", "80", "--eval-every", "40", "--checkpoint-every", "30"]
 
 def run(launcher: str, cwd: Path, *args: str) -> str:
     if launcher == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}"]
+        command = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}"]
     else:
-        command = [mpiexec(), "-n", str(N), sys.executable]
+        command = [mpiexec(), "-n", str(N), python()]
     job = subprocess.run([*command, str(EXAMPLE), *ARGS, *args], cwd=cwd, env=_env({}), capture_output=True,
                          text=True, timeout=180)  # fmt: skip
     assert job.returncode == 0, job.stdout + job.stderr
@@ -91,7 +90,7 @@ def test_the_readmes_loop_trains_two_ranks_as_printed(tmp_path):
     assert block is not None, "the README's loop is its first python block under 'Use it in your own loop'"
     script = tmp_path / "loop.py"
     script.write_text(LOOP_PRELUDE + block.group(1) + LOOP_CODA)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}", str(script)]
+    command = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}", str(script)]
     job = subprocess.run(command, cwd=tmp_path, env=_env({}), capture_output=True, text=True, timeout=180)
     assert job.returncode == 0, job.stdout + job.stderr
     lines = [(tmp_path / f"rank{r}.txt").read_text() for r in range(N)]

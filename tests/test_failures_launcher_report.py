@@ -12,18 +12,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
-from helpers.launch import REPO, _env, mpiexec
+from helpers.launch import REPO, _env, mpiexec, python
 
 pytestmark = pytest.mark.multiprocess
 
 
 def test_a_rank_signalled_by_the_launcher_reports_what_it_waited_for_and_stops(tmp_path):
     worker = REPO / "tests" / "helpers" / "launcher_report_worker.py"
-    command = [mpiexec(), "-disable-auto-cleanup", "-l", "-n", "2", sys.executable, str(worker), str(tmp_path)]
+    command = [mpiexec(), "-disable-auto-cleanup", "-l", "-n", "2", python(), str(worker), str(tmp_path)]
     job = subprocess.Popen(command, env=_env({}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
-from helpers.launch import REPO, _env, _free_port
+from helpers.launch import REPO, _env, _free_port, python
 
 pytestmark = pytest.mark.multiprocess
 
@@ -17,7 +16,7 @@ def test_a_send_to_a_killed_peer_names_it(tmp_path):
     for rank in range(2):
         env = {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        argv = [sys.executable, str(REPO / "tests" / "helpers" / "failure_send_to_dead_worker.py"), str(tmp_path)]
+        argv = [python(), str(REPO / "tests" / "helpers" / "failure_send_to_dead_worker.py"), str(tmp_path)]
         procs.append(subprocess.Popen(argv, env=_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outputs = [proc.communicate(timeout=120)[0].decode() for proc in procs]
     assert procs[1].returncode == -9, outputs[1]

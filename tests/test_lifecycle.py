@@ -14,12 +14,11 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.launch import REPO, _env, _free_port, mpiexec
+from helpers.launch import REPO, _env, _free_port, mpiexec, python
 from helpers.lifecycle_worker import train_a_few_steps
 
 import gossip
@@ -32,7 +31,7 @@ ALARMS = ("terminate called", "Traceback", "ChildFailedError", "SIGABRT")
 def torchrun(
     out_dir: Path, mode: str, timeout: float = 180.0, monitor_interval: float = 0.1
 ) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}"]
+    command = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}"]
     command += [f"--monitor-interval={monitor_interval}"]
     command += [str(REPO / "tests" / "helpers" / "lifecycle_worker.py"), str(out_dir), mode]
     return subprocess.run(command, env=_env({}), capture_output=True, text=True, timeout=timeout)
@@ -109,7 +108,7 @@ MPIEXEC_GLOO_RUNS = 3
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("attempt", range(MPIEXEC_GLOO_RUNS))
 def test_main_job_under_mpiexec_on_gloo_exits_zero_with_its_summary(tmp_path, attempt):
-    command = [mpiexec(), "-n", str(N), sys.executable, "-m", "gossip", "--backend", "gloo", "--steps", "2"]
+    command = [mpiexec(), "-n", str(N), python(), "-m", "gossip", "--backend", "gloo", "--steps", "2"]
     command += ["--batch-size", "2", "--eval-every", "2", "--out", str(tmp_path / "run")]
     job = subprocess.run(command, env=_env({}), capture_output=True, text=True, timeout=180, cwd=tmp_path)
     output = job.stdout + job.stderr
@@ -123,7 +122,7 @@ def test_a_rank_killed_during_an_mpi_collective_leaves_the_others_with_the_named
     """Under ``mpiexec -disable-auto-cleanup`` Hydra signals the survivors (SIGUSR1); each that exits by itself
     must end with PeerFailedError (a nonblocking collective cannot be cancelled: MPICH's refusal used to replace the
     error with a raw ``mpi4py.MPI.Exception``). Hydra still SIGKILLs some survivors now and then (status 9)."""
-    command = [mpiexec(), "-disable-auto-cleanup", "-print-all-exitcodes", "-n", str(N), sys.executable]
+    command = [mpiexec(), "-disable-auto-cleanup", "-print-all-exitcodes", "-n", str(N), python()]
     command += [str(REPO / "tests" / "helpers" / "collective_dead_peer_worker.py"), str(tmp_path)]
     job = subprocess.run(command, env=_env({}), capture_output=True, text=True, timeout=120)
     output = job.stdout + job.stderr
@@ -150,7 +149,7 @@ def test_a_rank_killed_during_a_gloo_average_leaves_the_others_with_the_named_er
     """Gloo averages as a sum, then a division: the sum's wait used to leak Gloo's raw RuntimeError (``Connection
     reset by peer``) instead of the named error."""
     port = str(_free_port())
-    worker = [sys.executable, str(REPO / "tests" / "helpers" / "collective_dead_peer_worker.py"), str(tmp_path), "gloo"]
+    worker = [python(), str(REPO / "tests" / "helpers" / "collective_dead_peer_worker.py"), str(tmp_path), "gloo"]
     place = {"WORLD_SIZE": str(N), "LOCAL_WORLD_SIZE": str(N), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
     procs = [
         subprocess.Popen(

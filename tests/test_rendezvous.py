@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 
 import pytest
-from helpers.launch import REPO, _env, _free_port
+from helpers.launch import REPO, _env, _free_port, python
 
 TIMEOUT = 3.0
 pytestmark = pytest.mark.multiprocess
@@ -16,7 +15,7 @@ pytestmark = pytest.mark.multiprocess
 
 def job(ranks: list[int], sizes: list[int], port: int) -> list[tuple[int, str]]:
     """(exit status, output) per process started with RANK/WORLD_SIZE from ``ranks``/``sizes``."""
-    command = [sys.executable, str(REPO / "tests" / "helpers" / "rendezvous_worker.py"), str(TIMEOUT)]
+    command = [python(), str(REPO / "tests" / "helpers" / "rendezvous_worker.py"), str(TIMEOUT)]
     processes = [
         subprocess.Popen(
             command,

@@ -1,16 +1,26 @@
 """A worker forked from the warm server (tests/helpers/warm_workers.py) is, to its script, ``python SCRIPT ARGS``:
 its own environment, arguments, ``sys.path[0]``, working directory and output; its exit status; atexit handlers and
-the script's globals alive until the interpreter's end; a signal's death reported as ``Popen`` reports it."""
+the script's globals alive until the interpreter's end; a signal's death reported as ``Popen`` reports it.
+
+The stand-in for ``python`` (tests/helpers/warm_python.py) runs a script, ``-m`` module or ``-c`` code as the real
+interpreter does (the same arguments, ``sys.path[0]``, working directory, ``__name__``, environment and exit status
+as a real ``python`` in the same place), except that it runs warm and has the stand-in as ``sys.executable``, so
+what the program starts with it starts warm too; an option it does not take runs the real interpreter; a signal to
+it reaches the program and the program's end is its own (a status, or death by the same signal); killed, it takes
+its program with it; and ranks that ``mpiexec`` starts through it meet (MPICH's ``PMI_FD`` passes)."""
 
 from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers.launch import _env, start_worker
+from helpers.launch import _env, mpiexec, start_worker
+from helpers.warm_workers import warm_python
 
 pytestmark = pytest.mark.multiprocess
 
@@ -81,3 +91,103 @@ def test_a_killed_worker_reports_minus_the_signal(script):
     assert worker.poll() is None
     worker.kill()
     assert worker.wait(timeout=30) == -signal.SIGKILL
+
+
+# The stand-in for ``python`` (tests/helpers/warm_python.py), which mpiexec, launchers and torchrun start.
+
+
+def python() -> str:
+    """The stand-in, also under GOSSIP_TEST_COLD_START=1 (which only keeps the other tests from using it)."""
+    return warm_python(_env({}))
+
+
+PROBE = """
+import json, os, sys
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
+                  "env": dict(os.environ), "warm": "torch" in sys.modules, "executable": sys.executable}))
+sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
+"""
+
+
+def _probe(interpreter: str, args: list[str], cwd: Path) -> tuple[int, dict]:
+    job = subprocess.run([interpreter, *args], cwd=cwd, env={"PROBE_EXIT": "3", "ONLY": "this"}, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    return job.returncode, json.loads(job.stdout)
+
+
+@pytest.mark.parametrize("form", ["script", "module", "code", "unbuffered module"])
+def test_the_stand_in_runs_a_program_as_python_does_forked_warm(tmp_path, form):
+    (tmp_path / "probe.py").write_text(PROBE)
+    args = {"script": ["probe.py", "a", "b"], "module": ["-m", "probe", "a"], "code": ["-c", PROBE, "a"],
+            "unbuffered module": ["-u", "-m", "probe", "a"]}[form]  # fmt: skip
+    stand_in = python()
+    real_status, real = _probe(sys.executable, args, tmp_path)
+    status, got = _probe(stand_in, args, tmp_path)
+    assert status == real_status == 3
+    assert (got.pop("executable"), got.pop("warm")) == (stand_in, True)
+    assert (real.pop("executable"), real.pop("warm")) == (sys.executable, False)
+    assert got == real  # argv, sys.path[0], cwd, __name__ and exactly the given environment
+
+
+def test_an_interpreter_option_the_server_does_not_take_runs_the_real_interpreter(tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    status, got = _probe(python(), ["-X", "dev", "probe.py"], tmp_path)
+    assert (status, got["executable"], got["warm"]) == (3, sys.executable, False)
+
+
+def _started(stand_in: str, code: str, tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    """The stand-in running ``code`` once the program wrote its pid to ``pid``: the stand-in and the pid."""
+    process = subprocess.Popen([stand_in, "-c", code], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text().endswith("\n"):
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+        time.sleep(0.05)
+    return process, int((tmp_path / "pid").read_text())
+
+
+HANDLES_SIGTERM = """
+import os, signal, time
+signal.signal(signal.SIGTERM, lambda number, frame: os._exit(40 + number))
+open("pid", "w").write(f"{os.getpid()}\\n")
+time.sleep(60)
+"""
+
+
+def test_a_signal_to_the_stand_in_reaches_the_program_and_its_exit_is_the_stand_ins(tmp_path):
+    process, pid = _started(python(), HANDLES_SIGTERM, tmp_path)
+    assert pid != process.pid  # forked by the server, not by the stand-in
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 40 + signal.SIGTERM
+
+
+def test_a_program_killed_by_a_signal_kills_the_stand_in_with_it(tmp_path):
+    code = "import os, signal; open('pid', 'w').write(f'{os.getpid()}\\n'); os.kill(os.getpid(), signal.SIGKILL)"
+    process = subprocess.Popen([python(), "-c", code], cwd=tmp_path)
+    assert process.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_a_killed_stand_in_takes_its_program_with_it(tmp_path):
+    process, pid = _started(python(), HANDLES_SIGTERM, tmp_path)
+    process.kill()
+    assert process.wait(timeout=30) == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while _running(pid):
+        assert time.monotonic() < deadline, f"the program {pid} outlived its killed stand-in"
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+def test_a_program_that_starts_sys_executable_starts_it_warm_and_mpiexec_ranks_meet(tmp_path):
+    nested = "import subprocess, sys; print(subprocess.run([sys.executable, '-c', 'import sys; print(\"torch\" in sys.modules)'], capture_output=True, text=True).stdout.strip())"  # noqa: E501
+    assert subprocess.run([python(), "-c", nested], capture_output=True, text=True, timeout=60).stdout == "True\n"
+    ranks = "from mpi4py import MPI; world = MPI.COMM_WORLD; print(world.rank, world.allreduce(world.rank + 1))"
+    job = subprocess.run([mpiexec(), "-n", "2", python(), "-c", ranks], env=_env({}), capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert sorted(job.stdout.splitlines()) == ["0 3", "1 3"]

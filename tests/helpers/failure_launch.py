@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from helpers import own_stderr
-from helpers.launch import REPO, _env, mpiexec, start_gloo_workers, wait_for_all
+from helpers.launch import REPO, _env, mpiexec, python, start_gloo_workers, wait_for_all
 
 N = 4
 WORKER = REPO / "tests" / "helpers" / "failure_dead_peer_worker.py"
@@ -39,7 +38,7 @@ def run(
 ) -> Job:
     """Run ``worker`` (OUT_DIR BACKEND KILL_RANK STEPS) on ``N`` processes. ``kill_rank`` -1: a healthy run; else
     a failure is expected (under MPI, ``-disable-auto-cleanup`` keeps the survivors alive to report it)."""
-    argv = [sys.executable, str(worker), str(out_dir), backend, str(kill_rank), str(steps)]
+    argv = [python(), str(worker), str(out_dir), backend, str(kill_rank), str(steps)]
     if backend == "mpi":
         # -disable-auto-cleanup only with a failure: Hydra then also signals (SIGUSR1) the ranks still finalizing
         # when the first healthy rank exits, so a healthy job runs as users run it, without the flag.

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from helpers.warm_workers import WarmWorker
+from helpers.warm_workers import WarmWorker, warm_python
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -46,6 +46,18 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def cold_start() -> bool:
+    """Whether the tests' processes start from scratch (``GOSSIP_TEST_COLD_START=1``) instead of warm."""
+    return os.environ.get("GOSSIP_TEST_COLD_START") == "1"
+
+
+def python() -> str:
+    """The interpreter to give ``mpiexec``, a launcher or torchrun: the warm server's stand-in for ``python``
+    (:func:`helpers.warm_workers.warm_python`: the program runs forked from the session's warm Python, and so do
+    the processes it starts with ``sys.executable``), or ``sys.executable`` with ``GOSSIP_TEST_COLD_START=1``."""
+    return sys.executable if cold_start() else warm_python(_env({}))
+
+
 def start_worker(argv: list[str], extra: dict[str, str], output: Path) -> Any:
     """``python argv[0] argv[1:]`` with :func:`_env` and ``extra``, its output (stdout and stderr) to ``output``.
 
@@ -54,7 +66,7 @@ def start_worker(argv: list[str], extra: dict[str, str], output: Path) -> Any:
     worker here); with ``GOSSIP_TEST_COLD_START=1`` it starts from scratch instead. Returns a handle with
     ``pid``, ``poll()``, ``wait(timeout)``, ``kill()`` and ``returncode``.
     """
-    if os.environ.get("GOSSIP_TEST_COLD_START") == "1":
+    if cold_start():
         with open(output, "w") as console:
             return subprocess.Popen([sys.executable, *argv], env=_env(extra), stdout=console, stderr=subprocess.STDOUT)
     return WarmWorker(argv, _env(extra), output, base_env=_env({}))
@@ -99,7 +111,7 @@ def launch(
 
     ``local_size`` (Gloo only) emulates nodes of that many ranks: LOCAL_RANK = r % local_size (default: one node).
     """
-    argv = [sys.executable, str(REPO / "tests" / "helpers" / script), str(out_dir), *args]
+    argv = [python(), str(REPO / "tests" / "helpers" / script), str(out_dir), *args]
     if backend == "mpi":
         procs = [
             subprocess.Popen(
@@ -137,7 +149,7 @@ def results_on_backend(worker: str, backend: str, tmp_path_factory: Any, n: int 
 def run_main_job(args: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
     """``python -m gossip ARGS`` in ``cwd`` with the repository importable; output captured, not checked."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "gossip", *args]
+    command = [python(), "-m", "gossip", *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
