@@ -114,7 +114,8 @@ def test_bytes_per_step_match_the_formula_of_section_a9(model, rank, iterations)
     print(f"{model} rank {rank}: PowerGossip {per_step:.0f} B/step vs exact gossip {uncompressed:.0f} B/step")
 
 
-def test_one_algorithm_object_shared_by_two_ranks_is_refused():
+@pytest.mark.parametrize("attempt", range(20))  # the two ranks' threads race to bind it: every attempt is refused
+def test_one_algorithm_object_shared_by_two_ranks_is_refused(attempt):
     shared = gossip.ExactGossip()
 
     def run(comm):
@@ -122,6 +123,25 @@ def test_one_algorithm_object_shared_by_two_ranks_is_refused():
 
     with pytest.raises(ValueError, match="create one algorithm object per rank"):
         gossip.simulate(2, run)
+
+
+def test_a_refused_setup_leaves_the_object_free_for_another_rank():
+    algorithm = gossip.ExactGossip()
+
+    def refused_on_rank_0(comm):
+        if comm.rank == 0:  # a schedule of 4 ranks in a world of 2
+            algorithm.setup(comm, topologies.one_peer_hypercube(4), local_model(comm.rank))
+
+    with pytest.raises(ValueError, match="4"):
+        gossip.simulate(2, refused_on_rank_0)
+    assert getattr(algorithm, "comm", None) is None
+
+    def bound_on_rank_1(comm):
+        if comm.rank == 1:
+            algorithm.setup(comm, topologies.one_peer_hypercube(2), local_model(comm.rank))
+
+    gossip.simulate(2, bound_on_rank_1)
+    assert algorithm.comm.rank == 1
 
 
 def test_asymmetric_schedule_is_refused_by_powergossip():

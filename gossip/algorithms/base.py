@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import abc
 import math
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import Any, final
@@ -46,6 +47,9 @@ from gossip.backends.base import COLLECTIVE, Communicator, PlannedExchange, Traf
 from gossip.backends.comm_thread import Handle
 from gossip.errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, NonFiniteWarning
 from topologies import Schedule
+
+#: held while an algorithm object checks that it is free and binds itself to a rank's communicator
+_BINDING = threading.Lock()
 
 __all__ = ["COLLECTIVE", "Algorithm", "Traffic", "check_nonfinite_policy"]
 
@@ -187,19 +191,26 @@ class Algorithm(abc.ABC):
             InvalidArgumentError: this object is already bound to another rank (create one per rank), or the
                 schedule does not fit the communicator or this algorithm.
         """
-        bound = getattr(self, "comm", None)
-        if bound is not None and bound is not comm:
-            raise InvalidArgumentError(
-                f"this {type(self).__name__} is already bound to rank {bound.rank}; create one algorithm object per "
-                f"rank (rank {comm.rank} tried to reuse it)"
-            )
-        if schedule is not None:
-            schedule.require_size(comm.size)
-            if self._part_of is None:
-                # Also for a schedule built with validate=False: negative weights, rows not summing to one or a
-                # disconnected graph are refused here, naming the step, the ranks and the property.
-                schedule.validate(symmetric=self.needs_symmetric_schedule)
-        self.comm, self.schedule, self.buckets = comm, schedule, buckets
+        with _BINDING:  # the check and the claim at once: the simulator's ranks are threads of one process
+            bound = getattr(self, "comm", None)
+            if bound is not None and bound is not comm:
+                raise InvalidArgumentError(
+                    f"this {type(self).__name__} is already bound to rank {bound.rank}; create one algorithm object "
+                    f"per rank (rank {comm.rank} tried to reuse it)"
+                )
+            self.comm = comm
+        try:
+            if schedule is not None:
+                schedule.require_size(comm.size)
+                if self._part_of is None:
+                    # Also for a schedule built with validate=False: negative weights, rows not summing to one or a
+                    # disconnected graph are refused here, naming the step, the ranks and the property.
+                    schedule.validate(symmetric=self.needs_symmetric_schedule)
+        except BaseException:
+            if bound is None:
+                del self.comm  # a refused setup binds nothing
+            raise
+        self.schedule, self.buckets = schedule, buckets
         owner = self._part_of
         self._account = self if owner is None else owner._account
         self.traffic = Traffic() if owner is None else owner.traffic
