@@ -2,7 +2,7 @@
 fraction of the time.
 
 A fresh ``python worker.py`` spends seconds of CPU importing torch, ``torch._dynamo`` (which torch.optim's first
-optimizer imports) and this repository before the worker's first line; a test suite of multi-process jobs is
+optimizer imports), matplotlib (the main job's plots) and this repository before the worker's first line; a test suite of multi-process jobs is
 mostly that. Here one server process (``python warm_workers.py SOCKET``, started once per test session) imports
 them once, with the workers' base environment (:func:`helpers.launch._env`: ``OMP_NUM_THREADS=1``, the repository
 on ``PYTHONPATH``), and stays single-threaded; each worker is an ``os.fork()`` of it that then becomes
@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 #: what the server imports before it forks anything: what the workers would otherwise import one by one
-PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "gossip", "optim", "topologies")
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "matplotlib.pyplot", "gossip", "optim", "topologies")
 #: where a stand-in's descriptors wait in the child while the server's own are closed
 _PARKED = 900
 #: the message header on the socket: the JSON request's length
