@@ -584,9 +584,13 @@ def suite(name: str) -> list[RunConfig]:
         # the paper's outer step at n = 16 x 1 and 4000 steps, beside n16b1-diloco-h10-olr1.0-m0-s4000
         c("n16b1-diloco-h10-s4000", algorithm="diloco", local_steps=10, **s4000, **many),
         c("n16b1-hybrid-pg4-it2-fp16-h10-s4000", **hybrid_paper, **s4000, **many),
-        # DiLoCo's H grid at 4000 steps: the paper's outer step every 50 steps, at both n
+        # DiLoCo's H grid at 4000 steps: the paper's outer step every 50 and 200 steps, at both n
         c("diloco-h50-s4000", algorithm="diloco", local_steps=50, **s4000),
         c("n16b1-diloco-h50-s4000", algorithm="diloco", local_steps=50, **s4000, **many),
+        c("diloco-h200-s4000", algorithm="diloco", local_steps=200, **s4000),
+        c("n16b1-diloco-h200-s4000", algorithm="diloco", local_steps=200, **s4000, **many),
+        # AccumAdamW on exact trackers at n = 8 x 8 and 4000 steps, beside exact-gt-s4000
+        c("exact-gt-accum4-s4000", algorithm="exact", gradient_tracking=True, **accum4, **s4000),
         # AccumAdamW on exact trackers at 4000 steps, beside n16b1-exact-gt-s4000 and n16b1-exact-accum4-s4000
         c("n16b1-exact-gt-accum4-s4000", algorithm="exact", gradient_tracking=True, **accum4, **s4000, **many),
     ]
