@@ -104,7 +104,8 @@ def python() -> str:
 PROBE = """
 import json, os, sys
 print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(), "name": __name__,
-                  "env": dict(os.environ), "warm": "torch" in sys.modules, "executable": sys.executable}))
+                  "file": globals().get("__file__"), "env": dict(os.environ), "warm": "torch" in sys.modules,
+                  "executable": sys.executable}))
 sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
 """
 
@@ -126,13 +127,32 @@ def test_the_stand_in_runs_a_program_as_python_does_forked_warm(tmp_path, form):
     assert status == real_status == 3
     assert (got.pop("executable"), got.pop("warm")) == (stand_in, True)
     assert (real.pop("executable"), real.pop("warm")) == (sys.executable, False)
-    assert got == real  # argv, sys.path[0], cwd, __name__ and exactly the given environment
+    assert got == real  # argv, sys.path[0], cwd, __name__, __file__ and exactly the given environment
 
 
 def test_an_interpreter_option_the_server_does_not_take_runs_the_real_interpreter(tmp_path):
     (tmp_path / "probe.py").write_text(PROBE)
     status, got = _probe(python(), ["-X", "dev", "probe.py"], tmp_path)
     assert (status, got["executable"], got["warm"]) == (3, sys.executable, False)
+
+
+SPAWNS = """
+import multiprocessing, sys
+
+def square(x):
+    return x * x
+
+if __name__ == "__main__":
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        print(pool.map(square, [1, 2, 3]), sys.executable)
+"""
+
+
+def test_multiprocessing_spawn_under_the_stand_in_works(tmp_path):
+    (tmp_path / "spawns.py").write_text(SPAWNS)
+    job = subprocess.run([python(), "spawns.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert job.returncode == 0, job.stderr
+    assert job.stdout == f"[1, 4, 9] {python()}\n"
 
 
 def _started(stand_in: str, code: str, tmp_path: Path) -> tuple[subprocess.Popen, int]:

@@ -24,9 +24,10 @@ RELAYED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.
 
 
 def forkable(args: list[str]) -> bool:
-    """Whether the server runs ``python ARGS``: ``[-u] SCRIPT ...``, ``[-u] -m MODULE ...`` or ``[-u] -c CODE ...``."""
+    """Whether the server runs ``python ARGS``: ``[-u] SCRIPT ...``, ``[-u] -m MODULE ...`` or ``[-u] -c CODE ...``,
+    except multiprocessing's own children (spawn, forkserver), which inherit descriptors the stand-in does not pass."""
     args = args[1:] if args[:1] == ["-u"] else args
-    if not args:
+    if not args or any("multiprocessing" in arg for arg in args):
         return False
     if args[0] in ("-m", "-c"):
         return len(args) > 1

@@ -2,15 +2,15 @@
 fraction of the time.
 
 A fresh ``python worker.py`` spends seconds of CPU importing torch, ``torch._dynamo`` (which torch.optim's first
-optimizer imports), matplotlib (the main job's plots) and this repository before the worker's first line; a test suite of multi-process jobs is
-mostly that. Here one server process (``python warm_workers.py SOCKET``, started once per test session) imports
-them once, with the workers' base environment (:func:`helpers.launch._env`: ``OMP_NUM_THREADS=1``, the repository
-on ``PYTHONPATH``), and stays single-threaded; each worker is an ``os.fork()`` of it that then becomes
-``python ARGS`` as far as the program can tell (the server's objects are frozen out of the collector first, so the
-children do not copy its pages by touching them): its own environment, ``sys.argv``, ``sys.path[0]``, working
-directory, standard streams, and the script, module (``-m``) or code (``-c``) run as ``__main__``. It ends as any
-interpreter does (atexit handlers, thread shutdown, the exit status of ``SystemExit`` or 1 after an uncaught
-exception's traceback), so the exit paths the tests check are the ordinary ones.
+optimizer imports), matplotlib (the main job's plots) and this repository before the worker's first line; a test
+suite of multi-process jobs is mostly that. Here one server process (``python warm_workers.py SOCKET``, started once
+per test session) imports them once, with the workers' base environment (:func:`helpers.launch._env`:
+``OMP_NUM_THREADS=1``, the repository on ``PYTHONPATH``), and stays single-threaded; each worker is an ``os.fork()``
+of it that then becomes ``python ARGS`` as far as the program can tell (the server's objects are frozen out of the
+collector first, so the children do not copy its pages by touching them): its own environment, ``sys.argv``,
+``sys.path[0]``, working directory, standard streams, and the script, module (``-m``) or code (``-c``) run as
+``__main__``. It ends as any interpreter does (atexit handlers, thread shutdown, the exit status of ``SystemExit``
+or 1 after an uncaught exception's traceback), so the exit paths the tests check are the ordinary ones.
 
 Two ways in:
 
@@ -81,6 +81,8 @@ def _run_as_main(request: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    if "multiprocessing.process" in sys.modules:  # what it took from the server's working directory at import
+        sys.modules["multiprocessing.process"].ORIGINAL_DIR = os.getcwd()
     if "executable" in request:
         sys.executable = request["executable"]
     gc.enable()
@@ -98,8 +100,8 @@ def _run_as_main(request: dict[str, Any]) -> None:
     else:
         sys.argv = args
         sys.path[0] = str(Path(args[0]).resolve().parent)
-        main.__file__ = args[0]
-        exec(compile(Path(args[0]).read_bytes(), args[0], "exec"), main.__dict__)
+        main.__file__ = os.path.abspath(args[0])  # as Python 3.9+ sets it
+        exec(compile(Path(args[0]).read_bytes(), main.__file__, "exec"), main.__dict__)
     raise SystemExit(0)
 
 
