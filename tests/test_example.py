@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.launch import REPO, _env, mpiexec, python
+from helpers.launch import CPU_ONLY, REPO, _env, mpiexec, python
 
 import topologies
 
@@ -31,7 +31,7 @@ def run(launcher: str, cwd: Path, *args: str) -> str:
         command = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}"]
     else:
         command = [mpiexec(), "-n", str(N), python()]
-    job = subprocess.run([*command, str(EXAMPLE), *ARGS, *args], cwd=cwd, env=_env({}), capture_output=True,
+    job = subprocess.run([*command, str(EXAMPLE), *ARGS, *args], cwd=cwd, env=_env(CPU_ONLY), capture_output=True,
                          text=True, timeout=180)  # fmt: skip
     assert job.returncode == 0, job.stdout + job.stderr
     return job.stdout
@@ -91,7 +91,7 @@ def test_the_readmes_loop_trains_two_ranks_as_printed(tmp_path):
     script = tmp_path / "loop.py"
     script.write_text(LOOP_PRELUDE + block.group(1) + LOOP_CODA)
     command = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}", str(script)]
-    job = subprocess.run(command, cwd=tmp_path, env=_env({}), capture_output=True, text=True, timeout=180)
+    job = subprocess.run(command, cwd=tmp_path, env=_env(CPU_ONLY), capture_output=True, text=True, timeout=180)
     assert job.returncode == 0, job.stdout + job.stderr
     lines = [(tmp_path / f"rank{r}.txt").read_text() for r in range(N)]
     assert [line.split(":")[0] for line in lines] == [f"rank {r}" for r in range(N)], job.stdout

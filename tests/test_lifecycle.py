@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.launch import REPO, _env, _free_port, mpiexec, python
+from helpers.launch import CPU_ONLY, REPO, _env, _free_port, mpiexec, python
 from helpers.lifecycle_worker import train_a_few_steps
 
 import gossip
@@ -34,7 +34,7 @@ def torchrun(
     command = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}"]
     command += [f"--monitor-interval={monitor_interval}"]
     command += [str(REPO / "tests" / "helpers" / "lifecycle_worker.py"), str(out_dir), mode]
-    return subprocess.run(command, env=_env({}), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, env=_env(CPU_ONLY), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

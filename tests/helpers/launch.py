@@ -32,6 +32,11 @@ def mpiexec() -> str:
     return found
 
 
+#: for a job that must run on the CPU also where the host has GPUs (Gloo and MPI jobs whose backend is "auto",
+#: which picks NCCL where a GPU is visible, and several ranks cannot share one)
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
