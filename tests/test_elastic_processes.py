@@ -318,14 +318,18 @@ def test_restarted_worker_joins_with_its_donors_replica(tmp_path, kills):
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         address = next(line for line in launcher.stderr if "membership store at" in line).split()[4]
-        drain = threading.Thread(target=launcher.stderr.read, daemon=True)
+        said: list[str] = []  # the launcher's messages, kept for a failure's report
+        drain = threading.Thread(target=lambda: said.extend(launcher.stderr), daemon=True)
         drain.start()
         env = {**ENV, "RANK": "2", "WORLD_SIZE": "4", STORE_VARIABLE: address, "ELASTIC_WORKER_AFTER_DEATH": "1"}
         joiner = subprocess.run([python(), str(WORKER), str(tmp_path), str(steps), ""], env=env,
                                 capture_output=True, text=True, timeout=120)  # fmt: skip
         error = tmp_path / "rank2.error"
         assert joiner.returncode == 0, error.read_text() if error.exists() else joiner.stderr[-3000:]
-        assert launcher.wait(timeout=120) == 0
+        status = launcher.wait(timeout=120)
+        drain.join(timeout=10)
+        errors = {path.name: path.read_text() for path in tmp_path.glob("rank*.error")}
+        assert status == 0, "".join(said)[-4000:] + f"\n{errors}"
     finally:
         if launcher.poll() is None:
             launcher.kill()
