@@ -12,18 +12,30 @@ UNDER_MPIEXEC = LaunchInfo(0, 4, 0, 4, "mpich")
 UNDER_TORCHRUN = LaunchInfo(0, 4, 0, 4, "torchrun", "127.0.0.1", 29500)
 
 
-def test_auto_picks_gloo_without_gpu_or_mpi_launcher():
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """This host seen without a GPU, also where it has one."""
+    monkeypatch.setattr(bootstrap.torch.cuda, "is_available", lambda: False)
+
+
+def test_auto_picks_gloo_without_gpu_or_mpi_launcher(no_gpu):
     assert bootstrap.choose_backend("auto", UNDER_TORCHRUN) == "gloo"
     assert bootstrap.choose_backend("auto", SINGLE) == "gloo"
 
 
-def test_auto_picks_mpi_under_an_mpi_launcher_with_mpi4py():
+def test_auto_picks_mpi_under_an_mpi_launcher_with_mpi4py(no_gpu):
     assert bootstrap.choose_backend("auto", UNDER_MPIEXEC) == "mpi"
 
 
-def test_auto_falls_back_to_gloo_under_mpiexec_without_mpi4py(monkeypatch):
+def test_auto_falls_back_to_gloo_under_mpiexec_without_mpi4py(monkeypatch, no_gpu):
     monkeypatch.setattr(bootstrap, "_mpi4py_importable", lambda: False)
     assert bootstrap.choose_backend("auto", UNDER_MPIEXEC) == "gloo"
+
+
+def test_auto_picks_nccl_where_a_gpu_is_visible(monkeypatch):
+    monkeypatch.setattr(bootstrap.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bootstrap.dist, "is_nccl_available", lambda: True)
+    assert bootstrap.choose_backend("auto", UNDER_TORCHRUN) == bootstrap.choose_backend("auto", UNDER_MPIEXEC) == "nccl"
 
 
 def test_mpi_without_mpi4py_names_the_install(monkeypatch):
