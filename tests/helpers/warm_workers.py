@@ -159,9 +159,13 @@ def serve(socket_path: str) -> None:
     reply = sys.stdout
     pending = b""
     running: dict[int, socket.socket | None] = {}  # pid -> the stand-in's connection (None: a WarmWorker's)
+
+    def held() -> list[socket.socket]:
+        """The server's open sockets, which a child must not keep."""
+        return [listener, *(c for c in running.values() if c is not None)]
+
     while True:
-        watched = [0, listener, *(c for c in running.values() if c is not None)]
-        readable, _, _ = select.select(watched, [], [], 0.02)
+        readable, _, _ = select.select([0, *held()], [], [], 0.02)
         for ready in readable:
             if ready == 0:
                 chunk = os.read(0, 65536)
@@ -174,7 +178,7 @@ def serve(socket_path: str) -> None:
                 reply.flush()
                 pid = os.fork()
                 if pid == 0:
-                    _become_stand_ins_worker(request, fds, [listener, *(c for c in running.values() if c), connection])
+                    _become_stand_ins_worker(request, fds, [*held(), connection])
                 for fd in fds:
                     os.close(fd)
                 running[pid] = connection
@@ -192,7 +196,7 @@ def serve(socket_path: str) -> None:
             pid = os.fork()
             if pid == 0:
                 # never returns: SystemExit or an uncaught exception ends the child
-                _become_worker(request, [listener, *(c for c in running.values() if c is not None)])
+                _become_worker(request, held())
             running[pid] = None
             reply.write(json.dumps({"id": request["id"], "pid": pid}) + "\n")
             reply.flush()
