@@ -4,7 +4,9 @@ and one account of each step's bytes and waits, kept by the base class from what
 from __future__ import annotations
 
 import ast
+import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from gossip.algorithms.buckets import pack
 from gossip.algorithms.diloco import DiLoCo
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.hierarchical import HierarchicalGossip, inter_node_pairs
+from gossip.algorithms.outer import OuterOptimizer
 from gossip.algorithms.periodic import PeriodicAverage
 from gossip.algorithms.powergossip import PowerGossip
 from gossip.wrapper.replicas import algorithm_config
@@ -282,3 +285,90 @@ def test_start_does_the_bookkeeping_for_an_algorithm_that_implements_only_its_ow
         assert f"rank {rank}: step 6: peer {1 - rank} sent non-finite values" in result["raised"]
         assert result["pending"] == 8
         assert result["last"] == {} and result["wait"] == 0.0
+
+
+STATEFUL = {
+    **ALGORITHMS,
+    **COMPOSITES,
+    "powergossip": lambda: PowerGossip(rank=1, num_iterations=2, min_compression=1),
+    "hybrid": lambda: OuterOptimizer(
+        AllReduce(), local_steps=3, outer_lr=1.0, outer_momentum=0.0, between=PowerGossip(rank=1, min_compression=1)
+    ),
+}
+#: The ones whose state changes as they train (the others keep none, or none that moves in six steps).
+CHANGING = {"diloco", "periodic-powergossip", "hierarchical-compressed", "adaptive", "powergossip", "hybrid"}
+
+
+def identical(a: Any, b: Any) -> bool:
+    """The same nested containers, keys, scalars and tensors (dtype and every element)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(identical(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def state_through_more_steps(comm, factory) -> dict:
+    algorithm = factory()
+    schedule = None if isinstance(algorithm, HierarchicalGossip) else topologies.one_peer_hypercube(comm.size)
+    algorithm.setup(comm, schedule, buckets_of(comm.rank))
+    for step in range(3):
+        algorithm.step(step)
+    returned, snapshot = algorithm.state_dict(), algorithm.state_snapshot()
+    kept = copy.deepcopy(returned)
+    for step in range(3, 9):
+        algorithm.step(step)
+    return {
+        "claims": algorithm.state_dict_is_snapshot,
+        "returned_unchanged": identical(returned, kept),
+        "snapshot_unchanged": identical(snapshot, kept),
+        "state_moved": not identical(algorithm.state_dict(), kept),
+    }
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_every_algorithm_s_state_dict_is_a_snapshot_that_later_steps_leave_alone(name):
+    """The wrapper keeps ``state_snapshot()`` from before each start without copying it again, because every
+    built-in algorithm says its ``state_dict`` is already a copy; the claim is checked here: what was returned after
+    three steps is still the same, element for element, after six more, while the algorithm's own state moved."""
+    for rank, result in enumerate(gossip.simulate(4, state_through_more_steps, STATEFUL[name], local_size=2)):
+        assert result["claims"], f"rank {rank}: {name} does not say its state_dict is a snapshot"
+        assert result["returned_unchanged"] and result["snapshot_unchanged"], f"rank {rank}: later steps changed it"
+        assert result["state_moved"] == (name in CHANGING), f"rank {rank}: {result}"
+
+
+class LiveState(ExactGossip):
+    """A user's algorithm whose state_dict hands out its live counter (not a copy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = torch.zeros(1)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen}
+
+
+class CopiedState(LiveState):
+    state_dict_is_snapshot = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seen": self.seen.clone()}
+
+
+class InheritsCopiedState(CopiedState):
+    pass
+
+
+def test_an_algorithm_that_does_not_say_its_state_dict_is_a_snapshot_is_deep_copied():
+    """ExactGossip says its (empty) state is a snapshot; a subclass that writes its own state_dict does not inherit
+    that answer unless it repeats it, so a live tensor it returns is copied before later steps change it."""
+    live = LiveState()
+    kept = live.state_snapshot()
+    live.seen += 1
+    assert (ExactGossip.state_dict_is_snapshot, LiveState.state_dict_is_snapshot) == (True, False)
+    assert kept["seen"].item() == 0.0 and live.state_dict()["seen"].item() == 1.0
+    assert CopiedState.state_dict_is_snapshot and InheritsCopiedState.state_dict_is_snapshot
+    assert PeriodicAverage(LiveState(), every=2).state_dict_is_snapshot is False
+    assert PeriodicAverage(CopiedState(), every=2).state_dict_is_snapshot is True

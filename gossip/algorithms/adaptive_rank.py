@@ -141,6 +141,7 @@ class AdaptivePowerGossip(PowerGossip):
     can_delay = False  # it rebuilds its edges when the rank changes, so no exchange may outlive a step
 
     name = "adaptive-powergossip"
+    state_dict_is_snapshot = True  # PowerGossip's, and a copy of the search's numbers
 
     def __init__(
         self,

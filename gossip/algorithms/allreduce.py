@@ -37,6 +37,7 @@ class AllReduce(Algorithm):
     """
 
     name = "allreduce"
+    state_dict_is_snapshot = True  # no state
 
     def __init__(self, gamma: float = 1.0):
         if not 0 < gamma <= 1:

@@ -34,6 +34,7 @@ the flags at once (one synchronisation per step); on CPU parameters the check is
 from __future__ import annotations
 
 import abc
+import copy
 import math
 import threading
 import warnings
@@ -157,6 +158,11 @@ class Algorithm(abc.ABC):
     #: reads the state when a checkpoint asks for it, instead of copying it before every ``start`` (DiLoCo's state
     #: is two copies of the model).
     start_keeps_state: bool = False
+    #: True when :meth:`state_dict` returns a snapshot -- new containers and copies of every tensor, which later
+    #: steps never change -- so that :meth:`state_snapshot` can keep it as returned. The default, False, is right
+    #: for an algorithm that does not say so: its state is deep-copied (``__init_subclass__`` resets it for a
+    #: subclass that writes its own ``state_dict`` and does not set it).
+    state_dict_is_snapshot: bool = False
 
     comm: Communicator
     schedule: Schedule | None
@@ -169,8 +175,12 @@ class Algorithm(abc.ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse a subclass that overrides :meth:`start` or :meth:`finish`: the base class runs them, so that
         every algorithm gets the step's bookkeeping; the subclass implements :meth:`_start_step` and
-        :meth:`_finish_step`."""
+        :meth:`_finish_step`. A subclass that writes its own :meth:`state_dict` without saying whether it returns a
+        snapshot (``state_dict_is_snapshot`` in its class body) does not inherit its parent's answer: its state is
+        deep-copied."""
         super().__init_subclass__(**kwargs)
+        if "state_dict" in vars(cls) and "state_dict_is_snapshot" not in vars(cls):
+            cls.state_dict_is_snapshot = False
         for method, hook in TEMPLATE_METHODS:
             if method in vars(cls):
                 raise ArgumentTypeError(
@@ -473,6 +483,19 @@ class Algorithm(abc.ABC):
             The state, for :meth:`load_state_dict`.
         """
         return {}
+
+    def state_snapshot(self) -> dict[str, Any]:
+        """:meth:`state_dict` as a value that later steps cannot change.
+
+        As returned where it already is one (``state_dict_is_snapshot``), deep-copied otherwise. The wrapper and the
+        composites keep it from before each ``start``: a checkpoint taken while that step's exchange is in flight
+        holds it.
+
+        Returns:
+            The state, for :meth:`load_state_dict`.
+        """
+        state = self.state_dict()
+        return state if self.state_dict_is_snapshot else copy.deepcopy(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the state :meth:`state_dict` returned; a stateless algorithm accepts only an empty one.

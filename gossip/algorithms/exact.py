@@ -36,6 +36,7 @@ class ExactGossip(Algorithm):
     """
 
     name = "exact"
+    state_dict_is_snapshot = True  # no state
 
     def __init__(self, gamma: float = 1.0, *, nonfinite: str = "raise"):
         if not gamma > 0:

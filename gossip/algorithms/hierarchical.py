@@ -140,6 +140,7 @@ class HierarchicalGossip(Algorithm):
     """
 
     name = "hierarchical"
+    state_dict_is_snapshot = True  # its compressor's (a PowerGossip), or none
     needs_symmetric_schedule = True
 
     def __init__(

@@ -171,6 +171,7 @@ class OuterOptimizer(Algorithm):
 
     name = "outer"
     start_keeps_state = True  # state_dict is the state before the open step's start (module docstring)
+    state_dict_is_snapshot = True  # copies throughout
     _label = "OuterOptimizer"
 
     def __init__(
@@ -310,10 +311,10 @@ class OuterOptimizer(Algorithm):
                 for delta, sync, bucket in zip(self._deltas, self._sync, self.buckets, strict=True):
                     torch.sub(sync, bucket.buffer, out=delta.buffer)
             index = self.period.index(step)
-            self._averaging_before = copy.deepcopy(self.averaging.state_dict())
+            self._averaging_before = self.averaging.state_snapshot()
             self._inflight = _Sync(step, index, self.averaging.start(index))
         elif self.between is not None:
-            self._between_before = copy.deepcopy(self.between.state_dict())
+            self._between_before = self.between.state_snapshot()
             parts.between = self.between.start(self.period.between(step))
         return parts
 

@@ -231,6 +231,11 @@ class PeriodicAverage(Algorithm):
         """
         return {"every": self.every, "inner": self.inner.describe()}
 
+    @property
+    def state_dict_is_snapshot(self) -> bool:  # type: ignore[override]
+        """Whether :meth:`state_dict` is a snapshot: as the inner algorithm's (this wrapper adds a new config)."""
+        return self.inner.state_dict_is_snapshot
+
     def state_dict(self) -> dict[str, Any]:
         """The inner algorithm's state, with this wrapper's config.
 

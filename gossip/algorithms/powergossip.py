@@ -309,6 +309,7 @@ class PowerGossip(Algorithm):
     """
 
     name = "powergossip"
+    state_dict_is_snapshot = True  # copies of the factors and generator states
     needs_symmetric_schedule = True
     can_delay = True  # whether delayed_last_iteration is allowed (a subclass that rebuilds its edges: False)
 

@@ -624,7 +624,7 @@ class DecentralizedDataParallel(nn.Module):
         # The algorithm state before start(t) is what a checkpoint taken during step t must hold (see checkpoint);
         # an algorithm whose start changes no state (start_keeps_state) is read when the checkpoint asks instead.
         if not self.algorithm.start_keeps_state:
-            self._state_before_start = copy.deepcopy(self.algorithm.state_dict())
+            self._state_before_start = self.algorithm.state_snapshot()
         if math.isnan(self._last_step_end):
             self._last_step_end = time.perf_counter()
         self._move("start", "starting the exchange", check_only=True)

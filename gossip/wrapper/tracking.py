@@ -48,7 +48,6 @@ gradients counts as a zero gradient.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -217,7 +216,7 @@ class GradientTracker:
         """
         if not self.overlap or self._pending is not None:
             return
-        self._mixing_before = copy.deepcopy(self.mixing.state_dict())
+        self._mixing_before = self.mixing.state_snapshot()
         self._pending = self.mixing.start(step)
 
     def drain(self) -> None:
