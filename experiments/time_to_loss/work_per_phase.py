@@ -6,9 +6,9 @@ main-job run on the simulator (``gossip.simulate``, one thread per rank), the at
 ``TorchDispatchMode``) and the Python function calls (``sys.setprofile``) of every step after ``--skip``, per phase:
 
 * ``forward+backward``: the model's forward and backward, with what the backward hooks post (PowerGossip's further
-  power iterations); with ``posting``, the wrapper's ``compute_seconds``;
+  power iterations), and reading the loss; with ``posting``, the wrapper's ``compute_seconds``;
 * ``finish``: ``algorithm.finish`` (``finish_seconds``: the wait and the mixing arithmetic);
-* ``update``: the rest of ``optimizer.step()``, the optimizer's own arithmetic;
+* ``update``: the rest of ``optimizer.step()`` and ``zero_grad()``, the optimizer's own work;
 * ``posting``: ``DecentralizedDataParallel._start``, posting the next step's exchange (with the snapshot of the
   algorithm's state that a checkpoint taken during the step holds);
 * ``metrics``: the rest of ``next_step`` (the step's metrics row);
@@ -31,12 +31,12 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,7 @@ class _Counts:
         """Count what ``owner.name(...)`` does under ``phase`` (an instance attribute shadowing the method)."""
         method = getattr(owner, name)
 
+        @functools.wraps(method)  # with its attributes (the LR scheduler checks the one it set on optimizer.step)
         def counted(*args: Any, **kwargs: Any) -> Any:
             with self.inside(phase):
                 return method(*args, **kwargs)
@@ -94,26 +95,24 @@ def count(ranks: int, steps: int, skip: int, options: Sequence[str], out: str) -
             return func(*args, **(kwargs or {}))
 
     original_step: Callable[..., float] = train.train_step
-    wrapped = threading.Event()
+    wrapped = False
 
     def counted_step(model: Any, optimizer: Any, batch: Any, scheduler: Any) -> float:
+        """The main job's own step, its phases marked by wrapping what it calls on rank 0."""
+        nonlocal wrapped
         if model.comm.rank != 0:
             return original_step(model, optimizer, batch, scheduler)
-        if not wrapped.is_set():
-            wrapped.set()
+        if not wrapped:
+            wrapped = True
             counts.wrap(model, "_start", "posting")
             counts.wrap(model, "next_step", "metrics")
             counts.wrap(model.algorithm, "finish", "finish")
+            counts.wrap(optimizer, "step", "update")
+            counts.wrap(optimizer, "zero_grad", "update")
+            counts.wrap(scheduler, "step", "loop")
         counts.counting = skip <= model.step_count < steps
-        x, y = batch
         with counts.inside("forward+backward"):
-            _, loss = model(x, y)
-            loss.backward()
-        with counts.inside("update"):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        value = loss.item()
+            value = original_step(model, optimizer, batch, scheduler)
         counts.counting = skip <= model.step_count < steps  # the loop after the last step (validation, sample): not
         return value
 
