@@ -12,8 +12,9 @@ OPTIONS = ["--batch-size", "2", "--eval-every", "100"]
 
 
 def test_the_operations_do_not_depend_on_the_run_and_every_phase_of_a_gossip_step_does_some_work(tmp_path):
-    """Counting, not timing: two runs of the same code count the same operations, whatever the machine's load, and
-    nearly the same Python calls where timing does not decide (it does for a wait's polling and the progress bar)."""
+    """Counting, not timing: two runs of the same code count the same operations, whatever the machine's load (no
+    collective falls in the counted steps: the simulator sums one on whichever rank arrives last), and nearly the same
+    Python calls where timing does not decide (it does for a wait's polling and the progress bar)."""
     first = count(2, 3, 1, OPTIONS, str(tmp_path / "a"))
     second = count(2, 3, 1, OPTIONS, str(tmp_path / "b"))
     assert first["ops"] == second["ops"]

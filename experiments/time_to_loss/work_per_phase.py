@@ -14,9 +14,11 @@ main-job run on the simulator (``gossip.simulate``, one thread per rank), the at
 * ``metrics``: the rest of ``next_step`` (the step's metrics row);
 * ``loop``: the training loop's own work between two steps (the batch, ``model.log``, the scheduler).
 
-The operations of a revision do not depend on the machine's load: two runs of the same code count the same. The
-Python calls nearly so, except where timing decides: a wait's polling in ``finish``, the progress bar's refreshes in
-``loop``.
+The operations of a revision do not depend on the machine's load, with one exception: the simulator does a
+collective's arithmetic (an all-reduce's sum) in the thread of the rank that arrives last, so a phase with a collective
+(an averaging step's ``finish``, the consensus estimate and schedule check in ``metrics``) counts it on the runs where
+rank 0 came last. Between collectives two runs of the same code count the same operations. The Python calls nearly
+so, except where timing decides: a wait's polling in ``finish``, the progress bar's refreshes in ``loop``.
 ``--against REV [REV ...]`` runs the same count on a git worktree of each REV (this file, run with that tree first on
 the path) and prints them beside this tree's.
 
