@@ -14,11 +14,11 @@ main-job run on the simulator (``gossip.simulate``, one thread per rank), the at
 * ``metrics``: the rest of ``next_step`` (the step's metrics row);
 * ``loop``: the training loop's own work between two steps (the batch, ``model.log``, the scheduler).
 
-The operations of a revision do not depend on the machine's load, with one exception: the simulator does a
-collective's arithmetic (an all-reduce's sum) in the thread of the rank that arrives last, so a phase with a collective
-(an averaging step's ``finish``, the consensus estimate and schedule check in ``metrics``) counts it on the runs where
-rank 0 came last. Between collectives two runs of the same code count the same operations. The Python calls nearly
-so, except where timing decides: a wait's polling in ``finish``, the progress bar's refreshes in ``loop``.
+The operations of a revision do not depend on the machine's load: two runs of the same code count the same ones.
+The simulator does a collective's arithmetic for every rank (an all-reduce's sum) in the thread of the rank that
+arrives last; that shared work is never counted, so a phase with a collective (an averaging step's ``finish``, the
+consensus estimate and schedule check in ``metrics``) counts the same whether rank 0 came last or not. The Python
+calls nearly so, except where timing decides: a wait's polling in ``finish``, the progress bar's refreshes in ``loop``.
 ``--against REV [REV ...]`` runs the same count on a git worktree of each REV (this file, run with that tree first on
 the path) and prints them beside this tree's.
 
@@ -80,22 +80,54 @@ class _Counts:
 
         setattr(owner, name, counted)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        counting, self.counting = self.counting, False
+        try:
+            yield
+        finally:
+            self.counting = counting
+
+    def leave_out_collective_sums(self, comm: Any) -> None:
+        """Count none of the arithmetic that ``comm`` (a simulator rank) does for every rank of a collective.
+
+        The simulator combines a collective's payloads (an all-reduce's sum) in the thread of the rank that arrives
+        last, with the ``combine`` that rank passed: wrapping this rank's ``combine`` pauses counting exactly when
+        this rank does that shared work, so that whether it came last does not change its counts.
+        """
+        collective = comm._collective
+
+        def collective_uncounted_sum(kind: str, payload: Any, combine: Callable[[list[Any]], Any]) -> Any:
+            def combine_uncounted(parts: list[Any]) -> Any:
+                with self.paused():
+                    return combine(parts)
+
+            return collective(kind, payload, combine_uncounted)
+
+        comm._collective = collective_uncounted_sum
+
     def profile(self, frame: Any, event: str, arg: Any) -> None:
         if event == "call" and self.counting:
             self.calls[self.phase] += 1
+
+
+class _Operations(TorchDispatchMode):
+    """Count every aten operation of the thread that enters it into ``counts``, under its current phase."""
+
+    def __init__(self, counts: _Counts) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.counts.counting:
+            self.counts.ops[self.counts.phase] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def count(ranks: int, steps: int, skip: int, options: Sequence[str], out: str) -> dict[str, Any]:
     """Run the main job with ``options`` on ``ranks`` simulated ranks for ``steps`` steps; rank 0's counts per step
     (over steps ``skip`` .. ``steps`` - 1) per phase, and where ``gossip`` was imported from."""
     counts = _Counts()
-
-    class _Operations(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if counts.counting:
-                counts.ops[counts.phase] += 1
-            return func(*args, **(kwargs or {}))
-
     original_step: Callable[..., float] = train.train_step
     wrapped = False
 
@@ -122,9 +154,10 @@ def count(ranks: int, steps: int, skip: int, options: Sequence[str], out: str) -
         if comm.rank != 0:
             train._train(config, comm)
             return
+        counts.leave_out_collective_sums(comm)
         sys.setprofile(counts.profile)  # this thread's only
         try:
-            with _Operations():  # this thread's only
+            with _Operations(counts):  # this thread's only
                 train._train(config, comm)
         finally:
             sys.setprofile(None)
