@@ -89,6 +89,16 @@ def logs(out: Path, suffix: str = "") -> dict[int, list[dict]]:
     return {int(p.name[4:].split(".")[0]): [json.loads(line) for line in p.read_text().splitlines()] for p in paths}
 
 
+def last_rows(out: Path) -> str:
+    """Each worker's last logged step and the group it mixed over, for a failure's report."""
+    said = []
+    for suffix in ("", ".joined"):
+        for uid, rows in sorted(logs(out, suffix).items()):
+            last = rows[-1] if rows else {}
+            said.append(f"worker {uid}{suffix}: last step {last.get('step')} over {last.get('group')}")
+    return "; ".join(said)
+
+
 FORMATION = "ELASTIC_WORKER_DIE_AT_FORMATION"
 #: name, workers, steps, kills, the dead, how many changes the survivors may see, environment, bound on the
 #: seconds from the first exit to the group the survivors end in
@@ -329,7 +339,7 @@ def test_restarted_worker_joins_with_its_donors_replica(tmp_path, kills):
         status = launcher.wait(timeout=120)
         drain.join(timeout=10)
         errors = {path.name: path.read_text() for path in tmp_path.glob("rank*.error")}
-        assert status == 0, "".join(said)[-4000:] + f"\n{errors}"
+        assert status == 0, "".join(said)[-4000:] + f"\n{errors}\n{last_rows(tmp_path)}"
     finally:
         if launcher.poll() is None:
             launcher.kill()
