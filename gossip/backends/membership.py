@@ -371,8 +371,8 @@ class Membership:
             decision: the epoch whose group is about to be formed.
 
         Raises:
-            MembershipChangedError: a member of ``decision`` died, or another change is under way: the group will
-                not form; decide the next epoch.
+            MembershipChangedError: a member of ``decision`` died (or the store failed): the group will not form;
+                decide the next epoch. Any other change waits for the group: it is taken at the next post.
             MembershipError: not every member arrived within ``decide_timeout``, or the store is unreachable.
         """
         epoch, keys = decision.epoch, [f"e{decision.epoch}/ready/{uid}" for uid in decision.members]
@@ -380,10 +380,14 @@ class Membership:
         try:
             self.store.set(f"e{epoch}/ready/{self.uid}", "1")
             while not self.store.check(keys):
-                if self.changed.is_set() or self.error is not None:
+                # A change that kills no member of this epoch (a joiner starting the next epoch) does not stop the
+                # barrier: this member's ready key is set, so the others may already see every key and form the
+                # group, which would then wait its whole timeout for this member. The group forms; the change is
+                # taken at the next post (the background check-in for the next epoch has frozen posting).
+                if self.error is not None:
                     raise MembershipChangedError(
                         f"member {self.uid}: epoch {epoch}'s group over {list(decision.members)} was not formed: "
-                        "another change is under way"
+                        "the membership store failed"
                     )
                 dead = self.dead(decision.members)
                 if dead:
