@@ -18,7 +18,8 @@ CPU contention from the communication threads when ranks share cores). For DDP t
 construction, so its fraction can exceed 1 when its overhead is more than a blocking all-reduce.
 For the gossip methods also "peer late": per step, how long after this rank its latest in-peer of that step (every
 rank on an averaging step) ended backward, by one wall clock; and "exposed of it": the part of each step's wait
-no longer than that lateness, the wait a late peer accounts for rather than the transfer.
+no longer than that lateness, the wait a late peer accounts for rather than the transfer. For the compute-only step
+each rank's mean, standard deviation and 90th percentile: the step-to-step spread that makes a peer late.
 
 Usage::
 
@@ -224,8 +225,12 @@ def run(args: argparse.Namespace) -> None:
     probe = make_model(args.model)
     batches = make_batches(args.model, probe, args.batch, comm.rank, args.warmup + args.steps)
     comm.barrier()
-    local_step = statistics.mean(train_steps(probe, args.model, batches)[args.warmup :])
-    results = {"local": {"step": local_step, "comm": 0.0, "exposed": 0.0, "bytes_sent_per_step": 0.0}}
+    local_times = train_steps(probe, args.model, batches)[args.warmup :]
+    local_step = statistics.mean(local_times)
+    # the compute-only step's own spread: how far apart unsynchronised ranks drift each step (the wait a late peer
+    # causes comes from it, whatever the method)
+    spread = {"step_sd": statistics.stdev(local_times), "step_p90": statistics.quantiles(local_times, n=10)[-1]}
+    results = {"local": {"step": local_step, "comm": 0.0, "exposed": 0.0, "bytes_sent_per_step": 0.0, **spread}}
     wanted = algorithms()
     for name in args.methods.split(","):
         if name == "ddp":
@@ -258,8 +263,16 @@ def report(args: argparse.Namespace, size: int, numel: int, gathered: list[dict]
             f"{fraction:>14.2f}{row['bytes_sent_per_step'] / 1e6:>14.2f}{row.get('ahead_per_step', 0.0):>12.2f}"
             f"{row.get('peer_late', 0.0) * 1e3:>14.1f}{row.get('exposed_peer_late', 0.0) * 1e3:>15.1f}"
         )
+
+    def per_rank(key: str) -> str:
+        return " ".join(f"{r['local'][key] * 1e3:.1f}" for r in gathered)
+
+    print(f"local step per rank, ms: mean {per_rank('step')}, sd {per_rank('step_sd')}, p90 {per_rank('step_p90')}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "results": table}, indent=2) + "\n")
+        ranks = [r["local"] for r in gathered]
+        Path(args.out).write_text(
+            json.dumps({"args": vars(args), "results": table, "local_per_rank": ranks}, indent=2) + "\n"
+        )
 
 
 def spawn(args: argparse.Namespace, argv: list[str]) -> int:
