@@ -8,10 +8,12 @@ worker may die. Keys (docs/ARCHITECTURE.md, "Elastic membership"):
 * ``epoch``: the current epoch e; a member that sees a failure moves it to e + 1 (``compare_set``: once);
 * ``e<e>/in/<uid>``: a member's check-in for epoch e: the last step whose exchange it posted on its last group,
   and whether it still waits for its state (a joiner not yet handed its donor's replica);
-* ``joins`` and ``join/<k>``: joiners waiting for the next epoch;
+* ``joins`` and ``join/<k>``: joiners waiting for the next epoch (a joiner reads every epoch decided since its
+  request: another joiner may have started the next epoch before it saw its own);
 * ``e<e>/decision``: the epoch's members, every member's last posted step, the joiners and the group's first step,
   written once (first writer wins);
-* ``e<e>/ready/<uid>``: a member of epoch e is at the formation of the epoch's group (:meth:`Membership.await_group`).
+* ``e<e>/ready/<uid>``: a member of epoch e is at the formation of the epoch's group (:meth:`Membership.await_group`);
+* ``e<e>/formation``: that barrier's one outcome, "form" or why it stopped (first writer wins).
 
 A member *checks in* at most once per epoch, under the lock that posting takes (:meth:`Membership.try_post`):
 from then on it posts nothing until its next group exists, so the check-in's posted step is final. The decision of
@@ -36,6 +38,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from torch.distributed import TCPStore
 
@@ -47,6 +50,8 @@ logger = logging.getLogger("gossip")
 STORE_VARIABLE = "GOSSIP_ELASTIC_STORE"
 #: Seconds without a heartbeat after which a member is declared dead, by default.
 DETECT_SECONDS = 10.0
+#: The outcome of a formation barrier that every member passes (:meth:`Membership.await_group`).
+_FORM = "form"
 
 
 def host_store(size: int, timeout: float = 300.0, port: int = 0) -> TCPStore:
@@ -140,7 +145,7 @@ class Membership:
         self._lock = threading.Lock()
         self._frozen = False
         self._checked = self.epoch  # the latest epoch this member checked in for (or was decided into)
-        self._deaths = -1
+        self._deaths_read: dict[int, int] = {}  # uid -> the ``deaths`` count when its ``dead`` key was last read
         self._dead: dict[int, str] = {}
         self._seen: dict[int, tuple[bytes, float]] = {}
         self._watching = False  # silence is watched once this member's first group exists (open())
@@ -180,10 +185,10 @@ class Membership:
             uid -> how it was found dead.
         """
         deaths = int(self.store.get("deaths"))
-        if deaths != self._deaths:
-            self._deaths = deaths
-            for uid in uids:
-                if uid not in self._dead and self.store.check([f"dead/{uid}"]):
+        for uid in uids:  # each uid's key is read again after every new death, whichever uids an earlier call asked
+            if uid not in self._dead and self._deaths_read.get(uid) != deaths:
+                self._deaths_read[uid] = deaths
+                if self.store.check([f"dead/{uid}"]):
                     self._dead[uid] = self.store.get(f"dead/{uid}").decode()
         now = time.monotonic()
         others = [uid for uid in uids if uid != self.uid] if self._watching else []
@@ -274,14 +279,20 @@ class Membership:
         with self._lock:  # still frozen: nothing is posted until the new group exists (open())
             self.epoch, self.current = epoch, decision
             self.changed.clear()
-        self._forget(decision.joined)
+        # every member the decision keeps is alive as far as the group knows: a death only this member saw (a
+        # silence that ended with a check-in) must not stop the group's barrier on it alone, nor start a change
+        self._forget(decision.members)
         return decision
 
     def _forget(self, uids: tuple[int, ...]) -> None:
-        """Members that joined (again) are alive: drop what was known of their death and heartbeat."""
+        """Members decided alive (kept, or joined again): drop what was known of their death and heartbeat.
+
+        A ``dead`` key set meanwhile is read again at the next look, and silence counts afresh from now.
+        """
         for uid in uids:
             self._dead.pop(uid, None)
             self._seen.pop(uid, None)
+            self._deaths_read.pop(uid, None)
 
     @property
     def joining(self) -> bool:
@@ -301,16 +312,15 @@ class Membership:
         try:
             if self.store.check([f"dead/{self.uid}"]):
                 self.store.delete_key(f"dead/{self.uid}")
+            # read before asking: a decision is written while its epoch is the store's, so none before this one
+            # can hold the request
+            examined = int(self.store.get("epoch"))
             index = self.store.add("joins", 1) - 1
             self.store.set(f"join/{index}", str(self.uid))
             while True:
-                epoch = int(self.store.get("epoch"))
-                if self.store.check([f"e{epoch}/decision"]):
-                    decision = self._read_decision(epoch)
-                    if self.uid in decision.members and index < decision.joins:
-                        break
-                    if index >= decision.joins:  # decided without this request: start the next epoch for it
-                        self.store.compare_set("epoch", str(epoch), str(epoch + 1))
+                decision, examined = self._decision_taking(index, examined)
+                if decision is not None:
+                    break
                 if time.monotonic() > deadline:
                     raise MembershipError(
                         f"member {self.uid}: not taken in within {self.decide_timeout:.0f} s of asking to join"
@@ -321,12 +331,34 @@ class Membership:
         except Exception as error:  # the store's host is gone
             self.error = error
             raise MembershipError(self._store_lost(self.epoch + 1)) from error
+        epoch = decision.epoch
         with self._lock:
             self.epoch, self.current, self._frozen, self.posted = epoch, decision, True, -1
             self._checked, self.needs_state = max(self._checked, epoch), True
             self.changed.clear()
         self._forget(decision.joined)
         return decision
+
+    def _decision_taking(self, index: int, examined: int) -> tuple[Decision | None, int]:
+        """The first decided epoch from ``examined`` on that takes join request ``index`` in, if any yet.
+
+        The epoch that takes a joiner in may already be overtaken when the joiner looks (another joiner, finding it
+        decided without its own request, started the next), so every epoch decided since the request is read, oldest
+        first; every epoch before the store's current one is decided (the epoch moves on only past a decision). The
+        current epoch, decided without this request, is moved on for it.
+
+        Returns:
+            The decision (None: not yet), and the first epoch not yet examined.
+        """
+        epoch = int(self.store.get("epoch"))
+        while examined <= epoch and self.store.check([f"e{examined}/decision"]):
+            found = self._read_decision(examined)
+            if self.uid in found.members and index < found.joins:
+                return found, examined
+            if examined == epoch and index >= found.joins:
+                self.store.compare_set("epoch", str(epoch), str(epoch + 1))
+            examined += 1
+        return None, examined
 
     def _store_lost(self, epoch: int) -> str:
         return (
@@ -365,48 +397,71 @@ class Membership:
         """Wait until every member of ``decision`` is at the formation of its group (a barrier on the store).
 
         Forming a Gloo group with a member that is gone waits for the group's whole timeout; this barrier notices
-        the death at once instead: the caller then decides the next epoch (:meth:`decide`).
+        the death at once instead: the caller then decides the next epoch (:meth:`decide`). The barrier's outcome is
+        one for all members: the first to see every member arrived writes "form", the first to see a reason to stop
+        (a dead member, the deadline) writes why, on the store's key ``e<e>/formation`` (``compare_set``: once), and
+        every member follows what is written. Without that, a member that stopped on its own view (a silence only it
+        saw, its own deadline) after setting its ready key would leave the others forming the group without it.
+        A change that removes no member (a joiner starting the next epoch) does not stop the barrier: the group
+        forms, and the change is taken at the next post (the background check-in for the next epoch froze posting).
 
         Args:
             decision: the epoch whose group is about to be formed.
 
         Raises:
-            MembershipChangedError: a member of ``decision`` died (or the store failed): the group will not form;
-                decide the next epoch. Any other change waits for the group: it is taken at the next post.
+            MembershipChangedError: the barrier stopped on a dead member (or the store failed): the group will not
+                form; decide the next epoch.
             MembershipError: not every member arrived within ``decide_timeout``, or the store is unreachable.
         """
-        epoch, keys = decision.epoch, [f"e{decision.epoch}/ready/{uid}" for uid in decision.members]
+        epoch, members = decision.epoch, decision.members
+        keys, outcome_key = [f"e{epoch}/ready/{uid}" for uid in members], f"e{epoch}/formation"
         deadline = time.monotonic() + self.decide_timeout
         try:
             self.store.set(f"e{epoch}/ready/{self.uid}", "1")
-            while not self.store.check(keys):
-                # A change that kills no member of this epoch (a joiner starting the next epoch) does not stop the
-                # barrier: this member's ready key is set, so the others may already see every key and form the
-                # group, which would then wait its whole timeout for this member. The group forms; the change is
-                # taken at the next post (the background check-in for the next epoch has frozen posting).
-                if self.error is not None:
-                    raise MembershipChangedError(
-                        f"member {self.uid}: epoch {epoch}'s group over {list(decision.members)} was not formed: "
-                        "the membership store failed"
-                    )
-                dead = self.dead(decision.members)
-                if dead:
-                    self.request_change()
-                    raise MembershipChangedError(
-                        f"member {self.uid}: epoch {epoch}'s group over {list(decision.members)} was not formed: "
-                        f"{', '.join(f'{uid} ({how})' for uid, how in sorted(dead.items()))} before it formed"
-                    )
-                if time.monotonic() > deadline:
-                    missing = [uid for uid in decision.members if not self.store.check([f"e{epoch}/ready/{uid}"])]
-                    raise MembershipError(
-                        f"member {self.uid}: epoch {epoch}'s members {missing} did not arrive at the group's formation "
-                        f"within {self.decide_timeout:.0f} s (members {list(decision.members)})"
-                    )
-                time.sleep(self.interval / 4)
+            while True:
+                if self.store.check(keys):
+                    outcome = self.store.compare_set(outcome_key, "", _FORM)
+                elif self.store.check([outcome_key]):
+                    outcome = self.store.get(outcome_key)
+                else:
+                    if self.error is not None:
+                        raise MembershipChangedError(
+                            f"member {self.uid}: epoch {epoch}'s group over {list(members)} was not formed: "
+                            "the membership store failed"
+                        )
+                    reason = self._reason_to_stop(decision, deadline)
+                    if reason is None:
+                        time.sleep(self.interval / 4)
+                        continue
+                    outcome = self.store.compare_set(outcome_key, "", json.dumps(reason))
+                break
         except (MembershipChangedError, MembershipError):
             raise
         except Exception as error:  # the store's host is gone
             raise MembershipError(self._store_lost(epoch)) from error
+        if outcome == _FORM.encode():
+            return
+        stop = json.loads(outcome)
+        message = f"member {self.uid}: epoch {epoch}'s group over {list(members)} was not formed: {stop['why']}"
+        if stop["by"] != self.uid:
+            message += f" (seen by member {stop['by']})"
+        if stop["timeout"]:
+            raise MembershipError(message)
+        self.request_change()
+        raise MembershipChangedError(message)
+
+    def _reason_to_stop(self, decision: Decision, deadline: float) -> dict[str, Any] | None:
+        """Why this member would stop the barrier of ``decision`` now (None: keep waiting), as written to the store."""
+        dead = self.dead(decision.members)
+        if dead:
+            why = f"{', '.join(f'{uid} ({how})' for uid, how in sorted(dead.items()))} before it formed"
+            return {"by": self.uid, "why": why, "timeout": False}
+        if time.monotonic() > deadline:
+            epoch = decision.epoch
+            missing = [uid for uid in decision.members if not self.store.check([f"e{epoch}/ready/{uid}"])]
+            why = f"members {missing} did not arrive at its formation within {self.decide_timeout:.0f} s"
+            return {"by": self.uid, "why": why, "timeout": True}
+        return None
 
     def _propose(self, epoch: int) -> None:
         old = self.current.members
@@ -416,7 +471,9 @@ class Membership:
             return  # a live member has not checked in yet
         joins = int(self.store.get("joins"))
         fresh = range(self.current.joins, joins)  # join requests not yet taken by an earlier decision
-        joiners = sorted({int(self.store.get(f"join/{k}")) for k in fresh} - set(old))
+        asked = sorted({int(self.store.get(f"join/{k}")) for k in fresh} - set(old))
+        # a joiner deletes its ``dead`` key before asking (a restarted worker has one): one there now died since
+        joiners = [uid for uid in asked if not self.store.check([f"dead/{uid}"])]
         members = [uid for uid in old if uid in checked and uid not in dead] + joiners
         check_ins = {uid: json.loads(self.store.get(f"e{epoch}/in/{uid}")) for uid in checked}
         posted = {uid: step for uid, (step, _) in check_ins.items()}
