@@ -8,7 +8,10 @@ delegates every operation to a :class:`~gossip.backends.torch_dist.TorchDistComm
   broken by a failed peer; otherwise its handle raises :class:`MembershipChangedError` when waited for, and nothing
   was sent;
 * a wait returns, or raises :class:`MembershipChangedError` as soon as a change is under way (the transfers stay
-  posted: waiting on the handle again after the decision completes them when the peer posted them too).
+  posted: waiting on the handle again after the decision completes them when the peer posted them too). While
+  :attr:`ElasticCommunicator.completing` is set (a step the decision resolved as completed is waited for again) a
+  further change does not interrupt the wait: the partner applies the step, so this end must too; the wait ends
+  with the transfers, or with the partner's failure or the timeout.
 
 A collective (all-reduce, all-gather) is refused with :class:`MembershipChangedError` while a change is under way.
 """
@@ -48,8 +51,8 @@ class _NotPosted(Handle):
 
 
 class _Interruptible(Handle):
-    def __init__(self, inner: Any, membership: Membership, rank: int):
-        self._inner, self._membership, self._rank = inner, membership, rank
+    def __init__(self, inner: Any, comm: ElasticCommunicator):
+        self._inner, self._comm = inner, comm
 
     def done(self) -> bool:
         return self._inner.done()
@@ -59,9 +62,9 @@ class _Interruptible(Handle):
         future = getattr(self._inner, "_future", None)
         try:
             while future is not None and not future.done():
-                if self._membership.changed.is_set():
+                if self._comm.membership.changed.is_set() and not self._comm.completing:
                     raise MembershipChangedError(
-                        f"rank {self._rank}: a wait was interrupted: the membership is changing"
+                        f"rank {self._comm.rank}: a wait was interrupted: the membership is changing"
                     )
                 concurrent.futures.wait([future], timeout=POLL)
             self._inner.wait(timeout)
@@ -84,6 +87,8 @@ class ElasticCommunicator(Communicator):
         self.backend, self.rank, self.size = inner.backend, inner.rank, inner.size
         self.local_rank, self.local_size = inner.local_rank, inner.local_size
         self.device, self.timeout = inner.device, inner.timeout
+        #: set while a step resolved as completed is waited for again: no change interrupts its wait (module doc)
+        self.completing = False
         self._closed = False
 
     @property
@@ -100,15 +105,15 @@ class ElasticCommunicator(Communicator):
         # before the step's update, as an exchange that fails does
         if self.inner.failure is not None or not self.membership.try_post(self._step_of()):
             return _NotPosted(self.rank, seq)
-        return _Interruptible(self.inner._start_exchange(sends, recvs, seq), self.membership, self.rank)
+        return _Interruptible(self.inner._start_exchange(sends, recvs, seq), self)
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
         self._refuse_during_change("all_reduce")
-        return _Interruptible(self.inner._all_reduce(tensor, op), self.membership, self.rank)
+        return _Interruptible(self.inner._all_reduce(tensor, op), self)
 
     def _broadcast(self, tensor: torch.Tensor, src: int) -> Handle:
         self._refuse_during_change("broadcast")
-        return _Interruptible(self.inner._broadcast(tensor, src), self.membership, self.rank)
+        return _Interruptible(self.inner._broadcast(tensor, src), self)
 
     def barrier(self, timeout: float | None = None) -> None:
         """Wait until every member of the epoch arrives (see :meth:`Communicator.barrier`).

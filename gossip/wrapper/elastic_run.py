@@ -16,18 +16,19 @@ Real-process elastic runs need a schedule with at most one partner per rank and 
 * *skipped* otherwise (the partner is dead, or never posted s: it cannot post it any more): the rank keeps x_s and
   applies its update without mixing; the partner did not apply it either (it is dead, or never posted).
 
-The new group starts at R = 1 + the highest step any member posted; a member behind R trains alone (identity
-mixing, a one-rank group) until it reaches R. A partner of a completed step that dies before its message arrived
-turns the step into a skipped one on this end (the dead end does not matter). At R the members meet on the store
-(:meth:`~gossip.backends.membership.Membership.await_group`) and form the group; if a member dies before the
-group is formed (while another catches up, or during the formation or the hand-over), the survivors decide the
-next epoch at once and form that one instead, starting at R or later (a change during a change: the survivors'
-step in flight was already resolved, nobody posted anything since). Everyone then rebinds
-(:func:`gossip.wrapper.elastic.rebind`: schedule of the same family over the new size or its named fallback,
-fresh per-edge state) and logs one line naming who left, at which step, and the new schedule. Failure detection
-takes at most the membership's ``interval`` when the launcher reports the exit (``gossip-train --nproc N
---elastic``), ``detect + interval`` otherwise; the re-formation adds one Gloo group creation (a member that dies
-after the others passed :meth:`~gossip.backends.membership.Membership.await_group` costs the group's timeout).
+The new group starts at R = 1 + the highest step any member posted; a member behind R trains alone (identity mixing,
+a one-rank group) until it reaches R. A partner of a completed step that dies before its message arrived turns the
+step into a skipped one on this end (the dead end does not matter); a further change (a join, another death) does
+not interrupt the completed step's wait, since its live partner applies the step. At R the members meet on the store
+(:meth:`~gossip.backends.membership.Membership.await_group`) and form the group; if a member dies before the group
+is formed (while another catches up, or during the formation or the hand-over), the survivors decide the next epoch
+at once and form that one instead, starting at R or later (a change during a change: the survivors' step in flight
+was already resolved, nobody posted anything since). Everyone then rebinds (:func:`gossip.wrapper.elastic.rebind`:
+schedule of the same family over the new size or its named fallback, fresh per-edge state) and logs one line naming
+who left, at which step, and the new schedule. Failure detection takes at most the membership's ``interval`` when
+the launcher reports the exit (``gossip-train --nproc N --elastic``), ``detect + interval`` otherwise; the
+re-formation adds one Gloo group creation (a member that dies after the others passed
+:meth:`~gossip.backends.membership.Membership.await_group` costs the group's timeout).
 """
 
 from __future__ import annotations
@@ -234,21 +235,25 @@ class ElasticRun:
 
     def update(self) -> None:
         """``optimizer.step()`` (mixing and update), resolving a membership change that interrupts it."""
-        while True:
-            try:
-                self.optimizer.step()  # the mixing (completed, or in the new group) or a local update, and the update
-                break
-            except CHANGE_SIGNALS as error:
-                if self._comm is None:
-                    raise
-                if self._pending is None:
-                    self._resolve(error)
-                    if self.model.step_count >= self._pending.first:
-                        self._enter()  # this step was never posted and the new group starts with it: mix it there
-                elif self.model.comm is self._comm:  # a completed step's partner died before its message arrived
-                    self._go_solo()
-                else:
-                    raise
+        try:
+            while True:
+                try:
+                    self.optimizer.step()  # the mixing (completed, or in the new group) or a local update, then it
+                    break
+                except CHANGE_SIGNALS as error:
+                    if self._comm is None:
+                        raise
+                    if self._pending is None:
+                        self._resolve(error)
+                        if self.model.step_count >= self._pending.first:
+                            self._enter()  # this step was never posted and the new group starts with it: mix it there
+                    elif self.model.comm is self._comm:  # a completed step's partner failed before its message arrived
+                        self._go_solo()
+                    else:
+                        raise
+        finally:
+            if self._comm is not None:
+                self._comm.completing = False
         self.last_group = self.group
         if self._pending is not None and self.model.step_count < self._pending.first and self.model.comm is self._comm:
             self._go_solo()  # behind the new group's first step: train alone until it
@@ -269,7 +274,9 @@ class ElasticRun:
             view = schedule.peers(old.index(self.membership.uid), step)
             partners = {old[p] for p, _ in (*view.in_peers, *view.out_peers)}
             completed = all(u in decision.members and decision.posted.get(u, -1) >= step for u in partners)
-        if not completed:
+        if completed:  # the partner applies it: a later change must not make this end drop it (one-ended mixing)
+            self._comm.completing = True
+        else:
             self._go_solo()  # step `step` is mixed with nobody: its exchange is dropped on both ends
         outcome = "completed" if completed else "skipped"
         self._pending = _Change(decision, max(decision.first, step), started, step, outcome, dict(decision.left))
