@@ -11,6 +11,9 @@
   read for it), rather than waited for at the barrier until the decision's timeout.
 * The barrier has one outcome for every member: a member that sees no reason to stop follows the one that did
   (a silence only that one saw), instead of waiting for the absent member until the deadline.
+* A worker restarted before the others decided its earlier process's departure (a silent death, not reported by a
+  launcher) keeps silent in that process's name until the departure is decided, then joins with a hand-over
+  (rather than keeping the dead process alive with its heartbeats and checking in as it, with a fresh replica).
 * A death that only one member saw (a silence that ended with the silent member's check-in) is forgotten once the
   decision keeps that member: it neither stops the group's barrier on that member alone nor starts a change.
 
@@ -299,4 +302,33 @@ def test_every_member_follows_the_barrier_stopped_on_one_members_view(store):
         assert int(store.get("epoch")) == 2 and members[1].changed.is_set()  # both go on to the next epoch
     finally:
         for member in members:
+            member.close()
+
+
+def test_a_worker_restarted_before_its_departure_is_decided_joins_after_it(store):
+    watch = {**OPTIONS, "detect": 0.3}
+    members = [Membership(client(store), uid, **watch) for uid in (0, 1)]
+    earlier = Membership(client(store), 2, **watch)
+    restarted = None
+    try:
+        for member in (*members, earlier):
+            member.open(0)
+        wait_until(lambda: int(store.get("hb/2")) > 0, "worker 2 heartbeated")
+        earlier.close()  # worker 2 dies silently (no launcher reports it) and is started again at once
+        restarted = Membership(client(store), 2, **watch)
+        assert restarted.restarted and restarted.joining
+        join = Call(restarted.join)
+
+        assert all(member.changed.wait(WAIT) for member in members), "worker 2's silence was not noticed"
+        departed = [member.decide() for member in members]
+        assert departed[0] == departed[1] and departed[0].members == (0, 1)
+        assert departed[0].left == {2: "silent for 0.3 s"}
+        form(members, departed[0])
+
+        assert all(member.changed.wait(WAIT) for member in members), "the restarted worker did not ask to join"
+        joined = [member.decide() for member in members]
+        assert join.outcome() == joined[0] == joined[1]
+        assert joined[0].members == (0, 1, 2) and joined[0].joined == (2,)  # a joiner: it is handed its state
+    finally:
+        for member in (*members, earlier, *([restarted] if restarted else [])):
             member.close()

@@ -151,7 +151,14 @@ class Membership:
         self._watching = False  # silence is watched once this member's first group exists (open())
         self._stop = threading.Event()
         self.error: BaseException | None = None
-        store.add(f"hb/{uid}", 1)
+        #: an earlier process with this uid heartbeated (the store's counter starts at 0): this one was restarted
+        self.restarted = int(store.add(f"hb/{uid}", 0)) > 0
+        # Until the group decides the earlier process's departure, this one must neither heartbeat in its name (that
+        # would keep it alive for the others' silence watch) nor check in as it (that would keep it a member, and this
+        # process would join with a fresh replica and no hand-over): join() waits for the departure first.
+        self._awaiting_departure = self.restarted and uid in self.current.members
+        if not self._awaiting_departure:
+            store.add(f"hb/{uid}", 1)
         self._thread = threading.Thread(target=self._loop, name=f"gossip-membership-{uid}", daemon=True)
         self._thread.start()
 
@@ -166,6 +173,8 @@ class Membership:
                 return
 
     def _tick(self) -> None:
+        if self._awaiting_departure:
+            return  # silent in the earlier process's name until its departure is decided (join())
         self.store.add(f"hb/{self.uid}", 1)
         if self.uid not in self.current.members:
             return  # joining: join() follows the epochs itself
@@ -296,8 +305,8 @@ class Membership:
 
     @property
     def joining(self) -> bool:
-        """Whether this worker must join (it is not a member of the current epoch, or was declared dead: restarted)."""
-        return self.uid not in self.current.members or self.store.check([f"dead/{self.uid}"])
+        """Whether this worker must join: not a current member, or restarted (declared dead, or :attr:`restarted`)."""
+        return self.uid not in self.current.members or self.restarted or self.store.check([f"dead/{self.uid}"])
 
     def join(self) -> Decision:
         """Ask to join and wait for the epoch that takes this worker in (a new epoch is started for it).
@@ -310,6 +319,8 @@ class Membership:
         """
         deadline = time.monotonic() + self.decide_timeout
         try:
+            if self._awaiting_departure:
+                self._await_departure(deadline)
             if self.store.check([f"dead/{self.uid}"]):
                 self.store.delete_key(f"dead/{self.uid}")
             # read before asking: a decision is written while its epoch is the store's, so none before this one
@@ -338,6 +349,22 @@ class Membership:
             self.changed.clear()
         self._forget(decision.joined)
         return decision
+
+    def _await_departure(self, deadline: float) -> None:
+        """Wait, silent, until an epoch is decided without the earlier process of this uid; then heartbeat."""
+        while True:
+            epoch = int(self.store.get("epoch"))
+            if self.store.check([f"e{epoch}/decision"]) and self.uid not in self._read_decision(epoch).members:
+                break
+            if time.monotonic() > deadline:
+                raise MembershipError(
+                    f"member {self.uid}: restarted, but the group did not decide the earlier process's departure "
+                    f"within {self.decide_timeout:.0f} s (it is still a member of epoch {epoch}): is another process "
+                    f"with this uid (RANK={self.uid}) still running?"
+                )
+            time.sleep(self.interval / 4)
+        self.store.add(f"hb/{self.uid}", 1)
+        self._awaiting_departure = False
 
     def _decision_taking(self, index: int, examined: int) -> tuple[Decision | None, int]:
         """The first decided epoch from ``examined`` on that takes join request ``index`` in, if any yet.
