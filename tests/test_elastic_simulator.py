@@ -234,3 +234,34 @@ def test_no_collective_inside_a_step_after_a_change(monkeypatch):
                                  schedule="one_peer_hypercube", algorithm=ExactGossip)  # fmt: skip
     assert epochs[-1].schedule.startswith("random_matchings (fallback")
     assert calls == []  # before the fix: the agreement check's all-reduce at steps 39, 49, ... on every member
+
+
+@pytest.mark.parametrize(
+    ("options", "refusal"),
+    [
+        ({"consensus_every": 10}, r"the wrapper samples the consensus distance every 10 steps.*consensus_every=0"),
+        ({"consensus_every": 0, "buffers": "average"}, r"buffers='average'.*use buffers='local'"),
+        ({"consensus_every": 0, "gradient_tracking": True}, r"gradient_tracking=True is not supported"),
+    ],
+)
+def test_a_wrapper_with_a_collective_inside_its_step_is_refused(tmp_path, options, refusal):
+    """A collective inside optimizer.step() after the update, which a change could interrupt, is refused up front."""
+    from types import SimpleNamespace
+
+    from gossip import simulate
+    from gossip.errors import ElasticUnsupportedError
+    from gossip.wrapper.elastic_run import ElasticRun
+
+    def worker(comm):
+        membership = SimpleNamespace(uid=comm.rank, epoch=0, current=SimpleNamespace(members=(0, 1)))
+        model = DecentralizedDataParallel(nn.Linear(3, 2), comm, schedule_for("one_peer_hypercube", 2)[0],
+                                          ExactGossip(), run_dir=tmp_path, **options)  # fmt: skip
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            with pytest.raises(ElasticUnsupportedError, match=f"elastic: rank {comm.rank}: {refusal}"):
+                ElasticRun(model, optimizer, membership, schedule="one_peer_hypercube", algorithm=ExactGossip,
+                           timeout=5.0)  # fmt: skip
+        finally:
+            model.close()
+
+    simulate(2, worker)

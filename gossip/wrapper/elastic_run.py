@@ -111,6 +111,38 @@ def check_supported(schedule: Schedule, algorithm: Algorithm) -> None:
         )
 
 
+def check_wrapper(model: DecentralizedDataParallel) -> None:
+    """Refuse a wrapper that runs a collective inside ``optimizer.step()`` after the update.
+
+    A membership change can interrupt such a collective once the step's mixing and update are applied; the step
+    could then not be resolved without applying the update again (on its retry, and once more alone).
+
+    Args:
+        model: the wrapper.
+
+    Raises:
+        ElasticUnsupportedError: it samples the consensus distance every few steps, averages its buffers every
+            step, or tracks gradients.
+    """
+    rank = model.comm.rank
+    if model.consensus_every > 0:
+        raise ElasticUnsupportedError(
+            f"elastic: rank {rank}: the wrapper samples the consensus distance every {model.consensus_every} steps, "
+            "an all-reduce inside optimizer.step() that a membership change could interrupt after the update; build "
+            "it with consensus_every=0 and measure between steps with ElasticRun.consensus_distance()"
+        )
+    if model.buffers_policy == "average":
+        raise ElasticUnsupportedError(
+            f"elastic: rank {rank}: buffers='average' all-reduces the buffers inside optimizer.step(), which a "
+            "membership change could interrupt after the update; use buffers='local'"
+        )
+    if model.tracker is not None:
+        raise ElasticUnsupportedError(
+            f"elastic: rank {rank}: gradient_tracking=True is not supported (the trackers' sum would lose the "
+            "departed rank's gradient); train without it"
+        )
+
+
 class ElasticRun:
     """One worker's elastic driver (see the module docstring).
 
@@ -134,6 +166,7 @@ class ElasticRun:
         timeout: float,
     ):
         check_supported(model.schedule, model.algorithm)
+        check_wrapper(model)
         without_schedule_checks(model)  # no collective inside a step that a change could interrupt
         self.model, self.optimizer, self.membership = model, optimizer, membership
         self.schedule_name, self.make_algorithm, self.timeout = schedule, algorithm, timeout
