@@ -164,6 +164,25 @@ def test_survivors_finish_and_log_who_left(job):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("kill_step", [38, 39])
+def test_a_death_in_the_last_steps_ends_every_survivor_in_one_group(tmp_path, kill_step):
+    """A worker killed at the run's last step or the one before: survivors that finished their loop before seeing
+    the change meet the others at the end, resolve the change and close over one group, instead of failing in their
+    final collectives (the worker helper closes its wrapper, a barrier, after the loop)."""
+    steps = 40
+    result = launch(tmp_path, 4, steps, f"2@{kill_step}", {2}, {})
+    errors = {p.name: p.read_text() for p in tmp_path.glob("rank*.error")}
+    assert result.returncode == 0 and not errors, f"{errors} {last_rows(tmp_path)}\n{result.stdout}{result.stderr}"
+    runs = logs(tmp_path)
+    finals = [runs[uid][-1] for uid in (0, 1, 3)]
+    assert all([row["step"] for row in runs[uid][:-1]] == list(range(steps)) for uid in (0, 1, 3))
+    for final in finals:
+        assert final["events"], final
+        assert final["events"][-1]["members"] == [0, 1, 3] and final["events"][-1]["left"] == {"2": "killed by SIGKILL"}
+    assert len({json.dumps(final["events"][-1]["members"]) for final in finals}) == 1
+
+
+@pytest.mark.multiprocess
 def test_consensus_distance_over_the_group_across_changes(job):
     _, runs, n, steps, dead, _, _ = job
     by_step = {uid: {row["step"]: row for row in runs[uid] if "step" in row} for uid in range(n)}

@@ -11,7 +11,9 @@ delegates every operation to a :class:`~gossip.backends.torch_dist.TorchDistComm
   posted: waiting on the handle again after the decision completes them when the peer posted them too). While
   :attr:`ElasticCommunicator.completing` is set (a step the decision resolved as completed is waited for again) a
   further change does not interrupt the wait: the partner applies the step, so this end must too; the wait ends
-  with the transfers, or with the partner's failure or the timeout.
+  with the transfers, or with the partner's failure or the timeout. It is set as well once every member reached
+  the end of the run together (:meth:`ElasticRun.finish`): what follows (an evaluation, gathering results) is
+  collectives of that group, which a later change (a join asked too late) must not interrupt on some members only.
 
 A collective (all-reduce, all-gather) is refused with :class:`MembershipChangedError` while a change is under way.
 """
@@ -87,7 +89,8 @@ class ElasticCommunicator(Communicator):
         self.backend, self.rank, self.size = inner.backend, inner.rank, inner.size
         self.local_rank, self.local_size = inner.local_rank, inner.local_size
         self.device, self.timeout = inner.device, inner.timeout
-        #: set while a step resolved as completed is waited for again: no change interrupts its wait (module doc)
+        #: set while the members finish together what all agreed on (a step resolved as completed, waited for again;
+        #: the work after the run's end): no change interrupts it (module doc)
         self.completing = False
         self._closed = False
 
@@ -97,7 +100,7 @@ class ElasticCommunicator(Communicator):
         return self.inner.failure
 
     def _refuse_during_change(self, operation: str) -> None:
-        if self.membership.changed.is_set():
+        if self.membership.changed.is_set() and not self.completing:
             raise MembershipChangedError(f"rank {self.rank}: {operation} refused: the membership is changing")
 
     def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle:

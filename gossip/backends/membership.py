@@ -13,7 +13,8 @@ worker may die. Keys (docs/ARCHITECTURE.md, "Elastic membership"):
 * ``e<e>/decision``: the epoch's members, every member's last posted step, the joiners and the group's first step,
   written once (first writer wins);
 * ``e<e>/ready/<uid>``: a member of epoch e is at the formation of the epoch's group (:meth:`Membership.await_group`);
-* ``e<e>/formation``: that barrier's one outcome, "form" or why it stopped (first writer wins).
+* ``e<e>/formation``: that barrier's one outcome, "form" or why it stopped (first writer wins);
+* ``e<e>/end/<uid>`` and ``e<e>/ended``: the same at the end of the run (:meth:`Membership.await_end`).
 
 A member *checks in* at most once per epoch, under the lock that posting takes (:meth:`Membership.try_post`):
 from then on it posts nothing until its next group exists, so the check-in's posted step is final. The decision of
@@ -37,6 +38,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -441,10 +443,71 @@ class Membership:
             MembershipError: not every member arrived within ``decide_timeout``, or the store is unreachable.
         """
         epoch, members = decision.epoch, decision.members
-        keys, outcome_key = [f"e{epoch}/ready/{uid}" for uid in members], f"e{epoch}/formation"
         deadline = time.monotonic() + self.decide_timeout
+        stop = self._barrier(f"e{epoch}/ready", members, f"e{epoch}/formation", epoch,
+                             lambda: self._reason_to_stop(decision, deadline))  # fmt: skip
+        if stop is None:
+            return
+        message = f"member {self.uid}: epoch {epoch}'s group over {list(members)} was not formed: {stop['why']}"
+        if stop["by"] != self.uid:
+            message += f" (seen by member {stop['by']})"
+        if stop["timeout"]:
+            raise MembershipError(message)
+        self.request_change()
+        raise MembershipChangedError(message)
+
+    def await_end(self, deadline_seconds: float) -> bool:
+        """At the end of the run: meet the current epoch's other members on the store, with one outcome for all.
+
+        Like :meth:`await_group`'s barrier (keys ``e<e>/end/<uid>``, outcome ``e<e>/ended``): True when every member
+        arrived; False when a change is under way first (a death, or a join, in the run's last steps, which some
+        members may notice only after their loop ended): resolve it and enter its epoch, then meet again there.
+
+        Args:
+            deadline_seconds: how long to wait for the others at most.
+
+        Returns:
+            Whether every member of the epoch ended with this one.
+
+        Raises:
+            MembershipError: not every member arrived within ``deadline_seconds`` (and no change started), or the
+                store is unreachable.
+        """
+        epoch, members = self.epoch, self.current.members
+        deadline = time.monotonic() + deadline_seconds
+
+        def reason() -> dict[str, Any] | None:
+            if self.changed.is_set() or self.error is not None:
+                return {"by": self.uid, "why": "a membership change is under way", "timeout": False}
+            if time.monotonic() > deadline:
+                return {"by": self.uid, "why": f"not every member ended within {deadline_seconds:.0f} s",
+                        "timeout": True}  # fmt: skip
+            return None
+
+        stop = self._barrier(f"e{epoch}/end", members, f"e{epoch}/ended", epoch, reason)
+        if stop is not None and stop["timeout"]:
+            raise MembershipError(
+                f"member {self.uid}: epoch {epoch}'s members {list(members)} did not all reach the end of the run: "
+                f"{stop['why']}" + (f" (seen by member {stop['by']})" if stop["by"] != self.uid else "")
+            )
+        return stop is None
+
+    def _barrier(
+        self,
+        prefix: str,
+        members: tuple[int, ...],
+        outcome_key: str,
+        epoch: int,
+        reason: Callable[[], dict[str, Any] | None],
+    ) -> dict[str, Any] | None:
+        """A barrier of ``members`` on the store with one outcome: None when all arrived, else why it stopped.
+
+        Each member sets ``<prefix>/<uid>``; the first to see every key writes "form" to ``outcome_key``, the first
+        to find a ``reason()`` to stop writes it there (``compare_set``: once); every member follows what is written.
+        """
+        keys = [f"{prefix}/{uid}" for uid in members]
         try:
-            self.store.set(f"e{epoch}/ready/{self.uid}", "1")
+            self.store.set(f"{prefix}/{self.uid}", "1")
             while True:
                 if self.store.check(keys):
                     outcome = self.store.compare_set(outcome_key, "", _FORM)
@@ -453,29 +516,20 @@ class Membership:
                 else:
                     if self.error is not None:
                         raise MembershipChangedError(
-                            f"member {self.uid}: epoch {epoch}'s group over {list(members)} was not formed: "
-                            "the membership store failed"
+                            f"member {self.uid}: epoch {epoch}'s members {list(members)} did not meet: the membership "
+                            "store failed"
                         )
-                    reason = self._reason_to_stop(decision, deadline)
-                    if reason is None:
+                    stop = reason()
+                    if stop is None:
                         time.sleep(self.interval / 4)
                         continue
-                    outcome = self.store.compare_set(outcome_key, "", json.dumps(reason))
+                    outcome = self.store.compare_set(outcome_key, "", json.dumps(stop))
                 break
         except (MembershipChangedError, MembershipError):
             raise
         except Exception as error:  # the store's host is gone
             raise MembershipError(self._store_lost(epoch)) from error
-        if outcome == _FORM.encode():
-            return
-        stop = json.loads(outcome)
-        message = f"member {self.uid}: epoch {epoch}'s group over {list(members)} was not formed: {stop['why']}"
-        if stop["by"] != self.uid:
-            message += f" (seen by member {stop['by']})"
-        if stop["timeout"]:
-            raise MembershipError(message)
-        self.request_change()
-        raise MembershipChangedError(message)
+        return None if outcome == _FORM.encode() else json.loads(outcome)
 
     def _reason_to_stop(self, decision: Decision, deadline: float) -> dict[str, Any] | None:
         """Why this member would stop the barrier of ``decision`` now (None: keep waiting), as written to the store."""

@@ -262,8 +262,22 @@ class ElasticRun:
         self._enter()
 
     def finish(self) -> None:
-        """At the end of the loop: enter a pending epoch even if its first step is past the run's last."""
+        """At the end of the loop: end in one group with every other member, which no later change interrupts.
+
+        A pending epoch is entered even if its first step is past the run's last. Then the epoch's members meet on the
+        store (:meth:`Membership.await_end`, one outcome for all): a change under way first (a death or a join in the
+        last steps, which some members notice only after their loop ended) is resolved as during a step and its
+        epoch entered, and they meet again there. What follows the loop (evaluating the averaged model, gathering
+        results, closing) then runs as collectives of that one group, uninterrupted (a member that dies meanwhile
+        fails them with its named error).
+        """
         if self._pending is not None:
+            self._enter()
+        while self._comm is not None and self.model.comm is self._comm:
+            if self.membership.await_end(self.timeout):
+                self._comm.completing = True
+                return
+            self._resolve(MembershipChangedError(f"member {self.membership.uid}: a change at the end of the run"))
             self._enter()
 
     def update(self) -> None:
