@@ -32,9 +32,9 @@ import pytest
 from torch.distributed import TCPStore
 
 from gossip.backends.membership import Decision, Membership, host_store, mark_dead
-from gossip.errors import MembershipChangedError, MembershipError
+from gossip.errors import InvalidArgumentError, MembershipChangedError, MembershipError
 
-OPTIONS = {"interval": 0.05, "detect": 30.0, "decide_timeout": 20.0}
+OPTIONS = {"interval": 0.05, "detect": 30.0, "decide_timeout": 40.0}
 WAIT = 20.0  # seconds any awaited event may take before the test fails (it normally takes milliseconds)
 
 
@@ -240,7 +240,7 @@ def test_a_joiner_that_dies_before_it_is_taken_in_is_left_out(store, members):
     decision = decide_without_2(store, members)
     form(members, decision)
     joiner_store = HeldStore(client(store), at=2)
-    joiner = Membership(joiner_store, 2, **{**OPTIONS, "decide_timeout": 1.0})
+    joiner = Membership(joiner_store, 2, **{**OPTIONS, "detect": 0.5, "decide_timeout": 1.0})
     try:
         join = Call(joiner.join)
         assert joiner_store.held.wait(WAIT), "the joiner did not start epoch 2"
@@ -332,3 +332,11 @@ def test_a_worker_restarted_before_its_departure_is_decided_joins_after_it(store
     finally:
         for member in (*members, earlier, *([restarted] if restarted else [])):
             member.close()
+
+
+def test_a_silence_bound_past_the_decision_timeout_is_refused(store):
+    """A decision waits for every live member's check-in; a silent member is live until ``detect`` has passed."""
+    with pytest.raises(
+        InvalidArgumentError, match=r"member 0: detect \(60.0 s\) must be positive and below decide_timeout"
+    ):
+        Membership(client(store), 0, **{**OPTIONS, "detect": 60.0, "decide_timeout": 60.0})

@@ -44,7 +44,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
-from gossip.errors import MembershipChangedError, MembershipError
+from gossip.errors import InvalidArgumentError, MembershipChangedError, MembershipError
 
 logger = logging.getLogger("gossip")
 
@@ -123,7 +123,10 @@ class Membership:
         uid: this worker's identity.
         interval: seconds between heartbeats (and checks of the epoch and of the others' heartbeats).
         detect: seconds without a heartbeat after which a member is declared dead.
-        decide_timeout: seconds a decision may take before :class:`MembershipError`.
+        decide_timeout: seconds a decision may take before :class:`MembershipError`; above ``detect``.
+
+    Raises:
+        InvalidArgumentError: ``detect`` is not in (0, ``decide_timeout``).
     """
 
     def __init__(
@@ -135,6 +138,11 @@ class Membership:
         detect: float = DETECT_SECONDS,
         decide_timeout: float = 60.0,
     ):
+        if not 0 < detect < decide_timeout:
+            raise InvalidArgumentError(
+                f"member {uid}: detect ({detect} s) must be positive and below decide_timeout ({decide_timeout} s): a "
+                "decision waits for every live member's check-in, and a silent member is live until detect has passed"
+            )
         self.store, self.uid = store, uid
         self.interval, self.detect, self.decide_timeout = interval, detect, decide_timeout
         self.epoch = int(store.get("epoch"))
