@@ -52,7 +52,7 @@ logger = logging.getLogger("gossip")
 STORE_VARIABLE = "GOSSIP_ELASTIC_STORE"
 #: Seconds without a heartbeat after which a member is declared dead, by default.
 DETECT_SECONDS = 10.0
-#: The outcome of a formation barrier that every member passes (:meth:`Membership.await_group`).
+#: The outcome of a barrier on the store that every member passes (:meth:`Membership.await_group`, ``await_end``).
 _FORM = "form"
 
 
@@ -456,9 +456,7 @@ class Membership:
                              lambda: self._reason_to_stop(decision, deadline))  # fmt: skip
         if stop is None:
             return
-        message = f"member {self.uid}: epoch {epoch}'s group over {list(members)} was not formed: {stop['why']}"
-        if stop["by"] != self.uid:
-            message += f" (seen by member {stop['by']})"
+        message = self._stopped(f"epoch {epoch}'s group over {list(members)} was not formed", stop)
         if stop["timeout"]:
             raise MembershipError(message)
         self.request_change()
@@ -495,10 +493,14 @@ class Membership:
         stop = self._barrier(f"e{epoch}/end", members, f"e{epoch}/ended", epoch, reason)
         if stop is not None and stop["timeout"]:
             raise MembershipError(
-                f"member {self.uid}: epoch {epoch}'s members {list(members)} did not all reach the end of the run: "
-                f"{stop['why']}" + (f" (seen by member {stop['by']})" if stop["by"] != self.uid else "")
+                self._stopped(f"epoch {epoch}'s members {list(members)} did not all reach the end of the run", stop)
             )
         return stop is None
+
+    def _stopped(self, what: str, stop: dict[str, Any]) -> str:
+        """The message of a barrier that ``stop`` ended: ``what`` happened, why, and who saw it (if another member)."""
+        seen = f" (seen by member {stop['by']})" if stop["by"] != self.uid else ""
+        return f"member {self.uid}: {what}: {stop['why']}{seen}"
 
     def _barrier(
         self,

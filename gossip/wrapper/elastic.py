@@ -82,6 +82,24 @@ def solo_communicator(timeout: float = 60.0) -> Communicator:
     return SimulatorCommunicator(_World(1), 0, 1, timeout)
 
 
+def refuse_gradient_tracking(model: DecentralizedDataParallel) -> None:
+    """Refuse a wrapper that tracks gradients: a changing member set breaks the trackers' invariant.
+
+    Gradient tracking keeps sum_i y_i = sum_i g_i; a departed rank takes its tracker's share with it.
+
+    Args:
+        model: the wrapper.
+
+    Raises:
+        ElasticUnsupportedError: the wrapper tracks gradients.
+    """
+    if model.tracker is not None:
+        raise ElasticUnsupportedError(
+            f"elastic: rank {model.comm.rank}: gradient_tracking=True is not supported (the trackers' sum would lose "
+            "the departed rank's gradient); train without it"
+        )
+
+
 def rebind(model: DecentralizedDataParallel, comm: Communicator, schedule: Schedule, algorithm: Algorithm) -> None:
     """Move ``model`` to a new member set at a step boundary: ``comm``, ``schedule``, a fresh ``algorithm``.
 
@@ -98,11 +116,7 @@ def rebind(model: DecentralizedDataParallel, comm: Communicator, schedule: Sched
         ElasticUnsupportedError: the wrapper tracks gradients (the trackers' sum would lose the dead rank's share).
         InvalidArgumentError: the schedule does not fit ``comm`` or the algorithm (from ``algorithm.setup``).
     """
-    if model.tracker is not None:
-        raise ElasticUnsupportedError(
-            f"rank {model.comm.rank}: step {model.step_count}: elastic membership with gradient_tracking=True is not "
-            "supported (the trackers' sum would lose the departed rank's gradient); train without it"
-        )
+    refuse_gradient_tracking(model)
     model._step.move("discard", f"rank {model.comm.rank}: step {model.step_count}: elastic rebind")
     model._exchange = None
     model._state_before_start = None

@@ -58,6 +58,7 @@ from gossip.wrapper.elastic import (
     choose_donor,
     hand_over,
     rebind,
+    refuse_gradient_tracking,
     schedule_for,
     solo_communicator,
     without_schedule_checks,
@@ -136,11 +137,7 @@ def check_wrapper(model: DecentralizedDataParallel) -> None:
             f"elastic: rank {rank}: buffers='average' all-reduces the buffers inside optimizer.step(), which a "
             "membership change could interrupt after the update; use buffers='local'"
         )
-    if model.tracker is not None:
-        raise ElasticUnsupportedError(
-            f"elastic: rank {rank}: gradient_tracking=True is not supported (the trackers' sum would lose the "
-            "departed rank's gradient); train without it"
-        )
+    refuse_gradient_tracking(model)
 
 
 class ElasticRun:
