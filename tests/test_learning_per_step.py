@@ -16,10 +16,11 @@ from experiments.learning_per_step.optimizers import (
     NoiseDebiasedAdamW,
     SharedSecondMomentAdamW,
     SmoothedSecondMomentAdamW,
+    TrackedMomentumAdamW,
 )
 from experiments.learning_per_step.report import config_table, merged_rows, steps_to_target
 from experiments.learning_per_step.spectrum import capture_shares, spectrum_rows
-from experiments.learning_per_step.study import RunConfig, make_algorithm, make_optimizer, train_run
+from experiments.learning_per_step.study import RunConfig, make_algorithm, make_optimizer, tracking, train_run
 from gossip.algorithms.buckets import pack
 
 
@@ -287,6 +288,130 @@ def test_shared_second_moment_is_floored_by_the_workers_own_where_the_last_sampl
     assert steps[n] < 1e-3 * math.sqrt(n) * 1.5  # about lr sqrt(n): AdamW's step, sqrt(n) larger
 
 
+def _tracked(weight: torch.nn.Parameter, v_source: str, workers: int = 1, floor: bool = True) -> TrackedMomentumAdamW:
+    group = [{"params": [weight], "weight_decay": 0.1}]
+    return TrackedMomentumAdamW(group, 1e-2, (0.9, 0.95), 1e-8, v_source, workers, every=1, local_floor=floor)
+
+
+def _where_adams_m_squared_exceeds_v(gradients: list[torch.Tensor]) -> torch.Tensor:
+    """The coordinates where AdamW (betas 0.9, 0.95) fed ``gradients`` ever has its bias-corrected m^2 above v."""
+    m, v = torch.zeros_like(gradients[0]), torch.zeros_like(gradients[0])
+    exceeds = torch.zeros(gradients[0].shape, dtype=torch.bool)
+    for t, gradient in enumerate(gradients, start=1):
+        m.lerp_(gradient, 0.1)
+        v.mul_(0.95).addcmul_(gradient, gradient, value=0.05)
+        exceeds |= (m / (1 - 0.9**t)).square() > v / (1 - 0.95**t) * (1 + 1e-12)  # equal at t = 1: m^2 = v = g^2
+    return exceeds
+
+
+def test_tracked_momentum_adamw_without_a_tracker_is_adamw():
+    """No tracker between prepare() and step(): z_i = h_i, the rank's own first moment, and the local second moment
+    make AdamW's step in every coordinate where AdamW's own bias-corrected m^2 never exceeded v (Adam's moments
+    allow it by up to a few per cent); where it did, the z^2 floor shortens the step to lr, and only slightly."""
+    generator = torch.Generator().manual_seed(0)
+    gradients = [torch.randn(64, generator=generator, dtype=torch.float64) + 0.3 for _ in range(40)]
+    weight = torch.nn.Parameter(torch.ones(64, dtype=torch.float64))
+    optimizer = _tracked(weight, "local")
+    floored = _where_adams_m_squared_exceeds_v(gradients)
+    for gradient in gradients:
+        weight.grad = gradient.clone()
+        optimizer.prepare()
+        optimizer.step()
+    adamw = _trajectory(lambda g: torch.optim.AdamW(g, lr=1e-2, betas=(0.9, 0.95), eps=1e-8), gradients)
+    assert 0 < floored.sum() < 8  # the case occurs, in a few coordinates
+    torch.testing.assert_close(weight.detach()[~floored], adamw[~floored], rtol=0, atol=1e-12)
+    torch.testing.assert_close(weight.detach()[floored], adamw[floored], rtol=0, atol=1e-4)
+
+
+def test_tracked_momentum_with_a_complete_mixing_and_the_mean_gradients_v_is_ddp():
+    """W = J (every tracker the mean of the first moments, as an exact tracker on a complete graph gives) and v
+    sampled from the mean gradient every step: without the local floor every replica takes AdamW's step on the mean
+    gradient, so they stay identical without any parameter averaging. Each rank's own v does not, and neither does
+    the floor by each rank's own v / n, where it binds (here, where the mean gradient is small)."""
+    generator = torch.Generator().manual_seed(3)
+    n, steps = 4, 30
+    gradients = [
+        [torch.randn(64, generator=generator, dtype=torch.float64) + 0.3 for _ in range(n)] for _ in range(steps)
+    ]
+    runs = {}
+    for name, v_source, floor in (("shared", "shared", False), ("floored", "shared", True), ("local", "local", True)):
+        workers = [torch.nn.Parameter(torch.ones(64, dtype=torch.float64)) for _ in range(n)]
+        optimizers = [_tracked(w, v_source, workers=n, floor=floor) for w in workers]
+        for step in gradients:
+            for weight, optimizer, gradient in zip(workers, optimizers, step, strict=True):
+                weight.grad = gradient.clone()
+                optimizer.sample({weight: torch.stack(step).mean(0)})
+                optimizer.prepare()  # .grad <- h_i
+            tracker = torch.stack([w.grad for w in workers]).mean(0)  # the tracker's mean: the mean first moment
+            for weight, optimizer in zip(workers, optimizers, strict=True):
+                weight.grad = tracker.clone()
+                optimizer.step()
+        runs[name] = workers
+    means = [torch.stack(s).mean(0) for s in gradients]
+    ddp = _trajectory(lambda g: torch.optim.AdamW(g, lr=1e-2, betas=(0.9, 0.95), eps=1e-8), means)
+    floored = _where_adams_m_squared_exceeds_v(means)  # there the z^2 floor shortens the step (the test above)
+    assert floored.sum() < 4
+    for weight in runs["shared"]:
+        torch.testing.assert_close(weight.detach()[~floored], ddp[~floored], rtol=0, atol=1e-12)
+        torch.testing.assert_close(weight.detach()[floored], ddp[floored], rtol=0, atol=1e-4)
+    for name in ("floored", "local"):
+        assert (runs[name][0].detach() - ddp).abs().max() > 1e-4  # not DDP's step
+        assert (runs[name][0].detach() - runs[name][1].detach()).abs().max() > 1e-4  # and the replicas drift
+
+
+def test_tracked_momentum_moves_no_coordinate_more_than_lr_where_the_local_v_is_zero():
+    """A coordinate this rank's batches never touch (an embedding row) has a local second moment of 0 while the
+    tracker carries the others' first moments: the z^2 floor bounds its step by lr (without it: z / eps)."""
+    weight = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    optimizer = TrackedMomentumAdamW([weight], 1e-3, (0.9, 0.95), 1e-8, v_source="local", workers=8, every=1)
+    for _ in range(3):
+        weight.grad = torch.zeros(4, dtype=torch.float64)
+        optimizer.prepare()
+        weight.grad = torch.full((4,), 0.05, dtype=torch.float64)  # the tracker: the other ranks' first moments
+        before = weight.detach().clone()
+        optimizer.step()
+        assert (weight.detach() - before).abs().max().item() == pytest.approx(1e-3, rel=1e-6)
+
+
+def test_tracked_momentum_adamw_refuses_a_step_without_prepare_and_an_unknown_source():
+    weight = torch.nn.Parameter(torch.zeros(4))
+    weight.grad = torch.ones(4)
+    with pytest.raises(RuntimeError, match="without prepare"):
+        _tracked(weight, "local").step()
+    with pytest.raises(ValueError, match="v_source"):
+        _tracked(weight, "global")
+
+
+def test_momentum_tracking_on_two_workers_with_the_mean_gradients_v_stays_with_ddp():
+    """n = 2 on the one-peer hypercube: W = J every step, so both exact trackers are the mean first moment and, with
+    v sampled from the mean gradient every step, both replicas take DDP's step but where a floor binds (each rank's
+    own v / n: where the two gradients cancel). They stay far closer to each other and to DDP than exact gossip's."""
+    tiny = {"workers": 2, "batch": 2, "steps": 4, "warmup": 1}
+    tracked = {"algorithm": "exact", "gradient_tracking": True, "optimizer": "tracked-m-adamw"}
+    runs = {
+        name: train_run(RunConfig(name, **settings, **tiny), seed=0)["summary"][0]
+        for name, settings in {
+            "ddp": {"algorithm": "ddp"},
+            "exact": {"algorithm": "exact"},
+            "exact-mt-sharedv1": {**tracked, "v_source": "shared", "v_every": 1},
+        }.items()
+    }
+    tracked_run, exact, ddp = runs["exact-mt-sharedv1"], runs["exact"], runs["ddp"]
+    assert 0 < tracked_run["final_consensus"] < exact["final_consensus"] / 4
+    for key in ("final_train_loss", "val_loss_averaged"):
+        assert abs(tracked_run[key] - ddp[key]) < abs(exact[key] - ddp[key]) / 3
+
+
+def test_trackers_by_powergossip_take_the_configurations_powergossip_and_bad_settings_are_refused():
+    config = RunConfig("t", gradient_tracking="powergossip", rank=4, iterations=2, message_dtype="float16")
+    trackers = tracking(config)
+    assert isinstance(trackers, gossip.PowerGossip)
+    assert trackers.config()["rank"] == 4 and trackers.config()["num_iterations"] == 2
+    assert tracking(RunConfig("t", gradient_tracking=True)) is True
+    with pytest.raises(ValueError, match="gradient_tracking must be"):
+        tracking(RunConfig("t", gradient_tracking="exact-ish"))
+
+
 def test_adapt_then_combine_keeps_the_replicas_identical_at_ddps_bytes():
     config = RunConfig("atc", algorithm="atc", workers=2, batch=2, steps=3, warmup=1)
     summary = train_run(config, seed=0)["summary"][0]
@@ -312,7 +437,9 @@ def test_diloco_configurations_build_gossip_diloco_and_refuse_a_periodic_average
         make_algorithm(RunConfig("d", algorithm="diloco", average_every=4))
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "accum-adamw", "debiased-adamw", "smoothed-v-adamw", "shared-v-adamw"])
+@pytest.mark.parametrize(
+    "optimizer", ["adamw", "accum-adamw", "debiased-adamw", "smoothed-v-adamw", "shared-v-adamw", "tracked-m-adamw"]
+)
 def test_every_adam_of_the_study_takes_the_configured_betas(optimizer):
     """A configuration's beta1 and beta2 reach the optimizer it names, whichever it is (the betas study compares
     runs that differ in nothing else)."""

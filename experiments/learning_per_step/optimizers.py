@@ -147,3 +147,109 @@ class SharedSecondMomentAdamW(_StudyAdamW):
         if self.floor is None:
             return shared
         return torch.maximum(shared, v / ((1 - beta2 ** state["step"]) * self.floor))
+
+
+class TrackedMomentumAdamW(torch.optim.Optimizer):
+    r"""AdamW whose first moment is mixed by the wrapper's gradient tracker: momentum tracking (harness-level).
+
+    Momentum tracking (Takezawa, Bao, Niwa, Sato & Yamada, "Momentum Tracking: Momentum Acceleration for
+    Decentralized Deep Learning on Heterogeneous Data", TMLR 2023) tracks each rank's first moment
+    :math:`h_i \leftarrow \beta_1 h_i + (1-\beta_1) g_i` instead of its gradient. :meth:`prepare` (the harness calls
+    it after the backward, before ``optimizer.step()``) advances :math:`h_i` and the second-moment state from the
+    rank's own gradient and writes :math:`h_i` into ``.grad``; the wrapper's gradient tracker (``gradient_tracking``)
+    then replaces it by :math:`z_i \leftarrow \sum_j W_{ij}(z_j + h_j^t - h_j^{t-1})`, whose mean over the ranks is
+    the mean first moment -- DDP's, since the EMA is linear -- exactly at every step. The tracker's increments are
+    :math:`(1-\beta_1)(g_i - h_i^{t-1})`, a tenth of the gradient's noise at :math:`\beta_1 = 0.9`, where plain
+    gradient tracking's are :math:`g_i^t - g_i^{t-1}`, twice its variance. :meth:`step` then takes
+
+    .. math::  x \leftarrow x(1 - \mathrm{lr}\,\lambda) - \mathrm{lr}\,\frac{z_i/(1-\beta_1^t)}{\sqrt{\hat v}+\epsilon}
+
+    with :math:`\hat v` by ``v_source``: ``"local"`` the rank's own bias-corrected EMA of :math:`g_i^2`; ``"debiased"``
+    :class:`NoiseDebiasedAdamW`'s local estimate of the mean gradient's second moment; ``"shared"``
+    :class:`SharedSecondMomentAdamW`'s, the mean gradient's sampled every ``every`` steps (:meth:`sample`), floored
+    by the local one over n (``local_floor``; the study's runs keep it). Each source is then floored by
+    :math:`\hat z_i^2`, :math:`\hat z_i = z_i/(1-\beta_1^t)`, so that no coordinate moves more than lr a step: the
+    tracker carries the other ranks' first moments, so a coordinate this rank's batches never touch (an embedding
+    row) has :math:`z_i \ne 0` with a local second moment near 0, which without the floor would move it by about
+    :math:`\mathrm{lr}\,z_i/\epsilon`. Without gradient tracking, ``z_i = h_i`` and ``"local"`` is AdamW wherever
+    AdamW's own :math:`\hat m^2 \le \hat v` (Adam's moments allow :math:`\hat m^2` slightly above :math:`\hat v`;
+    the floor then shortens that step to lr).
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        v_source: str,
+        workers: int,
+        every: int,
+        local_floor: bool = True,
+    ) -> None:
+        if v_source not in ("local", "debiased", "shared"):
+            raise ValueError(f"v_source must be 'local', 'debiased' or 'shared', got {v_source!r}")
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        self.v_source, self.workers, self.every, self.local_floor = v_source, workers, every, local_floor
+
+    def _state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"], state["samples"] = 0, 0
+            state["h"], state["v"], state["s"], state["shared"] = (torch.zeros_like(p) for _ in range(4))
+        return state
+
+    @torch.no_grad()
+    def prepare(self) -> None:
+        """Advance h_i and the second-moment state with the rank's gradient and write h_i into ``.grad``."""
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._state(p)
+                state["step"] += 1
+                g = p.grad
+                if self.v_source == "debiased":  # AdaBelief's (g - m)^2 against the previous first moment
+                    state["s"].mul_(beta2).addcmul_(g - state["h"], g - state["h"], value=1 - beta2)
+                state["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                state["h"].lerp_(g, 1 - beta1)
+                p.grad.copy_(state["h"])
+
+    def sample(self, means: dict[torch.Tensor, torch.Tensor]) -> None:
+        """Take the mean gradient of each parameter (keyed by the parameter) for the shared second moment."""
+        for group in self.param_groups:
+            rate = group["betas"][1] ** self.every
+            for p in group["params"]:
+                if p in means:
+                    state = self._state(p)
+                    state["shared"].mul_(rate).addcmul_(means[p], means[p], value=1 - rate)
+                    state["samples"] += 1
+
+    def _second_moment(self, state: dict, beta2: float) -> torch.Tensor:
+        local = state["v"] / (1 - beta2 ** state["step"])
+        if self.v_source == "local":
+            return local
+        floor = local / self.workers
+        if self.v_source == "debiased":
+            s = state["s"] / (1 - beta2 ** state["step"])
+            return torch.maximum(local - (1 - 1 / self.workers) * s, floor)
+        if not state["samples"]:
+            return local
+        shared = state["shared"] / (1 - (beta2**self.every) ** state["samples"])
+        return torch.maximum(shared, floor) if self.local_floor else shared
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    raise RuntimeError("TrackedMomentumAdamW.step() without prepare() after the backward")
+                first = p.grad / (1 - beta1 ** state["step"])
+                denominator = torch.maximum(self._second_moment(state, beta2), first.square()).sqrt_()
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.addcdiv_(first, denominator.add_(group["eps"]), value=-group["lr"])

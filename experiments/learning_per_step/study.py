@@ -86,6 +86,7 @@ from experiments.learning_per_step.optimizers import (
     NoiseDebiasedAdamW,
     SharedSecondMomentAdamW,
     SmoothedSecondMomentAdamW,
+    TrackedMomentumAdamW,
 )
 from experiments.learning_per_step.spectrum import spectrum_rows
 from gossip.algorithms.base import Algorithm
@@ -117,15 +118,18 @@ class RunConfig:
     outer_lr: float = 0.7  # diloco: the outer Nesterov SGD's learning rate
     outer_momentum: float = 0.9  # diloco: and its momentum
     between: str = ""  # diloco: "powergossip" mixes the replicas every step between synchronisations (a hybrid)
-    gradient_tracking: bool = False  # the wrapper's exact gradient tracking: the optimizer steps on y_i, not g_i
+    gradient_tracking: bool | str = False  # the wrapper's gradient tracking: the optimizer steps on y_i, not g_i;
+    # True: exact trackers, "powergossip": trackers mixed by this configuration's PowerGossip (rank, iterations, dtype)
     delayed_last_iteration: bool = False  # PowerGossip's last power iteration applied at the next step
-    optimizer: str = "adamw"  # adamw | accum-adamw | debiased-adamw | smoothed-v-adamw | shared-v-adamw | sgd
+    optimizer: str = "adamw"  # adamw | accum-adamw | debiased-adamw | smoothed-v-adamw | shared-v-adamw |
+    # tracked-m-adamw | sgd
     beta1: float = 0.9
     beta2: float = 0.95
     accum_iter: int = 1
     v_beta: float = -1.0  # smoothed-v-adamw: EMA rate of the gradients whose square v tracks (-1: (n-1)/(n+1))
     average_moments: str = ""  # "m", "v" or "mv": the AdamW moments averaged over all ranks after every step
     v_every: int = 1  # shared-v-adamw: steps between two samples of the mean gradient (an all-reduce each)
+    v_source: str = "local"  # tracked-m-adamw: the second moment, "local", "debiased" or "shared" (every v_every)
     lr: float = 3e-3
     warmup: int = 30
     workers: int = 8
@@ -171,6 +175,15 @@ def make_algorithm(config: RunConfig) -> Algorithm:
     return gossip.PeriodicAverage(inner, config.average_every) if config.average_every else inner
 
 
+def tracking(config: RunConfig) -> bool | Algorithm:
+    """The wrapper's ``gradient_tracking`` for ``config``: False, True (exact trackers) or the trackers' PowerGossip."""
+    if config.gradient_tracking == "powergossip":
+        return make_algorithm(dataclasses.replace(config, algorithm="powergossip", average_every=0))
+    if not isinstance(config.gradient_tracking, bool):
+        raise ValueError(f"{config.name}: gradient_tracking must be a bool or 'powergossip'")
+    return config.gradient_tracking
+
+
 def make_schedule(config: RunConfig) -> topologies.Schedule:
     if config.algorithm == "choco":
         return topologies.ring(config.workers)
@@ -186,6 +199,9 @@ def make_optimizer(config: RunConfig, module: torch.nn.Module) -> torch.optim.Op
         return NoiseDebiasedAdamW(groups, **adam, workers=config.workers)
     if config.optimizer == "shared-v-adamw":
         return SharedSecondMomentAdamW(groups, **adam, every=config.v_every, floor=config.workers)
+    if config.optimizer == "tracked-m-adamw":
+        return TrackedMomentumAdamW(groups, **adam, v_source=config.v_source, workers=config.workers,
+                                    every=config.v_every)  # fmt: skip
     if config.optimizer == "smoothed-v-adamw":
         v_beta = config.v_beta if config.v_beta >= 0 else (config.workers - 1) / (config.workers + 1)
         return SmoothedSecondMomentAdamW(groups, **adam, v_beta=v_beta)
@@ -272,7 +288,7 @@ def train_run(config: RunConfig, seed: int, device: str = "cpu") -> dict[str, li
             parameters = list(module.parameters())
         else:
             wrapped = gossip.DecentralizedDataParallel(
-                module, comm, make_schedule(config), algorithm, seed=seed, gradient_tracking=config.gradient_tracking
+                module, comm, make_schedule(config), algorithm, seed=seed, gradient_tracking=tracking(config)
             )
             parameters = [b.buffer for b in wrapped.buckets]
         optimizer = make_optimizer(config, module)
@@ -288,11 +304,16 @@ def train_run(config: RunConfig, seed: int, device: str = "cpu") -> dict[str, li
             loss.backward()
             if config.algorithm == "ddp":
                 _average_gradients(module, comm)
-            if isinstance(optimizer, SharedSecondMomentAdamW) and step % config.v_every == 0:
+            shares_v = isinstance(optimizer, SharedSecondMomentAdamW) or (
+                isinstance(optimizer, TrackedMomentumAdamW) and config.v_source == "shared"
+            )
+            if shares_v and step % config.v_every == 0:
                 grads = {p: p.grad.detach().clone() for p in module.parameters() if p.grad is not None}
                 _average_in_place(list(grads.values()), comm)
                 optimizer.sample(grads)
                 sampled_bytes += ring_bytes
+            if isinstance(optimizer, TrackedMomentumAdamW):
+                optimizer.prepare()  # .grad <- the rank's first moment, which the wrapper's tracker then mixes
             optimizer.step()
             if config.algorithm == "atc":
                 _average_parameters(module, comm)
@@ -372,6 +393,11 @@ def suite(name: str) -> list[RunConfig]:
     hybrid = {"local_steps": 10, "between": "powergossip", **plain_average, **pg}  # the defaults + an average every 10
     hybrid_paper = dict(hybrid, outer_lr=0.7, outer_momentum=0.9)  # ... + the paper's outer step instead
     s4000 = {"steps": 4000, "warmup": 100}
+    mt = {"optimizer": "tracked-m-adamw"}  # momentum tracking (with gradient_tracking on)
+    exact_mt = {"algorithm": "exact", "gradient_tracking": True, **mt}
+
+    def shared_v(every: int) -> dict[str, Any]:
+        return {"v_source": "shared", "v_every": every}
 
     def n16_defaults_and_diloco(suffix: str, **length: int) -> list[RunConfig]:
         return [
@@ -593,6 +619,15 @@ def suite(name: str) -> list[RunConfig]:
         c("exact-gt-accum4-s4000", algorithm="exact", gradient_tracking=True, **accum4, **s4000),
         # AccumAdamW on exact trackers at 4000 steps, beside n16b1-exact-gt-s4000 and n16b1-exact-accum4-s4000
         c("n16b1-exact-gt-accum4-s4000", algorithm="exact", gradient_tracking=True, **accum4, **s4000, **many),
+        # momentum tracking: the trackers carry each rank's first moment (a tenth of the gradient's noise per step)
+        # instead of its gradient; the second moment local, locally debiased, or the mean gradient's (a diagnostic)
+        c("exact-mt-sharedv1", **exact_mt, **shared_v(1), **d),
+        c("exact-mt-sharedv32", **exact_mt, **shared_v(32), **d),
+        c("exact-mt", **exact_mt, **d),
+        c("exact-mt-debiased", **exact_mt, v_source="debiased", **d),
+        # ... and within the byte budget: the defaults' PowerGossip for the parameters, exact or compressed trackers
+        c("pg4-it2-fp16-mt-sharedv32", gradient_tracking=True, **mt, **shared_v(32), **pg, **d),
+        c("pg4-it2-fp16-mtpg-sharedv32", gradient_tracking="powergossip", **mt, **shared_v(32), **pg, **d),
     ]
 
 
