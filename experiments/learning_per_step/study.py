@@ -628,6 +628,7 @@ def suite(name: str) -> list[RunConfig]:
         # ... and within the byte budget: the defaults' PowerGossip for the parameters, exact or compressed trackers
         c("pg4-it2-fp16-mt-sharedv32", gradient_tracking=True, **mt, **shared_v(32), **pg, **d),
         c("pg4-it2-fp16-mtpg-sharedv32", gradient_tracking="powergossip", **mt, **shared_v(32), **pg, **d),
+        c("n16b1-exact-mt-sharedv32-s4000", **exact_mt, **shared_v(32), **s4000, **many),
     ]
 
 
