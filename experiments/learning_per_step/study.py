@@ -33,10 +33,11 @@ Mixing rules (the order of one step is :class:`gossip.DecentralizedDataParallel`
   (``outer_lr``, ``outer_momentum``) that every replica takes; :math:`2\frac{n-1}{n} M / H` bytes per worker per
   step. (The recorded consensus distance is taken after each step's update, so after a synchronisation it is one
   local update's spread, not zero.)
-* ``gradient_tracking``: the wrapper's exact gradient tracking (:mod:`gossip.wrapper.tracking`; NEXT, Di Lorenzo &
+* ``gradient_tracking``: the wrapper's gradient tracking (:mod:`gossip.wrapper.tracking`; NEXT, Di Lorenzo &
   Scutari 2016; DIGing, Nedić, Olshevsky & Shi 2017): each rank's optimizer steps on a tracker
-  :math:`y_i \leftarrow \sum_j W_{ij}(y_j + g_j^t - g_j^{t-1})` of the mean gradient, exchanged exactly over the
-  same schedule as the parameters whatever their algorithm, so one more model's bytes per worker per step.
+  :math:`y_i \leftarrow \sum_j W_{ij}(y_j + g_j^t - g_j^{t-1})` of the mean gradient, exchanged over the same
+  schedule as the parameters whatever their algorithm: exactly (``True``, one more model's bytes per worker per
+  step) or by this configuration's PowerGossip (``"powergossip"``).
 * ``average_every = K``: :class:`gossip.PeriodicAverage` -- every K-th step an exact global average of the
   parameters replaces the inner algorithm's mixing (gossip with periodic global averaging, Chen, Yuan, Zhang,
   Pan, Xu, Yin, "Accelerating Gossip SGD with Periodic Global Averaging", ICML 2021, Alg. 1); on average
@@ -52,8 +53,9 @@ Optimizers: ``adamw`` (:class:`optim.AccumAdamW` with ``accum_iter=1``, i.e. Ada
 with ``accum_iter``), ``debiased-adamw`` (:class:`NoiseDebiasedAdamW`, harness-level: AdamW dividing by a local
 estimate of the second moment of the *mean* gradient over the n workers), ``smoothed-v-adamw``
 (:class:`SmoothedSecondMomentAdamW`), ``shared-v-adamw`` (:class:`SharedSecondMomentAdamW`: the second moment of the
-mean gradient, sampled by an all-reduce every ``v_every`` steps, the same on every rank) and ``sgd`` (Nesterov
-momentum 0.9).
+mean gradient, sampled by an all-reduce every ``v_every`` steps, the same on every rank), ``tracked-m-adamw``
+(:class:`TrackedMomentumAdamW`: with ``gradient_tracking`` on, momentum tracking -- the trackers carry each rank's
+first moment -- and the second moment named by ``v_source``) and ``sgd`` (Nesterov momentum 0.9).
 
 ``python -m experiments.learning_per_step --suite study --jobs 16`` runs every configuration of the study (each
 (configuration, seed) in its own process) and appends to ``<out>/steps.csv``, ``summary.csv`` and ``spectrum.csv``
