@@ -5,9 +5,18 @@ Adam", has the results."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+
+def _with_gradients(optimizer: torch.optim.Optimizer) -> Iterator[tuple[dict, torch.Tensor, dict]]:
+    """(param group, parameter, its state) for every parameter of ``optimizer`` that has a gradient."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                yield group, p, optimizer.state[p]
 
 
 class _StudyAdamW(torch.optim.Optimizer):
@@ -25,22 +34,18 @@ class _StudyAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
+        for group, p, state in _with_gradients(self):
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["m"], state["v"], state[self.extra] = (torch.zeros_like(p) for _ in range(3))
-                state["step"] += 1
-                estimate = self.second_moment(state, p.grad, beta2)
-                state["m"].lerp_(p.grad, 1 - beta1)
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.addcdiv_(
-                    state["m"], estimate.sqrt_().add_(group["eps"]), value=-group["lr"] / (1 - beta1 ** state["step"])
-                )
+            if not state:
+                state["step"] = 0
+                state["m"], state["v"], state[self.extra] = (torch.zeros_like(p) for _ in range(3))
+            state["step"] += 1
+            estimate = self.second_moment(state, p.grad, beta2)
+            state["m"].lerp_(p.grad, 1 - beta1)
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.addcdiv_(
+                state["m"], estimate.sqrt_().add_(group["eps"]), value=-group["lr"] / (1 - beta1 ** state["step"])
+            )
 
 
 class NoiseDebiasedAdamW(_StudyAdamW):
@@ -202,19 +207,16 @@ class TrackedMomentumAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def prepare(self) -> None:
         """Advance h_i and the second-moment state with the rank's gradient and write h_i into ``.grad``."""
-        for group in self.param_groups:
+        for group, p, _ in _with_gradients(self):
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self._state(p)
-                state["step"] += 1
-                g = p.grad
-                if self.v_source == "debiased":  # AdaBelief's (g - m)^2 against the previous first moment
-                    state["s"].mul_(beta2).addcmul_(g - state["h"], g - state["h"], value=1 - beta2)
-                state["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                state["h"].lerp_(g, 1 - beta1)
-                p.grad.copy_(state["h"])
+            state = self._state(p)
+            state["step"] += 1
+            g = p.grad
+            if self.v_source == "debiased":  # AdaBelief's (g - m)^2 against the previous first moment
+                state["s"].mul_(beta2).addcmul_(g - state["h"], g - state["h"], value=1 - beta2)
+            state["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            state["h"].lerp_(g, 1 - beta1)
+            p.grad.copy_(state["h"])
 
     def sample(self, means: dict[torch.Tensor, torch.Tensor]) -> None:
         """Take the mean gradient of each parameter (keyed by the parameter) for the shared second moment."""
@@ -241,15 +243,11 @@ class TrackedMomentumAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
-        for group in self.param_groups:
+        for group, p, state in _with_gradients(self):
+            if not state:
+                raise RuntimeError("TrackedMomentumAdamW.step() without prepare() after the backward")
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    raise RuntimeError("TrackedMomentumAdamW.step() without prepare() after the backward")
-                first = p.grad / (1 - beta1 ** state["step"])
-                denominator = torch.maximum(self._second_moment(state, beta2), first.square()).sqrt_()
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.addcdiv_(first, denominator.add_(group["eps"]), value=-group["lr"])
+            first = p.grad / (1 - beta1 ** state["step"])
+            denominator = torch.maximum(self._second_moment(state, beta2), first.square()).sqrt_()
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.addcdiv_(first, denominator.add_(group["eps"]), value=-group["lr"])
