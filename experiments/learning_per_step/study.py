@@ -631,6 +631,21 @@ def suite(name: str) -> list[RunConfig]:
         c("pg4-it2-fp16-mt-sharedv32", gradient_tracking=True, **mt, **shared_v(32), **pg, **d),
         c("pg4-it2-fp16-mtpg-sharedv32", gradient_tracking="powergossip", **mt, **shared_v(32), **pg, **d),
         c("n16b1-exact-mt-sharedv32-s4000", **exact_mt, **shared_v(32), **s4000, **many),
+        # a slower first moment changes less per step, so compressed trackers might keep up: beta1 0.95 and 0.99,
+        # beside DDP with beta1 0.99
+        c("ddp-b0.99", algorithm="ddp", beta1=0.99, **d),
+        *(
+            c(
+                f"pg4-it2-fp16-mtpg-sharedv32-b{beta1}",
+                gradient_tracking="powergossip",
+                beta1=beta1,
+                **mt,
+                **pg,
+                **d,
+                **shared_v(32),
+            )
+            for beta1 in (0.95, 0.99)
+        ),
     ]
 
 
