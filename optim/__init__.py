@@ -13,7 +13,9 @@ Decentralization enters only through the order of operations that the wrapper
 3. at ``optimizer.step()`` time the wrapper writes the mixed parameters :math:`\sum_j W_{ij} x_j^t` into the
    model, then the optimizer applies its direction :math:`d` computed from :math:`g_i(x_i^t)`.
 
-Optimizer state (momentum buffers, Adam moments, AccumAdam's accumulator) stays local and is never mixed.
+Optimizer state (momentum buffers, Adam moments, AccumAdam's accumulator) stays local and is never mixed, except
+the first moment of :class:`MomentumTrackingAdamW`, which the optimizer hands to the wrapper's gradient tracker
+through ``.grad``.
 
 Contents:
 
@@ -23,12 +25,15 @@ Contents:
 - :class:`AccumAdam` / :class:`AccumAdamW`: Adam / AdamW whose moments advance once per ``accum_iter`` local
   steps with the mean of the last local gradients (docs/design.md B.3). ``accum_iter=1`` gives Adam / AdamW,
   i.e. DAdam under the order above.
+- :class:`MomentumTrackingAdamW`: AdamW whose first moment the wrapper's gradient tracker averages over the ranks
+  (momentum tracking), divided by the mean gradient's second moment sampled every few steps.
 - :func:`param_groups`: weight decay on ``ndim >= 2`` weights, none on biases and normalisation parameters.
 """
 
 from torch.optim import SGD
 
 from optim.accum_adam import AccumAdam, AccumAdamW
+from optim.momentum_tracking import MomentumTrackingAdamW
 from optim.weight_decay_groups import param_groups
 
-__all__ = ["SGD", "AccumAdam", "AccumAdamW", "param_groups"]
+__all__ = ["SGD", "AccumAdam", "AccumAdamW", "MomentumTrackingAdamW", "param_groups"]

@@ -23,12 +23,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+
+from optim.hyperparameters import validate_adam_hyperparameters
 
 __all__ = ["AccumAdam", "AccumAdamW"]
 
@@ -37,23 +39,7 @@ _ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 
 def _validate_hyperparameters(settings: dict[str, Any], where: str) -> None:
     """Raise ValueError naming the offending hyper-parameter (and ``where`` it was given)."""
-
-    def is_real(value: Any) -> bool:
-        return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
-
-    lr, eps, weight_decay = settings["lr"], settings["eps"], settings["weight_decay"]
-    if not is_real(lr) or lr < 0:
-        raise ValueError(f"{where}: lr must be a finite float >= 0, got {lr!r}")
-    if not is_real(eps) or eps < 0:
-        raise ValueError(f"{where}: eps must be a finite float >= 0, got {eps!r}")
-    if not is_real(weight_decay) or weight_decay < 0:
-        raise ValueError(f"{where}: weight_decay must be a finite float >= 0, got {weight_decay!r}")
-    betas = settings["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
-    for index, beta in enumerate(betas):
-        if not is_real(beta) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"{where}: betas[{index}] must lie in [0, 1), got {beta!r}")
+    validate_adam_hyperparameters(settings, where)
     accum_iter = settings["accum_iter"]
     if not isinstance(accum_iter, Integral) or isinstance(accum_iter, bool) or accum_iter < 1:
         raise ValueError(f"{where}: accum_iter must be an integer >= 1, got {accum_iter!r}")

@@ -242,6 +242,7 @@ def test_no_collective_inside_a_step_after_a_change(monkeypatch):
         ({"consensus_every": 10}, r"the wrapper samples the consensus distance every 10 steps.*consensus_every=0"),
         ({"consensus_every": 0, "buffers": "average"}, r"buffers='average'.*use buffers='local'"),
         ({"consensus_every": 0, "gradient_tracking": True}, r"gradient_tracking=True is not supported"),
+        ({"consensus_every": 0, "optimizer": "momentum"}, r"MomentumTrackingAdamW runs its first moment through"),
     ],
 )
 def test_a_wrapper_with_a_collective_inside_its_step_is_refused(tmp_path, options, refusal):
@@ -254,9 +255,13 @@ def test_a_wrapper_with_a_collective_inside_its_step_is_refused(tmp_path, option
 
     def worker(comm):
         membership = SimpleNamespace(uid=comm.rank, epoch=0, current=SimpleNamespace(members=(0, 1)))
+        wrapper_options = {key: value for key, value in options.items() if key != "optimizer"}
         model = DecentralizedDataParallel(nn.Linear(3, 2), comm, schedule_for("one_peer_hypercube", 2)[0],
-                                          ExactGossip(), run_dir=tmp_path, **options)  # fmt: skip
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+                                          ExactGossip(), run_dir=tmp_path, **wrapper_options)  # fmt: skip
+        if options.get("optimizer") == "momentum":
+            optimizer: torch.optim.Optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=0.1)
+        else:
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         try:
             with pytest.raises(ElasticUnsupportedError, match=f"elastic: rank {comm.rank}: {refusal}"):
                 ElasticRun(model, optimizer, membership, schedule="one_peer_hypercube", algorithm=ExactGossip,

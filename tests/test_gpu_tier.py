@@ -7,6 +7,7 @@
 * DecentralizedDataParallel on CUDA parameters with a world of 1 on NCCL (mixing is the identity there, so the
   wrapped model trains exactly like the bare one);
 * AccumAdamW's foreach path on CUDA against its per-tensor path and against the CPU;
+* momentum tracking (the gradients' all-reduce, the trackers, MomentumTrackingAdamW) on CUDA against the CPU;
 * bf16 autocast through the wrapper.
 
 ``GOSSIP_TEST_DEVICE=cpu`` runs the same tests on the CPU (NCCL replaced by Gloo), to check the tier itself
@@ -145,6 +146,34 @@ def test_the_wrapper_on_cuda_parameters_with_a_world_of_one_on_nccl(monkeypatch)
         assert all(torch.equal(a, b) for a, b in zip(wrapped.module.parameters(), bare.parameters(), strict=True))
     finally:
         comm.close()
+
+
+def momentum_tracked(comm: gossip.Communicator) -> torch.Tensor:
+    """Six steps of momentum tracking (exact gossip, exact trackers, the mean gradient every 2 steps)."""
+    model = DecentralizedDataParallel(
+        make_mlp().to(comm.device), comm, topologies.one_peer_hypercube(comm.size), gossip.ExactGossip(),
+        gradient_tracking=True,
+    )  # fmt: skip
+    optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), second_moment_every=2)
+    generator = torch.Generator().manual_seed(comm.rank)
+    for _ in range(6):
+        x = torch.randn(8, 16, generator=generator).to(comm.device)
+        (model(x) - x[:, :4]).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    parameters = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+    model.close()
+    return parameters
+
+
+def test_momentum_tracking_on_cuda_matches_the_cpu_run():
+    """The wrapper's gradient all-reduce, tracker exchange and MomentumTrackingAdamW on CUDA tensors, against the CPU:
+    within the tolerance of float32 kernels that may fuse or reorder (the ranks' data differ, so mixing matters)."""
+    on_device = gossip.simulate(4, momentum_tracked, device=DEVICE)
+    on_cpu = gossip.simulate(4, momentum_tracked)
+    for got, expected in zip(on_device, on_cpu, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(on_cpu[0], on_cpu[1])
 
 
 def accum_adamw_run(device: torch.device, foreach: bool) -> list[torch.Tensor]:

@@ -116,7 +116,9 @@ def real(request, tmp_path_factory) -> tuple[str, list[dict]]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("case", ["exact", "powergossip", "overlap-exact-trackers", "overlap-powergossip-trackers"])
+@pytest.mark.parametrize(
+    "case", ["exact", "powergossip", "overlap-exact-trackers", "overlap-powergossip-trackers", "momentum-own-v"]
+)
 def test_real_backends_equal_the_simulator_bit_for_bit(real, oracle, case):
     backend, results = real
     for rank in range(N):
@@ -134,3 +136,22 @@ def test_resume_on_real_backends_is_bit_identical_and_equals_the_simulator(real,
             checkpoint = results[rank][case]
             assert torch.equal(checkpoint["resumed"], checkpoint["uninterrupted"]), f"{backend} rank {rank} {case}"
             assert torch.equal(checkpoint["resumed"], oracle[rank][case]["resumed"]), f"{backend} rank {rank} {case}"
+
+
+@pytest.mark.multiprocess
+def test_momentum_tracking_with_the_sampled_second_moment_equals_the_simulator_to_rounding(real, oracle):
+    """With the mean gradient's second moment sampled every 2 steps, the backend's all-reduce sums the gradients in
+    its own order (as for the other all-reducing algorithms, test_algorithms_backends.py): equal to rounding, and
+    resume on the backend bit-identical. With each rank's own second moment ("momentum-own-v", above): bit for bit."""
+    backend, results = real
+    for rank in range(N):
+        for step, (got, want) in enumerate(zip(results[rank]["momentum"], oracle[rank]["momentum"], strict=True)):
+            for key in ("y", "x", "grad", "h"):
+                where = f"{backend} rank {rank} step {step}: {key}"
+                torch.testing.assert_close(
+                    got[key], want[key], rtol=1e-5, atol=1e-6, msg=lambda m, w=where: f"{w}: {m}"
+                )
+            assert got["bytes_sent"] == want["bytes_sent"]
+        checkpoint = results[rank]["momentum-checkpoint"]
+        assert torch.equal(checkpoint["resumed"], checkpoint["uninterrupted"]), f"{backend} rank {rank}"
+        torch.testing.assert_close(checkpoint["resumed"], oracle[rank]["momentum-checkpoint"]["resumed"])

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from helpers.adam_reference import where_adams_m_squared_exceeds_v
 
 import gossip
 import topologies
@@ -293,36 +294,6 @@ def _tracked(weight: torch.nn.Parameter, v_source: str, workers: int = 1, floor:
     return TrackedMomentumAdamW(group, 1e-2, (0.9, 0.95), 1e-8, v_source, workers, every=1, local_floor=floor)
 
 
-def _where_adams_m_squared_exceeds_v(gradients: list[torch.Tensor]) -> torch.Tensor:
-    """The coordinates where AdamW (betas 0.9, 0.95) fed ``gradients`` ever has its bias-corrected m^2 above v."""
-    m, v = torch.zeros_like(gradients[0]), torch.zeros_like(gradients[0])
-    exceeds = torch.zeros(gradients[0].shape, dtype=torch.bool)
-    for t, gradient in enumerate(gradients, start=1):
-        m.lerp_(gradient, 0.1)
-        v.mul_(0.95).addcmul_(gradient, gradient, value=0.05)
-        exceeds |= (m / (1 - 0.9**t)).square() > v / (1 - 0.95**t) * (1 + 1e-12)  # equal at t = 1: m^2 = v = g^2
-    return exceeds
-
-
-def test_tracked_momentum_adamw_without_a_tracker_is_adamw():
-    """No tracker between prepare() and step(): z_i = h_i, the rank's own first moment, and the local second moment
-    make AdamW's step in every coordinate where AdamW's own bias-corrected m^2 never exceeded v (Adam's moments
-    allow it by up to a few per cent); where it did, the z^2 floor shortens the step to lr, and only slightly."""
-    generator = torch.Generator().manual_seed(0)
-    gradients = [torch.randn(64, generator=generator, dtype=torch.float64) + 0.3 for _ in range(40)]
-    weight = torch.nn.Parameter(torch.ones(64, dtype=torch.float64))
-    optimizer = _tracked(weight, "local")
-    floored = _where_adams_m_squared_exceeds_v(gradients)
-    for gradient in gradients:
-        weight.grad = gradient.clone()
-        optimizer.prepare()
-        optimizer.step()
-    adamw = _trajectory(lambda g: torch.optim.AdamW(g, lr=1e-2, betas=(0.9, 0.95), eps=1e-8), gradients)
-    assert 0 < floored.sum() < 8  # the case occurs, in a few coordinates
-    torch.testing.assert_close(weight.detach()[~floored], adamw[~floored], rtol=0, atol=1e-12)
-    torch.testing.assert_close(weight.detach()[floored], adamw[floored], rtol=0, atol=1e-4)
-
-
 def test_tracked_momentum_with_a_complete_mixing_and_the_mean_gradients_v_is_ddp():
     """W = J (every tracker the mean of the first moments, as an exact tracker on a complete graph gives) and v
     sampled from the mean gradient every step: without the local floor every replica takes AdamW's step on the mean
@@ -340,8 +311,9 @@ def test_tracked_momentum_with_a_complete_mixing_and_the_mean_gradients_v_is_ddp
         for step in gradients:
             for weight, optimizer, gradient in zip(workers, optimizers, step, strict=True):
                 weight.grad = gradient.clone()
-                optimizer.sample({weight: torch.stack(step).mean(0)})
-                optimizer.prepare()  # .grad <- h_i
+                if optimizer.mean_gradient_due():
+                    optimizer.take_mean_gradient({weight: torch.stack(step).mean(0)}, n)
+                optimizer.prepare_momentum()  # .grad <- h_i
             tracker = torch.stack([w.grad for w in workers]).mean(0)  # the tracker's mean: the mean first moment
             for weight, optimizer in zip(workers, optimizers, strict=True):
                 weight.grad = tracker.clone()
@@ -349,7 +321,7 @@ def test_tracked_momentum_with_a_complete_mixing_and_the_mean_gradients_v_is_ddp
         runs[name] = workers
     means = [torch.stack(s).mean(0) for s in gradients]
     ddp = _trajectory(lambda g: torch.optim.AdamW(g, lr=1e-2, betas=(0.9, 0.95), eps=1e-8), means)
-    floored = _where_adams_m_squared_exceeds_v(means)  # there the z^2 floor shortens the step (the test above)
+    floored = where_adams_m_squared_exceeds_v(means, (0.9, 0.95))  # there the z^2 floor shortens the step
     assert floored.sum() < 4
     for weight in runs["shared"]:
         torch.testing.assert_close(weight.detach()[~floored], ddp[~floored], rtol=0, atol=1e-12)
@@ -359,25 +331,8 @@ def test_tracked_momentum_with_a_complete_mixing_and_the_mean_gradients_v_is_ddp
         assert (runs[name][0].detach() - runs[name][1].detach()).abs().max() > 1e-4  # and the replicas drift
 
 
-def test_tracked_momentum_moves_no_coordinate_more_than_lr_where_the_local_v_is_zero():
-    """A coordinate this rank's batches never touch (an embedding row) has a local second moment of 0 while the
-    tracker carries the others' first moments: the z^2 floor bounds its step by lr (without it: z / eps)."""
-    weight = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
-    optimizer = TrackedMomentumAdamW([weight], 1e-3, (0.9, 0.95), 1e-8, v_source="local", workers=8, every=1)
-    for _ in range(3):
-        weight.grad = torch.zeros(4, dtype=torch.float64)
-        optimizer.prepare()
-        weight.grad = torch.full((4,), 0.05, dtype=torch.float64)  # the tracker: the other ranks' first moments
-        before = weight.detach().clone()
-        optimizer.step()
-        assert (weight.detach() - before).abs().max().item() == pytest.approx(1e-3, rel=1e-6)
-
-
-def test_tracked_momentum_adamw_refuses_a_step_without_prepare_and_an_unknown_source():
+def test_tracked_momentum_adamw_refuses_an_unknown_source():
     weight = torch.nn.Parameter(torch.zeros(4))
-    weight.grad = torch.ones(4)
-    with pytest.raises(RuntimeError, match="without prepare"):
-        _tracked(weight, "local").step()
     with pytest.raises(ValueError, match="v_source"):
         _tracked(weight, "global")
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+import optim
+
 
 def _with_gradients(optimizer: torch.optim.Optimizer) -> Iterator[tuple[dict, torch.Tensor, dict]]:
     """(param group, parameter, its state) for every parameter of ``optimizer`` that has a gradient."""
@@ -159,31 +161,15 @@ class SharedSecondMomentAdamW(_StudyAdamW):
         return torch.maximum(shared, v / ((1 - beta2 ** state["step"]) * self.floor))
 
 
-class TrackedMomentumAdamW(torch.optim.Optimizer):
-    r"""AdamW whose first moment is mixed by the wrapper's gradient tracker: momentum tracking (harness-level).
+class TrackedMomentumAdamW(optim.MomentumTrackingAdamW):
+    r""":class:`optim.MomentumTrackingAdamW` with the study's second-moment sources (harness-level).
 
-    Momentum tracking (Takezawa, Bao, Niwa, Sato & Yamada, "Momentum Tracking: Momentum Acceleration for
-    Decentralized Deep Learning on Heterogeneous Data", TMLR 2023) tracks each rank's first moment
-    :math:`h_i \leftarrow \beta_1 h_i + (1-\beta_1) g_i` instead of its gradient. :meth:`prepare` (the harness calls
-    it after the backward, before ``optimizer.step()``) advances :math:`h_i` and the second-moment state from the
-    rank's own gradient and writes :math:`h_i` into ``.grad``; the wrapper's gradient tracker (``gradient_tracking``)
-    then replaces it by :math:`z_i \leftarrow \sum_j W_{ij}(z_j + h_j^t - h_j^{t-1})`, whose mean over the ranks is
-    the mean first moment -- DDP's, since the EMA is linear -- exactly at every step. The tracker's increments are
-    :math:`(1-\beta_1)(g_i - h_i^{t-1})`, a tenth of the gradient's noise at :math:`\beta_1 = 0.9`, where plain
-    gradient tracking's are :math:`g_i^t - g_i^{t-1}`, twice its variance. :meth:`step` then takes
-
-    .. math::  x \leftarrow x(1 - \mathrm{lr}\,\lambda) - \mathrm{lr}\,\frac{z_i/(1-\beta_1^t)}{\sqrt{\hat v}+\epsilon}
-
-    with :math:`\hat v` by ``v_source``: ``"local"`` the rank's own bias-corrected EMA of :math:`g_i^2`; ``"debiased"``
-    :class:`NoiseDebiasedAdamW`'s local estimate of the mean gradient's second moment; ``"shared"``
-    :class:`SharedSecondMomentAdamW`'s, the mean gradient's sampled every ``every`` steps (:meth:`sample`), floored
-    by the local one over n (``local_floor``; the study's runs keep it). Each source is then floored by
-    :math:`\hat z_i^2`, :math:`\hat z_i = z_i/(1-\beta_1^t)`, so that no coordinate moves more than lr a step: the
-    tracker carries the other ranks' first moments, so a coordinate this rank's batches never touch (an embedding
-    row) has :math:`z_i \ne 0` with a local second moment near 0, which without the floor would move it by about
-    :math:`\mathrm{lr}\,z_i/\epsilon`. Without gradient tracking, ``z_i = h_i`` and ``"local"`` is AdamW wherever
-    AdamW's own :math:`\hat m^2 \le \hat v` (Adam's moments allow :math:`\hat m^2` slightly above :math:`\hat v`;
-    the floor then shortens that step to lr).
+    ``v_source``: ``"local"`` the rank's own bias-corrected EMA of :math:`g_i^2` (``second_moment_every=0``);
+    ``"shared"`` the mean gradient's, sampled every ``every`` steps, floored by the local one over n unless
+    ``local_floor=False`` (the study's runs keep it); ``"debiased"`` :class:`NoiseDebiasedAdamW`'s local estimate of
+    the mean gradient's second moment, :math:`\max(v - (1 - 1/n)\,s,\; v/n)` with s AdaBelief's EMA of
+    :math:`(g_i - h_i)^2` against the previous first moment. The wrapper samples the mean gradient and prepares
+    the first moment as for the library's optimizer (``gossip/wrapper/momentum.py``).
     """
 
     def __init__(
@@ -199,58 +185,24 @@ class TrackedMomentumAdamW(torch.optim.Optimizer):
     ) -> None:
         if v_source not in ("local", "debiased", "shared"):
             raise ValueError(f"v_source must be 'local', 'debiased' or 'shared', got {v_source!r}")
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
-        self.v_source, self.workers, self.every, self.local_floor = v_source, workers, every, local_floor
-
-    def _state(self, p: torch.Tensor) -> dict:
-        state = self.state[p]
-        if not state:
-            state["step"], state["samples"] = 0, 0
-            state["h"], state["v"], state["s"], state["shared"] = (torch.zeros_like(p) for _ in range(4))
-        return state
+        shared_every = every if v_source == "shared" else 0
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=0.0, second_moment_every=shared_every)
+        self.v_source, self.workers, self.local_floor = v_source, workers, local_floor
 
     @torch.no_grad()
-    def prepare(self) -> None:
-        """Advance h_i and the second-moment state with the rank's gradient and write h_i into ``.grad``."""
-        for group, p, _ in _with_gradients(self):
-            beta1, beta2 = group["betas"]
-            state = self._state(p)
-            state["step"] += 1
-            g = p.grad
-            if self.v_source == "debiased":  # AdaBelief's (g - m)^2 against the previous first moment
-                state["s"].mul_(beta2).addcmul_(g - state["h"], g - state["h"], value=1 - beta2)
-            state["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            state["h"].lerp_(g, 1 - beta1)
-            p.grad.copy_(state["h"])
+    def prepare_momentum(self) -> None:
+        if self.v_source == "debiased":  # AdaBelief's (g - h)^2 against the previous first moment, before h moves
+            for group, p, state in self._with_gradients():
+                beta2, error = group["betas"][1], p.grad - state["h"]
+                state.setdefault("s", torch.zeros_like(p)).mul_(beta2).addcmul_(error, error, value=1 - beta2)
+        super().prepare_momentum()
 
-    def sample(self, means: dict[torch.Tensor, torch.Tensor]) -> None:
-        """Take the mean gradient of each parameter (keyed by the parameter) for the shared second moment."""
-        for group in self.param_groups:
-            rate = group["betas"][1] ** self.every
-            for p in group["params"]:
-                if p in means:
-                    _take_sample(self._state(p), means[p], rate)
-
-    def _second_moment(self, state: dict, beta2: float) -> torch.Tensor:
-        local = state["v"] / (1 - beta2 ** state["step"])
-        if self.v_source == "local":
-            return local
-        floor = local / self.workers
+    def second_moment(self, group: dict[str, Any], state: dict[str, Any]) -> torch.Tensor:
+        beta2 = group["betas"][1]
         if self.v_source == "debiased":
+            local = state["v"] / (1 - beta2 ** state["step"])
             s = state["s"] / (1 - beta2 ** state["step"])
-            return torch.maximum(local - (1 - 1 / self.workers) * s, floor)
-        if not state["samples"]:
-            return local
-        shared = state["shared"] / (1 - (beta2**self.every) ** state["samples"])
-        return torch.maximum(shared, floor) if self.local_floor else shared
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
-        for group, p, state in _with_gradients(self):
-            if not state:
-                raise RuntimeError("TrackedMomentumAdamW.step() without prepare() after the backward")
-            beta1, beta2 = group["betas"]
-            first = p.grad / (1 - beta1 ** state["step"])
-            denominator = torch.maximum(self._second_moment(state, beta2), first.square()).sqrt_()
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.addcdiv_(first, denominator.add_(group["eps"]), value=-group["lr"])
+            return torch.maximum(local - (1 - 1 / self.workers) * s, local / self.workers)
+        if self.v_source == "shared" and not self.local_floor and state["samples"]:
+            return state["shared"] / (1 - (beta2**self.second_moment_every) ** state["samples"])
+        return super().second_moment(group, state)

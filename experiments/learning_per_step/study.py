@@ -306,16 +306,12 @@ def train_run(config: RunConfig, seed: int, device: str = "cpu") -> dict[str, li
             loss.backward()
             if config.algorithm == "ddp":
                 _average_gradients(module, comm)
-            shares_v = isinstance(optimizer, SharedSecondMomentAdamW) or (
-                isinstance(optimizer, TrackedMomentumAdamW) and config.v_source == "shared"
-            )
-            if shares_v and step % config.v_every == 0:
+            if isinstance(optimizer, SharedSecondMomentAdamW) and step % config.v_every == 0:
                 grads = {p: p.grad.detach().clone() for p in module.parameters() if p.grad is not None}
                 _average_in_place(list(grads.values()), comm)
                 optimizer.sample(grads)
                 sampled_bytes += ring_bytes
-            if isinstance(optimizer, TrackedMomentumAdamW):
-                optimizer.prepare()  # .grad <- the rank's first moment, which the wrapper's tracker then mixes
+            # a momentum-tracking optimizer: the wrapper samples the mean gradient and prepares the first moment
             optimizer.step()
             if config.algorithm == "atc":
                 _average_parameters(module, comm)

@@ -30,7 +30,15 @@ METHODS = {
     "ddp": ("--algorithm", "ddp"),
     "diloco": ("--algorithm", "diloco"),
     "diloco-h10-avg": ("--algorithm", "diloco", "--local-steps", "10", "--outer-lr", "1", "--outer-momentum", "0"),
-}
+    # momentum tracking (optim.MomentumTrackingAdamW, the mean gradient's second moment every 32 steps): exact
+    # gossip and exact trackers, and the defaults' PowerGossip with exact trackers
+    "exact-momentum-tracking": (
+        "--algorithm", "exact", "--outer-every", "0", "--gradient-tracking", "--optimizer", "momentum-tracking-adamw"
+    ),
+    "powergossip-momentum-tracking": (
+        "--outer-every", "0", "--gradient-tracking", "--optimizer", "momentum-tracking-adamw"
+    ),
+}  # fmt: skip
 COLUMNS = (
     "method",
     "seed",

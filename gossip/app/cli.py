@@ -219,9 +219,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=OPTIMIZERS,
         default=defaults.optimizer,
         help="local update rule: adamw is torch.optim.AdamW, accum-adamw optim.AccumAdamW (moments advance once per "
-        "--accum-iter steps), sgd Nesterov SGD",
+        "--accum-iter steps), momentum-tracking-adamw optim.MomentumTrackingAdamW (its first moment goes through "
+        "the gradient trackers: needs --gradient-tracking), sgd Nesterov SGD",
     )
     training.add_argument("--accum-iter", type=positive(int), default=None, help="default: max(1, workers // 4)")
+    training.add_argument(
+        "--second-moment-every",
+        type=int_at_least(0),
+        default=defaults.second_moment_every,
+        help="momentum-tracking-adamw: steps between two samples of the mean gradient's second moment (an "
+        f"all-reduce of the gradients each); 0 keeps each worker's own; default: {defaults.second_moment_every}",
+    )
     training.add_argument("--steps", type=positive(int), default=defaults.steps, help="optimizer steps")
     training.add_argument("--batch-size", type=positive(int), default=defaults.batch_size, help="per worker")
     training.add_argument("--lr", type=positive(float), default=defaults.lr, help="peak learning rate")
@@ -256,6 +264,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         weight_decay=args.weight_decay,
         optimizer=args.optimizer,
         accum_iter=args.accum_iter,
+        second_moment_every=args.second_moment_every,
         algorithm=args.algorithm,
         rank=args.rank,
         power_iterations=args.power_iterations,

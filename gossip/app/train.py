@@ -47,7 +47,8 @@ from gossip.errors import ConfigError, NonFiniteError
 from gossip.wrapper.parallel import DecentralizedDataParallel
 
 logger = logging.getLogger(__name__)
-OPTIMIZERS = ("accum-adamw", "adamw", "sgd")
+OPTIMIZERS = ("accum-adamw", "adamw", "momentum-tracking-adamw", "sgd")
+MOMENTUM_TRACKING = "momentum-tracking-adamw"  # optim.MomentumTrackingAdamW: needs --gradient-tracking
 DDP = "ddp"  # torch DistributedDataParallel: the All-Reduce baseline (gradient all-reduce, no schedule)
 AVERAGING_EVERY_STEP = (DDP, "allreduce")  # --average-every changes nothing for these
 DILOCO = "diloco"
@@ -117,6 +118,8 @@ class TrainConfig:
         weight_decay: AdamW's weight decay, on matrices only.
         optimizer: the local optimizer, one of :data:`OPTIMIZERS`.
         accum_iter: AccumAdamW's accumulation (None: max(1, n // 4)).
+        second_moment_every: MomentumTrackingAdamW's steps between two samples of the mean gradient's second
+            moment (an all-reduce of the gradients each; 0: each rank's own second moment).
         algorithm: the mixing algorithm (see :data:`ALGORITHM_CHOICES`).
         rank: PowerGossip's rank.
         power_iterations: PowerGossip's power iterations per step (None: :data:`DEFAULTS`').
@@ -160,6 +163,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     optimizer: str = DEFAULTS.optimizer
     accum_iter: int | None = None
+    second_moment_every: int = 32
     algorithm: str = DEFAULTS.algorithm
     rank: int = DEFAULTS.rank
     power_iterations: int | None = None
@@ -284,6 +288,11 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
         )
     if config.tracking_overlap and not config.gradient_tracking:
         raise ConfigError("--tracking-overlap", "overlaps the trackers' exchange: add --gradient-tracking")
+    if config.optimizer == MOMENTUM_TRACKING and not config.gradient_tracking and config.algorithm != DDP:
+        raise ConfigError(
+            "--optimizer", f"{MOMENTUM_TRACKING} runs its first moment through the gradient trackers: add "
+            "--gradient-tracking (exact or powergossip)"
+        )  # fmt: skip
     if config.power_iterations is None:
         resolved.power_iterations = DEFAULTS.power_iterations if config.algorithm == "powergossip" else 1
     _check_delayed_last_iteration(resolved)
@@ -409,6 +418,10 @@ def _check_ddp(config: TrainConfig) -> None:
         raise ConfigError(
             "--gradient-tracking", "--algorithm ddp all-reduces the gradients already; drop --gradient-tracking"
         )
+    if config.optimizer == MOMENTUM_TRACKING:
+        raise ConfigError(
+            "--optimizer", f"--algorithm ddp all-reduces the gradients already; {MOMENTUM_TRACKING} is for gossip"
+        )
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
@@ -523,8 +536,10 @@ def make_optimizer(config: TrainConfig, module: torch.nn.Module) -> torch.optim.
     """The local optimizer ``--optimizer`` names, with weight decay on matrices only (:func:`optim.param_groups`).
 
     ``adamw`` is :class:`torch.optim.AdamW` and ``accum-adamw`` :class:`optim.AccumAdamW` with ``accum_iter``
-    (its moments advance once per ``accum_iter`` steps; with 1 it is AdamW's update rule), both with betas
-    (0.9, 0.95) and eps 1e-8; ``sgd`` is SGD with Nesterov momentum 0.9.
+    (its moments advance once per ``accum_iter`` steps; with 1 it is AdamW's update rule), and
+    ``momentum-tracking-adamw`` :class:`optim.MomentumTrackingAdamW` with ``second_moment_every`` (its first
+    moment goes through the wrapper's gradient trackers), all with betas (0.9, 0.95) and eps 1e-8; ``sgd`` is SGD
+    with Nesterov momentum 0.9.
 
     Args:
         config: a resolved config.
@@ -538,6 +553,10 @@ def make_optimizer(config: TrainConfig, module: torch.nn.Module) -> torch.optim.
         return optim.SGD(groups, lr=config.lr, momentum=0.9, nesterov=True)
     if config.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
+    if config.optimizer == MOMENTUM_TRACKING:
+        return optim.MomentumTrackingAdamW(
+            groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, second_moment_every=config.second_moment_every
+        )
     return optim.AccumAdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, accum_iter=config.accum_iter)
 
 

@@ -63,6 +63,7 @@ from gossip.wrapper.elastic import (
     solo_communicator,
     without_schedule_checks,
 )
+from gossip.wrapper.momentum import momentum_source
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from topologies import Schedule
 
@@ -150,6 +151,11 @@ class ElasticRun:
         schedule: the schedule family, rebuilt at every change.
         algorithm: makes a fresh, unbound algorithm (configured as the one in ``model``).
         timeout: the Gloo groups' wait bound, and their creation's.
+
+    Raises:
+        ElasticUnsupportedError: the schedule, the algorithm or the wrapper cannot run elastic (see
+            :func:`check_supported` and :func:`check_wrapper`), or the optimizer tracks momentum
+            (:class:`optim.MomentumTrackingAdamW`).
     """
 
     def __init__(
@@ -164,6 +170,12 @@ class ElasticRun:
     ):
         check_supported(model.schedule, model.algorithm)
         check_wrapper(model)
+        if momentum_source(optimizer) is not None:
+            raise ElasticUnsupportedError(
+                f"elastic: rank {model.comm.rank}: {type(optimizer).__name__} runs its first moment through "
+                "gradient trackers and all-reduces inside optimizer.step(), which a membership change could "
+                "interrupt after the update; use torch.optim.AdamW"
+            )
         without_schedule_checks(model)  # no collective inside a step that a change could interrupt
         self.model, self.optimizer, self.membership = model, optimizer, membership
         self.schedule_name, self.make_algorithm, self.timeout = schedule, algorithm, timeout

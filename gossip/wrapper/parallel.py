@@ -57,13 +57,13 @@ from gossip.wrapper.buffer_average import average_buffers, float_buffers
 from gossip.wrapper.consensus import (
     DEFAULT_SAMPLES,
     ConsensusSampler,
-    _all_reduce_on,
     exact_consensus_sq,
     global_average,
     reading,
 )
 from gossip.wrapper.metrics import StepMetrics
-from gossip.wrapper.replicas import ReplicaMismatchError, broadcast_from_rank0, check_replicas
+from gossip.wrapper.momentum import MomentumSource, check_optimizer_agreement, momentum_source, prepare_momentum
+from gossip.wrapper.replicas import ReplicaMismatchError, broadcast_from_rank0, check_replicas, digests_agree
 from gossip.wrapper.step_phase import StepPhase, StepState
 from gossip.wrapper.tracking import GradientTracker, require_doubly_stochastic, tracker_mixing, tracking_setting
 from topologies import Schedule
@@ -304,6 +304,9 @@ class DecentralizedDataParallel(nn.Module):
             else None
         )
         self._ownership: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._optimizer_agreed = False  # the ranks compared their optimizers' kinds (gossip.wrapper.momentum)
+        self._momentum: MomentumSource | None = None  # the optimizer stepping now, if a momentum source
+        self._momentum_prepared_at = -1  # the step whose first moment the optimizer last prepared
         self.step_count = 0
         self._exchange: Any = None  # what algorithm.start(t) returned, while the step is EXCHANGING
         self._state_before_start: dict[str, Any] | None = None  # see _start
@@ -452,6 +455,9 @@ class DecentralizedDataParallel(nn.Module):
         begin = time.perf_counter()
         self.algorithm.finish(self._exchange)
         self._exchange = None
+        if self._momentum is not None:
+            prepare_momentum(self._momentum, self.algorithm, self.buckets, self._parameters_in_order)
+            self._momentum_prepared_at = self.step_count
         if self.tracker is not None:
             self.tracker.track(self.step_count)
         self._move("finish", "finish_mixing()")
@@ -517,11 +523,8 @@ class DecentralizedDataParallel(nn.Module):
 
     def _check_schedule_agreement(self) -> None:
         """For a schedule without period (checked at construction over its first ``window`` steps only): agree
-        on a fingerprint of the steps since the last check, with one all-reduce of two float64 values.
-
-        Each rank contributes v = 20 bits of the SHA-256 of its W(t) for those steps, and v squared; the sums are
-        exact in float64, and every rank finds sum(v) = n v and sum(v^2) = n v^2 exactly iff all v are equal
-        (zero variance). Only then are the ranks asked which one differs. Different edges usually stop the
+        on the SHA-256 of its W(t) for the steps since the last check (:func:`digests_agree`). Only when they
+        differ are the ranks asked which one differs. Different edges usually stop the
         exchange first (a timeout or an exchange mismatch naming the step); this catches different *weights*,
         which would otherwise mix silently wrong.
         """
@@ -534,11 +537,7 @@ class DecentralizedDataParallel(nn.Module):
             for array in self.schedule.triplets(t):
                 digest.update(np.ascontiguousarray(array).tobytes())
         self._schedule_checked_to = last + 1
-        value = float(int.from_bytes(digest.digest()[:3], "little") >> 4)
-        sums = torch.tensor([value, value * value], dtype=torch.float64)
-        _all_reduce_on(self.comm, sums, "sum")
-        n = self.comm.size
-        if float(sums[0]) == n * value and float(sums[1]) == n * value * value:
+        if digests_agree(self.comm, digest.digest()):
             return
         fingerprints = self.comm.all_gather_object(digest.hexdigest())
         other = next(rank for rank, f in enumerate(fingerprints) if f != fingerprints[0])
@@ -670,7 +669,40 @@ class DecentralizedDataParallel(nn.Module):
         """
         if not computes_gradients:
             self._warn_if_mixing_only()
-        self.finish_mixing()
+        source = momentum_source(optimizer)
+        if source is not None or self.tracker is not None:
+            self._check_optimizer(optimizer, source, computes_gradients)
+        self._momentum = source
+        try:
+            self.finish_mixing()
+        finally:
+            self._momentum = None
+
+    def _check_optimizer(
+        self, optimizer: torch.optim.Optimizer, source: MomentumSource | None, computes_gradients: bool
+    ) -> None:
+        """With gradient tracking or a momentum source: the ranks agree on the optimizer (once), and a momentum
+        source's step runs its first moment through the tracker (see :mod:`gossip.wrapper.momentum`)."""
+        where = f"rank {self.comm.rank}: step {self.step_count}"
+        if not self._optimizer_agreed:
+            self._require_usable("optimizer step (mixing)")
+            with self._naming_step():
+                check_optimizer_agreement(self.comm, optimizer, self.step_count)
+            self._optimizer_agreed = True
+        if source is None:
+            return
+        if computes_gradients:
+            raise InvalidArgumentError(
+                f"{where}: {type(optimizer).__name__}.step(closure): the wrapper prepares the first moment before "
+                "the step runs, so the closure's gradients would come too late; run the backward, then call "
+                "optimizer.step() without a closure"
+            )
+        if self._step.mixed and self._momentum_prepared_at != self.step_count:
+            raise StepPhaseError(
+                f"{where}: finish_mixing() ran before {type(optimizer).__name__}.step(), so the tracker mixed the "
+                "gradient, not the first moment; with a momentum-tracking optimizer let optimizer.step() finish "
+                "the mixing (drop the explicit finish_mixing() call)"
+            )
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After the update: end step t and start x_{t+1}'s exchange.

@@ -25,6 +25,7 @@ from gossip.algorithms.base import Algorithm
 from gossip.algorithms.buckets import Bucket
 from gossip.backends.base import Communicator
 from gossip.errors import ReplicaMismatchError
+from gossip.wrapper.consensus import _all_reduce_on
 from topologies import Schedule
 
 
@@ -237,3 +238,24 @@ def broadcast_from_rank0(module: torch.nn.Module, buckets: list[Bucket], comm: C
             comm.broadcast(contiguous, 0)
             if contiguous is not buffer:
                 buffer.copy_(contiguous)
+
+
+def digests_agree(comm: Communicator, digest: bytes) -> bool:
+    """Whether every rank passed the same ``digest``, with one all-reduce of two float64 values (a collective).
+
+    Each rank contributes v = 20 bits of ``digest`` and v squared; the sums are exact in float64, and every rank
+    finds sum(v) = n v and sum(v^2) = n v^2 exactly iff all v are equal (zero variance). A false agreement needs two
+    digests equal in those 20 bits; a caller that finds disagreement asks the ranks which one differs.
+
+    Args:
+        comm: the communicator over the ranks.
+        digest: this rank's digest (e.g. a SHA-256), at least 3 bytes.
+
+    Returns:
+        True on every rank when all digests' 20 bits agree, else False on every rank.
+    """
+    value = float(int.from_bytes(digest[:3], "little") >> 4)
+    sums = torch.tensor([value, value * value], dtype=torch.float64)
+    _all_reduce_on(comm, sums, "sum")
+    n = comm.size
+    return float(sums[0]) == n * value and float(sums[1]) == n * value * value

@@ -6,6 +6,7 @@ share), so a scenario gives the same numbers on the simulator, on Gloo and on MP
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -103,13 +104,23 @@ def train(
     return result
 
 
+def accum_adamw(parameters: Any) -> torch.optim.Optimizer:
+    """checkpoint_resume's default optimizer: AccumAdamW, lr 1e-2, accum_iter 2."""
+    return optim.AccumAdamW(parameters, lr=1e-2, accum_iter=2)
+
+
 def checkpoint_resume(
-    comm, directory: str | Path, algorithm_factory=ExactGossip, dcp: bool = False, **wrap_kwargs: Any
+    comm,
+    directory: str | Path,
+    algorithm_factory=ExactGossip,
+    dcp: bool = False,
+    optimizer_factory: Callable[[Any], torch.optim.Optimizer] = accum_adamw,
+    **wrap_kwargs: Any,
 ) -> dict[str, Any]:
-    """6 steps uninterrupted vs 3 + save + fresh objects + load + 3 (AccumAdamW, accum_iter=2), with an LR
-    scheduler, a private generator that perturbs each batch, and a plain dict saved as ``extra`` state;
-    ``dcp``: through a torch.distributed.checkpoint directory per rank (save_dcp / load_dcp); ``wrap_kwargs`` go
-    to the wrapper (e.g. ``gradient_tracking=True``)."""
+    """6 steps uninterrupted vs 3 + save + fresh objects + load + 3 (``optimizer_factory``'s optimizer, by default
+    AccumAdamW with accum_iter=2), with an LR scheduler, a private generator that perturbs each batch, and a plain
+    dict saved as ``extra`` state; ``dcp``: through a torch.distributed.checkpoint directory per rank (save_dcp /
+    load_dcp); ``wrap_kwargs`` go to the wrapper (e.g. ``gradient_tracking=True``)."""
     save, load = (save_dcp, load_dcp) if dcp else (save_checkpoint, load_checkpoint)
 
     def run(model, optimizer, scheduler, generator, progress, steps: range) -> None:
@@ -123,7 +134,7 @@ def checkpoint_resume(
 
     def fresh(seed: int) -> tuple:
         model = wrap(comm, make_mlp(seed), algorithm_factory(), **wrap_kwargs)
-        optimizer = optim.AccumAdamW(model.parameters(), lr=1e-2, accum_iter=2)
+        optimizer = optimizer_factory(model.parameters())
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
         return model, optimizer, scheduler, torch.Generator().manual_seed(seed), {}
 

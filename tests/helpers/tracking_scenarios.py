@@ -3,12 +3,14 @@ backends (Gloo, MPI)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import gossip
+import optim
 import topologies
 from helpers.parallel_scenarios import batch, checkpoint_resume, flat_parameters, loss_of, make_mlp
 
@@ -29,10 +31,12 @@ def tracked_steps(
     steps: int = STEPS,
     overlap: bool = False,
     schedule: str = "one_peer_hypercube",
+    optimizer_factory: Callable[[Any], torch.optim.Optimizer] | None = None,
 ) -> list[dict]:
-    """SGD with gradient tracking (``tracking``; default: PowerGossip trackers) on the built-in ``schedule``
-    (``overlap``: the overlapped, combine-then-adapt form); after every step: this rank's tracker y, its gradient
-    g^t, its ``.grad``, x and the bytes the step sent."""
+    """SGD (or ``optimizer_factory``'s optimizer) with gradient tracking (``tracking``; default: PowerGossip
+    trackers) on the built-in ``schedule`` (``overlap``: the overlapped, combine-then-adapt form); after every step:
+    this rank's tracker y, what it tracks (g^t, or the first moment for a momentum source), its ``.grad``, x,
+    the bytes the step sent and, for :class:`optim.MomentumTrackingAdamW`, its first moment h."""
     make = {"exact": gossip.ExactGossip, "powergossip": lambda: gossip.PowerGossip(rank=1, min_compression=1)}
     model = gossip.DecentralizedDataParallel(
         make_mlp(comm.rank),
@@ -42,7 +46,8 @@ def tracked_steps(
         gradient_tracking=tracking or tracker(),
         tracking_overlap=overlap,
     )
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    make_optimizer = optimizer_factory or (lambda parameters: torch.optim.SGD(parameters, lr=0.05))
+    optimizer = make_optimizer(model.parameters())
     rows = []
     for step in range(steps):
         loss_of(model, *batch(comm.rank, step)).backward()
@@ -56,6 +61,8 @@ def tracked_steps(
                 "bytes_sent": model.metrics.last["bytes_sent"],
             }
         )
+        if isinstance(optimizer, optim.MomentumTrackingAdamW):  # its first moment h_i
+            rows[-1]["h"] = torch.cat([optimizer.state[p]["h"].reshape(-1) for p in model.parameters()]).clone()
         optimizer.zero_grad()
     model.close()
     return rows
@@ -82,6 +89,12 @@ def assert_trackers_sum_to_the_gradients(per_rank: list[list[dict]], optimizer_s
                 assert torch.equal(rows[step]["grad"], rows[step]["y"]), f"step {step} rank {rank}"
 
 
+def momentum_tracking_adamw(parameters: Any, every: int = 2) -> optim.MomentumTrackingAdamW:
+    """Momentum tracking's optimizer, sampling the mean gradient's second moment every ``every`` steps (0: each
+    rank's own)."""
+    return optim.MomentumTrackingAdamW(parameters, lr=1e-2, betas=(0.9, 0.95), second_moment_every=every)
+
+
 def run_all(comm, directory: Path) -> dict[str, Any]:
     return {
         "exact": tracked_steps(comm, "exact"),
@@ -96,5 +109,17 @@ def run_all(comm, directory: Path) -> dict[str, Any]:
             False,
             gradient_tracking="powergossip",
             tracking_overlap=True,
+        ),
+        "momentum": tracked_steps(comm, "powergossip", True, optimizer_factory=momentum_tracking_adamw),
+        "momentum-own-v": tracked_steps(
+            comm, "powergossip", True, optimizer_factory=lambda parameters: momentum_tracking_adamw(parameters, 0)
+        ),
+        "momentum-checkpoint": checkpoint_resume(
+            comm,
+            directory / "momentum",
+            gossip.PowerGossip,
+            False,
+            optimizer_factory=momentum_tracking_adamw,
+            gradient_tracking=True,
         ),
     }

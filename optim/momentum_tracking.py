@@ -1,0 +1,210 @@
+r"""MomentumTrackingAdamW: AdamW whose first moment the wrapper's gradient tracker averages over the ranks.
+
+Momentum tracking (Takezawa, Bao, Niwa, Sato & Yamada, "Momentum Tracking: Momentum Acceleration for Decentralized
+Deep Learning on Heterogeneous Data", TMLR 2023) tracks each rank's first moment instead of its gradient. Per step t
+on rank i, with :math:`g_i` the rank's gradient, in three phases:
+
+1. :meth:`MomentumTrackingAdamW.prepare_momentum` (``DecentralizedDataParallel`` calls it inside
+   ``optimizer.step()``, after the parameters' mixing, before the tracker):
+
+   .. math::  h_i \leftarrow \beta_1 h_i + (1-\beta_1)\, g_i, \qquad v_i \leftarrow \beta_2 v_i + (1-\beta_2)\, g_i^2,
+              \qquad \texttt{.grad} \leftarrow h_i
+
+2. the wrapper's gradient tracker (``gradient_tracking=True``) replaces ``.grad`` by
+   :math:`z_i = \sum_j W_{ij}(t)\,(z_j + h_j^t - h_j^{t-1})`, whose mean over the ranks is the mean first moment at
+   every step -- DDP's, the EMA being linear (``gossip/wrapper/tracking.py`` has the induction). The tracker's
+   increments are :math:`(1-\beta_1)(g_i - h_i^{t-1})`, a tenth of the gradient's noise at :math:`\beta_1 = 0.9`,
+   where gradient tracking's :math:`g_i^t - g_i^{t-1}` carry twice its variance.
+
+3. the update, with :math:`\hat z = z_i / (1-\beta_1^t)` and decoupled weight decay :math:`\lambda`:
+
+   .. math::  x \leftarrow x\,(1 - \mathrm{lr}\,\lambda) - \mathrm{lr}\,
+              \frac{\hat z}{\sqrt{\max(\hat v, \hat z^2)} + \epsilon}
+
+The second moment :math:`\hat v`. With ``second_moment_every = 0`` it is the rank's own,
+:math:`v_i / (1-\beta_2^t)`. With K > 0 it is the **mean gradient's**: on every K-th step, counted from the first
+(t = 0, K, 2K, ...), the wrapper all-reduces the ranks' gradients and hands their mean :math:`\bar g` to
+:meth:`~MomentumTrackingAdamW.take_mean_gradient`, which advances :math:`u \leftarrow \beta_2^K u + (1-\beta_2^K)\,
+\bar g^2` (the same time constant in steps as :math:`v_i`); then
+
+.. math::  \hat v = \max\Big(\frac{u}{1-\beta_2^{K s}},\; \frac{v_i}{n\,(1-\beta_2^t)}\Big)
+
+after s samples over n ranks (the rank's own before the first sample). Why both halves: every rank then divides the
+mean first moment by the mean gradient's second moment, DDP's step, where each rank's own
+:math:`E[g_i^2] = g^2 + \sigma^2` exceeds DDP's :math:`g^2 + \sigma^2/n` in the noisy coordinates; momentum tracking
+with each rank's own second moment shrinks those steps below per-worker AdamW's, and a shared second moment on
+each rank's own first moment lets the replicas drift apart (experiments/learning_per_step/README.md, "Momentum
+tracking with the mean gradient's second moment").
+
+Why the floors. A tracker carries the other ranks' first moments into coordinates this rank's batches never touch
+(embedding rows), where :math:`v_i \approx 0`; :math:`\max(\cdot, \hat z^2)` keeps every coordinate's step within
+lr. A coordinate whose mean gradient is 0 at the last sample would be divided by ~0 until the next one; the floor
+:math:`v_i/n` is the mean gradient's second moment where the ranks' gradients are independent noise.
+
+Without the wrapper (or without its gradient tracking), :math:`z_i = h_i`, and with ``second_moment_every = 0`` the
+update is AdamW's wherever AdamW's :math:`\hat m^2 \le \hat v` (elsewhere the floor shortens the step to lr).
+:meth:`~MomentumTrackingAdamW.step` runs :meth:`~MomentumTrackingAdamW.prepare_momentum` itself when nothing
+called it in this step. Nothing here communicates: the mean gradient comes from the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from numbers import Integral
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from optim.hyperparameters import validate_adam_hyperparameters
+
+__all__ = ["MomentumTrackingAdamW"]
+
+
+class MomentumTrackingAdamW(Optimizer):
+    """AdamW for momentum tracking: the first moment travels through the wrapper's tracker (module docstring).
+
+    Use it with ``DecentralizedDataParallel(..., gradient_tracking=True)``: the wrapper then calls
+    :meth:`prepare_momentum` before its tracker and, on the steps :meth:`mean_gradient_due` names, all-reduces the
+    gradients for :meth:`take_mean_gradient` (``2 (n-1)/n`` of the model's bytes per rank, once every
+    ``second_moment_every`` steps). The state (``h``, ``v``, ``u``, the sample count) and the step count are part of
+    :meth:`state_dict`.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate.
+        betas: (beta1, beta2), the first and second moments' EMA rates.
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay (AdamW's).
+        second_moment_every: steps between two samples of the mean gradient's second moment (the same on every
+            rank); 0 keeps each rank's own.
+
+    Raises:
+        ValueError: a hyper-parameter is out of range (named in the message).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        second_moment_every: int = 32,
+    ) -> None:
+        every = second_moment_every
+        if not isinstance(every, Integral) or isinstance(every, bool) or every < 0:
+            raise ValueError(f"MomentumTrackingAdamW: second_moment_every must be an integer >= 0, got {every!r}")
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        validate_adam_hyperparameters(defaults, "MomentumTrackingAdamW arguments")
+        # the step count and the number of ranks of the last sample live in the groups, so state_dict saves them
+        super().__init__(params, {**defaults, "tracking_step": 0, "workers": 1})
+        for index, group in enumerate(self.param_groups):
+            validate_adam_hyperparameters(group, f"MomentumTrackingAdamW param group {index}")
+        self.second_moment_every = int(every)
+        self._prepared = False  # prepare_momentum ran in this step
+
+    def _state(self, p: Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state["step"], state["samples"] = 0, 0
+            state["h"], state["v"], state["shared"] = (torch.zeros_like(p) for _ in range(3))
+        return state
+
+    def _with_gradients(self) -> Iterator[tuple[dict[str, Any], Tensor, dict[str, Any]]]:
+        """(param group, parameter, its state) for every parameter that has a gradient."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    yield group, p, self._state(p)
+
+    def mean_gradient_due(self) -> bool:
+        """Whether this step samples the mean gradient (call before :meth:`prepare_momentum`).
+
+        Returns:
+            True on steps 0, K, 2K, ... with K = ``second_moment_every`` > 0.
+        """
+        every = self.second_moment_every
+        return every > 0 and self.param_groups[0]["tracking_step"] % every == 0
+
+    @torch.no_grad()
+    def take_mean_gradient(self, means: Mapping[Tensor, Tensor], workers: int) -> None:
+        """Advance the mean gradient's second moment u with one sample.
+
+        Args:
+            means: the mean over the ranks of each parameter's gradient, keyed by the parameter (a parameter left
+                out is not sampled).
+            workers: n, the number of ranks the mean is over (the floor divides by it).
+
+        Raises:
+            ValueError: ``second_moment_every`` is 0, or ``workers`` < 1.
+        """
+        if not self.second_moment_every:
+            raise ValueError("MomentumTrackingAdamW: take_mean_gradient with second_moment_every=0 (no samples)")
+        if workers < 1:
+            raise ValueError(f"MomentumTrackingAdamW: workers must be >= 1, got {workers}")
+        for group in self.param_groups:
+            group["workers"] = int(workers)
+            rate = group["betas"][1] ** self.second_moment_every
+            for p in group["params"]:
+                if p in means:
+                    state = self._state(p)
+                    state["shared"].mul_(rate).addcmul_(means[p], means[p], value=1 - rate)
+                    state["samples"] += 1
+
+    @torch.no_grad()
+    def prepare_momentum(self) -> None:
+        """Advance h_i and v_i with each parameter's gradient and write h_i into ``.grad`` (phase 1)."""
+        for group, p, state in self._with_gradients():
+            beta1, beta2 = group["betas"]
+            state["step"] += 1
+            g = p.grad
+            state["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            state["h"].lerp_(g, 1 - beta1)
+            p.grad.copy_(state["h"])
+        for group in self.param_groups:
+            group["tracking_step"] += 1
+        self._prepared = True
+
+    def second_moment(self, group: dict[str, Any], state: dict[str, Any]) -> Tensor:
+        """The bias-corrected second moment v-hat that divides the step (module docstring), before the z^2 floor.
+
+        Args:
+            group: the parameter's group.
+            state: its state.
+
+        Returns:
+            A new tensor.
+        """
+        beta2 = group["betas"][1]
+        local = state["v"] / (1 - beta2 ** state["step"])
+        if not self.second_moment_every or not state["samples"]:
+            return local
+        shared = state["shared"] / (1 - (beta2**self.second_moment_every) ** state["samples"])
+        return torch.maximum(shared, local / group["workers"])
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """The update (phase 3) on what ``.grad`` holds: the tracker z_i, or h_i without one.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._prepared:
+            self.prepare_momentum()
+        self._prepared = False
+        for group, p, state in self._with_gradients():
+            beta1 = group["betas"][0]
+            first = p.grad / (1 - beta1 ** state["step"])
+            denominator = torch.maximum(self.second_moment(group, state), first.square()).sqrt_()
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.addcdiv_(first, denominator.add_(group["eps"]), value=-group["lr"])
+        return loss

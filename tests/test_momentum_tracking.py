@@ -1,0 +1,250 @@
+"""Momentum tracking (optim.MomentumTrackingAdamW with ``gradient_tracking``; gossip/wrapper/momentum.py): the
+optimizer alone, then on the simulator: the trackers' sum is the sum of the ranks' first moments at every step, the
+sampled second moment is the mean gradient's, its all-reduce is booked, the ranks must agree on the optimizer, the
+misuses are named, and resume is bit-identical. The same scenarios on Gloo and MPI against the simulator:
+test_gradient_tracking_powergossip.py ("momentum" cases)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.adam_reference import where_adams_m_squared_exceeds_v
+from helpers.parallel_scenarios import batch, checkpoint_resume, loss_of, make_mlp, wrap
+from helpers.tracking_scenarios import assert_trackers_sum_to_the_gradients, momentum_tracking_adamw, tracked_steps
+
+import gossip
+import optim
+from gossip.backends.base import ring_all_reduce_bytes
+from gossip.errors import InvalidArgumentError, ReplicaMismatchError, StepPhaseError
+
+N = 4
+BETAS = (0.9, 0.95)
+
+
+def _adamw_trajectory(gradients: list[torch.Tensor]) -> torch.Tensor:
+    weight = torch.nn.Parameter(torch.ones(64, dtype=torch.float64))
+    adamw = torch.optim.AdamW([weight], lr=1e-2, betas=BETAS, eps=1e-8, weight_decay=0.1)
+    for gradient in gradients:
+        weight.grad = gradient.clone()
+        adamw.step()
+    return weight.detach()
+
+
+def test_alone_with_its_own_second_moment_it_is_adamw_but_where_adams_m_squared_exceeds_v():
+    """No tracker: z = h, the rank's own first moment; with its own v the update is AdamW's in every coordinate
+    where AdamW's bias-corrected m^2 never exceeded v, and step() prepares the first moment itself."""
+    generator = torch.Generator().manual_seed(0)
+    gradients = [torch.randn(64, generator=generator, dtype=torch.float64) + 0.3 for _ in range(40)]
+    weight = torch.nn.Parameter(torch.ones(64, dtype=torch.float64))
+    optimizer = optim.MomentumTrackingAdamW([weight], lr=1e-2, betas=BETAS, weight_decay=0.1, second_moment_every=0)
+    for gradient in gradients:
+        weight.grad = gradient.clone()
+        optimizer.step()
+    adamw, floored = _adamw_trajectory(gradients), where_adams_m_squared_exceeds_v(gradients, BETAS)
+    assert 0 < floored.sum() < 8  # the case occurs, in a few coordinates
+    torch.testing.assert_close(weight.detach()[~floored], adamw[~floored], rtol=0, atol=1e-12)
+    torch.testing.assert_close(weight.detach()[floored], adamw[floored], rtol=0, atol=1e-4)
+
+
+def test_no_coordinate_moves_more_than_lr_where_the_own_second_moment_is_zero():
+    """A coordinate this rank's batches never touch has v_i = 0 while the tracker carries the others' first
+    moments: the z^2 floor bounds its step by lr (without it: about z / eps)."""
+    weight = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    optimizer = optim.MomentumTrackingAdamW([weight], lr=1e-3, betas=BETAS, weight_decay=0.0, second_moment_every=0)
+    for _ in range(3):
+        weight.grad = torch.zeros(4, dtype=torch.float64)
+        optimizer.prepare_momentum()
+        weight.grad = torch.full((4,), 0.05, dtype=torch.float64)  # the tracker: the other ranks' first moments
+        before = weight.detach().clone()
+        optimizer.step()
+        assert (weight.detach() - before).abs().max().item() == pytest.approx(1e-3, rel=1e-6)
+
+
+def test_the_mean_gradient_is_due_every_k_steps_from_the_first_and_its_square_is_the_second_moment():
+    weight = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    optimizer = optim.MomentumTrackingAdamW([weight], lr=0.0, betas=BETAS, second_moment_every=3)
+    due = []
+    for _ in range(7):
+        due.append(optimizer.mean_gradient_due())
+        if due[-1]:
+            optimizer.take_mean_gradient({weight: torch.full((3,), 2.0, dtype=torch.float64)}, workers=4)
+        weight.grad = torch.ones(3, dtype=torch.float64)
+        optimizer.step()
+    assert due == [True, False, False, True, False, False, True]
+    state, group = optimizer.state[weight], optimizer.param_groups[0]
+    assert state["samples"] == 3 and group["workers"] == 4 and group["tracking_step"] == 7
+    # u over 3 samples of 2^2, bias-corrected: exactly 4 (above the floor v_i / n = 1 / 4)
+    torch.testing.assert_close(optimizer.second_moment(group, state), torch.full((3,), 4.0, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"second_moment_every": -1}, "second_moment_every must be an integer >= 0"),
+        ({"second_moment_every": True}, "second_moment_every must be an integer >= 0"),
+        ({"lr": -1.0}, "lr must be a finite float >= 0"),
+        ({"betas": (0.9, 1.0)}, r"betas\[1\] must lie in \[0, 1\)"),
+    ],
+)
+def test_bad_hyper_parameters_are_named(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        optim.MomentumTrackingAdamW([torch.nn.Parameter(torch.zeros(2))], **arguments)
+
+
+def test_a_sample_without_sampling_is_refused():
+    optimizer = optim.MomentumTrackingAdamW([torch.nn.Parameter(torch.zeros(2))], second_moment_every=0)
+    assert not optimizer.mean_gradient_due()
+    with pytest.raises(ValueError, match="second_moment_every=0"):
+        optimizer.take_mean_gradient({}, workers=2)
+
+
+# -- in the wrapper, on the simulator --------------------------------------------------------------------------
+def _momentum_steps(comm, tracking=True, every: int = 2) -> list[dict]:
+    factory = momentum_tracking_adamw if every == 2 else None
+
+    def make(parameters):
+        return optim.MomentumTrackingAdamW(parameters, lr=1e-2, betas=BETAS, second_moment_every=every)
+
+    return tracked_steps(comm, "exact", tracking, steps=6, optimizer_factory=factory or make)
+
+
+def test_the_trackers_sum_is_the_sum_of_the_ranks_first_moments_at_every_step():
+    per_rank = gossip.simulate(N, _momentum_steps)
+    assert_trackers_sum_to_the_gradients(per_rank)  # "g": what the tracker tracked, and .grad is the tracker
+    for rank, rows in enumerate(per_rank):
+        for step, row in enumerate(rows):  # what it tracked is the optimizer's first moment, bit for bit
+            assert torch.equal(row["g"], row["h"]), f"rank {rank} step {step}"
+            assert row["h"].abs().max() > 0
+    assert not torch.equal(per_rank[0][-1]["y"], per_rank[0][-1]["h"])  # and mixing changed it
+
+
+def _sampled_second_moment(comm) -> dict:
+    """One step; the optimizer's u after its sample of the mean gradient, and this rank's gradient."""
+    model = wrap(comm, make_mlp(comm.rank), gradient_tracking=True)
+    optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=1e-2, betas=BETAS, second_moment_every=2)
+    loss_of(model, *batch(comm.rank, 0)).backward()
+    gradient = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+    optimizer.step()
+    shared = torch.cat([optimizer.state[p]["shared"].reshape(-1) for p in model.parameters()]).clone()
+    workers = optimizer.param_groups[0]["workers"]
+    model.close()
+    return {"gradient": gradient, "shared": shared, "workers": workers}
+
+
+def test_the_sample_is_the_mean_gradient_of_all_ranks_the_same_on_every_rank():
+    results = gossip.simulate(N, _sampled_second_moment)
+    mean = torch.stack([r["gradient"] for r in results]).double().mean(0)
+    rate = BETAS[1] ** 2
+    for rank, result in enumerate(results):
+        assert result["workers"] == N
+        assert torch.equal(result["shared"], results[0]["shared"]), f"rank {rank}"
+        expected = ((1 - rate) * mean.square()).float()
+        torch.testing.assert_close(result["shared"], expected, rtol=1e-5, atol=1e-12)
+
+
+def test_a_step_that_samples_costs_one_more_all_reduce_of_the_gradients():
+    """every 2 steps on the one-peer hypercube: steps 0, 2, 4 send the trackers', the parameters' and the
+    all-reduce's bytes, steps 1, 3, 5 the first two only."""
+    per_rank = gossip.simulate(N, _momentum_steps)
+    for rows in per_rank:
+        sent = [row["bytes_sent"] for row in rows]
+        model_bytes = rows[0]["x"].numel() * 4
+        assert sent[1] == sent[3] == sent[5] == 2 * model_bytes  # parameters and trackers, one peer each
+        assert sent[0] - sent[1] == ring_all_reduce_bytes(model_bytes, N)  # the MLP fits one bucket
+        assert sent[2] == sent[4] == sent[0]
+
+
+def test_resume_is_bit_identical(tmp_path):
+    results = gossip.simulate(
+        N,
+        lambda comm: checkpoint_resume(
+            comm,
+            tmp_path / f"r{comm.rank}",
+            gossip.PowerGossip,
+            optimizer_factory=momentum_tracking_adamw,
+            gradient_tracking=True,
+        ),
+    )
+    for rank, result in enumerate(results):
+        assert result["resumed_at"] == 3
+        assert torch.equal(result["resumed"], result["uninterrupted"]), f"rank {rank}"
+
+
+def _mismatched_optimizers(comm, plain_rank: int | None, every_on_rank_2: int) -> str:
+    model = wrap(comm, make_mlp(comm.rank), gradient_tracking=True)
+    every = every_on_rank_2 if comm.rank == 2 else 4
+    if comm.rank == plain_rank:
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=1e-2, second_moment_every=every)
+    loss_of(model, *batch(comm.rank, 0)).backward()
+    try:
+        optimizer.step()
+    except ReplicaMismatchError as error:
+        return str(error)
+    finally:
+        model.close()
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    ("plain_rank", "every_on_rank_2", "named"),
+    [
+        (None, 8, "rank 2's optimizer is MomentumTrackingAdamW(second_moment_every=8) where rank 0's is "
+         "MomentumTrackingAdamW(second_moment_every=4)"),
+        (1, 4, "rank 1's optimizer is an optimizer that steps on .grad (not a momentum source) where rank 0's is "
+         "MomentumTrackingAdamW(second_moment_every=4)"),
+    ],
+)  # fmt: skip
+def test_ranks_that_disagree_on_the_optimizer_are_named_on_every_rank(plain_rank, every_on_rank_2, named):
+    for message in gossip.simulate(N, _mismatched_optimizers, plain_rank, every_on_rank_2):
+        assert message.startswith("step 0: ") and named in message, message
+
+
+def _misuse(comm, how: str) -> str:
+    model = wrap(comm, make_mlp(comm.rank), gradient_tracking=True)
+    optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=1e-2, second_moment_every=2)
+    loss = loss_of(model, *batch(comm.rank, 0))
+    try:
+        if how == "closure":
+            optimizer.step(lambda: loss)
+        else:
+            loss.backward()
+            model.finish_mixing()
+            optimizer.step()
+    except (InvalidArgumentError, StepPhaseError) as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        model.close()
+    return "accepted"
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ("closure", "InvalidArgumentError: rank {rank}: step 0: MomentumTrackingAdamW.step(closure)"),
+        ("finish_mixing", "StepPhaseError: rank {rank}: step 0: finish_mixing() ran before MomentumTrackingAdamW"),
+    ],
+)
+def test_a_closure_and_an_explicit_finish_mixing_are_refused(how, expected):
+    for rank, message in enumerate(gossip.simulate(2, _misuse, how)):
+        assert message.startswith(expected.format(rank=rank)), message
+
+
+def test_momentum_tracking_trains():
+    def losses(comm) -> list[float]:
+        model = wrap(comm, make_mlp(comm.rank), gradient_tracking=True)
+        optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=1e-2, betas=BETAS, second_moment_every=2)
+        values = []
+        for step in range(20):
+            loss = loss_of(model, *batch(comm.rank, step))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            values.append(loss.item())
+        model.close()
+        return values
+
+    per_rank = gossip.simulate(N, losses)
+    first, last = sum(r[0] for r in per_rank) / N, sum(r[-1] for r in per_rank) / N
+    assert last < 0.8 * first
