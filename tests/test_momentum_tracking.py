@@ -118,6 +118,17 @@ def test_the_trackers_sum_is_the_sum_of_the_ranks_first_moments_at_every_step():
     assert not torch.equal(per_rank[0][-1]["y"], per_rank[0][-1]["h"])  # and mixing changed it
 
 
+def test_the_overlapped_tracker_carries_the_first_moments_too():
+    """tracking_overlap=True (combine-then-adapt: the previous trackers travel during forward and backward) with a
+    momentum source: the same sum invariant over the first moments, and what it tracks is the optimizer's h."""
+    per_rank = gossip.simulate(
+        N, lambda comm: tracked_steps(comm, "exact", True, 6, True, optimizer_factory=momentum_tracking_adamw)
+    )
+    assert_trackers_sum_to_the_gradients(per_rank)
+    for rows in per_rank:
+        assert all(torch.equal(row["g"], row["h"]) for row in rows)
+
+
 def _sampled_second_moment(comm) -> dict:
     """One step; the optimizer's u after its sample of the mean gradient, and this rank's gradient."""
     model = wrap(comm, make_mlp(comm.rank), gradient_tracking=True)

@@ -122,6 +122,7 @@ class RunConfig:
     between: str = ""  # diloco: "powergossip" mixes the replicas every step between synchronisations (a hybrid)
     gradient_tracking: bool | str = False  # the wrapper's gradient tracking: the optimizer steps on y_i, not g_i;
     # True: exact trackers, "powergossip": trackers mixed by this configuration's PowerGossip (rank, iterations, dtype)
+    tracking_overlap: bool = False  # the trackers' exchange during forward and backward (combine-then-adapt)
     delayed_last_iteration: bool = False  # PowerGossip's last power iteration applied at the next step
     optimizer: str = "adamw"  # adamw | accum-adamw | debiased-adamw | smoothed-v-adamw | shared-v-adamw |
     # tracked-m-adamw | sgd
@@ -290,7 +291,13 @@ def train_run(config: RunConfig, seed: int, device: str = "cpu") -> dict[str, li
             parameters = list(module.parameters())
         else:
             wrapped = gossip.DecentralizedDataParallel(
-                module, comm, make_schedule(config), algorithm, seed=seed, gradient_tracking=tracking(config)
+                module,
+                comm,
+                make_schedule(config),
+                algorithm,
+                seed=seed,
+                gradient_tracking=tracking(config),
+                tracking_overlap=config.tracking_overlap,
             )
             parameters = [b.buffer for b in wrapped.buckets]
         optimizer = make_optimizer(config, module)
@@ -630,6 +637,16 @@ def suite(name: str) -> list[RunConfig]:
         # a slower first moment changes less per step, so compressed trackers might keep up: beta1 0.95 and 0.99,
         # beside DDP with beta1 0.99
         c("ddp-b0.99", algorithm="ddp", beta1=0.99, **d),
+        # the defaults' PowerGossip and exact momentum trackers whose exchange overlaps forward and backward
+        c(
+            "pg4-it2-fp16-mt-sharedv32-overlap",
+            gradient_tracking=True,
+            tracking_overlap=True,
+            **mt,
+            **shared_v(32),
+            **pg,
+            **d,
+        ),
         *(
             c(
                 f"pg4-it2-fp16-mtpg-sharedv32-b{beta1}",
