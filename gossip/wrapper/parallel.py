@@ -686,6 +686,7 @@ class DecentralizedDataParallel(nn.Module):
         where = f"rank {self.comm.rank}: step {self.step_count}"
         if not self._optimizer_agreed:
             self._require_usable("optimizer step (mixing)")
+            self._settle_exchange()  # a collective while step t's exchange may be in flight
             with self._naming_step():
                 check_optimizer_agreement(self.comm, optimizer, self.step_count)
             self._optimizer_agreed = True
