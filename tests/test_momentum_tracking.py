@@ -99,13 +99,9 @@ def test_a_sample_without_sampling_is_refused():
 
 
 # -- in the wrapper, on the simulator --------------------------------------------------------------------------
-def _momentum_steps(comm, tracking=True, every: int = 2) -> list[dict]:
-    factory = momentum_tracking_adamw if every == 2 else None
-
-    def make(parameters):
-        return optim.MomentumTrackingAdamW(parameters, lr=1e-2, betas=BETAS, second_moment_every=every)
-
-    return tracked_steps(comm, "exact", tracking, steps=6, optimizer_factory=factory or make)
+def _momentum_steps(comm) -> list[dict]:
+    """Six steps of exact gossip and exact trackers, the mean gradient sampled every 2 steps."""
+    return tracked_steps(comm, "exact", True, steps=6, optimizer_factory=momentum_tracking_adamw)
 
 
 def test_the_trackers_sum_is_the_sum_of_the_ranks_first_moments_at_every_step():

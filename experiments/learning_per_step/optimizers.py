@@ -21,12 +21,6 @@ def _with_gradients(optimizer: torch.optim.Optimizer) -> Iterator[tuple[dict, to
                 yield group, p, optimizer.state[p]
 
 
-def _take_sample(state: dict, mean: torch.Tensor, rate: float) -> None:
-    """Advance ``state["shared"]``, the EMA (``rate`` per sample) of the squared mean gradient, by one sample."""
-    state["shared"].mul_(rate).addcmul_(mean, mean, value=1 - rate)
-    state["samples"] = state.get("samples", 0) + 1
-
-
 class _StudyAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, per-tensor loop) whose bias-corrected second moment :meth:`second_moment`
     gives; state m, v and one more buffer, ``extra``, per parameter. For the study's variants."""
@@ -149,7 +143,8 @@ class SharedSecondMomentAdamW(_StudyAdamW):
                 if not state:  # sampled before its first step: the state _StudyAdamW.step would make
                     state["step"] = 0
                     state["m"], state["v"], state["shared"] = (torch.zeros_like(p) for _ in range(3))
-                _take_sample(state, means[p], rate)
+                state["shared"].mul_(rate).addcmul_(means[p], means[p], value=1 - rate)
+                state["samples"] = state.get("samples", 0) + 1
 
     def second_moment(self, state: dict, g: torch.Tensor, beta2: float) -> torch.Tensor:
         v = state["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)

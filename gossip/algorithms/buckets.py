@@ -67,6 +67,33 @@ class Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
 
+def gradients_into(
+    buckets: Sequence[Bucket], parameters: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
+) -> dict[torch.Tensor, torch.Tensor]:
+    """Copy each parameter's ``.grad`` into ``targets``, zeros for a parameter without one.
+
+    Args:
+        buckets: the parameters' buckets.
+        parameters: the parameters, in the order of the buckets' entries.
+        targets: one flat buffer per bucket, laid out like it (see :meth:`Bucket.view`).
+
+    Returns:
+        The views of ``targets`` holding the gradients, keyed by the parameters that have one.
+    """
+    views, position = {}, 0
+    for bucket, target in zip(buckets, targets, strict=True):
+        for entry in bucket.entries:
+            parameter = parameters[position]
+            position += 1
+            view = bucket.view(entry, target)
+            if parameter.grad is None:
+                view.zero_()
+            else:
+                view.copy_(parameter.grad)
+                views[parameter] = view
+    return views
+
+
 def _groups(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
     """Consecutive tensors of the same dtype and device, cut when a bucket would exceed ``bucket_bytes``."""
     groups: list[list[tuple[str, torch.Tensor]]] = []

@@ -47,8 +47,8 @@ from gossip.errors import ConfigError, NonFiniteError
 from gossip.wrapper.parallel import DecentralizedDataParallel
 
 logger = logging.getLogger(__name__)
-OPTIMIZERS = ("accum-adamw", "adamw", "momentum-tracking-adamw", "sgd")
 MOMENTUM_TRACKING = "momentum-tracking-adamw"  # optim.MomentumTrackingAdamW: needs --gradient-tracking
+OPTIMIZERS = ("accum-adamw", "adamw", MOMENTUM_TRACKING, "sgd")
 DDP = "ddp"  # torch DistributedDataParallel: the All-Reduce baseline (gradient all-reduce, no schedule)
 AVERAGING_EVERY_STEP = (DDP, "allreduce")  # --average-every changes nothing for these
 DILOCO = "diloco"

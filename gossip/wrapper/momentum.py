@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from gossip.algorithms.base import Algorithm
-from gossip.algorithms.buckets import Bucket
+from gossip.algorithms.buckets import Bucket, gradients_into
 from gossip.backends.base import Communicator
 from gossip.errors import ReplicaMismatchError
 from gossip.wrapper.replicas import digests_agree
@@ -110,25 +110,6 @@ def check_optimizer_agreement(comm: Communicator, optimizer: torch.optim.Optimiz
     )
 
 
-def _gradients_in_buckets(
-    buckets: Sequence[Bucket], parameters: Sequence[torch.Tensor]
-) -> tuple[list[torch.Tensor], dict[torch.Tensor, torch.Tensor]]:
-    """Copies of the gradients in the buckets' layout (zeros for a parameter without ``.grad``), and the views of
-    those copies keyed by the parameters that have one."""
-    flats, views, position = [], {}, 0
-    for bucket in buckets:
-        flat = torch.zeros_like(bucket.buffer)
-        for entry in bucket.entries:
-            parameter = parameters[position]
-            position += 1
-            if parameter.grad is not None:
-                view = bucket.view(entry, flat)
-                view.copy_(parameter.grad)
-                views[parameter] = view
-        flats.append(flat)
-    return flats, views
-
-
 @torch.no_grad()
 def prepare_momentum(
     source: MomentumSource,
@@ -147,7 +128,8 @@ def prepare_momentum(
         parameters: the trainable parameters, in the order of the buckets' entries.
     """
     if source.mean_gradient_due():
-        flats, means = _gradients_in_buckets(buckets, parameters)
+        flats = [torch.zeros_like(bucket.buffer) for bucket in buckets]
+        means = gradients_into(buckets, parameters, flats)  # averaged in place below
         handles: list[Any] = [algorithm._all_reduce(flat, "avg") for flat in flats]
         for handle in handles:
             algorithm._wait(handle)

@@ -305,7 +305,6 @@ class DecentralizedDataParallel(nn.Module):
         )
         self._ownership: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._optimizer_agreed = False  # the ranks compared their optimizers' kinds (gossip.wrapper.momentum)
-        self._momentum: MomentumSource | None = None  # the optimizer stepping now, if a momentum source
         self._momentum_prepared_at = -1  # the step whose first moment the optimizer last prepared
         self.step_count = 0
         self._exchange: Any = None  # what algorithm.start(t) returned, while the step is EXCHANGING
@@ -435,6 +434,11 @@ class DecentralizedDataParallel(nn.Module):
             StepPhaseError: called inside ``averaged()``.
             UseAfterCloseError: called after ``close()``.
         """
+        self._mix_before_update(None)
+
+    def _mix_before_update(self, momentum: MomentumSource | None) -> None:
+        """:meth:`finish_mixing`, with ``momentum``, the stepping optimizer if it is a momentum source, whose first
+        moment then goes through the tracker (:func:`gossip.wrapper.momentum.prepare_momentum`)."""
         self._require_usable("optimizer step (mixing)")
         if self._averaging:
             raise StepPhaseError(
@@ -445,9 +449,9 @@ class DecentralizedDataParallel(nn.Module):
             return
         self._check_parameters()
         with self._naming_step():
-            self._finish_mixing()
+            self._finish_mixing(momentum)
 
-    def _finish_mixing(self) -> None:
+    def _finish_mixing(self, momentum: MomentumSource | None) -> None:
         self.metrics.flush()
         if self.phase is StepPhase.IDLE:
             self._start()
@@ -455,8 +459,8 @@ class DecentralizedDataParallel(nn.Module):
         begin = time.perf_counter()
         self.algorithm.finish(self._exchange)
         self._exchange = None
-        if self._momentum is not None:
-            prepare_momentum(self._momentum, self.algorithm, self.buckets, self._parameters_in_order)
+        if momentum is not None:
+            prepare_momentum(momentum, self.algorithm, self.buckets, self._parameters_in_order)
             self._momentum_prepared_at = self.step_count
         if self.tracker is not None:
             self.tracker.track(self.step_count)
@@ -672,11 +676,7 @@ class DecentralizedDataParallel(nn.Module):
         source = momentum_source(optimizer)
         if source is not None or self.tracker is not None:
             self._check_optimizer(optimizer, source, computes_gradients)
-        self._momentum = source
-        try:
-            self.finish_mixing()
-        finally:
-            self._momentum = None
+        self._mix_before_update(source)
 
     def _check_optimizer(
         self, optimizer: torch.optim.Optimizer, source: MomentumSource | None, computes_gradients: bool

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from gossip.algorithms.base import Algorithm
-from gossip.algorithms.buckets import Bucket
+from gossip.algorithms.buckets import Bucket, gradients_into
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.powergossip import PowerGossip
 from gossip.errors import ArgumentTypeError, CheckpointMismatchError, InvalidArgumentError
@@ -226,19 +226,6 @@ class GradientTracker:
             self.mixing.finish(pending)
             self._mixing_before = None
 
-    def _read_gradients(self) -> None:
-        """g^t into the fresh buffers (a parameter without ``.grad`` counts as zero)."""
-        parameters, position = self._parameters, 0
-        for tracker, fresh in zip(self.trackers, self._fresh, strict=True):
-            for entry in tracker.entries:
-                grad = parameters[position].grad
-                position += 1
-                target = tracker.view(entry, fresh)
-                if grad is None:
-                    target.zero_()
-                else:
-                    target.copy_(grad)
-
     def _correct(self) -> None:
         """y_i += g_i^t - g_i^{t-1}; g^{t-1} <- g^t."""
         for tracker, previous, fresh in zip(self.trackers, self.previous, self._fresh, strict=True):
@@ -260,7 +247,7 @@ class GradientTracker:
         has_gradient = any(p.grad is not None for p in parameters)
         with torch.no_grad():
             if has_gradient:
-                self._read_gradients()
+                gradients_into(self.trackers, parameters, self._fresh)  # g^t (a missing .grad counts as 0)
             if self.overlap:
                 self.start(step)  # posted already unless this step had no start (then blocking)
                 pending, self._pending = self._pending, None
