@@ -250,3 +250,18 @@ def test_the_hybrid_is_the_main_jobs_powergossip_with_a_plain_average_every_h_st
     between = algorithm.between
     assert isinstance(between, gossip.PowerGossip) and between.matrix_rank == 4 and between.num_iterations == 2
     assert between.message_dtype == torch.float16 and config.optimizer == "adamw" and config.seed == 1
+
+
+@pytest.mark.parametrize(("method", "parameters"), [("exact-mt-adamw", "exact"),
+                                                    ("pg4-it2-fp16-mt-adamw", "powergossip")])  # fmt: skip
+def test_momentum_tracking_methods_run_the_optimizer_on_exact_trackers(method, parameters):
+    """The momentum-tracking methods mix the parameters as named, track with exact trackers, step with
+    MomentumTrackingAdamW sampling the mean gradient's second moment every 32 steps, and take no outer step."""
+    from gossip.app.cli import build_parser, config_from
+    from gossip.app.train import resolve
+
+    argv = METHODS[method].argv(300, 8, "out", 1)
+    config, _ = resolve(config_from(build_parser().parse_args(argv[3:])), 8)
+    assert config.algorithm == parameters and config.outer_every == 0 and config.seed == 1
+    assert config.gradient_tracking == "exact" and config.optimizer == "momentum-tracking-adamw"
+    assert config.second_moment_every == 32

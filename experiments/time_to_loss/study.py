@@ -146,6 +146,15 @@ def _hybrid_average(local_steps: int, delay: int = 0) -> Method:
     return Method(f"pg4-it2-fp16-h{local_steps}-d{delay}-avg-adamw", label, _gossip_train(*options))
 
 
+def _momentum_tracking(name: str, label: str, *algorithm: str) -> Method:
+    """``algorithm`` for the parameters, exact gradient trackers carrying the optimizer's first moment, and the mean
+    gradient's second moment sampled every 32 steps (``optim.MomentumTrackingAdamW``; the learning-per-step study's
+    ``*-mt-sharedv32``)."""
+    options = [*algorithm, "--gradient-tracking", "exact", "--optimizer", "momentum-tracking-adamw"]
+    label += ", exact momentum trackers, the mean gradient's second moment every 32 steps"
+    return Method(name, label, _gossip_train(*options, "--second-moment-every", "32"))
+
+
 def _pga(name: str, *, rank: int, iterations: int, every: int, adamw: bool) -> Method:
     """PowerGossip (``rank``, ``iterations`` per step) with an exact global average every ``every`` steps."""
     label = f"PowerGossip r={rank}, {iterations} iteration(s), one-peer hypercube, exact average every {every} steps"
@@ -236,6 +245,11 @@ METHODS = {
         _periodic_average(10),
         _hybrid_average(10),
         _hybrid_average(10, delay=1),  # the defaults' average overlapped with the next step (issue 27)
+        # the configurations that reach DDP's loss per step (issue 27's momentum tracking)
+        _momentum_tracking("exact-mt-adamw", "exact gossip, one-peer hypercube", *EXACT),
+        _momentum_tracking(
+            "pg4-it2-fp16-mt-adamw", "PowerGossip r=4, 2 iterations, float16 messages", *powergossip(4, 2, "float16")
+        ),
         Method("decentdp", "decent-dp 0.2.3, one-peer-exp", _decent_dp("one-peer-exp")),
         Method("decentdp-aer", "decent-dp 0.2.3, alternating-exp-ring", _decent_dp("alternating-exp-ring")),
     )
