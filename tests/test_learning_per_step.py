@@ -12,7 +12,7 @@ from helpers.adam_reference import where_adams_m_squared_exceeds_v
 
 import gossip
 import topologies
-from experiments.learning_per_step.mixing import ChocoTopK
+from experiments.learning_per_step.mixing import ChocoSign, ChocoTopK, pack_signs, unpack_signs
 from experiments.learning_per_step.optimizers import (
     NoiseDebiasedAdamW,
     SharedSecondMomentAdamW,
@@ -57,6 +57,49 @@ def test_choco_preserves_the_sum_keeps_public_copies_identical_and_contracts():
         for owner, tensors in copies.items():
             for mine, theirs in zip(tensors, publics[owner][owner], strict=True):
                 assert torch.equal(mine, theirs), f"rank {holder}'s copy of rank {owner}'s public model differs"
+
+
+def test_scaled_sign_packs_a_bit_per_value_and_a_mean_absolute_value_per_chunk():
+    residual = torch.tensor([0.5, -1.5, 0.0, 2.0, -1.0, 1.0, 3.0, -3.0, 4.0, -0.5])
+    bits, scales = pack_signs(residual, chunk=8)
+    assert bits.dtype == torch.uint8 and bits.numel() == 2 and scales.tolist() == [12 / 8, 4.5 / 2]
+    signs = torch.tensor([1, -1, 1, 1, -1, 1, 1, -1, 1, -1], dtype=torch.float32)  # a zero counts as +
+    expected = signs * torch.tensor([1.5] * 8 + [2.25] * 2)
+    assert torch.equal(unpack_signs(bits, scales, residual.numel(), chunk=8), expected)
+
+
+def _choco_sign(comm, steps: int):
+    algorithm = ChocoSign(gamma=1.0, chunk=16)
+    buckets = _random_buckets(comm.rank)
+    algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), buckets)
+    totals = [buckets[0].buffer.clone()]
+    comm.all_reduce(totals[0], "sum")
+    for step in range(steps):
+        algorithm.step(step)
+    totals.append(buckets[0].buffer.clone())
+    comm.all_reduce(totals[1], "sum")
+    spread = buckets[0].buffer.clone()
+    comm.all_reduce(spread, "avg")
+    copies = comm.all_gather_object({p: [t.clone() for t in pair[0] + pair[1]] for p, pair in algorithm.public.items()})
+    return totals, float((buckets[0].buffer - spread).square().sum()), copies, algorithm.traffic
+
+
+def test_choco_sign_on_a_time_varying_schedule_preserves_the_sum_keeps_edge_copies_identical_and_contracts():
+    """Per-edge public copies: rank i's copy of (i as j knows it, j as i knows it) equals rank j's (j, i) pair
+    swapped, bit for bit; the sum over ranks is what it was; error feedback brings the replicas together."""
+    before = gossip.simulate(8, _choco_sign, 0)[0][1]
+    results = gossip.simulate(8, _choco_sign, 60)
+    (total_before, total_after), after, copies, traffic = results[0]
+    torch.testing.assert_close(total_after, total_before, rtol=0, atol=1e-10)
+    assert after < 1e-3 * before
+    for rank, held in enumerate(copies):
+        assert sorted(held) == sorted([rank ^ 1, rank ^ 2, rank ^ 4])  # the hypercube's three partners
+        for peer, tensors in held.items():
+            half = len(tensors) // 2
+            theirs = copies[peer][rank]
+            for mine, swapped in zip(tensors, theirs[half:] + theirs[:half], strict=True):
+                assert torch.equal(mine, swapped), f"ranks {rank} and {peer} disagree on their edge's public copies"
+    assert sum(traffic.last_sent.values()) == 288 // 8 + 4 * 288 // 16  # the last step: signs and scales to one peer
 
 
 def test_capture_shares_of_a_known_spectrum():

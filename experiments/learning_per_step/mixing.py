@@ -1,10 +1,12 @@
 """Mixing rules of the learning-per-step study that the library does not have (harness-level): no mixing at all,
-and CHOCO-Gossip with top-k compression as the error-feedback comparison point. Used by
+CHOCO-Gossip with top-k compression as the error-feedback comparison point, and CHOCO-Gossip with scaled-sign
+compression on a time-varying schedule (a candidate for compressed gradient trackers). Used by
 :mod:`experiments.learning_per_step`."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -84,3 +86,112 @@ class ChocoTopK(Algorithm):
             for peer, weight in self.neighbours:
                 correction.add_(self.public[peer][index] - own[index], alpha=weight)
             bucket.buffer.add_(correction, alpha=self.gamma)
+
+
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def pack_signs(residual: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Scaled-sign compression of a flat tensor: its signs packed 8 to a byte and one scale per ``chunk`` values.
+
+    The scale of a chunk is the mean absolute value of its entries, so that :func:`unpack_signs` returns
+    :math:`C(r) = \frac{\lVert r_c \rVert_1}{|c|} \operatorname{sign}(r_c)` chunk by chunk (Karimireddy et al.
+    2019, "Error Feedback Fixes SignSGD", Section 3; a zero counts as +).
+
+    Args:
+        residual: the 1-D tensor to compress.
+        chunk: values per scale (a multiple of 8).
+
+    Returns:
+        ``(bits, scales)``: uint8 of ``ceil(numel / 8)`` bytes, and float32 scales, one per chunk.
+    """
+    numel = residual.numel()
+    padded = torch.zeros(math.ceil(numel / chunk) * chunk, dtype=residual.dtype)
+    padded[:numel] = residual
+    chunks = padded.view(-1, chunk)
+    counts = torch.full((chunks.shape[0],), float(chunk))
+    counts[-1] = numel - (chunks.shape[0] - 1) * chunk
+    scales = (chunks.abs().sum(dim=1) / counts).float()
+    positive = (padded[: math.ceil(numel / 8) * 8] >= 0).to(torch.uint8).view(-1, 8)
+    return (positive * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8), scales
+
+
+def unpack_signs(bits: torch.Tensor, scales: torch.Tensor, numel: int, chunk: int) -> torch.Tensor:
+    """The values :func:`pack_signs` encoded: ``scale * (+1 or -1)``, ``numel`` of them, float32.
+
+    Args:
+        bits: the packed signs.
+        scales: one scale per chunk.
+        numel: how many values were packed.
+        chunk: values per scale.
+
+    Returns:
+        A new 1-D float32 tensor of ``numel`` values, identical on every rank given the same bits and scales.
+    """
+    signs = ((bits.unsqueeze(1) & _BIT_WEIGHTS) > 0).view(-1)[:numel].float().mul_(2).sub_(1)
+    return signs.mul_(scales.repeat_interleave(chunk)[:numel])
+
+
+class ChocoSign(Algorithm):
+    r"""CHOCO-Gossip with scaled-sign compression and public copies kept per edge (Koloskova et al., ICML 2019,
+    Alg. 1, on a time-varying symmetric schedule).
+
+    For each neighbour j it has met, rank i keeps two public copies of one flat buffer per bucket:
+    :math:`\hat x_{i|j}`, its own replica as j knows it, and :math:`\hat x_{j|i}`, j's as i knows it (both start
+    at 0). At a step where W_ij(t) > 0, i sends :math:`q = C(x_i - \hat x_{i|j})` with :func:`pack_signs`'s
+    scaled sign, both ends add q to their copy of :math:`\hat x_{i|j}` (and j's q to :math:`\hat x_{j|i}`), so
+    the two copies of an edge's public replicas stay bit-identical, and then
+
+    .. math::  x_i \leftarrow x_i + \gamma \sum_j W_{ij}(t) (\hat x_{j|i} - \hat x_{i|j}).
+
+    The edge's two corrections are equal and opposite on a symmetric W, so the sum over ranks is preserved (what
+    gradient tracking needs). What the sign leaves out of a residual stays in it for the edge's next meeting (error
+    feedback); for a residual of independent Gaussian entries one message removes 2/π of its energy, whatever its
+    rank, where a rank-r projection removes about r/d.
+
+    Args:
+        gamma: the consensus step size γ.
+        chunk: values per scale (a multiple of 8).
+    """
+
+    name = "choco-sign"
+    needs_symmetric_schedule = True
+
+    def __init__(self, gamma: float = 1.0, chunk: int = 128):
+        if not gamma > 0:
+            raise ValueError(f"ChocoSign: gamma must be positive, got {gamma}")
+        if chunk < 8 or chunk % 8:
+            raise ValueError(f"ChocoSign: chunk must be a positive multiple of 8, got {chunk}")
+        self.gamma, self.chunk = gamma, chunk
+        self.public: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def _copies(self, peer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(this rank's replica as ``peer`` knows it, ``peer``'s replica as this rank knows it), per bucket."""
+        if peer not in self.public:
+            zeros = [torch.zeros_like(b.buffer) for b in self.buckets]
+            self.public[peer] = (zeros, [torch.zeros_like(b.buffer) for b in self.buckets])
+        return self.public[peer]
+
+    def _start_step(self, step: int) -> tuple[list, list]:
+        view = self.schedule.peers(self.comm.rank, step)
+        sends, recvs, edges = [], [], []
+        for peer, weight in view.in_peers:
+            mine, _ = self._copies(peer)
+            outgoing = [pack_signs(b.buffer - m, self.chunk) for b, m in zip(self.buckets, mine, strict=True)]
+            incoming = [(torch.empty_like(bits), torch.empty_like(scales)) for bits, scales in outgoing]
+            for (bits, scales), (in_bits, in_scales) in zip(outgoing, incoming, strict=True):
+                sends += [(peer, bits), (peer, scales)]
+                recvs += [(peer, in_bits), (peer, in_scales)]
+            edges.append((peer, weight, outgoing, incoming))
+        return edges, self._exchange(sends, recvs, step)
+
+    def _finish_step(self, pending: tuple[list, Any]) -> None:
+        edges, handle = pending
+        self._wait(handle)
+        for peer, weight, outgoing, incoming in edges:
+            mine, theirs = self._copies(peer)
+            for index, bucket in enumerate(self.buckets):
+                numel = bucket.buffer.numel()
+                mine[index].add_(unpack_signs(*outgoing[index], numel, self.chunk))
+                theirs[index].add_(unpack_signs(*incoming[index], numel, self.chunk))
+                bucket.buffer.add_(theirs[index] - mine[index], alpha=self.gamma * weight)

@@ -83,7 +83,7 @@ import torch
 import gossip
 import optim
 import topologies
-from experiments.learning_per_step.mixing import ChocoTopK, NoMixing
+from experiments.learning_per_step.mixing import ChocoSign, ChocoTopK, NoMixing
 from experiments.learning_per_step.optimizers import (
     NoiseDebiasedAdamW,
     SharedSecondMomentAdamW,
@@ -121,7 +121,10 @@ class RunConfig:
     outer_momentum: float = 0.9  # diloco: and its momentum
     between: str = ""  # diloco: "powergossip" mixes the replicas every step between synchronisations (a hybrid)
     gradient_tracking: bool | str = False  # the wrapper's gradient tracking: the optimizer steps on y_i, not g_i;
-    # True: exact trackers, "powergossip": trackers mixed by this configuration's PowerGossip (rank, iterations, dtype)
+    # True: exact trackers, "powergossip": trackers mixed by this configuration's PowerGossip (rank, iterations, dtype),
+    # "choco-sign": by CHOCO-Gossip with scaled-sign messages (ChocoSign: tracker_gamma, tracker_chunk)
+    tracker_gamma: float = 1.0  # choco-sign trackers: the consensus step size
+    tracker_chunk: int = 128  # choco-sign trackers: values per scale
     tracking_overlap: bool = False  # the trackers' exchange during forward and backward (combine-then-adapt)
     delayed_last_iteration: bool = False  # PowerGossip's last power iteration applied at the next step
     optimizer: str = "adamw"  # adamw | accum-adamw | debiased-adamw | smoothed-v-adamw | shared-v-adamw |
@@ -179,11 +182,13 @@ def make_algorithm(config: RunConfig) -> Algorithm:
 
 
 def tracking(config: RunConfig) -> bool | Algorithm:
-    """The wrapper's ``gradient_tracking`` for ``config``: False, True (exact trackers) or the trackers' PowerGossip."""
+    """The wrapper's ``gradient_tracking`` for ``config``: False, True (exact trackers) or the trackers' algorithm."""
     if config.gradient_tracking == "powergossip":
         return make_algorithm(dataclasses.replace(config, algorithm="powergossip", average_every=0))
+    if config.gradient_tracking == "choco-sign":
+        return ChocoSign(config.tracker_gamma, config.tracker_chunk)
     if not isinstance(config.gradient_tracking, bool):
-        raise ValueError(f"{config.name}: gradient_tracking must be a bool or 'powergossip'")
+        raise ValueError(f"{config.name}: gradient_tracking must be a bool, 'powergossip' or 'choco-sign'")
     return config.gradient_tracking
 
 
@@ -646,6 +651,20 @@ def suite(name: str) -> list[RunConfig]:
             **shared_v(32),
             **pg,
             **d,
+        ),
+        # within the byte budget with full-rank compression: the trackers by CHOCO-Gossip with scaled-sign messages
+        # (1 bit a value and a scale per chunk), whose error feedback keeps what a message leaves out
+        *(
+            c(
+                f"pg4-it2-fp16-mtsign{suffix}-sharedv32",
+                gradient_tracking="choco-sign",
+                **mt,
+                **shared_v(32),
+                **pg,
+                **d,
+                **options,
+            )
+            for suffix, options in (("", {}), ("-g0.5", {"tracker_gamma": 0.5}), ("-c32", {"tracker_chunk": 32}))
         ),
         *(
             c(
