@@ -65,7 +65,8 @@ __all__ = ["MomentumTrackingAdamW"]
 class MomentumTrackingAdamW(Optimizer):
     """AdamW for momentum tracking: the first moment travels through the wrapper's tracker (module docstring).
 
-    Use it with ``DecentralizedDataParallel(..., gradient_tracking=True)``: the wrapper then calls
+    Use it with ``DecentralizedDataParallel(..., gradient_tracking=True)`` (a wrapper without tracking refuses it at
+    the first step): the wrapper then calls
     :meth:`prepare_momentum` before its tracker and, on the steps :meth:`mean_gradient_due` names, all-reduces the
     gradients for :meth:`take_mean_gradient` (``2 (n-1)/n`` of the model's bytes per rank, once every
     ``second_moment_every`` steps). The state (``h``, ``v``, ``u``, the sample count) and the step count are part of

@@ -6,6 +6,8 @@ test_gradient_tracking_powergossip.py ("momentum" cases)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers.adam_reference import where_adams_m_squared_exceeds_v
@@ -15,7 +17,12 @@ from helpers.tracking_scenarios import assert_trackers_sum_to_the_gradients, mom
 import gossip
 import optim
 from gossip.backends.base import ring_all_reduce_bytes
-from gossip.errors import InvalidArgumentError, ReplicaMismatchError, StepPhaseError
+from gossip.errors import (
+    GossipError,
+    InvalidArgumentError,
+    ReplicaMismatchError,
+    StepPhaseError,
+)
 
 N = 4
 BETAS = (0.9, 0.95)
@@ -236,6 +243,40 @@ def _misuse(comm, how: str) -> str:
 def test_a_closure_and_an_explicit_finish_mixing_are_refused(how, expected):
     for rank, message in enumerate(gossip.simulate(2, _misuse, how)):
         assert message.startswith(expected.format(rank=rank)), message
+
+
+def _without_tracking(comm, plain_rank: int | None) -> str:
+    model = wrap(comm, make_mlp(comm.rank))
+    if comm.rank == plain_rank:
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=1e-2, second_moment_every=2)
+    try:
+        for step in range(3):  # the plain rank goes on until an exchange needs the peer that has stopped
+            loss_of(model, *batch(comm.rank, step)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        outcome = "accepted"
+    except GossipError as error:
+        outcome = f"{type(error).__name__}: {error}"
+    with contextlib.suppress(GossipError):  # closing beside a stopped (or a further) peer may itself fail
+        model.close()
+    return outcome
+
+
+@pytest.mark.parametrize("plain_rank", [None, 1])
+def test_momentum_tracking_without_gradient_tracking_is_refused_on_its_rank_before_any_collective(plain_rank):
+    """Without trackers the first moment has nowhere to go: each MomentumTrackingAdamW rank names the fix at its
+    first step without waiting for the others, so a rank with an ordinary optimizer beside it cannot leave it
+    waiting for an agreement the plain rank never joins; the plain rank's exchange with it then names the peer that
+    has closed."""
+    expected = "InvalidArgumentError: rank {rank}: step 0: MomentumTrackingAdamW runs its first moment through the "
+    messages = gossip.simulate(2, _without_tracking, plain_rank, timeout=5.0)
+    for rank, message in enumerate(messages):
+        if rank == plain_rank:
+            assert message.startswith("ExchangeMismatchError: step 2: rank 1: ") and "peer 0 is in close()" in message
+        else:
+            assert message.startswith(expected.format(rank=rank)) and "gradient_tracking=True" in message, message
 
 
 def test_momentum_tracking_trains():

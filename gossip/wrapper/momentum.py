@@ -15,6 +15,9 @@ the all-reduce, and one tracking first moments beside one tracking gradients wou
 meaning. At the first optimizer step of a wrapper that tracks, or whose optimizer is a momentum source, the ranks
 therefore compare a fingerprint of the optimizer's kind (:func:`gossip.wrapper.replicas.digests_agree`, as the
 wrapper's schedule check does) and raise :class:`~gossip.errors.ReplicaMismatchError` naming the rank that differs.
+A momentum source in a wrapper that does not track is refused on its own rank before that comparison
+(:class:`~gossip.errors.InvalidArgumentError`): a rank with an ordinary optimizer and no tracker beside it never
+joins the comparison, and would otherwise leave it waiting.
 """
 
 from __future__ import annotations

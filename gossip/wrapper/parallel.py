@@ -682,8 +682,16 @@ class DecentralizedDataParallel(nn.Module):
         self, optimizer: torch.optim.Optimizer, source: MomentumSource | None, computes_gradients: bool
     ) -> None:
         """With gradient tracking or a momentum source: the ranks agree on the optimizer (once), and a momentum
-        source's step runs its first moment through the tracker (see :mod:`gossip.wrapper.momentum`)."""
+        source's step runs its first moment through the tracker (see :mod:`gossip.wrapper.momentum`). A momentum
+        source without a tracker is refused on its own rank, before any collective: a rank with an ordinary
+        optimizer beside it would never join the agreement."""
         where = f"rank {self.comm.rank}: step {self.step_count}"
+        if source is not None and self.tracker is None:
+            raise InvalidArgumentError(
+                f"{where}: {type(optimizer).__name__} runs its first moment through the gradient trackers, but this "
+                "DecentralizedDataParallel has gradient tracking off; pass gradient_tracking=True (or "
+                "'powergossip') to it, or use an optimizer that steps on .grad (e.g. torch.optim.AdamW)"
+            )
         if not self._optimizer_agreed:
             self._require_usable("optimizer step (mixing)")
             self._settle_exchange()  # a collective while step t's exchange may be in flight
