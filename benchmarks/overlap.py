@@ -1,12 +1,18 @@
 """Overlap benchmark: how much of the communication time a training step actually waits for.
 
-Runs, side by side in one job on every rank (same model, same batch size, same data, SGD):
+Runs, side by side in one job on every rank (same model, same batch size, same data, SGD unless said otherwise):
 
-* ``local``  -- no communication at all: the compute-only step time.
+* ``local``  -- no communication at all: the compute-only step time (``local-adamw``: the same with AdamW, run
+  when a momentum-tracking method is, whose optimizer is an AdamW).
 * ``exact`` / ``powergossip`` / ``allreduce`` -- DecentralizedDataParallel with that algorithm (one-peer hypercube
   schedule). Exposed communication = the time the step blocks inside ``finish`` waiting on the exchange
   (the handles' ``wait_seconds``, logged per step by the wrapper). Communication time = the same exchange run
   blocking with no computation in between (``algorithm.step``, i.e. ``start`` then ``finish``), timed separately.
+* ``mt-exact`` / ``mt-pg`` -- momentum tracking as the main job runs it (``--gradient-tracking exact --optimizer
+  momentum-tracking-adamw``, the mean gradient's second moment every 32 steps) with exact gossip or the main job's
+  PowerGossip for the parameters: the trackers' blocking exchange and the all-reduce of the sampled steps are
+  booked to the same ``wait_seconds``, so they count as exposed; the communication time adds the trackers' exchange
+  run blocking.
 * ``ddp`` -- torch ``DistributedDataParallel`` on the Gloo process group (bucketed gradient all-reduce overlapped
   with backward). Its waiting is not observable from outside, so: exposed = DDP step time - local step time;
   communication time = a blocking ``all_reduce`` of a flat tensor of the gradients' size, timed separately.
@@ -42,6 +48,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -57,33 +64,70 @@ from gossip.algorithms.exact import ExactGossip  # noqa: E402
 from gossip.wrapper.parallel import DecentralizedDataParallel  # noqa: E402
 
 
-def algorithms() -> dict[str, Callable[[], object]]:
-    found: dict[str, Callable[[], object]] = {"exact": ExactGossip, "allreduce": AllReduce}
+class Method(NamedTuple):
+    """How one gossip row of the table trains: its algorithm, the wrapper's gradient tracking, its optimizer."""
+
+    make_algorithm: Callable[[], object]
+    gradient_tracking: object = False
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] = lambda model: torch.optim.SGD(
+        model.parameters(), lr=0.01
+    )
+
+
+def momentum_tracking(algorithm: str, size: int) -> Method:
+    """The main job's momentum tracking with ``algorithm`` for the parameters, on the one-peer hypercube."""
+    from gossip.app.train import (
+        MOMENTUM_TRACKING,
+        TrainConfig,
+        make_algorithm,
+        make_optimizer,
+        resolve,
+        tracking_option,
+    )
+
+    given = TrainConfig(
+        algorithm=algorithm,
+        schedule="one_peer_hypercube",
+        outer_every=0,
+        gradient_tracking="exact",
+        optimizer=MOMENTUM_TRACKING,
+        second_moment_every=32,
+    )
+    config = resolve(given, size)[0]
+    return Method(lambda: make_algorithm(config), tracking_option(config), lambda model: make_optimizer(config, model))
+
+
+def algorithms(size: int) -> dict[str, Method]:
+    found: dict[str, Method] = {"exact": Method(ExactGossip), "allreduce": Method(AllReduce)}
     try:
         from gossip.algorithms.powergossip import PowerGossip
 
-        found["powergossip"] = lambda: PowerGossip(rank=1)
+        found["powergossip"] = Method(lambda: PowerGossip(rank=1))
         from gossip.algorithms.powergossip import PowerGossipTuning
 
         # the main job's PowerGossip (rank 4, 2 power iterations, float16 products), whose second iteration runs
         # during backward once the first has arrived (bit-identical); the same with every iteration after the first
         # run in the optimizer step (the defaults before iterations_during_backward); and with its second iteration
         # applied at the next step, so that its exchange overlaps that step's forward and backward
-        found["pg-defaults"] = lambda: PowerGossip(rank=4, num_iterations=2, message_dtype=torch.float16)
-        found["pg-in-finish"] = lambda: PowerGossip(
-            rank=4,
-            num_iterations=2,
-            message_dtype=torch.float16,
-            tuning=PowerGossipTuning(iterations_during_backward=False),
+        found["pg-defaults"] = Method(lambda: PowerGossip(rank=4, num_iterations=2, message_dtype=torch.float16))
+        found["pg-in-finish"] = Method(
+            lambda: PowerGossip(
+                rank=4,
+                num_iterations=2,
+                message_dtype=torch.float16,
+                tuning=PowerGossipTuning(iterations_during_backward=False),
+            )
         )
-        found["pg-delayed"] = lambda: PowerGossip(
-            rank=4, num_iterations=2, message_dtype=torch.float16, delayed_last_iteration=True
+        found["pg-delayed"] = Method(
+            lambda: PowerGossip(rank=4, num_iterations=2, message_dtype=torch.float16, delayed_last_iteration=True)
         )
         # the main job's defaults as gossip-train resolves them: that PowerGossip every step and an exact average of
         # the replicas every 10 steps (an outer step, lr 1, no momentum, over an all-reduce)
         from gossip.app.train import TrainConfig, make_algorithm, resolve
 
-        found["main-job-defaults"] = lambda: make_algorithm(resolve(TrainConfig(), 4)[0])
+        found["main-job-defaults"] = Method(lambda: make_algorithm(resolve(TrainConfig(), size)[0]))
+        found["mt-exact"] = momentum_tracking("exact", size)
+        found["mt-pg"] = momentum_tracking("powergossip", size)
     except ImportError:
         pass
     return found
@@ -115,9 +159,12 @@ def loss_fn(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> to
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def train_steps(model: nn.Module, name: str, batches: list[tuple], lr: float = 0.01) -> list[float]:
-    """Ordinary SGD loop; returns each step's wall time (the first ``warmup`` are dropped by the caller)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+def train_steps(model: nn.Module, name: str, batches: list[tuple], adamw: bool = False) -> list[float]:
+    """Ordinary SGD (or AdamW) loop; returns each step's wall time (the first ``warmup`` are dropped by the caller)."""
+    if adamw:
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     times = []
     for x, y in batches:
         begin = time.perf_counter()
@@ -154,10 +201,17 @@ def peer_lateness(comm, schedule, period, rows: list[dict], ready: list[float]) 
     return late
 
 
-def measure_gossip(comm, args, make_algorithm: Callable[[], object], batches: list[tuple]) -> dict[str, float]:
+def measure_gossip(comm, args, method: Method, batches: list[tuple]) -> dict[str, float]:
     schedule = topologies.one_peer_hypercube(comm.size)
-    model = DecentralizedDataParallel(make_model(args.model), comm, schedule, make_algorithm(), consensus_every=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model = DecentralizedDataParallel(
+        make_model(args.model),
+        comm,
+        schedule,
+        method.make_algorithm(),
+        consensus_every=0,
+        gradient_tracking=method.gradient_tracking,
+    )
+    optimizer = method.make_optimizer(model)
     rows, ready, ahead_before = [], [], 0
     comm.barrier()
     for index, (x, y) in enumerate(batches):
@@ -178,6 +232,8 @@ def measure_gossip(comm, args, make_algorithm: Callable[[], object], batches: li
         begin = time.perf_counter()
         model.algorithm.step(model.step_count + 1 + k)
         model.algorithm.drain()  # a delayed last iteration: completed here, so it is timed too
+        if model.tracker is not None:  # and the trackers' exchange (exact: one model-sized message)
+            model.tracker.mixing.step(model.step_count + 1 + k)
         blocking.append(time.perf_counter() - begin)
     rows = rows[args.warmup :]
     # a composite's averaging steps apart from its gossip steps (0 where it has none)
@@ -231,7 +287,13 @@ def run(args: argparse.Namespace) -> None:
     # causes comes from it, whatever the method)
     spread = {"step_sd": statistics.stdev(local_times), "step_p90": statistics.quantiles(local_times, n=10)[-1]}
     results = {"local": {"step": local_step, "comm": 0.0, "exposed": 0.0, "bytes_sent_per_step": 0.0, **spread}}
-    wanted = algorithms()
+    wanted = algorithms(comm.size)
+    if any(name.startswith("mt-") for name in args.methods.split(",")):
+        # momentum tracking's optimizer is an AdamW: its compute-only step, to read its "vs local" against
+        local_adamw = statistics.mean(
+            train_steps(make_model(args.model), args.model, batches, adamw=True)[args.warmup :]
+        )
+        results["local-adamw"] = {"step": local_adamw, "comm": 0.0, "exposed": 0.0, "bytes_sent_per_step": 0.0}
     for name in args.methods.split(","):
         if name == "ddp":
             if comm.backend == "gloo":

@@ -61,15 +61,42 @@ def test_choco_preserves_the_sum_keeps_public_copies_identical_and_contracts():
 
 def test_scaled_sign_packs_a_bit_per_value_and_a_mean_absolute_value_per_chunk():
     residual = torch.tensor([0.5, -1.5, 0.0, 2.0, -1.0, 1.0, 3.0, -3.0, 4.0, -0.5])
-    bits, scales = pack_signs(residual, chunk=8)
-    assert bits.dtype == torch.uint8 and bits.numel() == 2 and scales.tolist() == [12 / 8, 4.5 / 2]
+    bits, scales = message = pack_signs(residual, chunk=8)
+    assert bits.dtype == torch.uint8 and bits.numel() == 2 and scales.tolist() == [[12 / 8], [4.5 / 2]]
     signs = torch.tensor([1, -1, 1, 1, -1, 1, 1, -1, 1, -1], dtype=torch.float32)  # a zero counts as +
     expected = signs * torch.tensor([1.5] * 8 + [2.25] * 2)
-    assert torch.equal(unpack_signs(bits, scales, residual.numel(), chunk=8), expected)
+    assert torch.equal(unpack_signs(message, residual.numel(), chunk=8), expected)
 
 
-def _choco_sign(comm, steps: int):
-    algorithm = ChocoSign(gamma=1.0, chunk=16)
+def test_two_level_sign_gives_each_side_of_the_chunks_mean_magnitude_its_own_mean():
+    residual = torch.tensor([0.5, -1.5, 0.0, 2.0, -1.0, 1.0, 3.0, -3.0, 4.0, -0.5])
+    signs, scales, high = message = pack_signs(residual, chunk=8, levels=2)
+    assert signs.numel() == high.numel() == 2 and scales.shape == (2, 2)
+    # chunk 1: mean |r| 1.5; below it 0.5, 0, 1, 1 (mean 0.625), at or above 1.5, 2, 3, 3 (mean 2.375);
+    # chunk 2 (two real entries, six of padding): mean 2.25; below 0.5, above 4
+    assert scales.tolist() == [[0.625, 2.375], [0.5, 4.0]]
+    signs_expected = torch.tensor([1, -1, 1, 1, -1, 1, 1, -1, 1, -1], dtype=torch.float32)
+    magnitudes = torch.tensor([0.625, 2.375, 0.625, 2.375, 0.625, 0.625, 2.375, 2.375, 4.0, 0.5])
+    assert torch.equal(unpack_signs(message, residual.numel(), chunk=8), signs_expected * magnitudes)
+
+
+def test_two_level_sign_is_never_worse_than_one_level_and_exact_on_two_magnitudes():
+    generator = torch.Generator().manual_seed(0)
+    for residual in (torch.randn(1000, generator=generator), torch.randn(1000, generator=generator).pow(3)):
+        one = unpack_signs(pack_signs(residual, chunk=64), residual.numel(), chunk=64)
+        two = unpack_signs(pack_signs(residual, chunk=64, levels=2), residual.numel(), chunk=64)
+        for start in range(0, 1000, 64):  # chunk by chunk
+            window = slice(start, start + 64)
+            error_two = (two[window] - residual[window]).square().sum()
+            assert error_two <= (one[window] - residual[window]).square().sum() * (1 + 1e-6)
+    values = torch.tensor([0.25, -4.0, -0.25, 4.0] * 4)
+    assert torch.equal(unpack_signs(pack_signs(values, chunk=16, levels=2), values.numel(), chunk=16), values)
+    with pytest.raises(ValueError, match="levels must be 1 or 2"):
+        pack_signs(values, chunk=16, levels=3)
+
+
+def _choco_sign(comm, steps: int, levels: int = 1):
+    algorithm = ChocoSign(gamma=1.0, chunk=16, levels=levels)
     buckets = _random_buckets(comm.rank)
     algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), buckets)
     totals = [buckets[0].buffer.clone()]
@@ -84,11 +111,12 @@ def _choco_sign(comm, steps: int):
     return totals, float((buckets[0].buffer - spread).square().sum()), copies, algorithm.traffic
 
 
-def test_choco_sign_on_a_time_varying_schedule_preserves_the_sum_keeps_edge_copies_identical_and_contracts():
+@pytest.mark.parametrize("levels", [1, 2])
+def test_choco_sign_on_a_time_varying_schedule_preserves_the_sum_keeps_edge_copies_identical_and_contracts(levels):
     """Per-edge public copies: rank i's copy of (i as j knows it, j as i knows it) equals rank j's (j, i) pair
     swapped, bit for bit; the sum over ranks is what it was; error feedback brings the replicas together."""
-    before = gossip.simulate(8, _choco_sign, 0)[0][1]
-    results = gossip.simulate(8, _choco_sign, 60)
+    before = gossip.simulate(8, _choco_sign, 0, levels)[0][1]
+    results = gossip.simulate(8, _choco_sign, 60, levels)
     (total_before, total_after), after, copies, traffic = results[0]
     torch.testing.assert_close(total_after, total_before, rtol=0, atol=1e-10)
     assert after < 1e-3 * before
@@ -99,7 +127,8 @@ def test_choco_sign_on_a_time_varying_schedule_preserves_the_sum_keeps_edge_copi
             theirs = copies[peer][rank]
             for mine, swapped in zip(tensors, theirs[half:] + theirs[:half], strict=True):
                 assert torch.equal(mine, swapped), f"ranks {rank} and {peer} disagree on their edge's public copies"
-    assert sum(traffic.last_sent.values()) == 288 // 8 + 4 * 288 // 16  # the last step: signs and scales to one peer
+    # the last step, to one peer: signs (and with two levels the level bits), and a float32 scale per level and chunk
+    assert sum(traffic.last_sent.values()) == levels * (288 // 8 + 4 * 288 // 16)
 
 
 def test_capture_shares_of_a_known_spectrum():

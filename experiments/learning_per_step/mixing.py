@@ -1,7 +1,7 @@
 """Mixing rules of the learning-per-step study that the library does not have (harness-level): no mixing at all,
 CHOCO-Gossip with top-k compression as the error-feedback comparison point, and CHOCO-Gossip with scaled-sign
-compression on a time-varying schedule (a candidate for compressed gradient trackers). Used by
-:mod:`experiments.learning_per_step`."""
+compression (one or two magnitudes per chunk) on a time-varying schedule (a candidate for compressed gradient
+trackers). Used by :mod:`experiments.learning_per_step`."""
 
 from __future__ import annotations
 
@@ -91,45 +91,82 @@ class ChocoTopK(Algorithm):
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
-def pack_signs(residual: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Scaled-sign compression of a flat tensor: its signs packed 8 to a byte and one scale per ``chunk`` values.
+def pack_bits(flags: torch.Tensor) -> torch.Tensor:
+    """A 1-D bool tensor packed 8 to a byte (the first flag in the lowest bit), zero-padded to a whole byte."""
+    padded = torch.zeros(math.ceil(flags.numel() / 8) * 8, dtype=torch.uint8)
+    padded[: flags.numel()] = flags
+    return (padded.view(-1, 8) * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
 
-    The scale of a chunk is the mean absolute value of its entries, so that :func:`unpack_signs` returns
-    :math:`C(r) = \frac{\lVert r_c \rVert_1}{|c|} \operatorname{sign}(r_c)` chunk by chunk (Karimireddy et al.
-    2019, "Error Feedback Fixes SignSGD", Section 3; a zero counts as +).
+
+def unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
+    """The first ``numel`` flags :func:`pack_bits` packed, as a bool tensor."""
+    return ((bits.unsqueeze(1) & _BIT_WEIGHTS) > 0).view(-1)[:numel]
+
+
+def _chunked_magnitudes(residual: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``|residual|`` zero-padded to whole chunks, viewed ``(chunks, chunk)``, and a mask of the real entries."""
+    numel = residual.numel()
+    padded = torch.zeros(math.ceil(numel / chunk) * chunk, dtype=residual.dtype)
+    padded[:numel] = residual.abs()
+    real = torch.arange(padded.numel()) < numel
+    return padded.view(-1, chunk), real.view(-1, chunk)
+
+
+def _chunk_means(magnitudes: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+    """Per chunk, the mean of the ``magnitudes`` its ``members`` mask selects (0 where it selects none), float32."""
+    counts = members.sum(dim=1).clamp(min=1)
+    return ((magnitudes * members).sum(dim=1) / counts).float()
+
+
+def pack_signs(residual: torch.Tensor, chunk: int, levels: int = 1) -> tuple[torch.Tensor, ...]:
+    r"""Scaled-sign compression of a flat tensor: its signs packed 8 to a byte and ``levels`` scales per chunk.
+
+    With one level the scale of a chunk is the mean absolute value of its entries, so that :func:`unpack_signs`
+    returns :math:`C(r) = \frac{\lVert r_c \rVert_1}{|c|} \operatorname{sign}(r_c)` chunk by chunk (Karimireddy
+    et al. 2019, "Error Feedback Fixes SignSGD", Section 3; a zero counts as +). With two levels one more bit per
+    value says whether :math:`|r_k|` reaches that mean, and each of the two groups gets the mean magnitude of its own
+    members: the conditional means minimise the squared error for that split, and the one-level code is the case of
+    two equal scales, so :math:`\lVert C_2(r) - r \rVert \le \lVert C_1(r) - r \rVert` on every chunk.
 
     Args:
         residual: the 1-D tensor to compress.
         chunk: values per scale (a multiple of 8).
+        levels: magnitudes per chunk, 1 or 2.
 
     Returns:
-        ``(bits, scales)``: uint8 of ``ceil(numel / 8)`` bytes, and float32 scales, one per chunk.
+        ``(signs, scales)`` for one level, ``(signs, scales, high)`` for two: uint8 bits, ``ceil(numel / 8)`` bytes
+        each (``high``: the entry takes the chunk's upper scale), and float32 scales of shape ``(chunks, levels)``.
     """
-    numel = residual.numel()
-    padded = torch.zeros(math.ceil(numel / chunk) * chunk, dtype=residual.dtype)
-    padded[:numel] = residual
-    chunks = padded.view(-1, chunk)
-    counts = torch.full((chunks.shape[0],), float(chunk))
-    counts[-1] = numel - (chunks.shape[0] - 1) * chunk
-    scales = (chunks.abs().sum(dim=1) / counts).float()
-    positive = (padded[: math.ceil(numel / 8) * 8] >= 0).to(torch.uint8).view(-1, 8)
-    return (positive * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8), scales
+    if levels not in (1, 2):
+        raise ValueError(f"pack_signs: levels must be 1 or 2, got {levels}")
+    magnitudes, real = _chunked_magnitudes(residual, chunk)
+    signs = pack_bits(residual >= 0)
+    mean = _chunk_means(magnitudes, real)
+    if levels == 1:
+        return signs, mean.unsqueeze(1)
+    high = (magnitudes >= mean.unsqueeze(1).to(magnitudes.dtype)) & real
+    scales = torch.stack([_chunk_means(magnitudes, real & ~high), _chunk_means(magnitudes, high)], dim=1)
+    return signs, scales, pack_bits(high.view(-1)[: residual.numel()])
 
 
-def unpack_signs(bits: torch.Tensor, scales: torch.Tensor, numel: int, chunk: int) -> torch.Tensor:
-    """The values :func:`pack_signs` encoded: ``scale * (+1 or -1)``, ``numel`` of them, float32.
+def unpack_signs(message: tuple[torch.Tensor, ...], numel: int, chunk: int) -> torch.Tensor:
+    """The values a :func:`pack_signs` message encodes: ``scale * (+1 or -1)``, ``numel`` of them, float32.
 
     Args:
-        bits: the packed signs.
-        scales: one scale per chunk.
+        message: what :func:`pack_signs` returned.
         numel: how many values were packed.
         chunk: values per scale.
 
     Returns:
-        A new 1-D float32 tensor of ``numel`` values, identical on every rank given the same bits and scales.
+        A new 1-D float32 tensor of ``numel`` values, identical on every rank given the same message.
     """
-    signs = ((bits.unsqueeze(1) & _BIT_WEIGHTS) > 0).view(-1)[:numel].float().mul_(2).sub_(1)
-    return signs.mul_(scales.repeat_interleave(chunk)[:numel])
+    signs, scales = message[0], message[1]
+    values = unpack_bits(signs, numel).float().mul_(2).sub_(1)
+    per_value = scales.repeat_interleave(chunk, dim=0)[:numel]
+    if len(message) == 2:
+        return values.mul_(per_value[:, 0])
+    level = unpack_bits(message[2], numel).long()
+    return values.mul_(per_value.gather(1, level.unsqueeze(1)).squeeze(1))
 
 
 class ChocoSign(Algorithm):
@@ -139,8 +176,8 @@ class ChocoSign(Algorithm):
     For each neighbour j it has met, rank i keeps two public copies of one flat buffer per bucket:
     :math:`\hat x_{i|j}`, its own replica as j knows it, and :math:`\hat x_{j|i}`, j's as i knows it (both start
     at 0). At a step where W_ij(t) > 0, i sends :math:`q = C(x_i - \hat x_{i|j})` with :func:`pack_signs`'s
-    scaled sign, both ends add q to their copy of :math:`\hat x_{i|j}` (and j's q to :math:`\hat x_{j|i}`), so
-    the two copies of an edge's public replicas stay bit-identical, and then
+    scaled sign (one or two magnitudes per chunk), both ends add q to their copy of :math:`\hat x_{i|j}` (and j's
+    q to :math:`\hat x_{j|i}`), so the two copies of an edge's public replicas stay bit-identical, and then
 
     .. math::  x_i \leftarrow x_i + \gamma \sum_j W_{ij}(t) (\hat x_{j|i} - \hat x_{i|j}).
 
@@ -152,17 +189,20 @@ class ChocoSign(Algorithm):
     Args:
         gamma: the consensus step size γ.
         chunk: values per scale (a multiple of 8).
+        levels: magnitudes per chunk (1: one bit a value; 2: two bits a value and a second scale).
     """
 
     name = "choco-sign"
     needs_symmetric_schedule = True
 
-    def __init__(self, gamma: float = 1.0, chunk: int = 128):
+    def __init__(self, gamma: float = 1.0, chunk: int = 128, levels: int = 1):
         if not gamma > 0:
             raise ValueError(f"ChocoSign: gamma must be positive, got {gamma}")
         if chunk < 8 or chunk % 8:
             raise ValueError(f"ChocoSign: chunk must be a positive multiple of 8, got {chunk}")
-        self.gamma, self.chunk = gamma, chunk
+        if levels not in (1, 2):
+            raise ValueError(f"ChocoSign: levels must be 1 or 2, got {levels}")
+        self.gamma, self.chunk, self.levels = gamma, chunk, levels
         self.public: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def _copies(self, peer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -177,11 +217,13 @@ class ChocoSign(Algorithm):
         sends, recvs, edges = [], [], []
         for peer, weight in view.in_peers:
             mine, _ = self._copies(peer)
-            outgoing = [pack_signs(b.buffer - m, self.chunk) for b, m in zip(self.buckets, mine, strict=True)]
-            incoming = [(torch.empty_like(bits), torch.empty_like(scales)) for bits, scales in outgoing]
-            for (bits, scales), (in_bits, in_scales) in zip(outgoing, incoming, strict=True):
-                sends += [(peer, bits), (peer, scales)]
-                recvs += [(peer, in_bits), (peer, in_scales)]
+            outgoing = [
+                pack_signs(b.buffer - m, self.chunk, self.levels) for b, m in zip(self.buckets, mine, strict=True)
+            ]
+            incoming = [tuple(torch.empty_like(part) for part in message) for message in outgoing]
+            for message, reply in zip(outgoing, incoming, strict=True):
+                sends += [(peer, part) for part in message]
+                recvs += [(peer, part) for part in reply]
             edges.append((peer, weight, outgoing, incoming))
         return edges, self._exchange(sends, recvs, step)
 
@@ -192,6 +234,6 @@ class ChocoSign(Algorithm):
             mine, theirs = self._copies(peer)
             for index, bucket in enumerate(self.buckets):
                 numel = bucket.buffer.numel()
-                mine[index].add_(unpack_signs(*outgoing[index], numel, self.chunk))
-                theirs[index].add_(unpack_signs(*incoming[index], numel, self.chunk))
+                mine[index].add_(unpack_signs(outgoing[index], numel, self.chunk))
+                theirs[index].add_(unpack_signs(incoming[index], numel, self.chunk))
                 bucket.buffer.add_(theirs[index] - mine[index], alpha=self.gamma * weight)

@@ -122,9 +122,10 @@ class RunConfig:
     between: str = ""  # diloco: "powergossip" mixes the replicas every step between synchronisations (a hybrid)
     gradient_tracking: bool | str = False  # the wrapper's gradient tracking: the optimizer steps on y_i, not g_i;
     # True: exact trackers, "powergossip": trackers mixed by this configuration's PowerGossip (rank, iterations, dtype),
-    # "choco-sign": by CHOCO-Gossip with scaled-sign messages (ChocoSign: tracker_gamma, tracker_chunk)
+    # "choco-sign": by CHOCO-Gossip with scaled-sign messages (ChocoSign: tracker_gamma, tracker_chunk, tracker_levels)
     tracker_gamma: float = 1.0  # choco-sign trackers: the consensus step size
     tracker_chunk: int = 128  # choco-sign trackers: values per scale
+    tracker_levels: int = 1  # choco-sign trackers: magnitudes per chunk (2: one more bit a value)
     tracking_overlap: bool = False  # the trackers' exchange during forward and backward (combine-then-adapt)
     delayed_last_iteration: bool = False  # PowerGossip's last power iteration applied at the next step
     optimizer: str = "adamw"  # adamw | accum-adamw | debiased-adamw | smoothed-v-adamw | shared-v-adamw |
@@ -186,7 +187,7 @@ def tracking(config: RunConfig) -> bool | Algorithm:
     if config.gradient_tracking == "powergossip":
         return make_algorithm(dataclasses.replace(config, algorithm="powergossip", average_every=0))
     if config.gradient_tracking == "choco-sign":
-        return ChocoSign(config.tracker_gamma, config.tracker_chunk)
+        return ChocoSign(config.tracker_gamma, config.tracker_chunk, config.tracker_levels)
     if not isinstance(config.gradient_tracking, bool):
         raise ValueError(f"{config.name}: gradient_tracking must be a bool, 'powergossip' or 'choco-sign'")
     return config.gradient_tracking
@@ -664,7 +665,13 @@ def suite(name: str) -> list[RunConfig]:
                 **d,
                 **options,
             )
-            for suffix, options in (("", {}), ("-g0.5", {"tracker_gamma": 0.5}), ("-c32", {"tracker_chunk": 32}))
+            for suffix, options in (
+                ("", {}),
+                ("-g0.5", {"tracker_gamma": 0.5}),
+                ("-c32", {"tracker_chunk": 32}),
+                # two magnitudes per chunk: 2 bits a value and 2 scales per 128 values, still within a tenth of DDP
+                ("2", {"tracker_levels": 2}),
+            )
         ),
         *(
             c(
