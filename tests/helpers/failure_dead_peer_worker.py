@@ -22,6 +22,7 @@ from torch import nn
 import gossip
 import topologies
 from helpers import own_stderr
+from helpers.gloo_threads import thread_names_once_gloo_ended
 
 TIMEOUT = 5.0  # with a rank killed: how soon the survivors must name it
 HEALTHY_TIMEOUT = 60.0  # with none: nothing may time out, however loaded the machine (a peer slow to its first step)
@@ -53,18 +54,7 @@ def main() -> None:
     model.close()
     comm.close()
     # What still runs after close: the clean-exit test requires that no Gloo thread lives into interpreter teardown.
-    (out_dir / f"rank{comm.rank}.threads").write_text("\n".join(thread_names()))
-
-
-def thread_names() -> list[str]:
-    """The names of this process's threads that are alive; one that ends while they are listed is left out."""
-    names = []
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            names.append((task / "comm").read_text().strip())
-        except FileNotFoundError:  # the thread ended between the listing and the read
-            continue
-    return names
+    (out_dir / f"rank{comm.rank}.threads").write_text("\n".join(thread_names_once_gloo_ended()))
 
 
 if __name__ == "__main__":
