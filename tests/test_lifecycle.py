@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.gloo_threads import GLOO_THREADS
 from helpers.launch import CPU_ONLY, REPO, _env, _free_port, mpiexec, python
 from helpers.lifecycle_worker import train_a_few_steps
 
 import gossip
 
 N = 4
-GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv")
 ALARMS = ("terminate called", "Traceback", "ChildFailedError", "SIGABRT")
 
 

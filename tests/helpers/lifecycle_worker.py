@@ -25,6 +25,7 @@ from torch import nn
 
 import gossip
 import topologies
+from helpers.gloo_threads import thread_names_once_gloo_ended
 
 TIMEOUT = 30.0
 STEPS = 3
@@ -75,8 +76,7 @@ def adopt(out_dir: Path) -> None:
 
 def no_close(out_dir: Path) -> None:
     def report_threads() -> None:
-        names = [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
-        (out_dir / f"rank{comm.rank}.threads").write_text("\n".join(names))
+        (out_dir / f"rank{comm.rank}.threads").write_text("\n".join(thread_names_once_gloo_ended()))
 
     atexit.register(report_threads)
     comm = gossip.init(timeout=TIMEOUT)  # the README's loop from here on, without close()
