@@ -1,7 +1,7 @@
 """The Gloo threads of this process, as the clean-exit tests count them (Linux: ``/proc/self/task``).
 
 ``dist.destroy_process_group`` returns while Gloo's I/O loop thread may still be exiting: the last reference to its
-device can be dropped on another Gloo thread, which joins the loop there, a millisecond or two later. A group that is
+device can be dropped on another Gloo thread, which joins the loop there, shortly afterwards. A group that is
 still referenced keeps its threads until interpreter exit, which is what the tests must catch; so they wait, up to a
 deadline far longer than that exit, for the Gloo threads to end before they read what is left.
 """
