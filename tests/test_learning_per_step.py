@@ -80,18 +80,22 @@ def test_two_level_sign_gives_each_side_of_the_chunks_mean_magnitude_its_own_mea
     assert torch.equal(unpack_signs(message, residual.numel(), chunk=8), signs_expected * magnitudes)
 
 
-def test_two_level_sign_is_never_worse_than_one_level_and_exact_on_two_magnitudes():
+def test_each_doubling_of_the_levels_is_never_worse_and_exact_on_that_many_magnitudes():
     generator = torch.Generator().manual_seed(0)
     for residual in (torch.randn(1000, generator=generator), torch.randn(1000, generator=generator).pow(3)):
-        one = unpack_signs(pack_signs(residual, chunk=64), residual.numel(), chunk=64)
-        two = unpack_signs(pack_signs(residual, chunk=64, levels=2), residual.numel(), chunk=64)
+        codes = [unpack_signs(pack_signs(residual, chunk=64, levels=k), 1000, chunk=64) for k in (1, 2, 4)]
         for start in range(0, 1000, 64):  # chunk by chunk
             window = slice(start, start + 64)
-            error_two = (two[window] - residual[window]).square().sum()
-            assert error_two <= (one[window] - residual[window]).square().sum() * (1 + 1e-6)
+            one, two, four = ((code[window] - residual[window]).square().sum() for code in codes)
+            assert four <= two * (1 + 1e-6) and two <= one * (1 + 1e-6)
+        assert (codes[2] - residual).square().sum() < 0.5 * (codes[1] - residual).square().sum()
     values = torch.tensor([0.25, -4.0, -0.25, 4.0] * 4)
     assert torch.equal(unpack_signs(pack_signs(values, chunk=16, levels=2), values.numel(), chunk=16), values)
-    with pytest.raises(ValueError, match="levels must be 1 or 2"):
+    values = torch.tensor([1.0, -20.0, -2.0, 10.0] * 6)  # split at 8.25, then at 1.5 and at 15
+    message = pack_signs(values, chunk=24, levels=4)
+    assert len(message) == 4 and message[1].tolist() == [[1.0, 2.0, 10.0, 20.0]]  # signs, scales, two split planes
+    assert torch.equal(unpack_signs(message, values.numel(), chunk=24), values)
+    with pytest.raises(ValueError, match="levels must be 1, 2 or 4, got 3"):
         pack_signs(values, chunk=16, levels=3)
 
 
@@ -111,7 +115,7 @@ def _choco_sign(comm, steps: int, levels: int = 1):
     return totals, float((buckets[0].buffer - spread).square().sum()), copies, algorithm.traffic
 
 
-@pytest.mark.parametrize("levels", [1, 2])
+@pytest.mark.parametrize("levels", [1, 2, 4])
 def test_choco_sign_on_a_time_varying_schedule_preserves_the_sum_keeps_edge_copies_identical_and_contracts(levels):
     """Per-edge public copies: rank i's copy of (i as j knows it, j as i knows it) equals rank j's (j, i) pair
     swapped, bit for bit; the sum over ranks is what it was; error feedback brings the replicas together."""
@@ -127,8 +131,8 @@ def test_choco_sign_on_a_time_varying_schedule_preserves_the_sum_keeps_edge_copi
             theirs = copies[peer][rank]
             for mine, swapped in zip(tensors, theirs[half:] + theirs[:half], strict=True):
                 assert torch.equal(mine, swapped), f"ranks {rank} and {peer} disagree on their edge's public copies"
-    # the last step, to one peer: signs (and with two levels the level bits), and a float32 scale per level and chunk
-    assert sum(traffic.last_sent.values()) == levels * (288 // 8 + 4 * 288 // 16)
+    # the last step, to one peer: signs and log2(levels) split bits a value, and a float32 scale per level and chunk
+    assert sum(traffic.last_sent.values()) == levels.bit_length() * 288 // 8 + levels * 4 * 288 // 16
 
 
 def test_capture_shares_of_a_known_spectrum():

@@ -118,35 +118,49 @@ def _chunk_means(magnitudes: torch.Tensor, members: torch.Tensor) -> torch.Tenso
     return ((magnitudes * members).sum(dim=1) / counts).float()
 
 
+LEVELS = (1, 2, 4)  # magnitudes per chunk pack_signs can send: one more bit a value for each doubling
+
+
+def _check_levels(where: str, levels: int) -> None:
+    if levels not in LEVELS:
+        raise ValueError(f"{where}: levels must be 1, 2 or 4, got {levels}")
+
+
 def pack_signs(residual: torch.Tensor, chunk: int, levels: int = 1) -> tuple[torch.Tensor, ...]:
     r"""Scaled-sign compression of a flat tensor: its signs packed 8 to a byte and ``levels`` scales per chunk.
 
     With one level the scale of a chunk is the mean absolute value of its entries, so that :func:`unpack_signs`
     returns :math:`C(r) = \frac{\lVert r_c \rVert_1}{|c|} \operatorname{sign}(r_c)` chunk by chunk (Karimireddy
-    et al. 2019, "Error Feedback Fixes SignSGD", Section 3; a zero counts as +). With two levels one more bit per
-    value says whether :math:`|r_k|` reaches that mean, and each of the two groups gets the mean magnitude of its own
-    members: the conditional means minimise the squared error for that split, and the one-level code is the case of
-    two equal scales, so :math:`\lVert C_2(r) - r \rVert \le \lVert C_1(r) - r \rVert` on every chunk.
+    et al. 2019, "Error Feedback Fixes SignSGD", Section 3; a zero counts as +). More levels split the magnitudes of
+    a chunk in halves, each at its own mean: with two, one more bit per value says whether :math:`|r_k|` reaches the
+    chunk's mean; with four, a second bit says whether it reaches the mean of its half. Every group gets the mean
+    magnitude of its members. Conditional means minimise the squared error for a given split, and each code is the
+    next one's with two equal scales per split group, so
+    :math:`\lVert C_4(r) - r \rVert \le \lVert C_2(r) - r \rVert \le \lVert C_1(r) - r \rVert` on every chunk.
 
     Args:
         residual: the 1-D tensor to compress.
         chunk: values per scale (a multiple of 8).
-        levels: magnitudes per chunk, 1 or 2.
+        levels: magnitudes per chunk, 1, 2 or 4.
 
     Returns:
-        ``(signs, scales)`` for one level, ``(signs, scales, high)`` for two: uint8 bits, ``ceil(numel / 8)`` bytes
-        each (``high``: the entry takes the chunk's upper scale), and float32 scales of shape ``(chunks, levels)``.
+        ``(signs, scales, *splits)``: uint8 bits, ``ceil(numel / 8)`` bytes each, float32 scales of shape
+        ``(chunks, levels)``, and ``log2(levels)`` split bitplanes, the first split first (the entry's group is the
+        planes read as a binary number, most significant first).
     """
-    if levels not in (1, 2):
-        raise ValueError(f"pack_signs: levels must be 1 or 2, got {levels}")
+    _check_levels("pack_signs", levels)
     magnitudes, real = _chunked_magnitudes(residual, chunk)
     signs = pack_bits(residual >= 0)
-    mean = _chunk_means(magnitudes, real)
-    if levels == 1:
-        return signs, mean.unsqueeze(1)
-    high = (magnitudes >= mean.unsqueeze(1).to(magnitudes.dtype)) & real
-    scales = torch.stack([_chunk_means(magnitudes, real & ~high), _chunk_means(magnitudes, high)], dim=1)
-    return signs, scales, pack_bits(high.view(-1)[: residual.numel()])
+    group = torch.zeros_like(magnitudes, dtype=torch.long)
+    splits = []
+    groups = 1
+    while groups < levels:  # split every group at its own mean magnitude
+        means = torch.stack([_chunk_means(magnitudes, real & (group == g)) for g in range(groups)], dim=1)
+        above = (magnitudes >= means.gather(1, group).to(magnitudes.dtype)) & real
+        splits.append(pack_bits(above.view(-1)[: residual.numel()]))
+        group, groups = 2 * group + above, 2 * groups
+    scales = torch.stack([_chunk_means(magnitudes, real & (group == g)) for g in range(levels)], dim=1)
+    return signs, scales, *splits
 
 
 def unpack_signs(message: tuple[torch.Tensor, ...], numel: int, chunk: int) -> torch.Tensor:
@@ -160,13 +174,13 @@ def unpack_signs(message: tuple[torch.Tensor, ...], numel: int, chunk: int) -> t
     Returns:
         A new 1-D float32 tensor of ``numel`` values, identical on every rank given the same message.
     """
-    signs, scales = message[0], message[1]
+    signs, scales, *splits = message
     values = unpack_bits(signs, numel).float().mul_(2).sub_(1)
+    group = torch.zeros(numel, dtype=torch.long)
+    for plane in splits:
+        group = 2 * group + unpack_bits(plane, numel).long()
     per_value = scales.repeat_interleave(chunk, dim=0)[:numel]
-    if len(message) == 2:
-        return values.mul_(per_value[:, 0])
-    level = unpack_bits(message[2], numel).long()
-    return values.mul_(per_value.gather(1, level.unsqueeze(1)).squeeze(1))
+    return values.mul_(per_value.gather(1, group.unsqueeze(1)).squeeze(1))
 
 
 class ChocoSign(Algorithm):
@@ -176,7 +190,7 @@ class ChocoSign(Algorithm):
     For each neighbour j it has met, rank i keeps two public copies of one flat buffer per bucket:
     :math:`\hat x_{i|j}`, its own replica as j knows it, and :math:`\hat x_{j|i}`, j's as i knows it (both start
     at 0). At a step where W_ij(t) > 0, i sends :math:`q = C(x_i - \hat x_{i|j})` with :func:`pack_signs`'s
-    scaled sign (one or two magnitudes per chunk), both ends add q to their copy of :math:`\hat x_{i|j}` (and j's
+    scaled sign (one, two or four magnitudes per chunk), both ends add q to their copy of :math:`\hat x_{i|j}` (and j's
     q to :math:`\hat x_{j|i}`), so the two copies of an edge's public replicas stay bit-identical, and then
 
     .. math::  x_i \leftarrow x_i + \gamma \sum_j W_{ij}(t) (\hat x_{j|i} - \hat x_{i|j}).
@@ -189,7 +203,7 @@ class ChocoSign(Algorithm):
     Args:
         gamma: the consensus step size γ.
         chunk: values per scale (a multiple of 8).
-        levels: magnitudes per chunk (1: one bit a value; 2: two bits a value and a second scale).
+        levels: magnitudes per chunk (1: one bit a value; 2: two bits and two scales; 4: three bits and four).
     """
 
     name = "choco-sign"
@@ -200,8 +214,7 @@ class ChocoSign(Algorithm):
             raise ValueError(f"ChocoSign: gamma must be positive, got {gamma}")
         if chunk < 8 or chunk % 8:
             raise ValueError(f"ChocoSign: chunk must be a positive multiple of 8, got {chunk}")
-        if levels not in (1, 2):
-            raise ValueError(f"ChocoSign: levels must be 1 or 2, got {levels}")
+        _check_levels("ChocoSign", levels)
         self.gamma, self.chunk, self.levels = gamma, chunk, levels
         self.public: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 

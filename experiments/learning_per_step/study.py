@@ -657,20 +657,24 @@ def suite(name: str) -> list[RunConfig]:
         # (1 bit a value and a scale per chunk), whose error feedback keeps what a message leaves out
         *(
             c(
-                f"pg4-it2-fp16-mtsign{suffix}-sharedv32",
+                f"pg4-it2-fp16-mtsign{suffix}-sharedv{v_every}",
                 gradient_tracking="choco-sign",
                 **mt,
-                **shared_v(32),
+                **shared_v(v_every),
                 **pg,
                 **d,
                 **options,
             )
-            for suffix, options in (
-                ("", {}),
-                ("-g0.5", {"tracker_gamma": 0.5}),
-                ("-c32", {"tracker_chunk": 32}),
+            for suffix, v_every, options in (
+                ("", 32, {}),
+                ("-g0.5", 32, {"tracker_gamma": 0.5}),
+                ("-c32", 32, {"tracker_chunk": 32}),
                 # two magnitudes per chunk: 2 bits a value and 2 scales per 128 values, still within a tenth of DDP
-                ("2", {"tracker_levels": 2}),
+                ("2", 32, {"tracker_levels": 2}),
+                # the mean gradient sampled half as often, which frees the bytes for four magnitudes per 256 values
+                # (3 bits a value); two magnitudes beside it separate the two changes
+                ("2", 64, {"tracker_levels": 2}),
+                ("4-c256", 64, {"tracker_levels": 4, "tracker_chunk": 256}),
             )
         ),
         *(
