@@ -17,6 +17,7 @@ from gossip.algorithms.adaptive_rank import AdaptivePowerGossip
 from gossip.algorithms.allreduce import AllReduce
 from gossip.algorithms.base import COLLECTIVE
 from gossip.algorithms.buckets import pack
+from gossip.algorithms.choco_sign import ChocoSign
 from gossip.algorithms.diloco import DiLoCo
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.hierarchical import HierarchicalGossip, inter_node_pairs
@@ -33,6 +34,7 @@ ALGORITHMS = {
     "allreduce": AllReduce,
     "periodic-exact": lambda: PeriodicAverage(ExactGossip(), every=2),
     "diloco": lambda: DiLoCo(local_steps=2),
+    "choco-sign": lambda: ChocoSign(chunk=8),
 }
 
 
@@ -296,7 +298,15 @@ STATEFUL = {
     ),
 }
 #: The ones whose state changes as they train (the others keep none, or none that moves in six steps).
-CHANGING = {"diloco", "periodic-powergossip", "hierarchical-compressed", "adaptive", "powergossip", "hybrid"}
+CHANGING = {
+    "diloco",
+    "choco-sign",
+    "periodic-powergossip",
+    "hierarchical-compressed",
+    "adaptive",
+    "powergossip",
+    "hybrid",
+}
 
 
 def identical(a: Any, b: Any) -> bool:

@@ -1,8 +1,8 @@
-"""Gradient tracking with PowerGossip-compressed trackers (``gradient_tracking="powergossip"`` or a
-``gossip.PowerGossip`` object): the trackers' sum equals the gradients' sum after every step, each step sends the
-parameters' algorithm's bytes plus the trackers' compressed products (far below the model), resume is
-bit-identical, and Gloo and MPI equal the simulator bit for bit (with the overlapped tracker of
-test_gradient_tracking_overlap.py too)."""
+"""Gradient tracking with compressed trackers, PowerGossip (``gradient_tracking="powergossip"`` or a
+``gossip.PowerGossip`` object) and scaled signs (``"sign"``, ``gossip.ChocoSign``): the trackers' sum equals the
+gradients' sum after every step, each step sends the parameters' algorithm's bytes plus the trackers' compressed
+messages (far below the model), resume is bit-identical, and Gloo and MPI equal the simulator bit for bit (with the
+overlapped tracker of test_gradient_tracking_overlap.py too)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,23 @@ def test_the_trackers_sum_is_the_gradients_sum_after_every_step(algorithm):
     # compression changed the trackers (they are not the exact mixing's), and they are not the local gradients
     assert not torch.equal(per_rank[0][-1]["y"], exact_trackers[0][-1]["y"])
     assert not torch.equal(per_rank[0][-1]["y"], per_rank[0][-1]["g"])
+
+
+def test_sign_trackers_keep_the_sum_send_a_fifteenth_of_the_model_and_resume_bit_for_bit(tmp_path):
+    """``gradient_tracking="sign"``: gossip.ChocoSign's antisymmetric per-edge corrections keep sum_i y_i =
+    sum_i g_i; every step sends the parameters' PowerGossip plus one message of 2 bits a value and two float32
+    scales per 128 values to the hypercube's one peer; a resumed run equals the uninterrupted one bit for bit."""
+    per_rank = gossip.simulate(N, tracked_steps, "powergossip", "sign")
+    assert_trackers_sum_to_the_gradients(per_rank)
+    compressed = gossip.simulate(N, plain_bytes, tracker)
+    numel = per_rank[0][0]["x"].numel()  # one bucket: the MLP is smaller than a bucket
+    message = 2 * -(-numel // 8) + 4 * 2 * -(-numel // 128)
+    for rank in range(N):
+        assert [row["bytes_sent"] for row in per_rank[rank]] == [c + message for c in compressed[rank]], f"rank {rank}"
+    for rank, result in enumerate(
+        gossip.simulate(N, checkpoint_resume, tmp_path, gossip.PowerGossip, False, gradient_tracking="sign")
+    ):
+        assert result["resumed_at"] == 3 and torch.equal(result["resumed"], result["uninterrupted"]), f"rank {rank}"
 
 
 def plain_bytes(comm, make_algorithm) -> list[int]:
@@ -117,7 +134,8 @@ def real(request, tmp_path_factory) -> tuple[str, list[dict]]:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "case", ["exact", "powergossip", "overlap-exact-trackers", "overlap-powergossip-trackers", "momentum-own-v"]
+    "case",
+    ["exact", "powergossip", "overlap-exact-trackers", "overlap-powergossip-trackers", "momentum-own-v", "sign"],
 )
 def test_real_backends_equal_the_simulator_bit_for_bit(real, oracle, case):
     backend, results = real
@@ -132,7 +150,7 @@ def test_real_backends_equal_the_simulator_bit_for_bit(real, oracle, case):
 def test_resume_on_real_backends_is_bit_identical_and_equals_the_simulator(real, oracle):
     backend, results = real
     for rank in range(N):
-        for case in ("checkpoint", "overlap-checkpoint"):
+        for case in ("checkpoint", "overlap-checkpoint", "sign-checkpoint"):
             checkpoint = results[rank][case]
             assert torch.equal(checkpoint["resumed"], checkpoint["uninterrupted"]), f"{backend} rank {rank} {case}"
             assert torch.equal(checkpoint["resumed"], oracle[rank][case]["resumed"]), f"{backend} rank {rank} {case}"

@@ -1,5 +1,6 @@
-"""``--gradient-tracking powergossip`` in the main job: parsed next to the bare flag and ``--no-gradient-tracking``,
-turned into a PowerGossip at ``--rank`` for the trackers, refused where unknown; and a 2-process Gloo run whose
+"""``--gradient-tracking powergossip`` and ``sign`` in the main job: parsed next to the bare flag and
+``--no-gradient-tracking``, turned into a PowerGossip at ``--rank`` or a gossip.ChocoSign for the trackers, refused
+where unknown; and a 2-process Gloo run whose
 every step sends the parameters' exact gossip plus the trackers' compressed products (with the overlapped tracker,
 ``--tracking-overlap``, which needs ``--gradient-tracking``)."""
 
@@ -26,17 +27,20 @@ STEPS = 4
         (["--gradient-tracking"], True),
         (["--gradient-tracking", "exact"], "exact"),
         (["--gradient-tracking", "powergossip"], "powergossip"),
+        (["--gradient-tracking", "sign"], "sign"),
         (["--gradient-tracking", "--no-gradient-tracking"], False),
     ],
 )
-def test_the_option_parses_to_off_exact_or_powergossip(argv, value):
+def test_the_option_parses_to_off_exact_powergossip_or_sign(argv, value):
     assert config_from(build_parser().parse_args(argv)).gradient_tracking == value
 
 
-def test_powergossip_trackers_are_a_powergossip_at_the_main_jobs_rank():
+def test_powergossip_trackers_are_a_powergossip_at_the_main_jobs_rank_and_sign_ones_a_choco_sign():
     config, _ = resolve(TrainConfig(algorithm="exact", gradient_tracking="powergossip", rank=2), 4)
     option = tracking_option(config)
     assert isinstance(option, gossip.PowerGossip) and option.matrix_rank == 2
+    signs = tracking_option(resolve(TrainConfig(algorithm="exact", gradient_tracking="sign"), 4)[0])
+    assert isinstance(signs, gossip.ChocoSign) and signs.config() == gossip.ChocoSign().config()
     assert tracking_option(resolve(TrainConfig(gradient_tracking="exact"), 4)[0]) is True
     assert tracking_option(resolve(TrainConfig(), 4)[0]) is False
 
@@ -45,7 +49,7 @@ def test_an_unknown_mixing_is_refused_by_argparse_and_by_resolve(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--nproc", "2", "--gradient-tracking", "sparse"])
     assert exit_info.value.code == 2 and "argument --gradient-tracking: invalid choice" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match="--gradient-tracking: must be off, on, 'exact' or 'powergossip'"):
+    with pytest.raises(ConfigError, match="--gradient-tracking: must be off, on, 'exact', 'powergossip' or 'sign'"):
         resolve(TrainConfig(gradient_tracking="sparse"), 2)
 
 
@@ -74,3 +78,15 @@ def test_tracking_overlap_reaches_the_wrapper_and_needs_tracking(capsys):
     assert "argument --tracking-overlap: overlaps the trackers' exchange: add --gradient-tracking" in (
         capsys.readouterr().err
     )
+
+
+@pytest.mark.multiprocess
+def test_a_sign_tracking_run_sends_powergossip_and_a_sign_message_of_the_trackers(tmp_path):
+    """``--gradient-tracking sign`` with PowerGossip for the parameters, 2 Gloo processes: every step sends the
+    parameters' products and the trackers' message of 2 bits a value and two float32 scales per 128 values (1/16 +
+    1/64 of the float32 model); together between 1/16 and 1/8 of the model."""
+    args = ["--nproc", "2", "--steps", str(STEPS), "--algorithm", "powergossip", "--outer-every", "0"]
+    args += ["--gradient-tracking", "sign", "--batch-size", "4", "--eval-every", str(STEPS)]
+    rows = completed_rows(*main_job_run(tmp_path, args), STEPS)
+    model_bytes = 4 * GPT(GPTConfig()).num_parameters()
+    assert all(model_bytes / 16 < int(row["bytes_sent"]) < model_bytes / 8 for row in rows), rows

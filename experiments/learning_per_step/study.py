@@ -83,7 +83,7 @@ import torch
 import gossip
 import optim
 import topologies
-from experiments.learning_per_step.mixing import ChocoSign, ChocoTopK, NoMixing
+from experiments.learning_per_step.mixing import ChocoTopK, NoMixing
 from experiments.learning_per_step.optimizers import (
     NoiseDebiasedAdamW,
     SharedSecondMomentAdamW,
@@ -187,7 +187,7 @@ def tracking(config: RunConfig) -> bool | Algorithm:
     if config.gradient_tracking == "powergossip":
         return make_algorithm(dataclasses.replace(config, algorithm="powergossip", average_every=0))
     if config.gradient_tracking == "choco-sign":
-        return ChocoSign(config.tracker_gamma, config.tracker_chunk, config.tracker_levels)
+        return gossip.ChocoSign(config.tracker_gamma, config.tracker_chunk, config.tracker_levels)
     if not isinstance(config.gradient_tracking, bool):
         raise ValueError(f"{config.name}: gradient_tracking must be a bool, 'powergossip' or 'choco-sign'")
     return config.gradient_tracking

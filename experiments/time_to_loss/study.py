@@ -146,12 +146,14 @@ def _hybrid_average(local_steps: int, delay: int = 0) -> Method:
     return Method(f"pg4-it2-fp16-h{local_steps}-d{delay}-avg-adamw", label, _gossip_train(*options))
 
 
-def _momentum_tracking(name: str, label: str, *algorithm: str) -> Method:
-    """``algorithm`` for the parameters, exact gradient trackers carrying the optimizer's first moment, and the mean
+def _momentum_tracking(name: str, label: str, *algorithm: str, trackers: str = "exact") -> Method:
+    """``algorithm`` for the parameters, gradient trackers carrying the optimizer's first moment, mixed exactly or
+    by ``trackers`` (``--gradient-tracking``: ``sign`` for ``gossip.ChocoSign``'s scaled signs), and the mean
     gradient's second moment sampled every 32 steps (``optim.MomentumTrackingAdamW``; the learning-per-step study's
-    ``*-mt-sharedv32``)."""
-    options = [*algorithm, "--gradient-tracking", "exact", "--optimizer", "momentum-tracking-adamw"]
-    label += ", exact momentum trackers, the mean gradient's second moment every 32 steps"
+    ``*-mt-sharedv32`` and ``*-mtsign2-sharedv32``)."""
+    options = [*algorithm, "--gradient-tracking", trackers, "--optimizer", "momentum-tracking-adamw"]
+    label += f", {'exact' if trackers == 'exact' else trackers + '-compressed'} momentum trackers, the mean"
+    label += " gradient's second moment every 32 steps"
     return Method(name, label, _gossip_train(*options, "--second-moment-every", "32"))
 
 
@@ -249,6 +251,12 @@ METHODS = {
         _momentum_tracking("exact-mt-adamw", "exact gossip, one-peer hypercube", *EXACT),
         _momentum_tracking(
             "pg4-it2-fp16-mt-adamw", "PowerGossip r=4, 2 iterations, float16 messages", *powergossip(4, 2, "float16")
+        ),
+        _momentum_tracking(
+            "pg4-it2-fp16-mtsign-adamw",
+            "PowerGossip r=4, 2 iterations, float16 messages",
+            *powergossip(4, 2, "float16"),
+            trackers="sign",
         ),
         Method("decentdp", "decent-dp 0.2.3, one-peer-exp", _decent_dp("one-peer-exp")),
         Method("decentdp-aer", "decent-dp 0.2.3, alternating-exp-ring", _decent_dp("alternating-exp-ring")),

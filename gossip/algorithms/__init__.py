@@ -1,10 +1,11 @@
-"""Gossip algorithms behind one start/finish interface: ExactGossip, PowerGossip, AllReduce, HierarchicalGossip,
-AdaptivePowerGossip; the PeriodicAverage wrapper; the OuterOptimizer and the DiLoCo baseline, one case of it;
-compression policies (``tagc_policy``)."""
+"""Gossip algorithms behind one start/finish interface: ExactGossip, PowerGossip, ChocoSign, AllReduce,
+HierarchicalGossip, AdaptivePowerGossip; the PeriodicAverage wrapper; the OuterOptimizer and the DiLoCo baseline,
+one case of it; compression policies (``tagc_policy``)."""
 
 from gossip.algorithms.adaptive_rank import AdaptivePowerGossip, LadderSearch
 from gossip.algorithms.allreduce import AllReduce
 from gossip.algorithms.base import Algorithm, Traffic
+from gossip.algorithms.choco_sign import ChocoSign
 from gossip.algorithms.diloco import DiLoCo
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.hierarchical import HierarchicalGossip
@@ -20,6 +21,7 @@ __all__ = [
     "AdaptivePowerGossip",
     "Algorithm",
     "AllReduce",
+    "ChocoSign",
     "DiLoCo",
     "ExactGossip",
     "HierarchicalGossip",

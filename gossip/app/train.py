@@ -45,6 +45,7 @@ from gossip.app.run_dir import RunSummary, describe_mixing, prepare_run_dir, wri
 from gossip.backends.base import Communicator
 from gossip.errors import ConfigError, NonFiniteError
 from gossip.wrapper.parallel import DecentralizedDataParallel
+from gossip.wrapper.tracking import TRACKER_MIXINGS
 
 logger = logging.getLogger(__name__)
 MOMENTUM_TRACKING = "momentum-tracking-adamw"  # optim.MomentumTrackingAdamW: needs --gradient-tracking
@@ -127,7 +128,8 @@ class TrainConfig:
         average_every: an exact global average every this many steps (0: never; None: :data:`DEFAULTS`').
         gradient_tracking: the optimizer steps on a tracker of the mean gradient, mixed like the parameters
             (``DecentralizedDataParallel(..., gradient_tracking=...)``): False (off), True or ``"exact"`` (one more
-            exchange of model size per step) or ``"powergossip"`` (PowerGossip at ``rank``, compressed products).
+            exchange of model size per step), ``"powergossip"`` (PowerGossip at ``rank``, compressed products) or
+            ``"sign"`` (:class:`gossip.ChocoSign`: scaled-sign messages with error feedback).
         tracking_overlap: the trackers' exchange overlaps forward and backward (combine-then-adapt tracking).
         delayed_last_iteration: PowerGossip's last power iteration is applied at the next step, so that its
             exchange overlaps that step's compute (``PowerGossip(delayed_last_iteration=True)``).
@@ -235,7 +237,7 @@ def build_schedule(config: TrainConfig) -> topologies.Schedule:
     """
     try:
         schedule = topologies.by_name(config.schedule, config.world_size)
-        symmetric = config.outer_sync == "powergossip" or config.gradient_tracking == "powergossip"
+        symmetric = config.outer_sync == "powergossip" or config.gradient_tracking in ("powergossip", "sign")
         if gossip.ALGORITHMS[config.algorithm].needs_symmetric_schedule or symmetric:
             schedule.validate(symmetric=True)
     except topologies.ScheduleError as err:
@@ -282,16 +284,17 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     if config.outer_every is None:
         resolved.outer_every = _default_outer_every(config, notes)
     _check_mixing_options(resolved)
-    if config.gradient_tracking not in (False, True, "exact", "powergossip"):
+    if config.gradient_tracking not in (False, True, *TRACKER_MIXINGS):
         raise ConfigError(
-            "--gradient-tracking", f"must be off, on, 'exact' or 'powergossip', got {config.gradient_tracking!r}"
+            "--gradient-tracking",
+            f"must be off, on, 'exact', 'powergossip' or 'sign', got {config.gradient_tracking!r}",
         )
     if config.tracking_overlap and not config.gradient_tracking:
         raise ConfigError("--tracking-overlap", "overlaps the trackers' exchange: add --gradient-tracking")
     if config.optimizer == MOMENTUM_TRACKING and not config.gradient_tracking and config.algorithm != DDP:
         raise ConfigError(
             "--optimizer", f"{MOMENTUM_TRACKING} runs its first moment through the gradient trackers: add "
-            "--gradient-tracking (exact or powergossip)"
+            "--gradient-tracking (exact, powergossip or sign)"
         )  # fmt: skip
     if config.power_iterations is None:
         resolved.power_iterations = DEFAULTS.power_iterations if config.algorithm == "powergossip" else 1
@@ -492,7 +495,7 @@ def make_algorithm(config: TrainConfig) -> gossip.Algorithm:
 
 
 def tracking_option(config: TrainConfig) -> bool | gossip.Algorithm:
-    """The wrapper's ``gradient_tracking`` for ``config``: False, True (exact) or PowerGossip at ``config.rank``.
+    """The wrapper's ``gradient_tracking`` for ``config``: False, True (exact), PowerGossip or ChocoSign.
 
     Args:
         config: a resolved config.
@@ -502,6 +505,8 @@ def tracking_option(config: TrainConfig) -> bool | gossip.Algorithm:
     """
     if config.gradient_tracking == "powergossip":
         return gossip.PowerGossip(rank=config.rank)
+    if config.gradient_tracking == "sign":
+        return gossip.ChocoSign()
     return bool(config.gradient_tracking)
 
 

@@ -19,6 +19,10 @@ edge share. Each edge's correction is applied with opposite signs at its two end
 symmetric W the sum is preserved exactly as with exact mixing, :math:`\sum_i y_i^t = \sum_i g_i^t`, while each
 step sends the compressed products instead of the model; what the projection misses of the trackers' differences
 stays in them for later steps. The tracker's PowerGossip keeps its own per-edge factors (part of the checkpoint).
+With ``gradient_tracking="sign"`` (or a :class:`gossip.ChocoSign` instance) the trackers are mixed by CHOCO-Gossip
+with scaled-sign messages (:mod:`gossip.algorithms.choco_sign`): full-rank compression with error feedback, whose
+per-edge corrections are antisymmetric too, so the same invariant holds; its per-edge public copies are part of the
+checkpoint.
 
 Overlapped tracking (``tracking_overlap=True``): the combine-then-adapt form of DIGing (Nedić, Olshevsky & Shi
 2017, Algorithm 1),
@@ -54,6 +58,7 @@ import torch
 
 from gossip.algorithms.base import Algorithm
 from gossip.algorithms.buckets import Bucket, gradients_into
+from gossip.algorithms.choco_sign import ChocoSign
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.powergossip import PowerGossip
 from gossip.errors import ArgumentTypeError, CheckpointMismatchError, InvalidArgumentError
@@ -81,15 +86,15 @@ def require_doubly_stochastic(schedule: Schedule, rank: int) -> None:
 
 
 #: The names ``gradient_tracking`` accepts besides True/False and an algorithm instance.
-TRACKER_MIXINGS = ("exact", "powergossip")
+TRACKER_MIXINGS = ("exact", "powergossip", "sign")
 
 
 def tracker_mixing(option: Any) -> Algorithm | None:
     """The algorithm that mixes the trackers for the wrapper's ``gradient_tracking`` option.
 
     Args:
-        option: True or ``"exact"`` (exact mixing), ``"powergossip"`` (``PowerGossip()``'s defaults) or an unbound
-            :class:`gossip.Algorithm` (e.g. ``PowerGossip(rank=4)``).
+        option: True or ``"exact"`` (exact mixing), ``"powergossip"`` (``PowerGossip()``'s defaults), ``"sign"``
+            (``ChocoSign()``'s defaults) or an unbound :class:`gossip.Algorithm` (e.g. ``PowerGossip(rank=4)``).
 
     Returns:
         None for exact mixing (:class:`TrackerMixing`), else the algorithm.
@@ -101,6 +106,8 @@ def tracker_mixing(option: Any) -> Algorithm | None:
         return None
     if option == "powergossip":
         return PowerGossip()
+    if option == "sign":
+        return ChocoSign()
     if isinstance(option, Algorithm):
         return option
     raise InvalidArgumentError(

@@ -1,5 +1,5 @@
-"""Gradient tracking with compressed (PowerGossip) trackers: scenarios run unchanged on the simulator and on real
-backends (Gloo, MPI)."""
+"""Gradient tracking with compressed (PowerGossip, scaled-sign) trackers: scenarios run unchanged on the simulator
+and on real backends (Gloo, MPI)."""
 
 from __future__ import annotations
 
@@ -109,6 +109,10 @@ def run_all(comm, directory: Path) -> dict[str, Any]:
             False,
             gradient_tracking="powergossip",
             tracking_overlap=True,
+        ),
+        "sign": tracked_steps(comm, "powergossip", "sign"),
+        "sign-checkpoint": checkpoint_resume(
+            comm, directory / "sign", gossip.PowerGossip, False, gradient_tracking="sign"
         ),
         "momentum": tracked_steps(comm, "powergossip", True, optimizer_factory=momentum_tracking_adamw),
         "momentum-own-v": tracked_steps(
