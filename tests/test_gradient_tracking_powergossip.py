@@ -29,15 +29,15 @@ def test_the_trackers_sum_is_the_gradients_sum_after_every_step(algorithm):
     assert not torch.equal(per_rank[0][-1]["y"], per_rank[0][-1]["g"])
 
 
-def test_sign_trackers_keep_the_sum_send_a_fifteenth_of_the_model_and_resume_bit_for_bit(tmp_path):
+def test_sign_trackers_keep_the_sum_send_3_bits_a_value_and_resume_bit_for_bit(tmp_path):
     """``gradient_tracking="sign"``: gossip.ChocoSign's antisymmetric per-edge corrections keep sum_i y_i =
-    sum_i g_i; every step sends the parameters' PowerGossip plus one message of 2 bits a value and two float32
-    scales per 128 values to the hypercube's one peer; a resumed run equals the uninterrupted one bit for bit."""
+    sum_i g_i; every step sends the parameters' PowerGossip plus one message of 3 bits a value and four float32
+    scales per 256 values to the hypercube's one peer; a resumed run equals the uninterrupted one bit for bit."""
     per_rank = gossip.simulate(N, tracked_steps, "powergossip", "sign")
     assert_trackers_sum_to_the_gradients(per_rank)
     compressed = gossip.simulate(N, plain_bytes, tracker)
     numel = per_rank[0][0]["x"].numel()  # one bucket: the MLP is smaller than a bucket
-    message = 2 * -(-numel // 8) + 4 * 2 * -(-numel // 128)
+    message = 3 * -(-numel // 8) + 4 * 4 * -(-numel // 256)
     for rank in range(N):
         assert [row["bytes_sent"] for row in per_rank[rank]] == [c + message for c in compressed[rank]], f"rank {rank}"
     for rank, result in enumerate(

@@ -146,15 +146,15 @@ def _hybrid_average(local_steps: int, delay: int = 0) -> Method:
     return Method(f"pg4-it2-fp16-h{local_steps}-d{delay}-avg-adamw", label, _gossip_train(*options))
 
 
-def _momentum_tracking(name: str, label: str, *algorithm: str, trackers: str = "exact") -> Method:
+def _momentum_tracking(name: str, label: str, *algorithm: str, trackers: str = "exact", every: int = 32) -> Method:
     """``algorithm`` for the parameters, gradient trackers carrying the optimizer's first moment, mixed exactly or
     by ``trackers`` (``--gradient-tracking``: ``sign`` for ``gossip.ChocoSign``'s scaled signs), and the mean
-    gradient's second moment sampled every 32 steps (``optim.MomentumTrackingAdamW``; the learning-per-step study's
-    ``*-mt-sharedv32`` and ``*-mtsign2-sharedv32``)."""
+    gradient's second moment sampled every ``every`` steps (``optim.MomentumTrackingAdamW``; the learning-per-step
+    study's ``*-mt-sharedv32`` and ``*-mtsign4-c256-sharedv64``)."""
     options = [*algorithm, "--gradient-tracking", trackers, "--optimizer", "momentum-tracking-adamw"]
     label += f", {'exact' if trackers == 'exact' else trackers + '-compressed'} momentum trackers, the mean"
-    label += " gradient's second moment every 32 steps"
-    return Method(name, label, _gossip_train(*options, "--second-moment-every", "32"))
+    label += f" gradient's second moment every {every} steps"
+    return Method(name, label, _gossip_train(*options, "--second-moment-every", str(every)))
 
 
 def _pga(name: str, *, rank: int, iterations: int, every: int, adamw: bool) -> Method:
@@ -257,6 +257,7 @@ METHODS = {
             "PowerGossip r=4, 2 iterations, float16 messages",
             *powergossip(4, 2, "float16"),
             trackers="sign",
+            every=64,
         ),
         Method("decentdp", "decent-dp 0.2.3, one-peer-exp", _decent_dp("one-peer-exp")),
         Method("decentdp-aer", "decent-dp 0.2.3, alternating-exp-ring", _decent_dp("alternating-exp-ring")),

@@ -16,7 +16,7 @@ one-level sign message removes 2/π of the energy of independent Gaussian entrie
 trackers, whose increments are full-rank noise.
 
 Cost per edge and step: :math:`(1 + \log_2 L)` bits a value plus L float32 scales per chunk of C values (L =
-``levels``); with the defaults (L = 2, C = 128), 1/16 + 1/64 of the float32 model. Memory: two copies of the
+``levels``); with the defaults (L = 4, C = 256), 3/32 + 1/64 of the float32 model. Memory: two copies of the
 buffers per neighbour met (the one-peer hypercube meets log2 n of them).
 
 Non-finite input: a NaN or Inf in a received message raises :class:`gossip.errors.NonFiniteError` naming the rank,
@@ -78,7 +78,7 @@ class ChocoSign(Algorithm):
     state_dict_is_snapshot = True  # copies of the public buffers
     start_keeps_state = True  # only finish adds the messages to the copies
 
-    def __init__(self, gamma: float = 1.0, chunk: int = 128, levels: int = 2):
+    def __init__(self, gamma: float = 1.0, chunk: int = 256, levels: int = 4):
         if not gamma > 0:
             raise InvalidArgumentError(f"ChocoSign: gamma must be positive, got {gamma}")
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 8 or chunk % 8:

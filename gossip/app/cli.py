@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="{exact,powergossip,sign}",
         help="step on a tracker of the mean gradient, mixed like the parameters: exactly (the flag alone or exact: "
         "one more exchange of model size per step), by PowerGossip at --rank (powergossip: its compressed "
-        "products per step) or by CHOCO-Gossip with scaled-sign messages (sign: gossip.ChocoSign, 2 bits a value "
+        "products per step) or by CHOCO-Gossip with scaled-sign messages (sign: gossip.ChocoSign, 3 bits a value "
         "and error feedback); the trackers' sum stays the gradients' sum; needs a doubly stochastic (powergossip, "
         "sign: symmetric) schedule; default: off",
     )
