@@ -81,3 +81,25 @@ def test_the_overlap_benchmarks_momentum_tracking_is_the_main_jobs(monkeypatch, 
     assert method.gradient_tracking is True  # exact trackers
     optimizer = method.make_optimizer(torch.nn.Linear(3, 2))
     assert isinstance(optimizer, optim.MomentumTrackingAdamW) and optimizer.second_moment_every == 32
+
+
+def test_the_sign_codec_benchmark_compares_its_results_with_the_baselines_bit_for_bit(monkeypatch, capsys, tmp_path):
+    """A line per level with both times; the results' check passes against the current module as the baseline and
+    fails against one whose scales differ."""
+    from gossip.algorithms import scaled_sign
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    benchmark = load("sign_codec.py")
+    rows = benchmark.main(["--numel", "1003", "--repeats", "2", "--baseline-file", scaled_sign.__file__])
+    assert [row["levels"] for row in rows] == [1, 2, 4] and all(row["identical"] for row in rows), rows
+    assert all(row["baseline_ms"] > 0 and row["current_ms"] > 0 for row in rows)
+    assert capsys.readouterr().out.count("bit-identical") == 3
+    skewed = tmp_path / "skewed_codec.py"
+    skewed.write_text(
+        "from gossip.algorithms.scaled_sign import pack_signs as exact, unpack_signs\n\n\n"
+        "def pack_signs(residual, chunk, levels=1):\n"
+        "    signs, scales, *splits = exact(residual, chunk, levels)\n"
+        "    return (signs, 2 * scales, *splits)\n"
+    )
+    rows = benchmark.main(["--numel", "1003", "--repeats", "2", "--levels", "2", "--baseline-file", str(skewed)])
+    assert not rows[0]["identical"] and "DIFFERENT RESULTS" in capsys.readouterr().out

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from gossip.algorithms.base import Algorithm, all_finite, all_finite_on_host
-from gossip.algorithms.scaled_sign import check_levels, pack_signs, unpack_signs
+from gossip.algorithms.scaled_sign import check_levels, encode_signs, unpack_signs
 from gossip.backends.comm_thread import Handle
 from gossip.errors import CheckpointMismatchError, InvalidArgumentError, NonFiniteError
 
@@ -42,11 +42,13 @@ Message = tuple[torch.Tensor, ...]
 
 @dataclass
 class _Edge:
-    """One step's exchange with one peer: its weight, the messages sent and those being received, per bucket."""
+    """One step's exchange with one peer: its weight, the messages sent and what they decode to, and the messages
+    being received, per bucket."""
 
     peer: int
     weight: float
     outgoing: list[Message]
+    sent: list[torch.Tensor]
     incoming: list[Message]
 
 
@@ -105,14 +107,15 @@ class ChocoSign(Algorithm):
         edges, sends, recvs = [], [], []
         for peer, weight in self.schedule.peers(self.comm.rank, step).in_peers:
             mine, _ = self._copies(peer)
-            outgoing = [
-                pack_signs(b.buffer - m, self.chunk, self.levels) for b, m in zip(self.buckets, mine, strict=True)
+            codes = [
+                encode_signs(b.buffer - m, self.chunk, self.levels) for b, m in zip(self.buckets, mine, strict=True)
             ]
+            outgoing = [message for message, _ in codes]
             incoming = [tuple(torch.empty_like(part) for part in message) for message in outgoing]
             for message, reply in zip(outgoing, incoming, strict=True):
                 sends += [(peer, part) for part in message]
                 recvs += [(peer, part) for part in reply]
-            edges.append(_Edge(peer, weight, outgoing, incoming))
+            edges.append(_Edge(peer, weight, outgoing, [values for _, values in codes], incoming))
         return _Pending(step, edges, self._exchange(sends, recvs, step))
 
     def _finish_step(self, pending: _Pending) -> None:
@@ -129,7 +132,7 @@ class ChocoSign(Algorithm):
             mine, theirs = self._copies(edge.peer)
             for index, bucket in enumerate(self.buckets):
                 numel = bucket.buffer.numel()
-                mine[index].add_(unpack_signs(edge.outgoing[index], numel, self.chunk))
+                mine[index].add_(edge.sent[index])
                 theirs[index].add_(unpack_signs(edge.incoming[index], numel, self.chunk))
                 bucket.buffer.add_(theirs[index] - mine[index], alpha=self.gamma * edge.weight)
 

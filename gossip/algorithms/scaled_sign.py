@@ -13,19 +13,22 @@ split, and each code is the next one's with the two scales of every split group 
 .. math::  \lVert C_4(r) - r \rVert \le \lVert C_2(r) - r \rVert \le \lVert C_1(r) - r \rVert.
 
 A message of ``numel`` values costs :math:`(1 + \log_2 L)` bits a value and L float32 scales per chunk. Decoding is
-deterministic: every rank that holds the same message decodes the same values, bit for bit (what
-:class:`gossip.ChocoSign` relies on to keep both ends of an edge identical).
+deterministic: every rank that holds the same message decodes the same values, bit for bit, and
+:func:`encode_signs` returns the sender's decoding with its message (what :class:`gossip.ChocoSign` relies on to
+keep both ends of an edge identical). On the CPU the bits are packed by numpy (``packbits``, little-endian bit
+order: the same bytes as the torch path used on other devices).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from gossip.errors import InvalidArgumentError
 
-__all__ = ["LEVELS", "check_levels", "pack_bits", "pack_signs", "unpack_bits", "unpack_signs"]
+__all__ = ["LEVELS", "check_levels", "encode_signs", "pack_bits", "pack_signs", "unpack_bits", "unpack_signs"]
 
 #: The magnitudes per chunk :func:`pack_signs` can send: one more bit a value for each doubling.
 LEVELS = (1, 2, 4)
@@ -64,6 +67,8 @@ def pack_bits(flags: torch.Tensor) -> torch.Tensor:
     Returns:
         ``ceil(numel / 8)`` uint8 bytes on the flags' device.
     """
+    if flags.device.type == "cpu":
+        return torch.from_numpy(np.packbits(flags.contiguous().numpy(), bitorder="little"))
     padded = torch.zeros(math.ceil(flags.numel() / 8) * 8, dtype=torch.uint8, device=flags.device)
     padded[: flags.numel()] = flags
     return (padded.view(-1, 8) * _weights(flags.device)).sum(dim=1, dtype=torch.uint8)
@@ -79,6 +84,8 @@ def unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
     Returns:
         A 1-D bool tensor of ``numel`` flags.
     """
+    if bits.device.type == "cpu":
+        return torch.from_numpy(np.unpackbits(bits.numpy(), count=numel, bitorder="little").view(np.bool_))
     return ((bits.unsqueeze(1) & _weights(bits.device)) > 0).view(-1)[:numel]
 
 
@@ -93,8 +100,47 @@ def _chunked_magnitudes(residual: torch.Tensor, chunk: int) -> tuple[torch.Tenso
 
 def _chunk_means(magnitudes: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
     """Per chunk, the mean of the ``magnitudes`` its ``members`` mask selects (0 where it selects none), float32."""
-    counts = members.sum(dim=1).clamp(min=1)
-    return ((magnitudes * members).sum(dim=1) / counts).float()
+    weights = members.to(magnitudes.dtype)  # counts up to a chunk's size are exact in floating point
+    return ((magnitudes * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)).float()
+
+
+def _per_entry(masks: list[torch.Tensor], table: torch.Tensor) -> torch.Tensor:
+    """``table[c, g]`` at each entry of chunk c whose group is g (``masks[g]`` holds it), shape ``(chunks, chunk)``."""
+    values = table[:, :1].expand_as(masks[0])
+    for group in range(1, len(masks)):
+        values = torch.where(masks[group], table[:, group : group + 1], values)
+    return values
+
+
+def encode_signs(residual: torch.Tensor, chunk: int, levels: int = 1) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """The scaled-sign code of a flat tensor (module docstring) and the values it decodes to.
+
+    Args:
+        residual: the 1-D tensor to compress.
+        chunk: values per scale (a multiple of 8).
+        levels: magnitudes per chunk, 1, 2 or 4.
+
+    Returns:
+        ``(message, values)``: the message of :func:`pack_signs` and what :func:`unpack_signs` returns for it,
+            bit for bit (float32), computed without unpacking the message.
+
+    Raises:
+        InvalidArgumentError: ``levels`` is not 1, 2 or 4.
+    """
+    check_levels("pack_signs", levels)
+    numel = residual.numel()
+    magnitudes, real = _chunked_magnitudes(residual, chunk)
+    positive = residual >= 0
+    signs = pack_bits(positive)
+    masks, splits = [real], []  # the groups' members, in group order; a split sends group g to 2g and 2g + 1
+    while len(masks) < levels:  # split every group at its own mean magnitude
+        means = torch.stack([_chunk_means(magnitudes, members) for members in masks], dim=1)
+        above = (magnitudes >= _per_entry(masks, means).to(magnitudes.dtype)) & real
+        splits.append(pack_bits(above.view(-1)[:numel]))
+        masks = [part for members in masks for part in (members & ~above, members & above)]
+    scales = torch.stack([_chunk_means(magnitudes, members) for members in masks], dim=1)
+    values = _per_entry(masks, scales).reshape(-1)[:numel]
+    return (signs, scales, *splits), torch.where(positive, values, -values)
 
 
 def pack_signs(residual: torch.Tensor, chunk: int, levels: int = 1) -> tuple[torch.Tensor, ...]:
@@ -113,19 +159,7 @@ def pack_signs(residual: torch.Tensor, chunk: int, levels: int = 1) -> tuple[tor
     Raises:
         InvalidArgumentError: ``levels`` is not 1, 2 or 4.
     """
-    check_levels("pack_signs", levels)
-    magnitudes, real = _chunked_magnitudes(residual, chunk)
-    signs = pack_bits(residual >= 0)
-    group = torch.zeros_like(magnitudes, dtype=torch.long)
-    splits = []
-    groups = 1
-    while groups < levels:  # split every group at its own mean magnitude
-        means = torch.stack([_chunk_means(magnitudes, real & (group == g)) for g in range(groups)], dim=1)
-        above = (magnitudes >= means.gather(1, group).to(magnitudes.dtype)) & real
-        splits.append(pack_bits(above.view(-1)[: residual.numel()]))
-        group, groups = 2 * group + above, 2 * groups
-    scales = torch.stack([_chunk_means(magnitudes, real & (group == g)) for g in range(levels)], dim=1)
-    return signs, scales, *splits
+    return encode_signs(residual, chunk, levels)[0]
 
 
 def unpack_signs(message: tuple[torch.Tensor, ...], numel: int, chunk: int) -> torch.Tensor:
@@ -141,9 +175,11 @@ def unpack_signs(message: tuple[torch.Tensor, ...], numel: int, chunk: int) -> t
             same message.
     """
     signs, scales, *splits = message
-    values = unpack_bits(signs, numel).float().mul_(2).sub_(1)
-    group = torch.zeros(numel, dtype=torch.long, device=signs.device)
-    for plane in splits:
-        group = 2 * group + unpack_bits(plane, numel).long()
-    per_value = scales.repeat_interleave(chunk, dim=0)[:numel]
-    return values.mul_(per_value.gather(1, group.unsqueeze(1)).squeeze(1))
+    padded = scales.shape[0] * chunk
+    masks = [torch.ones(padded, dtype=torch.bool, device=signs.device)]
+    for plane in splits:  # group g splits into 2g (bit clear) and 2g + 1 (bit set)
+        above = torch.zeros(padded, dtype=torch.bool, device=signs.device)
+        above[:numel] = unpack_bits(plane, numel)
+        masks = [part for members in masks for part in (members & ~above, members & above)]
+    values = _per_entry([members.view(-1, chunk) for members in masks], scales).reshape(-1)[:numel]
+    return torch.where(unpack_bits(signs, numel), values, -values)
