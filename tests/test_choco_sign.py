@@ -157,8 +157,10 @@ def _nan_on_rank_2(comm) -> str:
 def test_a_peers_nan_raises_naming_the_rank_the_step_and_the_peer():
     messages = gossip.simulate(4, _nan_on_rank_2)
     # the one-peer hypercube pairs 2 with 0 at step 1 (2 xor 2): rank 0 receives the NaN scale, rank 2 rank 0's
-    assert messages[0].startswith("rank 0: step 1: peer 2 sent non-finite values (NaN or Inf) in its ChocoSign")
-    assert "ChocoSign has no 'drop'" in messages[0]
+    assert messages[0] == (
+        "rank 0: step 1: peer 2 sent non-finite values (NaN or Inf) to mix in; its replica has diverged. ChocoSign has "
+        "no 'drop': both ends of an edge must apply the same messages"
+    )
     assert messages[1] == messages[3] == "mixed"
 
 

@@ -280,8 +280,7 @@ class Algorithm(abc.ABC):
                 raise NonFiniteError(
                     f"rank {self.comm.rank}: step {step}: peer {bad} sent non-finite values (NaN or Inf) to mix in; "
                     f"its replica has diverged (found one step later: on a GPU the check is read without a host "
-                    f"sync, and the values were mixed in). {type(self).__name__}(nonfinite='drop') leaves such a "
-                    f"contribution out instead{self._nonfinite_hint()}"
+                    f"sync, and the values were mixed in). {self._nonfinite_remedy()}{self._nonfinite_hint()}"
                 )
 
     def _defer_nonfinite_check(self, step: int, received: list[tuple[int, list[torch.Tensor]]]) -> None:
@@ -307,6 +306,10 @@ class Algorithm(abc.ABC):
         handle.wait()
         account = self._account if self._account is not None else self
         account.wait_seconds += handle.wait_seconds - before
+
+    def _nonfinite_remedy(self) -> str:
+        """The non-finite error's advice: what this algorithm offers instead of raising (default: ``"drop"``)."""
+        return f"{type(self).__name__}(nonfinite='drop') leaves such a contribution out instead"
 
     def _nonfinite_hint(self) -> str:
         """Appended to the non-finite error: another cause this algorithm knows of (default: none)."""
@@ -338,8 +341,7 @@ class Algorithm(abc.ABC):
         if policy == "raise":
             raise NonFiniteError(
                 f"rank {me}: step {step}: peer {bad[0]} sent non-finite values (NaN or Inf) to mix in; its replica "
-                f"has diverged. {type(self).__name__}(nonfinite='drop') leaves such a contribution out instead"
-                f"{self._nonfinite_hint()}"
+                f"has diverged. {self._nonfinite_remedy()}{self._nonfinite_hint()}"
             )
         for peer in bad:
             warnings.warn(

@@ -19,8 +19,10 @@ Cost per edge and step: :math:`(1 + \log_2 L)` bits a value plus L float32 scale
 ``levels``); with the defaults (L = 4, C = 256), 3/32 + 1/64 of the float32 model. Memory: two copies of the
 buffers per neighbour met (the one-peer hypercube meets log2 n of them).
 
-Non-finite input: a NaN or Inf in a received message raises :class:`gossip.errors.NonFiniteError` naming the rank,
-step and peer. There is no ``"drop"``: both ends of an edge must apply the same messages, or their copies part.
+Non-finite input: a NaN or Inf in a received message's scales (where a NaN or Inf of the sender's residual lands)
+raises :class:`gossip.errors.NonFiniteError` naming the rank, step and peer, a step later on a GPU like every
+algorithm's check (:mod:`gossip.algorithms.base`). There is no ``"drop"``: both ends of an edge must apply the same
+messages, or their copies part.
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ from typing import Any
 
 import torch
 
-from gossip.algorithms.base import Algorithm, all_finite, all_finite_on_host
+from gossip.algorithms.base import Algorithm
 from gossip.algorithms.scaled_sign import check_levels, encode_signs, unpack_signs
 from gossip.backends.comm_thread import Handle
-from gossip.errors import CheckpointMismatchError, InvalidArgumentError, NonFiniteError
+from gossip.errors import CheckpointMismatchError, InvalidArgumentError
 
 __all__ = ["ChocoSign"]
 
@@ -120,14 +122,8 @@ class ChocoSign(Algorithm):
 
     def _finish_step(self, pending: _Pending) -> None:
         self._wait(pending.handle)
-        scales = [message[1] for edge in pending.edges for message in edge.incoming]
-        if not all_finite_on_host(scales):
-            bad = [e.peer for e in pending.edges if not bool(all_finite([m[1] for m in e.incoming]))]
-            raise NonFiniteError(
-                f"rank {self.comm.rank}: step {pending.step}: peer {bad[0]} sent non-finite values (NaN or Inf) in its "
-                "ChocoSign message; its buffers have diverged (ChocoSign has no 'drop': both ends of an edge must "
-                "apply the same messages)"
-            )
+        # a message's only floats are its scales; a NaN or Inf in the residual reaches them
+        self._nonfinite_peers(pending.step, "raise", [(e.peer, [m[1] for m in e.incoming]) for e in pending.edges])
         for edge in pending.edges:
             mine, theirs = self._copies(edge.peer)
             for index, bucket in enumerate(self.buckets):
@@ -135,6 +131,9 @@ class ChocoSign(Algorithm):
                 mine[index].add_(edge.sent[index])
                 theirs[index].add_(unpack_signs(edge.incoming[index], numel, self.chunk))
                 bucket.buffer.add_(theirs[index] - mine[index], alpha=self.gamma * edge.weight)
+
+    def _nonfinite_remedy(self) -> str:
+        return "ChocoSign has no 'drop': both ends of an edge must apply the same messages"
 
     def state_dict(self) -> dict[str, Any]:
         """Copies of the public buffers of every edge met so far.
