@@ -89,27 +89,36 @@ def unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
     return ((bits.unsqueeze(1) & _weights(bits.device)) > 0).view(-1)[:numel]
 
 
-def _chunked_magnitudes(residual: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``|residual|`` zero-padded to whole chunks, viewed ``(chunks, chunk)``, and a mask of the real entries."""
+def _chunked_magnitudes(residual: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``|residual|`` zero-padded to whole chunks, viewed ``(chunks, chunk)``."""
     numel = residual.numel()
     padded = torch.zeros(math.ceil(numel / chunk) * chunk, dtype=residual.dtype, device=residual.device)
-    padded[:numel] = residual.abs()
-    real = torch.arange(padded.numel(), device=residual.device) < numel
-    return padded.view(-1, chunk), real.view(-1, chunk)
+    torch.abs(residual, out=padded[:numel])
+    return padded.view(-1, chunk)
 
 
-def _chunk_means(magnitudes: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
-    """Per chunk, the mean of the ``magnitudes`` its ``members`` mask selects (0 where it selects none), float32."""
-    weights = members.to(magnitudes.dtype)  # counts up to a chunk's size are exact in floating point
-    return ((magnitudes * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1)).float()
+def _flags(flags: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool tensor as 0/1 of ``dtype`` (through uint8, a far faster conversion than from bool on the CPU)."""
+    return flags.view(torch.uint8).to(dtype)
 
 
-def _per_entry(masks: list[torch.Tensor], table: torch.Tensor) -> torch.Tensor:
-    """``table[c, g]`` at each entry of chunk c whose group is g (``masks[g]`` holds it), shape ``(chunks, chunk)``."""
-    values = table[:, :1].expand_as(masks[0])
-    for group in range(1, len(masks)):
-        values = torch.where(masks[group], table[:, group : group + 1], values)
-    return values
+def _chunk_means(part: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
+    """Per chunk, the sum of ``part`` (a group's magnitudes, 0 outside it) over its ``members`` (0 where none is),
+    float32."""
+    return (part.sum(dim=1) / members.clamp(min=1)).float()
+
+
+def _per_entry(groups: torch.Tensor | None, table: torch.Tensor, chunk: int) -> torch.Tensor:
+    """A new ``(chunks, chunk)`` tensor: ``table[c, g]`` at each entry of chunk c whose group is g (``groups``, int64),
+    or ``table[c, 0]`` everywhere when ``groups`` is None."""
+    if groups is None:
+        return table[:, :1].expand(-1, chunk).contiguous()
+    return table.gather(1, groups)
+
+
+def _signed(values: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+    """``values`` where ``positive``, ``-values`` elsewhere, in place (multiplying by +1 or -1 is exact)."""
+    return values.mul_(_flags(positive, torch.int8).mul_(2).sub_(1))
 
 
 def encode_signs(residual: torch.Tensor, chunk: int, levels: int = 1) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -129,18 +138,38 @@ def encode_signs(residual: torch.Tensor, chunk: int, levels: int = 1) -> tuple[t
     """
     check_levels("pack_signs", levels)
     numel = residual.numel()
-    magnitudes, real = _chunked_magnitudes(residual, chunk)
+    magnitudes = _chunked_magnitudes(residual, chunk)
+    tail = numel - (magnitudes.shape[0] - 1) * chunk  # the last chunk's real entries
     positive = residual >= 0
     signs = pack_bits(positive)
-    masks, splits = [real], []  # the groups' members, in group order; a split sends group g to 2g and 2g + 1
-    while len(masks) < levels:  # split every group at its own mean magnitude
-        means = torch.stack([_chunk_means(magnitudes, members) for members in masks], dim=1)
-        above = (magnitudes >= _per_entry(masks, means).to(magnitudes.dtype)) & real
+    members = torch.full(magnitudes.shape[:1], float(chunk), dtype=magnitudes.dtype, device=magnitudes.device)
+    members[-1] = tail
+    # per group, in group order: its magnitudes (0 outside it) and its members per chunk. A split sends group g to
+    # 2g (below its mean) and 2g + 1; products and differences of magnitudes with 0/1 flags are exact, and so are
+    # the integer counts, so each group's sum is that of its magnitudes masked by its members.
+    parts, counts, groups, splits = [magnitudes], [members], None, []
+    first_upper = None  # the first split's upper half, as 0/1 (the second split counts its members in each half)
+    while len(parts) < levels:  # split every group at its own mean magnitude
+        means = torch.stack([_chunk_means(part, n) for part, n in zip(parts, counts, strict=True)], dim=1)
+        thresholds = means[:, :1] if groups is None else means.gather(1, groups.long())
+        above = magnitudes >= thresholds.to(magnitudes.dtype)
+        above[-1, tail:] = False
         splits.append(pack_bits(above.view(-1)[:numel]))
-        masks = [part for members in masks for part in (members & ~above, members & above)]
-    scales = torch.stack([_chunk_means(magnitudes, members) for members in masks], dim=1)
-    values = _per_entry(masks, scales).reshape(-1)[:numel]
-    return (signs, scales, *splits), torch.where(positive, values, -values)
+        upper = _flags(above, magnitudes.dtype)
+        if first_upper is None:
+            uppers = [upper.sum(dim=1)]
+            first_upper = upper
+        else:  # the second split (levels <= 4): the first split's lower and upper halves' members above
+            high = (first_upper * upper).sum(dim=1)
+            uppers = [upper.sum(dim=1) - high, high]
+        tops = [part * upper for part in parts]
+        parts = [piece for part, top in zip(parts, tops, strict=True) for piece in (part - top, top)]
+        counts = [piece for n, up in zip(counts, uppers, strict=True) for piece in (n - up, up)]
+        bits = above.view(torch.uint8)
+        groups = bits if groups is None else groups.mul(2).add_(bits)  # uint8: levels <= 4 need 2 bits
+    scales = torch.stack([_chunk_means(part, n) for part, n in zip(parts, counts, strict=True)], dim=1)
+    values = _per_entry(None if groups is None else groups.long(), scales, chunk).view(-1)[:numel]
+    return (signs, scales, *splits), _signed(values, positive)
 
 
 def pack_signs(residual: torch.Tensor, chunk: int, levels: int = 1) -> tuple[torch.Tensor, ...]:
@@ -175,11 +204,11 @@ def unpack_signs(message: tuple[torch.Tensor, ...], numel: int, chunk: int) -> t
             same message.
     """
     signs, scales, *splits = message
-    padded = scales.shape[0] * chunk
-    masks = [torch.ones(padded, dtype=torch.bool, device=signs.device)]
-    for plane in splits:  # group g splits into 2g (bit clear) and 2g + 1 (bit set)
-        above = torch.zeros(padded, dtype=torch.bool, device=signs.device)
-        above[:numel] = unpack_bits(plane, numel)
-        masks = [part for members in masks for part in (members & ~above, members & above)]
-    values = _per_entry([members.view(-1, chunk) for members in masks], scales).reshape(-1)[:numel]
-    return torch.where(unpack_bits(signs, numel), values, -values)
+    groups = None
+    if splits:  # group g splits into 2g (bit clear) and 2g + 1 (bit set)
+        bits = torch.zeros(scales.shape[0] * chunk, dtype=torch.uint8, device=signs.device)
+        for plane in splits:
+            bits[:numel].mul_(2).add_(unpack_bits(plane, numel).view(torch.uint8))
+        groups = bits.view(-1, chunk).long()
+    values = _per_entry(groups, scales, chunk).view(-1)[:numel]
+    return _signed(values, unpack_bits(signs, numel))
