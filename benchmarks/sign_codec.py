@@ -2,8 +2,10 @@
 
 Per edge and step a ChocoSign rank encodes its residual, decodes the message it sent (its own public copy moves by
 it) and decodes the peer's. Since ``encode_signs`` returns the sender's decoding with the message, the current code
-does one encode and one decode; ``--baseline REV`` loads ``gossip/algorithms/scaled_sign.py`` as it was at git
-revision REV (baseline_revision.py) and times that revision's step: ``pack_signs`` and two ``unpack_signs``. Both
+does one encode and one decode, with the codec objects reused from step to step as ``ChocoSign`` keeps them (one
+per bucket); ``--baseline REV`` loads ``gossip/algorithms/scaled_sign.py`` as it was at git
+revision REV (baseline_revision.py) and times that revision's step: ``encode_signs`` and ``unpack_signs``, or
+``pack_signs`` and two ``unpack_signs`` before ``encode_signs`` existed. Both
 run on the same random residual, one thread, and the current message and decoding are checked to be the
 baseline's bit for bit. Prints the median milliseconds of ``--repeats`` steps for each number of levels (with
 ChocoSign's chunk for it) and the ratio.
@@ -52,15 +54,25 @@ def compare(old, residual: torch.Tensor, chunk: int, levels: int, repeats: int) 
     decoded = old.unpack_signs(before, numel, chunk)
     identical = identical and torch.equal(sent, decoded) and torch.equal(sent.signbit(), decoded.signbit())
     identical = identical and torch.equal(scaled_sign.unpack_signs(message, numel, chunk), decoded)
+    reused = scaled_sign.SignCodec(chunk, levels)
+    for _ in range(2):  # the second call runs on the first one's buffers
+        again, values = reused.encode(residual)
+        identical = identical and all(torch.equal(a, b) for a, b in zip(again, message, strict=True))
+        identical = identical and torch.equal(values, sent) and torch.equal(reused.decode(again, numel), decoded)
 
-    def baseline_step() -> None:
-        packed = old.pack_signs(residual, chunk, levels)
-        old.unpack_signs(packed, numel, chunk)
+    def baseline_step() -> None:  # that revision's ChocoSign step: its own decoding from the encoder where it has one
+        if hasattr(old, "encode_signs"):
+            packed, _ = old.encode_signs(residual, chunk, levels)
+        else:
+            packed = old.pack_signs(residual, chunk, levels)
+            old.unpack_signs(packed, numel, chunk)
         old.unpack_signs(packed, numel, chunk)
 
-    def current_step() -> None:
-        packed, _ = scaled_sign.encode_signs(residual, chunk, levels)
-        scaled_sign.unpack_signs(packed, numel, chunk)
+    sender, receiver = scaled_sign.SignCodec(chunk, levels), scaled_sign.SignCodec(chunk, levels)
+
+    def current_step() -> None:  # as ChocoSign runs it: a codec per bucket and side, reused every step
+        packed, _ = sender.encode(residual)
+        receiver.decode(packed, numel)
 
     return {
         "baseline_ms": median_ms(baseline_step, repeats),

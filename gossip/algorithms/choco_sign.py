@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from gossip.algorithms.base import Algorithm
-from gossip.algorithms.scaled_sign import check_levels, encode_signs, unpack_signs
+from gossip.algorithms.scaled_sign import SignCodec, check_levels
 from gossip.backends.comm_thread import Handle
 from gossip.errors import CheckpointMismatchError, InvalidArgumentError
 
@@ -90,6 +90,8 @@ class ChocoSign(Algorithm):
         self.gamma, self.chunk, self.levels = float(gamma), chunk, check_levels("ChocoSign", levels)
         #: peer -> (this rank's buffers as the peer knows them, the peer's as this rank knows them), per bucket
         self.public: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._codecs: list[SignCodec] = []  # one per bucket, with its work buffers
+        self._scratch: list[torch.Tensor] = []  # one per bucket: a residual being coded, or a correction
 
     def describe(self) -> dict[str, list[str]]:
         """Every tensor travels as a scaled-sign message.
@@ -105,12 +107,21 @@ class ChocoSign(Algorithm):
             self.public[peer] = tuple([torch.zeros_like(b.buffer) for b in self.buckets] for _ in range(2))
         return self.public[peer]
 
+    def _work(self) -> tuple[list[SignCodec], list[torch.Tensor]]:
+        """The buckets' codecs and scratch buffers, made at the first step."""
+        if len(self._codecs) != len(self.buckets):
+            self._codecs = [SignCodec(self.chunk, self.levels) for _ in self.buckets]
+            self._scratch = [torch.empty_like(b.buffer) for b in self.buckets]
+        return self._codecs, self._scratch
+
     def _start_step(self, step: int) -> _Pending:
         edges, sends, recvs = [], [], []
+        codecs, scratch = self._work()
         for peer, weight in self.schedule.peers(self.comm.rank, step).in_peers:
             mine, _ = self._copies(peer)
             codes = [
-                encode_signs(b.buffer - m, self.chunk, self.levels) for b, m in zip(self.buckets, mine, strict=True)
+                codec.encode(torch.sub(b.buffer, m, out=residual))
+                for codec, residual, b, m in zip(codecs, scratch, self.buckets, mine, strict=True)
             ]
             outgoing = [message for message, _ in codes]
             incoming = [tuple(torch.empty_like(part) for part in message) for message in outgoing]
@@ -124,13 +135,14 @@ class ChocoSign(Algorithm):
         self._wait(pending.handle)
         # a message's only floats are its scales; a NaN or Inf in the residual reaches them
         self._nonfinite_peers(pending.step, "raise", [(e.peer, [m[1] for m in e.incoming]) for e in pending.edges])
+        codecs, scratch = self._work()
         for edge in pending.edges:
             mine, theirs = self._copies(edge.peer)
             for index, bucket in enumerate(self.buckets):
-                numel = bucket.buffer.numel()
                 mine[index].add_(edge.sent[index])
-                theirs[index].add_(unpack_signs(edge.incoming[index], numel, self.chunk))
-                bucket.buffer.add_(theirs[index] - mine[index], alpha=self.gamma * edge.weight)
+                theirs[index].add_(codecs[index].decode(edge.incoming[index], bucket.buffer.numel()))
+                correction = torch.sub(theirs[index], mine[index], out=scratch[index])
+                bucket.buffer.add_(correction, alpha=self.gamma * edge.weight)
 
     def _nonfinite_remedy(self) -> str:
         return "ChocoSign has no 'drop': both ends of an edge must apply the same messages"

@@ -22,13 +22,23 @@ order: the same bytes as the torch path used on other devices).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from gossip.errors import InvalidArgumentError
 
-__all__ = ["LEVELS", "check_levels", "encode_signs", "pack_bits", "pack_signs", "unpack_bits", "unpack_signs"]
+__all__ = [
+    "LEVELS",
+    "SignCodec",
+    "check_levels",
+    "encode_signs",
+    "pack_bits",
+    "pack_signs",
+    "unpack_bits",
+    "unpack_signs",
+]
 
 #: The magnitudes per chunk :func:`pack_signs` can send: one more bit a value for each doubling.
 LEVELS = (1, 2, 4)
@@ -89,40 +99,163 @@ def unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
     return ((bits.unsqueeze(1) & _weights(bits.device)) > 0).view(-1)[:numel]
 
 
-def _chunked_magnitudes(residual: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``|residual|`` zero-padded to whole chunks, viewed ``(chunks, chunk)``."""
-    numel = residual.numel()
-    padded = torch.zeros(math.ceil(numel / chunk) * chunk, dtype=residual.dtype, device=residual.device)
-    torch.abs(residual, out=padded[:numel])
-    return padded.view(-1, chunk)
+@dataclass
+class _Work:
+    """A codec's work buffers for one size, dtype and device (every tensor but ``members`` is scratch)."""
+
+    numel: int
+    tail: int  # the last chunk's real entries
+    magnitudes: torch.Tensor  # (chunks, chunk) |residual|, zero beyond numel
+    product: torch.Tensor  # (chunks, chunk) a group's magnitudes, zero outside it
+    members: torch.Tensor  # (chunks,) real entries per chunk, in the residual's dtype
+    positive: torch.Tensor  # (numel,) bool
+    upper: torch.Tensor  # (chunks, chunk) bool: the first split's upper half
+    lower: torch.Tensor  # its lower half
+    second: torch.Tensor  # the second split's upper halves
+    mask: torch.Tensor  # one group's members
+    groups: torch.Tensor  # (chunks, chunk) uint8 group ids
+    index: torch.Tensor  # the same, int64, for gather
+    sign: torch.Tensor  # (numel,) int8, +1 or -1
+    decoded: torch.Tensor  # (chunks, chunk) float32, what decode returns
+
+    @classmethod
+    def make(cls, numel: int, chunk: int, dtype: torch.dtype, device: torch.device) -> _Work:
+        chunks = max(1, math.ceil(numel / chunk))
+        tail = numel - (chunks - 1) * chunk
+        members = torch.full((chunks,), float(chunk), dtype=dtype, device=device)
+        members[-1] = tail
+
+        def grid(kind: torch.dtype) -> torch.Tensor:
+            return torch.zeros(chunks, chunk, dtype=kind, device=device)
+
+        flags = [grid(torch.bool) for _ in range(4)]
+        return cls(
+            numel, tail, grid(dtype), grid(dtype), members, torch.empty(numel, dtype=torch.bool, device=device),
+            *flags, grid(torch.uint8), grid(torch.long), torch.empty(numel, dtype=torch.int8, device=device),
+            grid(torch.float32),
+        )  # fmt: skip
 
 
-def _flags(flags: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool tensor as 0/1 of ``dtype`` (through uint8, a far faster conversion than from bool on the CPU)."""
-    return flags.view(torch.uint8).to(dtype)
+def _means(sums: list[torch.Tensor], counts: list[torch.Tensor]) -> torch.Tensor:
+    """``(chunks, groups)`` float32: each group's sum over its members per chunk (0 where it has none)."""
+    return torch.stack([(total / n.clamp(min=1)).float() for total, n in zip(sums, counts, strict=True)], dim=1)
 
 
-def _chunk_means(part: torch.Tensor, members: torch.Tensor) -> torch.Tensor:
-    """Per chunk, the sum of ``part`` (a group's magnitudes, 0 outside it) over its ``members`` (0 where none is),
-    float32."""
-    return (part.sum(dim=1) / members.clamp(min=1)).float()
+def _count(flags: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """Per chunk, how many ``flags`` are set, in ``scratch``'s dtype (a float sum of 0/1 up to a chunk's size is
+    exact; ``scratch`` is overwritten)."""
+    return scratch.copy_(flags.view(torch.uint8)).sum(dim=1)
 
 
-def _per_entry(groups: torch.Tensor | None, table: torch.Tensor, chunk: int) -> torch.Tensor:
-    """A new ``(chunks, chunk)`` tensor: ``table[c, g]`` at each entry of chunk c whose group is g (``groups``, int64),
-    or ``table[c, 0]`` everywhere when ``groups`` is None."""
-    if groups is None:
-        return table[:, :1].expand(-1, chunk).contiguous()
-    return table.gather(1, groups)
+class SignCodec:
+    """The scaled-sign code (module docstring) of flat tensors of one size, with work buffers reused across calls.
 
+    Make one per tensor that is coded every step (:class:`gossip.ChocoSign` keeps one per bucket): the buffers are
+    made at the first call and again when the size, dtype or device changes, so a step allocates only what it
+    returns. Not safe to share between threads.
 
-def _signed(values: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
-    """``values`` where ``positive``, ``-values`` elsewhere, in place (multiplying by +1 or -1 is exact)."""
-    return values.mul_(_flags(positive, torch.int8).mul_(2).sub_(1))
+    Args:
+        chunk: values per scale (a multiple of 8).
+        levels: magnitudes per chunk, 1, 2 or 4.
+
+    Raises:
+        InvalidArgumentError: ``levels`` is not 1, 2 or 4.
+    """
+
+    def __init__(self, chunk: int, levels: int = 1):
+        self.chunk, self.levels = chunk, check_levels("pack_signs", levels)
+        self._work: _Work | None = None
+
+    def _buffers(self, numel: int, dtype: torch.dtype, device: torch.device) -> _Work:
+        work = self._work
+        if work is None or (work.numel, work.magnitudes.dtype, work.magnitudes.device) != (numel, dtype, device):
+            work = self._work = _Work.make(numel, self.chunk, dtype, device)
+        return work
+
+    def _masked_sum(self, work: _Work, members: torch.Tensor) -> torch.Tensor:
+        """Per chunk, the sum of the magnitudes of ``members``: multiplying by 0/1 is exact, so it is the sum of
+        the magnitudes with every other entry set to 0."""
+        return torch.mul(work.magnitudes, members.view(torch.uint8), out=work.product).sum(dim=1)
+
+    def encode(self, residual: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """The code of a flat tensor and the values it decodes to.
+
+        Args:
+            residual: the 1-D tensor to compress.
+
+        Returns:
+            ``(message, values)``, new tensors: the message of :func:`pack_signs` and what :meth:`decode` returns
+                for it, bit for bit (float32), computed without decoding the message.
+        """
+        numel = residual.numel()
+        work = self._buffers(numel, residual.dtype, residual.device)
+        magnitudes, tail = work.magnitudes, work.tail
+        torch.abs(residual, out=magnitudes.view(-1)[:numel])
+        positive = torch.ge(residual, 0, out=work.positive)
+        message = [pack_bits(positive)]
+        sums, counts = [magnitudes.sum(dim=1)], [work.members]  # one group: every entry (the padding is 0)
+        if self.levels >= 2:  # the chunk's magnitudes split at their mean
+            upper = torch.ge(magnitudes, _means(sums, counts).to(magnitudes.dtype), out=work.upper)
+            upper[-1, tail:] = False
+            lower = torch.logical_not(upper, out=work.lower)
+            lower[-1, tail:] = False
+            high = _count(upper, work.product)
+            sums = [self._masked_sum(work, lower), self._masked_sum(work, upper)]
+            counts = [counts[0] - high, high]
+            message.append(pack_bits(upper.view(-1)[:numel]))
+        if self.levels == 4:  # each half split at its own mean
+            means = _means(sums, counts).to(magnitudes.dtype)
+            second = torch.ge(magnitudes, means[:, 1:], out=work.second).logical_and_(upper)
+            second.logical_or_(torch.ge(magnitudes, means[:, :1], out=work.mask).logical_and_(lower))
+            message.append(pack_bits(second.view(-1)[:numel]))
+            seconds = _count(second, work.product)
+            high = _count(torch.logical_and(upper, second, out=work.mask), work.product)
+            sums = []
+            for half in (lower, upper):  # group 2h (below the half's mean), then 2h + 1
+                sums.append(self._masked_sum(work, torch.logical_not(second, out=work.mask).logical_and_(half)))
+                sums.append(self._masked_sum(work, torch.logical_and(second, half, out=work.mask)))
+            counts = [counts[0] - (seconds - high), seconds - high, counts[1] - high, high]
+        scales = _means(sums, counts)
+        if self.levels == 1:
+            values = scales.expand(-1, self.chunk).contiguous()
+        else:
+            groups = work.upper.view(torch.uint8) if self.levels == 2 else work.groups
+            if self.levels == 4:
+                torch.mul(work.upper.view(torch.uint8), 2, out=groups).add_(work.second.view(torch.uint8))
+            values = scales.gather(1, work.index.copy_(groups))
+        values = values.view(-1)[:numel]
+        sign = torch.mul(positive.view(torch.int8), 2, out=work.sign).sub_(1)
+        message.insert(1, scales)
+        return tuple(message), values.mul_(sign)
+
+    def decode(self, message: tuple[torch.Tensor, ...], numel: int) -> torch.Tensor:
+        """The values a message encodes: ``scale * (+1 or -1)``, ``numel`` of them, float32.
+
+        Args:
+            message: what :meth:`encode` (or :func:`pack_signs`) returned for ``numel`` values.
+            numel: how many values were coded.
+
+        Returns:
+            A 1-D float32 tensor on the message's device, identical on every rank given the same message; a
+                buffer of this codec, overwritten by its next :meth:`decode`.
+        """
+        signs, scales, *splits = message
+        work = self._buffers(numel, scales.dtype, scales.device)
+        if not splits:
+            decoded = work.decoded.copy_(scales.expand(-1, self.chunk))
+        else:  # group g splits into 2g (bit clear) and 2g + 1 (bit set)
+            groups = work.groups.view(-1)
+            groups[:numel].copy_(unpack_bits(splits[0], numel).view(torch.uint8))
+            for plane in splits[1:]:
+                groups[:numel].mul_(2).add_(unpack_bits(plane, numel).view(torch.uint8))
+            decoded = torch.gather(scales, 1, work.index.copy_(work.groups), out=work.decoded)
+        sign = torch.mul(unpack_bits(signs, numel).view(torch.int8), 2, out=work.sign).sub_(1)
+        return decoded.view(-1)[:numel].mul_(sign)
 
 
 def encode_signs(residual: torch.Tensor, chunk: int, levels: int = 1) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """The scaled-sign code of a flat tensor (module docstring) and the values it decodes to.
+    """The scaled-sign code of a flat tensor (module docstring) and the values it decodes to (:meth:`SignCodec.encode`
+    with a codec of its own).
 
     Args:
         residual: the 1-D tensor to compress.
@@ -136,40 +269,7 @@ def encode_signs(residual: torch.Tensor, chunk: int, levels: int = 1) -> tuple[t
     Raises:
         InvalidArgumentError: ``levels`` is not 1, 2 or 4.
     """
-    check_levels("pack_signs", levels)
-    numel = residual.numel()
-    magnitudes = _chunked_magnitudes(residual, chunk)
-    tail = numel - (magnitudes.shape[0] - 1) * chunk  # the last chunk's real entries
-    positive = residual >= 0
-    signs = pack_bits(positive)
-    members = torch.full(magnitudes.shape[:1], float(chunk), dtype=magnitudes.dtype, device=magnitudes.device)
-    members[-1] = tail
-    # per group, in group order: its magnitudes (0 outside it) and its members per chunk. A split sends group g to
-    # 2g (below its mean) and 2g + 1; products and differences of magnitudes with 0/1 flags are exact, and so are
-    # the integer counts, so each group's sum is that of its magnitudes masked by its members.
-    parts, counts, groups, splits = [magnitudes], [members], None, []
-    first_upper = None  # the first split's upper half, as 0/1 (the second split counts its members in each half)
-    while len(parts) < levels:  # split every group at its own mean magnitude
-        means = torch.stack([_chunk_means(part, n) for part, n in zip(parts, counts, strict=True)], dim=1)
-        thresholds = means[:, :1] if groups is None else means.gather(1, groups.long())
-        above = magnitudes >= thresholds.to(magnitudes.dtype)
-        above[-1, tail:] = False
-        splits.append(pack_bits(above.view(-1)[:numel]))
-        upper = _flags(above, magnitudes.dtype)
-        if first_upper is None:
-            uppers = [upper.sum(dim=1)]
-            first_upper = upper
-        else:  # the second split (levels <= 4): the first split's lower and upper halves' members above
-            high = (first_upper * upper).sum(dim=1)
-            uppers = [upper.sum(dim=1) - high, high]
-        tops = [part * upper for part in parts]
-        parts = [piece for part, top in zip(parts, tops, strict=True) for piece in (part - top, top)]
-        counts = [piece for n, up in zip(counts, uppers, strict=True) for piece in (n - up, up)]
-        bits = above.view(torch.uint8)
-        groups = bits if groups is None else groups.mul(2).add_(bits)  # uint8: levels <= 4 need 2 bits
-    scales = torch.stack([_chunk_means(part, n) for part, n in zip(parts, counts, strict=True)], dim=1)
-    values = _per_entry(None if groups is None else groups.long(), scales, chunk).view(-1)[:numel]
-    return (signs, scales, *splits), _signed(values, positive)
+    return SignCodec(chunk, levels).encode(residual)
 
 
 def pack_signs(residual: torch.Tensor, chunk: int, levels: int = 1) -> tuple[torch.Tensor, ...]:
@@ -203,12 +303,4 @@ def unpack_signs(message: tuple[torch.Tensor, ...], numel: int, chunk: int) -> t
         A new 1-D float32 tensor of ``numel`` values on the message's device, identical on every rank given the
             same message.
     """
-    signs, scales, *splits = message
-    groups = None
-    if splits:  # group g splits into 2g (bit clear) and 2g + 1 (bit set)
-        bits = torch.zeros(scales.shape[0] * chunk, dtype=torch.uint8, device=signs.device)
-        for plane in splits:
-            bits[:numel].mul_(2).add_(unpack_bits(plane, numel).view(torch.uint8))
-        groups = bits.view(-1, chunk).long()
-    values = _per_entry(groups, scales, chunk).view(-1)[:numel]
-    return _signed(values, unpack_bits(signs, numel))
+    return SignCodec(chunk, 2 ** (len(message) - 2)).decode(message, numel)
