@@ -1,5 +1,6 @@
 """gossip.ChocoSign and its scaled-sign codes (gossip/algorithms/choco_sign.py, scaled_sign.py): the codes on worked
-examples, each doubling of the levels never worse; on a time-varying schedule the sum preserved, both ends of every
+examples, each doubling of the levels never worse, the same codes through the torch bit path a GPU runs and through
+a codec's reused buffers; on a time-varying schedule the sum preserved, both ends of every
 edge holding bit-identical public copies, and the replicas contracting; resume bit-identical; a peer's NaN and a
 wrong setting or checkpoint refused by name. Gloo and MPI against the simulator: test_gradient_tracking_powergossip.py
 (the trackers' case ``sign``)."""
@@ -11,8 +12,9 @@ import torch
 
 import gossip
 import topologies
+from gossip.algorithms import scaled_sign
 from gossip.algorithms.buckets import pack
-from gossip.algorithms.scaled_sign import pack_signs, unpack_signs
+from gossip.algorithms.scaled_sign import SignCodec, pack_signs, unpack_signs
 from gossip.errors import CheckpointMismatchError, InvalidArgumentError, NonFiniteError
 
 
@@ -59,6 +61,34 @@ def test_each_doubling_of_the_levels_is_never_worse_and_exact_on_that_many_magni
     assert torch.equal(unpack_signs(message, values.numel(), chunk=24), values)
     with pytest.raises(InvalidArgumentError, match="pack_signs: levels must be 1, 2 or 4, got 3"):
         pack_signs(values, chunk=16, levels=3)
+
+
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 64, 1001])
+def test_the_torch_bit_path_packs_and_unpacks_the_bytes_numpy_does(numel):
+    """pack_bits / unpack_bits hand non-CPU tensors to their torch versions: the same bytes and flags."""
+    flags = torch.rand(numel, generator=torch.Generator().manual_seed(numel)) < 0.5
+    packed = scaled_sign.pack_bits(flags)  # numpy on the CPU
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-numel // 8)
+    assert torch.equal(scaled_sign.pack_bits_torch(flags), packed)
+    assert torch.equal(scaled_sign.unpack_bits_torch(packed, numel), flags)
+    assert torch.equal(scaled_sign.unpack_bits(packed, numel), flags)
+
+
+@pytest.mark.parametrize("levels", [1, 2, 4])
+def test_the_code_through_the_torch_bit_path_and_through_reused_buffers_is_the_same(monkeypatch, levels):
+    """What a GPU runs (the torch bit path) and what ChocoSign runs (one codec, its buffers reused, across sizes)
+    give the messages and decodings of a fresh call on the CPU, bit for bit, signed zeros included."""
+    generator = torch.Generator().manual_seed(levels)
+    residuals = [torch.randn(n, generator=generator) for n in (1000, 1000, 37)] + [torch.zeros(40), -torch.zeros(40)]
+    fresh = [scaled_sign.encode_signs(r, 16, levels) for r in residuals]
+    codec = SignCodec(16, levels)
+    monkeypatch.setattr(scaled_sign, "pack_bits", scaled_sign.pack_bits_torch)
+    monkeypatch.setattr(scaled_sign, "unpack_bits", scaled_sign.unpack_bits_torch)
+    for residual, (message, values) in zip(residuals, fresh, strict=True):
+        again, decoded = codec.encode(residual)
+        assert len(again) == len(message) and all(torch.equal(a, b) for a, b in zip(again, message, strict=True))
+        for got in (decoded, codec.decode(again, residual.numel()), unpack_signs(again, residual.numel(), 16)):
+            assert torch.equal(got, values) and torch.equal(got.signbit(), values.signbit())
 
 
 def _choco_sign(comm, steps: int, levels: int = 1):

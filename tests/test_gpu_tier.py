@@ -8,6 +8,8 @@
   wrapped model trains exactly like the bare one);
 * AccumAdamW's foreach path on CUDA against its per-tensor path and against the CPU;
 * momentum tracking (the gradients' all-reduce, the trackers, MomentumTrackingAdamW) on CUDA against the CPU;
+* ChocoSign (the scaled-sign codec's torch bit path) on CUDA: the sum kept, both ends of every edge holding
+  bit-identical copies, the replicas contracting; and momentum tracking with sign trackers, its trackers' sum;
 * bf16 autocast through the wrapper.
 
 ``GOSSIP_TEST_DEVICE=cpu`` runs the same tests on the CPU (NCCL replaced by Gloo), to check the tier itself
@@ -174,6 +176,70 @@ def test_momentum_tracking_on_cuda_matches_the_cpu_run():
     for got, expected in zip(on_device, on_cpu, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     assert not torch.equal(on_cpu[0], on_cpu[1])
+
+
+def choco_sign_mixed(comm: gossip.Communicator, steps: int) -> dict:
+    """``steps`` steps of ChocoSign (four magnitudes per 16 values) on the one-peer hypercube, on ``comm.device``."""
+    buckets = [Bucket(b.buffer.to(comm.device), b.entries) for b in local_model(comm.rank)]
+    algorithm = gossip.ChocoSign(chunk=16, levels=4)
+    algorithm.setup(comm, topologies.one_peer_hypercube(comm.size), buckets)
+    for step in range(steps):
+        algorithm.step(step)
+    flat = torch.cat([b.buffer.double() for b in buckets])
+    total, mean = flat.clone(), flat.clone()
+    comm.all_reduce(total)
+    comm.all_reduce(mean, "avg")
+    copies = {peer: [t.cpu() for t in pair[0] + pair[1]] for peer, pair in algorithm.public.items()}
+    return {
+        "device": {b.buffer.device.type for b in buckets},
+        "sum": total.cpu(),
+        "spread": float((flat - mean).square().sum()),
+        "copies": comm.all_gather_object(copies),
+    }
+
+
+def test_choco_sign_on_cuda_keeps_the_sum_and_both_ends_of_every_edge_identical():
+    before = gossip.simulate(4, choco_sign_mixed, 0, device=DEVICE)
+    after = gossip.simulate(4, choco_sign_mixed, 30, device=DEVICE)
+    initial = sum(torch.cat([b.buffer.double() for b in local_model(rank)]) for rank in range(4))
+    for rank, result in enumerate(after):
+        assert result["device"] == {DEVICE.type}
+        torch.testing.assert_close(result["sum"], initial, rtol=0, atol=1e-4)
+        assert result["spread"] < 0.1 * before[rank]["spread"]
+        for peer, tensors in result["copies"][rank].items():
+            half = len(tensors) // 2
+            theirs = result["copies"][peer][rank]
+            for mine, swapped in zip(tensors, theirs[half:] + theirs[:half], strict=True):
+                assert torch.equal(mine, swapped), f"ranks {rank} and {peer} disagree on their edge's copies"
+
+
+def sign_momentum_tracked(comm: gossip.Communicator) -> dict:
+    """Six steps of momentum tracking with sign trackers (the defaults' PowerGossip for the parameters)."""
+    model = DecentralizedDataParallel(
+        make_mlp().to(comm.device), comm, topologies.one_peer_hypercube(comm.size),
+        gossip.PowerGossip(rank=2, num_iterations=2, min_compression=1), gradient_tracking="sign",
+    )  # fmt: skip
+    optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), second_moment_every=2)
+    generator = torch.Generator().manual_seed(comm.rank)
+    for _ in range(6):
+        x = torch.randn(8, 16, generator=generator).to(comm.device)
+        (model(x) - x[:, :4]).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    # the trackers z_i and what they track, this rank's first moment h_i (the tracker's previous input)
+    trackers = torch.cat([t.buffer.double() for t in model.tracker.trackers])
+    moments = torch.cat([h.double() for h in model.tracker.previous])
+    for tensor in (trackers, moments):
+        comm.all_reduce(tensor)
+    finite = all(bool(p.isfinite().all()) for p in model.parameters())
+    model.close()
+    return {"trackers": trackers.cpu(), "moments": moments.cpu(), "finite": finite, "device": comm.device.type}
+
+
+def test_sign_momentum_tracking_on_cuda_keeps_the_trackers_sum_the_first_moments_sum():
+    for result in gossip.simulate(4, sign_momentum_tracked, device=DEVICE):
+        assert result["finite"] and result["device"] == DEVICE.type
+        torch.testing.assert_close(result["trackers"], result["moments"], rtol=0, atol=1e-5)
 
 
 def accum_adamw_run(device: torch.device, foreach: bool) -> list[torch.Tensor]:

@@ -35,8 +35,10 @@ __all__ = [
     "check_levels",
     "encode_signs",
     "pack_bits",
+    "pack_bits_torch",
     "pack_signs",
     "unpack_bits",
+    "unpack_bits_torch",
     "unpack_signs",
 ]
 
@@ -71,6 +73,8 @@ def _weights(device: torch.device) -> torch.Tensor:
 def pack_bits(flags: torch.Tensor) -> torch.Tensor:
     """A 1-D bool tensor packed 8 to a byte (the first flag in the lowest bit), zero-padded to a whole byte.
 
+    On the CPU numpy packs them (``packbits``); elsewhere :func:`pack_bits_torch`, which gives the same bytes.
+
     Args:
         flags: the 1-D bool tensor.
 
@@ -79,6 +83,11 @@ def pack_bits(flags: torch.Tensor) -> torch.Tensor:
     """
     if flags.device.type == "cpu":
         return torch.from_numpy(np.packbits(flags.contiguous().numpy(), bitorder="little"))
+    return pack_bits_torch(flags)
+
+
+def pack_bits_torch(flags: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_bits` in torch operations, for any device (what a GPU runs)."""
     padded = torch.zeros(math.ceil(flags.numel() / 8) * 8, dtype=torch.uint8, device=flags.device)
     padded[: flags.numel()] = flags
     return (padded.view(-1, 8) * _weights(flags.device)).sum(dim=1, dtype=torch.uint8)
@@ -86,6 +95,8 @@ def pack_bits(flags: torch.Tensor) -> torch.Tensor:
 
 def unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
     """The first ``numel`` flags :func:`pack_bits` packed.
+
+    On the CPU numpy unpacks them; elsewhere :func:`unpack_bits_torch`, which gives the same flags.
 
     Args:
         bits: what :func:`pack_bits` returned.
@@ -96,6 +107,11 @@ def unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
     """
     if bits.device.type == "cpu":
         return torch.from_numpy(np.unpackbits(bits.numpy(), count=numel, bitorder="little").view(np.bool_))
+    return unpack_bits_torch(bits, numel)
+
+
+def unpack_bits_torch(bits: torch.Tensor, numel: int) -> torch.Tensor:
+    """:func:`unpack_bits` in torch operations, for any device (what a GPU runs)."""
     return ((bits.unsqueeze(1) & _weights(bits.device)) > 0).view(-1)[:numel]
 
 
