@@ -10,9 +10,10 @@ Runs, side by side in one job on every rank (same model, same batch size, same d
   blocking with no computation in between (``algorithm.step``, i.e. ``start`` then ``finish``), timed separately.
 * ``mt-exact`` / ``mt-pg`` -- momentum tracking as the main job runs it (``--gradient-tracking exact --optimizer
   momentum-tracking-adamw``, the mean gradient's second moment every 32 steps) with exact gossip or the main job's
-  PowerGossip for the parameters: the trackers' blocking exchange and the all-reduce of the sampled steps are
-  booked to the same ``wait_seconds``, so they count as exposed; the communication time adds the trackers' exchange
-  run blocking.
+  PowerGossip for the parameters; ``mt-sign`` the latter with the trackers mixed by ``gossip.ChocoSign``
+  (``--gradient-tracking sign``) and the second moment every 64 steps. The trackers' blocking exchange and the
+  all-reduce of the sampled steps are booked to the same ``wait_seconds``, so they count as exposed; the
+  communication time adds the trackers' exchange run blocking.
 * ``ddp`` -- torch ``DistributedDataParallel`` on the Gloo process group (bucketed gradient all-reduce overlapped
   with backward). Its waiting is not observable from outside, so: exposed = DDP step time - local step time;
   communication time = a blocking ``all_reduce`` of a flat tensor of the gradients' size, timed separately.
@@ -74,8 +75,10 @@ class Method(NamedTuple):
     )
 
 
-def momentum_tracking(algorithm: str, size: int) -> Method:
-    """The main job's momentum tracking with ``algorithm`` for the parameters, on the one-peer hypercube."""
+def momentum_tracking(algorithm: str, size: int, trackers: str = "exact", every: int = 32) -> Method:
+    """The main job's momentum tracking with ``algorithm`` for the parameters, on the one-peer hypercube, its
+    trackers mixed by ``trackers`` (``--gradient-tracking``) and the mean gradient's second moment every ``every``
+    steps."""
     from gossip.app.train import (
         MOMENTUM_TRACKING,
         TrainConfig,
@@ -89,9 +92,9 @@ def momentum_tracking(algorithm: str, size: int) -> Method:
         algorithm=algorithm,
         schedule="one_peer_hypercube",
         outer_every=0,
-        gradient_tracking="exact",
+        gradient_tracking=trackers,
         optimizer=MOMENTUM_TRACKING,
-        second_moment_every=32,
+        second_moment_every=every,
     )
     config = resolve(given, size)[0]
     return Method(lambda: make_algorithm(config), tracking_option(config), lambda model: make_optimizer(config, model))
@@ -128,6 +131,7 @@ def algorithms(size: int) -> dict[str, Method]:
         found["main-job-defaults"] = Method(lambda: make_algorithm(resolve(TrainConfig(), size)[0]))
         found["mt-exact"] = momentum_tracking("exact", size)
         found["mt-pg"] = momentum_tracking("powergossip", size)
+        found["mt-sign"] = momentum_tracking("powergossip", size, trackers="sign", every=64)
     except ImportError:
         pass
     return found

@@ -70,17 +70,28 @@ def test_peer_lateness_is_how_long_after_the_rank_its_latest_peer_of_the_step_en
     assert lateness(comm, topologies.one_peer_hypercube(4), None, rows, ready[3]) == [0.0, 0.0, 5.0, 0.0]
 
 
-@pytest.mark.parametrize(("name", "algorithm"), [("mt-exact", "ExactGossip"), ("mt-pg", "PowerGossip")])
-def test_the_overlap_benchmarks_momentum_tracking_is_the_main_jobs(monkeypatch, name, algorithm):
-    """The rows time what `gossip-train --gradient-tracking exact --optimizer momentum-tracking-adamw` trains with."""
+@pytest.mark.parametrize(
+    ("name", "algorithm", "trackers", "every"),
+    [
+        ("mt-exact", "ExactGossip", None, 32),
+        ("mt-pg", "PowerGossip", None, 32),
+        ("mt-sign", "PowerGossip", "ChocoSign", 64),
+    ],
+)
+def test_the_overlap_benchmarks_momentum_tracking_is_the_main_jobs(monkeypatch, name, algorithm, trackers, every):
+    """The rows time what `gossip-train --gradient-tracking {exact,sign} --optimizer momentum-tracking-adamw`
+    trains with."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import optim
 
     method = load("overlap.py").algorithms(4)[name]
     assert type(method.make_algorithm()).__name__ == algorithm
-    assert method.gradient_tracking is True  # exact trackers
+    if trackers is None:
+        assert method.gradient_tracking is True  # exact trackers
+    else:
+        assert type(method.gradient_tracking).__name__ == trackers
     optimizer = method.make_optimizer(torch.nn.Linear(3, 2))
-    assert isinstance(optimizer, optim.MomentumTrackingAdamW) and optimizer.second_moment_every == 32
+    assert isinstance(optimizer, optim.MomentumTrackingAdamW) and optimizer.second_moment_every == every
 
 
 def test_the_sign_codec_benchmark_compares_its_results_with_the_baselines_bit_for_bit(monkeypatch, capsys, tmp_path):
