@@ -17,6 +17,11 @@ deterministic: every rank that holds the same message decodes the same values, b
 :func:`encode_signs` returns the sender's decoding with its message (what :class:`gossip.ChocoSign` relies on to
 keep both ends of an edge identical). On the CPU the bits are packed by numpy (``packbits``, little-endian bit
 order: the same bytes as the torch path used on other devices).
+
+How it is computed: a group's sum is the sum of the magnitudes multiplied by its members' 0/1 flags, which is exact,
+and its count a float sum of 0/1; a :class:`SignCodec` keeps these work buffers for one tensor size and reuses them
+call after call, so that a step allocates only the tensors it returns, while
+:func:`encode_signs` and :func:`unpack_signs` make a codec of their own per call.
 """
 
 from __future__ import annotations
