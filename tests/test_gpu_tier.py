@@ -150,11 +150,12 @@ def test_the_wrapper_on_cuda_parameters_with_a_world_of_one_on_nccl(monkeypatch)
         comm.close()
 
 
-def momentum_tracked(comm: gossip.Communicator) -> torch.Tensor:
-    """Six steps of momentum tracking (exact gossip, exact trackers, the mean gradient every 2 steps)."""
+def train_momentum_tracked(comm: gossip.Communicator, algorithm: gossip.Algorithm, trackers) -> nn.Module:
+    """Six steps of momentum tracking with ``algorithm`` and ``trackers`` (the mean gradient every 2 steps); the
+    wrapper is returned open."""
     model = DecentralizedDataParallel(
-        make_mlp().to(comm.device), comm, topologies.one_peer_hypercube(comm.size), gossip.ExactGossip(),
-        gradient_tracking=True,
+        make_mlp().to(comm.device), comm, topologies.one_peer_hypercube(comm.size), algorithm,
+        gradient_tracking=trackers,
     )  # fmt: skip
     optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), second_moment_every=2)
     generator = torch.Generator().manual_seed(comm.rank)
@@ -163,6 +164,12 @@ def momentum_tracked(comm: gossip.Communicator) -> torch.Tensor:
         (model(x) - x[:, :4]).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
+    return model
+
+
+def momentum_tracked(comm: gossip.Communicator) -> torch.Tensor:
+    """Exact gossip and exact trackers: the parameters after six steps."""
+    model = train_momentum_tracked(comm, gossip.ExactGossip(), True)
     parameters = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
     model.close()
     return parameters
@@ -214,18 +221,8 @@ def test_choco_sign_on_cuda_keeps_the_sum_and_both_ends_of_every_edge_identical(
 
 
 def sign_momentum_tracked(comm: gossip.Communicator) -> dict:
-    """Six steps of momentum tracking with sign trackers (the defaults' PowerGossip for the parameters)."""
-    model = DecentralizedDataParallel(
-        make_mlp().to(comm.device), comm, topologies.one_peer_hypercube(comm.size),
-        gossip.PowerGossip(rank=2, num_iterations=2, min_compression=1), gradient_tracking="sign",
-    )  # fmt: skip
-    optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), second_moment_every=2)
-    generator = torch.Generator().manual_seed(comm.rank)
-    for _ in range(6):
-        x = torch.randn(8, 16, generator=generator).to(comm.device)
-        (model(x) - x[:, :4]).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    """Sign trackers (the defaults' PowerGossip, at rank 2, for the parameters): their sum and their inputs'."""
+    model = train_momentum_tracked(comm, gossip.PowerGossip(rank=2, num_iterations=2, min_compression=1), "sign")
     # the trackers z_i and what they track, this rank's first moment h_i (the tracker's previous input)
     trackers = torch.cat([t.buffer.double() for t in model.tracker.trackers])
     moments = torch.cat([h.double() for h in model.tracker.previous])
