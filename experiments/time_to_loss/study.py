@@ -50,6 +50,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -405,16 +406,16 @@ def plot(curves: Sequence[Curve], title: str, path: Path) -> None:
 
     from gossip.app.run_dir import fit_titles
 
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    for curve in curves:
-        axis.plot(curve.seconds, smoothed(curve.losses), label=METHODS[curve.method].label)
+    figure, axis = plt.subplots(figsize=(8, 4.5 + 0.3 * len(curves)))
+    for curve in curves:  # the labels are long: wrapped, in a legend below the axes
+        axis.plot(curve.seconds, smoothed(curve.losses), label=textwrap.fill(METHODS[curve.method].label, 100))
     base = next(c for c in curves if c.method == BASELINE)
     axis.axhline(final_loss(base.losses), color="k", ls="--", lw=0.8, label="DDP final loss (target)")
     axis.set(xlabel="wall clock (s, from the end of step 1)", ylabel="train loss (mean over ranks, 10-step avg)")
     axis.set_ylim(top=min(4.0, axis.get_ylim()[1]))
     axis.set_title(title)
     axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
+    axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     fit_titles(figure)
     figure.savefig(path, dpi=100)
     plt.close(figure)
