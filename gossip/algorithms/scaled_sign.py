@@ -92,7 +92,14 @@ def pack_bits(flags: torch.Tensor) -> torch.Tensor:
 
 
 def pack_bits_torch(flags: torch.Tensor) -> torch.Tensor:
-    """:func:`pack_bits` in torch operations, for any device (what a GPU runs)."""
+    """:func:`pack_bits` in torch operations, for any device (what a GPU runs).
+
+    Args:
+        flags: the 1-D bool tensor.
+
+    Returns:
+        ``ceil(numel / 8)`` uint8 bytes on the flags' device, those of :func:`pack_bits`.
+    """
     padded = torch.zeros(math.ceil(flags.numel() / 8) * 8, dtype=torch.uint8, device=flags.device)
     padded[: flags.numel()] = flags
     return (padded.view(-1, 8) * _weights(flags.device)).sum(dim=1, dtype=torch.uint8)
@@ -116,7 +123,15 @@ def unpack_bits(bits: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def unpack_bits_torch(bits: torch.Tensor, numel: int) -> torch.Tensor:
-    """:func:`unpack_bits` in torch operations, for any device (what a GPU runs)."""
+    """:func:`unpack_bits` in torch operations, for any device (what a GPU runs).
+
+    Args:
+        bits: what :func:`pack_bits` returned.
+        numel: how many flags were packed.
+
+    Returns:
+        A 1-D bool tensor of ``numel`` flags on the bits' device.
+    """
     return ((bits.unsqueeze(1) & _weights(bits.device)) > 0).view(-1)[:numel]
 
 
@@ -275,8 +290,9 @@ class SignCodec:
 
 
 def encode_signs(residual: torch.Tensor, chunk: int, levels: int = 1) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """The scaled-sign code of a flat tensor (module docstring) and the values it decodes to (:meth:`SignCodec.encode`
-    with a codec of its own).
+    """The scaled-sign code of a flat tensor (module docstring) and the values it decodes to.
+
+    :meth:`SignCodec.encode` with a codec of its own (ChocoSign keeps one per bucket instead).
 
     Args:
         residual: the 1-D tensor to compress.
