@@ -80,6 +80,9 @@ class MomentumTrackingAdamW(Optimizer):
         weight_decay: decoupled weight decay (AdamW's).
         second_moment_every: steps between two samples of the mean gradient's second moment (the same on every
             rank); 0 keeps each rank's own.
+        foreach: run each phase with the ``torch._foreach_*`` kernels, a few launches per parameter group instead of
+            several per tensor (bit-identical to the per-tensor loop on CPU); ``None`` picks them when every
+            parameter of the group is on CUDA.
 
     Raises:
         ValueError: a hyper-parameter is out of range (named in the message).
@@ -93,6 +96,8 @@ class MomentumTrackingAdamW(Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         second_moment_every: int = 32,
+        *,
+        foreach: bool | None = None,
     ) -> None:
         every = second_moment_every
         if not isinstance(every, Integral) or isinstance(every, bool) or every < 0:
@@ -100,7 +105,7 @@ class MomentumTrackingAdamW(Optimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         validate_adam_hyperparameters(defaults, "MomentumTrackingAdamW arguments")
         # the step count and the number of ranks of the last sample live in the groups, so state_dict saves them
-        super().__init__(params, {**defaults, "tracking_step": 0, "workers": 1})
+        super().__init__(params, {**defaults, "tracking_step": 0, "workers": 1, "foreach": foreach})
         for index, group in enumerate(self.param_groups):
             validate_adam_hyperparameters(group, f"MomentumTrackingAdamW param group {index}")
         self.second_moment_every = int(every)
@@ -113,12 +118,15 @@ class MomentumTrackingAdamW(Optimizer):
             state["h"], state["v"], state["shared"] = (torch.zeros_like(p) for _ in range(3))
         return state
 
-    def _with_gradients(self) -> Iterator[tuple[dict[str, Any], Tensor, dict[str, Any]]]:
-        """(param group, parameter, its state) for every parameter that has a gradient."""
+    def _with_gradients(self) -> Iterator[tuple[dict[str, Any], list[Tensor], list[dict[str, Any]], bool]]:
+        """Per param group that has gradients: the group, its parameters with a gradient, their states, and whether
+        to use the ``torch._foreach_*`` kernels on them."""
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    yield group, p, self._state(p)
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                foreach = group.get("foreach")
+                foreach = all(p.is_cuda for p in params) if foreach is None else foreach
+                yield group, params, [self._state(p) for p in params], foreach
 
     def mean_gradient_due(self) -> bool:
         """Whether this step samples the mean gradient (call before :meth:`prepare_momentum`).
@@ -157,13 +165,21 @@ class MomentumTrackingAdamW(Optimizer):
     @torch.no_grad()
     def prepare_momentum(self) -> None:
         """Advance h_i and v_i with each parameter's gradient and write h_i into ``.grad`` (phase 1)."""
-        for group, p, state in self._with_gradients():
+        for group, params, states, foreach in self._with_gradients():
             beta1, beta2 = group["betas"]
-            state["step"] += 1
-            g = p.grad
-            state["v"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            state["h"].lerp_(g, 1 - beta1)
-            p.grad.copy_(state["h"])
+            for state in states:
+                state["step"] += 1
+            grads, v, h = [p.grad for p in params], [st["v"] for st in states], [st["h"] for st in states]
+            if foreach:
+                torch._foreach_mul_(v, beta2)
+                torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+                torch._foreach_lerp_(h, grads, 1 - beta1)
+                torch._foreach_copy_(grads, h)
+                continue
+            for g, v_i, h_i in zip(grads, v, h, strict=True):
+                v_i.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                h_i.lerp_(g, 1 - beta1)
+                g.copy_(h_i)
         for group in self.param_groups:
             group["tracking_step"] += 1
         self._prepared = True
@@ -202,10 +218,35 @@ class MomentumTrackingAdamW(Optimizer):
         if not self._prepared:
             self.prepare_momentum()
         self._prepared = False
-        for group, p, state in self._with_gradients():
-            beta1 = group["betas"][0]
-            first = p.grad / (1 - beta1 ** state["step"])
-            denominator = torch.maximum(self.second_moment(group, state), first.square()).sqrt_()
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.addcdiv_(first, denominator.add_(group["eps"]), value=-group["lr"])
+        for group, params, states, foreach in self._with_gradients():
+            beta1, lr = group["betas"][0], group["lr"]
+            if foreach:
+                self._foreach_update(group, params, states)
+                continue
+            for p, state in zip(params, states, strict=True):
+                first = p.grad / (1 - beta1 ** state["step"])
+                denominator = torch.maximum(self.second_moment(group, state), first.square()).sqrt_()
+                p.mul_(1 - lr * group["weight_decay"])
+                p.addcdiv_(first, denominator.add_(group["eps"]), value=-lr)
         return loss
+
+    def _foreach_update(self, group: dict[str, Any], params: list[Tensor], states: list[dict[str, Any]]) -> None:
+        """The update of :meth:`step` with ``torch._foreach_*`` kernels: the same operations in the same order per
+        tensor (:meth:`second_moment`'s included), so on the CPU the same results bit for bit."""
+        (beta1, beta2), lr = group["betas"], group["lr"]
+        first = torch._foreach_div([p.grad for p in params], [1 - beta1 ** st["step"] for st in states])
+        second = list(torch._foreach_div([st["v"] for st in states], [1 - beta2 ** st["step"] for st in states]))
+        sampled = [i for i, st in enumerate(states) if self.second_moment_every and st["samples"]]
+        if sampled:
+            rate = beta2**self.second_moment_every
+            shared = torch._foreach_div(
+                [states[i]["shared"] for i in sampled], [1 - rate ** states[i]["samples"] for i in sampled]
+            )
+            floors = torch._foreach_div([second[i] for i in sampled], group["workers"])
+            for i, value in zip(sampled, torch._foreach_maximum(shared, floors), strict=True):
+                second[i] = value
+        denominator = torch._foreach_maximum(second, torch._foreach_pow(first, 2))
+        torch._foreach_sqrt_(denominator)
+        torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        torch._foreach_add_(denominator, group["eps"])
+        torch._foreach_addcdiv_(params, first, denominator, value=-lr)

@@ -84,6 +84,34 @@ def test_the_mean_gradient_is_due_every_k_steps_from_the_first_and_its_square_is
     torch.testing.assert_close(optimizer.second_moment(group, state), torch.full((3,), 4.0, dtype=torch.float64))
 
 
+def _multi_tensor_run(foreach: bool) -> list[torch.Tensor]:
+    """Two param groups of float32 tensors, the mean gradient every 3 steps, one tensor without a gradient on
+    every other step (its step count falls behind, its sample count too)."""
+    generator = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in ((17, 5), (5,), (9, 3), (3,))]
+    groups = [{"params": params[:2]}, {"params": params[2:], "lr": 3e-3, "weight_decay": 0.0}]
+    optimizer = optim.MomentumTrackingAdamW(groups, lr=1e-2, betas=BETAS, second_moment_every=3, foreach=foreach)
+    for step in range(12):
+        for index, p in enumerate(params):
+            p.grad = None if index == 3 and step % 2 else torch.randn(p.shape, generator=generator)
+        if optimizer.mean_gradient_due():
+            means = {p: torch.randn(p.shape, generator=generator) for p in params if p.grad is not None}
+            optimizer.take_mean_gradient(means, workers=4)
+        optimizer.step()
+    states = [optimizer.state[p] for p in params]
+    return [p.detach().clone() for p in params] + [st[key] for st in states for key in ("h", "v", "shared")]
+
+
+def test_the_multi_tensor_path_is_the_per_tensor_loop_bit_for_bit_on_the_cpu():
+    """foreach=True runs torch._foreach_* kernels per group (what CUDA parameters get by default): on the CPU the
+    same parameters and moments as the per-tensor loop, bit for bit."""
+    assert optim.MomentumTrackingAdamW([torch.nn.Parameter(torch.zeros(2))]).param_groups[0]["foreach"] is None
+    looped, batched = _multi_tensor_run(False), _multi_tensor_run(True)
+    for index, (a, b) in enumerate(zip(looped, batched, strict=True)):
+        assert torch.equal(a, b), index
+    assert all(st.abs().sum() > 0 for st in looped[4:])  # every moment moved, the sampled one included
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
