@@ -640,6 +640,18 @@ def suite(name: str) -> list[RunConfig]:
         c("pg4-it2-fp16-mt-sharedv32", gradient_tracking=True, **mt, **shared_v(32), **pg, **d),
         c("pg4-it2-fp16-mtpg-sharedv32", gradient_tracking="powergossip", **mt, **shared_v(32), **pg, **d),
         c("n16b1-exact-mt-sharedv32-s4000", **exact_mt, **shared_v(32), **s4000, **many),
+        # ... and within a tenth of DDP's bytes: the defaults' PowerGossip and sign trackers, as at n = 8 x 8
+        c(
+            "n16b1-pg4-it2-fp16-mtsign4-c256-sharedv64-s4000",
+            gradient_tracking="choco-sign",
+            tracker_levels=4,
+            tracker_chunk=256,
+            **mt,
+            **shared_v(64),
+            **pg,
+            **s4000,
+            **many,
+        ),
         # a slower first moment changes less per step, so compressed trackers might keep up: beta1 0.95 and 0.99,
         # beside DDP with beta1 0.99
         c("ddp-b0.99", algorithm="ddp", beta1=0.99, **d),
