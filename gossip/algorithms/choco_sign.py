@@ -108,8 +108,9 @@ class ChocoSign(Algorithm):
         return self.public[peer]
 
     def _work(self) -> tuple[list[SignCodec], list[torch.Tensor]]:
-        """The buckets' codecs and scratch buffers, made at the first step."""
-        if len(self._codecs) != len(self.buckets):
+        """The buckets' codecs and scratch buffers, made at the first step and again if the buckets change."""
+        layout = [(b.buffer.shape, b.buffer.dtype, b.buffer.device) for b in self.buckets]
+        if [(t.shape, t.dtype, t.device) for t in self._scratch] != layout:
             self._codecs = [SignCodec(self.chunk, self.levels) for _ in self.buckets]
             self._scratch = [torch.empty_like(b.buffer) for b in self.buckets]
         return self._codecs, self._scratch
