@@ -34,6 +34,7 @@ step, with that step's exchange already posted: the kill lands mid-exchange. Pin
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -243,6 +244,31 @@ def check_both_ends_or_neither(runs: dict[int, list[dict]], n: int, steps: int, 
     assert checked_with_dead >= 1  # the kill step's partner was looked at
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("tracking", ["exact", "sign"])
+def test_tracked_gradients_keep_their_sum_over_every_group_across_deaths(tmp_path, tracking):
+    """With gradient tracking: at every step, the trackers of each group's members sum to their gradients."""
+    n, steps, kills, dead = 4, 90, "1@30,3@32", {1, 3}
+    result = launch(tmp_path, n, steps, kills, dead, {"ELASTIC_WORKER_TRACKING": tracking})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    runs = logs(tmp_path)
+    by_step = {uid: {row["step"]: row for row in runs[uid] if "after" in row} for uid in range(n)}
+    checked: dict[int, int] = {}  # group size -> steps checked
+    for step in range(steps):
+        groups = {tuple(rows[step]["group"]) for rows in by_step.values() if step in rows}
+        for group in groups:
+            if not all(step in by_step[uid] and tuple(by_step[uid][step]["group"]) == group for uid in group):
+                continue  # a member of this group died before logging the step
+            total = sum(vector(by_step[uid][step]["tracker"]) for uid in group)
+            torch.testing.assert_close(total, -sum(delta(uid, step) for uid in group), rtol=1e-12, atol=1e-9,
+                                       msg=f"step {step}, group {group}")  # fmt: skip
+            checked[len(group)] = checked.get(len(group), 0) + 1
+    assert checked.get(4, 0) >= 29 and checked.get(2, 0) >= 40, checked  # before the deaths, and the 2 survivors
+    for uid in (0, 2):
+        events = runs[uid][-1]["events"]
+        assert {int(u) for event in events for u in event["left"]} == dead and events[-1]["members"] == [0, 2]
+
+
 def test_elastic_refuses_mpi_by_name():
     with pytest.raises(ElasticUnsupportedError, match="cannot shrink without ULFM"):
         resolve_elastic(TrainConfig(backend="mpi", algorithm="exact"), 4)
@@ -255,7 +281,8 @@ def test_elastic_refuses_mpi_by_name():
         ("--average-every", {"algorithm": "exact", "average_every": 8}),
         ("--outer-every", {"algorithm": "powergossip", "outer_every": 10}),
         ("--power-iterations", {"algorithm": "powergossip", "power_iterations": 2}),
-        ("--gradient-tracking", {"algorithm": "exact", "gradient_tracking": True}),
+        ("--tracking-overlap", {"algorithm": "exact", "gradient_tracking": True, "tracking_overlap": True}),
+        ("--second-moment-every", {"gradient_tracking": "sign", "optimizer": "momentum-tracking-adamw"}),
     ],
 )
 def test_elastic_refuses_what_needs_every_rank_by_the_option_name(option, settings):
@@ -293,6 +320,20 @@ def test_main_job_elastic_kill_exits_zero_and_names_the_change(tmp_path):
     assert 8 <= event["noticed_at_step"] <= event["resume_step"] <= 16
     assert "membership: epoch 1: left 2 (killed by SIGKILL)" in result.stdout
     assert (out / "membership.png").stat().st_size > 0  # the curve, marked where the new member set began
+
+
+@pytest.mark.multiprocess
+def test_main_job_elastic_kill_with_sign_momentum_tracking_exits_zero(tmp_path):
+    out = tmp_path / "run"
+    args = ["--nproc", "4", "--elastic", "--kill", "1@6", "--steps", "14", "--batch-size", "4", "--gradient-tracking",
+            "sign", "--optimizer", "momentum-tracking-adamw", "--second-moment-every", "0", "--eval-every", "100",
+            "--out", str(out)]  # fmt: skip
+    result = run_main_job(args, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "result.json").read_text())
+    (event,) = summary["membership"]
+    assert event["left"] == {"1": "killed by SIGKILL"} and event["members"] == [0, 2, 3]
+    assert math.isfinite(summary["final_train_loss"])
 
 
 def _alive(pid: int) -> bool:

@@ -9,8 +9,10 @@ at the same step die together (:func:`gossip.app.elastic_launch.die_together`).
 
 Elastic settings: PowerGossip runs one power iteration and no periodic average unless given (real-process elastic
 needs one exchange per step); the default schedule is ``one_peer_hypercube`` (a power of two) or
-``random_matchings``; the sampled consensus distance is off (a collective that a membership change interrupting it
-would make the next re-formation wait for, until the group's timeout: see
+``random_matchings``; gradient tracking restarts the trackers at every change (each at its own last input) and
+runs blocking (no ``--tracking-overlap``), and momentum tracking takes no sample of the mean gradient
+(``--second-moment-every 0``: an all-reduce inside the step); the sampled consensus distance is off (a collective
+that a membership change interrupting it would make the next re-formation wait for, until the group's timeout: see
 :meth:`gossip.wrapper.elastic_run.ElasticRun.consensus_distance`); the data shards stay those of the original ranks
 (a departed worker's shard is not reassigned). The summary is written by the lowest surviving member; its
 ``result.json`` has a ``membership`` list naming who left, when, and the new schedule.
@@ -41,11 +43,13 @@ from pathlib import Path
 
 import torch
 
+from gossip.algorithms.base import Algorithm
 from gossip.app.corpus import ShardedBatches, load_corpus, validation_batches
 from gossip.app.elastic_launch import die_together, hold_for_joiners, wait_for_step
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.app.run_dir import RunSummary, prepare_run_dir, write_outputs
 from gossip.app.train import (
+    MOMENTUM_TRACKING,
     TrainConfig,
     _sample,
     build_schedule,
@@ -53,6 +57,7 @@ from gossip.app.train import (
     make_optimizer,
     make_scheduler,
     resolve,
+    tracking_option,
     validation_loss,
     worker_threads,
 )
@@ -82,7 +87,8 @@ def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, 
     Raises:
         ElasticUnsupportedError: a backend other than Gloo (MPI cannot shrink a communicator without ULFM).
         ConfigError: an option elastic runs cannot take (``--average-every``, ``--outer-every``,
-            ``--power-iterations`` > 1, ``--gradient-tracking``, DDP or DiLoCo).
+            ``--power-iterations`` > 1, ``--tracking-overlap``, ``--second-moment-every`` > 0 with momentum
+            tracking, DDP or DiLoCo).
     """
     if config.backend not in ("auto", "gloo"):
         raise ElasticUnsupportedError(
@@ -97,8 +103,14 @@ def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, 
         raise ConfigError("--outer-every", "--elastic cannot run an outer step (it synchronises every rank)")
     if config.power_iterations not in (None, 1):
         raise ConfigError("--power-iterations", "--elastic runs one power iteration per step")
-    if config.gradient_tracking:
-        raise ConfigError("--gradient-tracking", "--elastic cannot track gradients (the dead rank's share is lost)")
+    if config.tracking_overlap:
+        raise ConfigError("--tracking-overlap", "--elastic runs the blocking tracker (one exchange after the mixing)")
+    if config.optimizer == MOMENTUM_TRACKING and config.second_moment_every:
+        raise ConfigError(
+            "--second-moment-every",
+            f"--elastic cannot sample the mean gradient (an all-reduce inside the step that a change could interrupt "
+            f"on some members only); pass --second-moment-every 0 with --optimizer {MOMENTUM_TRACKING}",
+        )
     elastic = dataclasses.replace(config, average_every=0, outer_every=0, power_iterations=1)
     if config.schedule is None and not (world_size >= 2 and world_size & (world_size - 1) == 0):
         elastic.schedule = ELASTIC_FALLBACK_SCHEDULE
@@ -169,14 +181,18 @@ def train_elastic(
     corpus = load_corpus(config.data, block_size=config.model["block_size"])
     torch.manual_seed(config.seed)
     module, algorithm = GPT(GPTConfig(**config.model)), make_algorithm(config)
+    tracking = tracking_option(config)
     model = DecentralizedDataParallel(  # a joiner writes no per-step metrics (its rank-0 file would be uid 0's)
-        module, comm, schedule, algorithm, run_dir=None if joining else run_dir, consensus_every=0, seed=config.seed
-    )
+        module, comm, schedule, algorithm, run_dir=None if joining else run_dir, consensus_every=0, seed=config.seed,
+        gradient_tracking=tracking,
+    )  # fmt: skip
     holder.append(model)
     optimizer = make_optimizer(config, model.module)
     scheduler = make_scheduler(config, optimizer)
+    trackers = (lambda: tracking_option(config)) if isinstance(tracking, Algorithm) else None
     elastic = ElasticRun(model, optimizer, membership, schedule=config.schedule,
-                         algorithm=lambda: make_algorithm(config), timeout=config.timeout)  # fmt: skip
+                         algorithm=lambda: make_algorithm(config), timeout=config.timeout,
+                         tracker=trackers)  # fmt: skip
     batches = ShardedBatches(corpus.train, uid, size, config.batch_size, config.model["block_size"], config.seed,
                              config.split)  # fmt: skip
     held_out = validation_batches(corpus.validation, config.batch_size, config.model["block_size"], config.eval_batches)

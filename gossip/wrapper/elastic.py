@@ -9,6 +9,9 @@ state: the edges of the new schedule start as on step 0, the vanished ones are g
 over a one-rank communicator (:func:`solo_communicator`), rebinds like the others, and receives the parameters and
 the optimizer state of one member (:func:`hand_over`, the *donor*: its first peer in the new schedule at t).
 
+With gradient tracking every member restarts its tracker at its own last input at each rebind, so the trackers sum
+to the new members' gradients again (:meth:`gossip.wrapper.tracking.GradientTracker.rebind`).
+
 Exact gossip over a doubly stochastic W preserves the members' sum at every step (docs/design.md B.1), so the
 members' mean after a departure at t is the mean of the survivors' replicas at t, and after a join it moves by the
 joiner's copy only: (m x̄ + x_donor) / (m + 1). The simulator runs these epochs deterministically
@@ -27,7 +30,8 @@ import torch
 from gossip.algorithms.base import Algorithm
 from gossip.backends.base import Communicator
 from gossip.backends.simulator import SimulatorCommunicator, _World
-from gossip.errors import ElasticUnsupportedError, InvalidArgumentError
+from gossip.errors import ElasticUnsupportedError, InvalidArgumentError, ReplicaMismatchError
+from gossip.wrapper.momentum import optimizer_kind
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from topologies import Schedule, registry
 from topologies.schedule import ScheduleError
@@ -82,47 +86,55 @@ def solo_communicator(timeout: float = 60.0) -> Communicator:
     return SimulatorCommunicator(_World(1), 0, 1, timeout)
 
 
-def refuse_gradient_tracking(model: DecentralizedDataParallel) -> None:
-    """Refuse a wrapper that tracks gradients: a changing member set breaks the trackers' invariant.
-
-    Gradient tracking keeps sum_i y_i = sum_i g_i; a departed rank takes its tracker's share with it.
-
-    Args:
-        model: the wrapper.
-
-    Raises:
-        ElasticUnsupportedError: the wrapper tracks gradients.
-    """
-    if model.tracker is not None:
-        raise ElasticUnsupportedError(
-            f"elastic: rank {model.comm.rank}: gradient_tracking=True is not supported (the trackers' sum would lose "
-            "the departed rank's gradient); train without it"
-        )
-
-
-def rebind(model: DecentralizedDataParallel, comm: Communicator, schedule: Schedule, algorithm: Algorithm) -> None:
+def rebind(
+    model: DecentralizedDataParallel,
+    comm: Communicator,
+    schedule: Schedule,
+    algorithm: Algorithm,
+    tracker: Algorithm | None = None,
+) -> None:
     """Move ``model`` to a new member set at a step boundary: ``comm``, ``schedule``, a fresh ``algorithm``.
 
     Every member of the new set calls it at the same step. The exchange in flight on the old communicator, if
     any, is dropped unapplied (the parameters keep x_t); the step's mixing runs on ``comm`` at the next forward.
+    A step whose parameters' mixing is already written (an elastic run interrupted in the trackers' exchange, or
+    in a momentum-tracking optimizer's sample of the mean gradient) keeps it: what is left of the step runs on
+    ``comm``. With gradient tracking every member restarts its tracker at its own last input
+    (:meth:`gossip.wrapper.tracking.GradientTracker.rebind`: the departed ranks' shares are gone, and this restores
+    the trackers' sum exactly over the new members).
 
     Args:
         model: the wrapper.
         comm: the communicator over the new members (this rank's rank in it).
         schedule: the schedule over ``comm.size`` ranks (e.g. from :func:`schedule_for`).
         algorithm: a new, unbound algorithm configured like the old one; its per-edge state starts empty.
+        tracker: with gradient tracking, a new, unbound algorithm for the trackers, configured like the old one;
+            None makes it from the wrapper's ``gradient_tracking`` name (needed when that was an algorithm object).
 
     Raises:
-        ElasticUnsupportedError: the wrapper tracks gradients (the trackers' sum would lose the dead rank's share).
-        InvalidArgumentError: the schedule does not fit ``comm`` or the algorithm (from ``algorithm.setup``).
+        ElasticUnsupportedError: the wrapper's trackers were given as an algorithm object and ``tracker`` is None.
+        InvalidArgumentError: the schedule does not fit ``comm`` or the algorithm (from ``algorithm.setup``), or
+            the trackers (not doubly stochastic, or not symmetric for compressed trackers).
     """
-    refuse_gradient_tracking(model)
-    model._step.move("discard", f"rank {model.comm.rank}: step {model.step_count}: elastic rebind")
-    model._exchange = None
-    model._state_before_start = None
+    mixing = None
+    if model.tracker is not None:
+        mixing = tracker if tracker is not None else model.tracker.remake_mixing()
+        if mixing is None and not model.tracker.exact:
+            raise ElasticUnsupportedError(
+                f"elastic: rank {model.comm.rank}: the gradient trackers were given the algorithm object "
+                f"{type(model.tracker.mixing).__name__}; pass a fresh one for each member set (rebind's tracker, "
+                "ElasticRun's tracker factory) or give gradient_tracking by name ('exact', 'powergossip', 'sign')"
+            )
+    if not model._step.mixed:
+        model._move("discard", "elastic rebind")
+        model._exchange = None
+        model._state_before_start = None
     algorithm.setup(comm, schedule, model.buckets)
+    if model.tracker is not None:
+        model.tracker.rebind(algorithm, schedule, mixing)
     model.comm, model.schedule, model.algorithm = comm, schedule, algorithm
     without_schedule_checks(model)
+    model._optimizer_agreed = True  # a joiner compares its optimizer with its donor's instead (hand_over)
 
 
 def without_schedule_checks(model: DecentralizedDataParallel) -> None:
@@ -166,8 +178,21 @@ def _pack(optimizer: torch.optim.Optimizer | None) -> torch.Tensor:
     if optimizer is None:
         return torch.zeros(0, dtype=torch.uint8)
     buffer = io.BytesIO()
-    torch.save(optimizer.state_dict(), buffer)
+    torch.save({"kind": optimizer_kind(optimizer), "state": optimizer.state_dict()}, buffer)
     return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _unpack(optimizer: torch.optim.Optimizer, state: torch.Tensor, rank: int, donor: int) -> None:
+    """Load the donor's optimizer state into ``optimizer``, once their kinds agree (the ranks' agreement at the
+    first step, which a joiner cannot take part in; :func:`gossip.wrapper.momentum.check_optimizer_agreement`)."""
+    packed = torch.load(io.BytesIO(state.cpu().numpy().tobytes()), weights_only=True)
+    mine = optimizer_kind(optimizer)
+    if packed["kind"] != mine:
+        raise ReplicaMismatchError(
+            f"elastic: rank {rank} joins with {mine} where its donor rank {donor} has {packed['kind']}: every member "
+            "must use the same optimizer"
+        )
+    optimizer.load_state_dict(packed["state"])
 
 
 def hand_over(
@@ -189,6 +214,10 @@ def hand_over(
 
     Returns:
         The payload bytes this rank sent or received.
+
+    Raises:
+        ReplicaMismatchError: on a joiner, its optimizer is not of its donor's kind
+            (:func:`gossip.wrapper.momentum.optimizer_kind`).
     """
     comm = model.comm if comm is None else comm
     rank = comm.rank
@@ -201,7 +230,7 @@ def hand_over(
         recvs = [(donors[rank], bucket.buffer) for bucket in model.buckets] + [(donors[rank], state)]
         comm.exchange([], recvs, seq=HANDOVER_SEQ + 1).wait()
         if optimizer is not None and state.numel():
-            optimizer.load_state_dict(torch.load(io.BytesIO(state.cpu().numpy().tobytes()), weights_only=True))
+            _unpack(optimizer, state, rank, donors[rank])
         moved = sum(bucket.nbytes for bucket in model.buckets) + state.numel()
     elif mine:
         state = _pack(optimizer).to(comm.device)

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from gossip.algorithms.base import Algorithm
+from gossip.algorithms.choco_sign import ChocoSign
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.powergossip import PowerGossip
 from gossip.backends.elastic_comm import ElasticCommunicator, open_epoch
@@ -58,7 +59,6 @@ from gossip.wrapper.elastic import (
     choose_donor,
     hand_over,
     rebind,
-    refuse_gradient_tracking,
     schedule_for,
     solo_communicator,
     without_schedule_checks,
@@ -106,10 +106,11 @@ def check_supported(schedule: Schedule, algorithm: Algorithm) -> None:
                     f"step {step}; elastic runs need one partner per step (one_peer_hypercube, one_peer_ring, "
                     "random_matchings), so that a step with a dead peer is skipped on both ends"
                 )
-    if not isinstance(algorithm, ExactGossip | PowerGossip) or getattr(algorithm, "num_iterations", 1) != 1:
+    one_exchange = isinstance(algorithm, ExactGossip | PowerGossip | ChocoSign)
+    if not one_exchange or getattr(algorithm, "num_iterations", 1) != 1:
         raise ElasticUnsupportedError(
             f"elastic: algorithm {type(algorithm).__name__} is not supported on real processes (its step is not one "
-            "exchange); use ExactGossip or PowerGossip with num_iterations=1"
+            "exchange); use ExactGossip, PowerGossip with num_iterations=1 or ChocoSign"
         )
 
 
@@ -124,7 +125,7 @@ def check_wrapper(model: DecentralizedDataParallel) -> None:
 
     Raises:
         ElasticUnsupportedError: it samples the consensus distance every few steps, averages its buffers every
-            step, or tracks gradients.
+            step, or overlaps its trackers' exchange.
     """
     rank = model.comm.rank
     if model.consensus_every > 0:
@@ -138,7 +139,11 @@ def check_wrapper(model: DecentralizedDataParallel) -> None:
             f"elastic: rank {rank}: buffers='average' all-reduces the buffers inside optimizer.step(), which a "
             "membership change could interrupt after the update; use buffers='local'"
         )
-    refuse_gradient_tracking(model)
+    if model.tracker is not None and model.tracker.overlap:
+        raise ElasticUnsupportedError(
+            f"elastic: rank {rank}: tracking_overlap=True posts the trackers' exchange beside the parameters' (two "
+            "exchanges a step, which the completed-or-skipped rule does not cover); use the blocking tracker"
+        )
 
 
 class ElasticRun:
@@ -151,11 +156,20 @@ class ElasticRun:
         schedule: the schedule family, rebuilt at every change.
         algorithm: makes a fresh, unbound algorithm (configured as the one in ``model``).
         timeout: the Gloo groups' wait bound, and their creation's.
+        tracker: with gradient tracking, makes a fresh, unbound algorithm for the trackers (needed only when the
+            wrapper's ``gradient_tracking`` was an algorithm object; a name remakes itself).
+
+    Gradient tracking: at every change each member restarts its tracker at its own last input
+    (:func:`gossip.wrapper.elastic.rebind`), which keeps the trackers' sum equal to the members' gradients. A
+    step's trackers' exchange is completed or skipped like its parameters' (a wait on it that a change interrupts
+    resumes on the step's old group when the step is completed there, else the trackers restart and the step's
+    remainder runs alone).
 
     Raises:
-        ElasticUnsupportedError: the schedule, the algorithm or the wrapper cannot run elastic (see
-            :func:`check_supported` and :func:`check_wrapper`), or the optimizer tracks momentum
-            (:class:`optim.MomentumTrackingAdamW`).
+        ElasticUnsupportedError: the schedule, the algorithm (the parameters' or the trackers') or the wrapper cannot
+            run elastic (see :func:`check_supported` and :func:`check_wrapper`), or the optimizer samples the mean
+            gradient with an all-reduce inside its step (:class:`optim.MomentumTrackingAdamW` with
+            ``second_moment_every`` > 0).
     """
 
     def __init__(
@@ -167,18 +181,23 @@ class ElasticRun:
         schedule: str,
         algorithm: Callable[[], Algorithm],
         timeout: float,
+        tracker: Callable[[], Algorithm] | None = None,
     ):
         check_supported(model.schedule, model.algorithm)
+        if model.tracker is not None:
+            check_supported(model.schedule, model.tracker.mixing)
         check_wrapper(model)
-        if momentum_source(optimizer) is not None:
+        source = momentum_source(optimizer)
+        if source is not None and source.second_moment_every:
             raise ElasticUnsupportedError(
-                f"elastic: rank {model.comm.rank}: {type(optimizer).__name__} runs its first moment through "
-                "gradient trackers and all-reduces inside optimizer.step(), which a membership change could "
-                "interrupt after the update; use torch.optim.AdamW"
+                f"elastic: rank {model.comm.rank}: {type(optimizer).__name__} samples the mean gradient with an "
+                f"all-reduce inside optimizer.step() every {source.second_moment_every} steps, which a membership "
+                "change could interrupt on some members only; build it with second_moment_every=0"
             )
         without_schedule_checks(model)  # no collective inside a step that a change could interrupt
         self.model, self.optimizer, self.membership = model, optimizer, membership
         self.schedule_name, self.make_algorithm, self.timeout = schedule, algorithm, timeout
+        self.make_tracker = tracker
         #: one dict per membership change, for the run's summary
         self.events: list[dict[str, Any]] = []
         #: the membership a loaded checkpoint recorded (see :meth:`load_state_dict`), else None
@@ -317,7 +336,10 @@ class ElasticRun:
     def _go_solo(self) -> None:
         self.group = (self.membership.uid,)
         rebind(self.model, solo_communicator(self.timeout), schedule_for(self.schedule_name, 1)[0],
-               self.make_algorithm())  # fmt: skip
+               self.make_algorithm(), self._fresh_tracker())  # fmt: skip
+
+    def _fresh_tracker(self) -> Algorithm | None:
+        return None if self.make_tracker is None else self.make_tracker()
 
     def _resolve(self, error: BaseException) -> None:
         started = time.perf_counter()
@@ -365,7 +387,7 @@ class ElasticRun:
             schedule, note = schedule_for(self.schedule_name, len(decision.members))
             algorithm = self.make_algorithm()
             check_supported(schedule, algorithm)
-            rebind(self.model, comm, schedule, algorithm)
+            rebind(self.model, comm, schedule, algorithm, self._fresh_tracker())
             old = [rank for rank, uid in enumerate(decision.members) if uid not in decision.joined]
             donors = {
                 decision.members.index(uid): choose_donor(schedule, decision.members.index(uid), change.first, old)

@@ -298,14 +298,17 @@ class DecentralizedDataParallel(nn.Module):
         self._replica_views = [bucket.view(entry) for bucket in self.buckets for entry in bucket.entries]
         self._names = {id(p): name for name, p in named}
         #: The gradient tracker (gradient_tracking=True), else None; its exchange runs in finish_mixing.
+        parameters, overlap = self._parameters_in_order, tracking_overlap
         self.tracker = (
-            GradientTracker(algorithm, schedule, self.buckets, self._parameters_in_order, mixing, tracking_overlap)
+            GradientTracker(algorithm, schedule, self.buckets, parameters, mixing, overlap, gradient_tracking)
             if gradient_tracking
             else None
         )
         self._ownership: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._optimizer_agreed = False  # the ranks compared their optimizers' kinds (gossip.wrapper.momentum)
         self._momentum_prepared_at = -1  # the step whose first moment the optimizer last prepared
+        self._tracked_at = -1  # the step whose mixing (parameters, first moment, trackers) is complete
+        self._finish_began = 0.0  # when the step's finish began (its timing)
         self.step_count = 0
         self._exchange: Any = None  # what algorithm.start(t) returned, while the step is EXCHANGING
         self._state_before_start: dict[str, Any] | None = None  # see _start
@@ -342,8 +345,10 @@ class DecentralizedDataParallel(nn.Module):
         where = f"rank {self.comm.rank}: step {self.step_count}: {operation}"
         if check_only:
             self._step.check(event, where)
-        else:
-            self._step.move(event, where)
+            return
+        self._step.move(event, where)
+        if event == "discard":  # the step starts over: none of its parts is done
+            self._momentum_prepared_at = self._tracked_at = -1
 
     # -- the loop -------------------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -445,28 +450,40 @@ class DecentralizedDataParallel(nn.Module):
                 f"rank {self.comm.rank}: step {self.step_count}: optimizer.step() (or finish_mixing) inside "
                 "averaged(); the averaged values would be trained and then overwritten on exit. Step after the block"
             )
-        if self._step.mixed:
+        if self._step.mixed and self._tracked_at == self.step_count:
             return
-        self._check_parameters()
         with self._naming_step():
-            self._finish_mixing(momentum)
+            if not self._step.mixed:
+                self._check_parameters()
+                self._finish_mixing()
+            self._finish_tracking(momentum)
 
-    def _finish_mixing(self, momentum: MomentumSource | None) -> None:
+    def _finish_mixing(self) -> None:
+        """The parameters' part of the step's mixing: x_i <- sum_j W_ij x_j, then the phase is MIXED."""
         self.metrics.flush()
         if self.phase is StepPhase.IDLE:
             self._start()
         self._timing["compute_seconds"] = time.perf_counter() - self._started_at
-        begin = time.perf_counter()
+        self._finish_began = time.perf_counter()
         self.algorithm.finish(self._exchange)
         self._exchange = None
-        if momentum is not None:
+        self._move("finish", "finish_mixing()")
+
+    def _finish_tracking(self, momentum: MomentumSource | None) -> None:
+        """The rest of the step's mixing, after the parameters': ``momentum``'s first moment, then the trackers.
+
+        Each part runs once per step. An elastic run whose member set changes inside it (a wait interrupted)
+        calls it again on the new group's communicator: a part already done is not repeated, the parameters'
+        mixing (already written) is not repeated either (:func:`gossip.wrapper.elastic.rebind` keeps the phase).
+        """
+        if momentum is not None and self._momentum_prepared_at != self.step_count:
             prepare_momentum(momentum, self.algorithm, self.buckets, self._parameters_in_order)
             self._momentum_prepared_at = self.step_count
         if self.tracker is not None:
             self.tracker.track(self.step_count)
-        self._move("finish", "finish_mixing()")
+        self._tracked_at = self.step_count
         self._timing["wait_seconds"] = self.algorithm.wait_seconds
-        self._timing["finish_seconds"] = time.perf_counter() - begin
+        self._timing["finish_seconds"] = time.perf_counter() - self._finish_began
         if self.buffers_policy == "average":
             average_buffers(self.module, self.comm, self.algorithm.nonfinite, self.step_count)
 
@@ -706,7 +723,7 @@ class DecentralizedDataParallel(nn.Module):
                 "the step runs, so the closure's gradients would come too late; run the backward, then call "
                 "optimizer.step() without a closure"
             )
-        if self._step.mixed and self._momentum_prepared_at != self.step_count:
+        if self._tracked_at == self.step_count and self._momentum_prepared_at != self.step_count:
             raise StepPhaseError(
                 f"{where}: finish_mixing() ran before {type(optimizer).__name__}.step(), so the tracker mixed the "
                 "gradient, not the first moment; with a momentum-tracking optimizer let optimizer.step() finish "

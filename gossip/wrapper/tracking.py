@@ -179,6 +179,8 @@ class GradientTracker:
             mixing (:class:`TrackerMixing`).
         overlap: the combine-then-adapt form, whose exchange :meth:`start` posts before the forward (module
             docstring), instead of the blocking adapt-then-combine one.
+        option: the wrapper's ``gradient_tracking`` argument, from which :meth:`remake_mixing` makes a fresh
+            mixing for a new member set (when it is a name or True).
 
     Raises:
         InvalidArgumentError: the schedule is not doubly stochastic over the steps it is checked on (raised by
@@ -194,6 +196,7 @@ class GradientTracker:
         parameters: list[torch.Tensor],
         mixing: Algorithm | None = None,
         overlap: bool = False,
+        option: Any = None,
     ):
         require_doubly_stochastic(schedule, algorithm.comm.rank)
         if mixing is algorithm:
@@ -212,6 +215,50 @@ class GradientTracker:
         self.overlap = bool(overlap)
         self._pending: Any = None  # the overlapped exchange in flight
         self._mixing_before: dict[str, Any] | None = None  # the mixing's state before that exchange started
+        self._blocking: Any = None  # the adapt-then-combine exchange, while a wait on it was interrupted
+        self._option = option if option is True or isinstance(option, str) else None
+
+    @property
+    def exact(self) -> bool:
+        """Whether the trackers are mixed exactly (:class:`TrackerMixing`)."""
+        return isinstance(self.mixing, TrackerMixing)
+
+    def remake_mixing(self) -> Algorithm | None:
+        """A fresh, unbound algorithm like the one that mixes the trackers, made from the wrapper's option.
+
+        Returns:
+            The algorithm; None for exact mixing, and when the option was an algorithm object (it cannot be
+                remade: the caller passes a fresh one).
+        """
+        return None if self._option is None else tracker_mixing(self._option)
+
+    def rebind(self, algorithm: Algorithm, schedule: Schedule, mixing: Algorithm | None) -> None:
+        r"""Move the trackers to a new member set (:func:`gossip.wrapper.elastic.rebind`): restart them, fresh mixing.
+
+        A departed rank takes its share :math:`y_j - g_j^{t-1}` with it, so the members' trackers no longer sum to
+        their gradients. Every member restarts its tracker at its own last input, :math:`y_i \leftarrow g_i^{t-1}`,
+        which makes :math:`\sum_i y_i = \sum_i g_i^{t-1}` hold again over any member set; a joiner's tracker and
+        last input are both zero, so its first step adds its gradient, as step 0 does. The induction of the module
+        docstring then holds from the new member set's first step on. An exchange in flight is dropped unapplied;
+        the trackers' algorithm starts with no per-edge state.
+
+        Args:
+            algorithm: the wrapper's new algorithm, already bound (the trackers' exchange books into its account).
+            schedule: the new member set's schedule.
+            mixing: a fresh, unbound algorithm for the trackers, or None for exact mixing.
+
+        Raises:
+            InvalidArgumentError: the schedule is not doubly stochastic, or not symmetric when ``mixing`` needs it.
+        """
+        require_doubly_stochastic(schedule, algorithm.comm.rank)
+        if mixing is not None and mixing.needs_symmetric_schedule:
+            schedule.validate(symmetric=True)
+        self._pending = self._mixing_before = self._blocking = None
+        with torch.no_grad():
+            for tracker, previous in zip(self.trackers, self.previous, strict=True):
+                tracker.buffer.copy_(previous)
+        self.mixing = TrackerMixing(nonfinite=algorithm.nonfinite) if mixing is None else mixing
+        algorithm.setup_part(self.mixing, schedule, self.trackers)
 
     def start(self, step: int) -> None:
         """Overlapped tracking: post step ``step``'s exchange of y^{t-1} over W(t) (a no-op otherwise).
@@ -228,6 +275,7 @@ class GradientTracker:
 
     def drain(self) -> None:
         """Complete an overlapped exchange in flight and drop its result (``close()``; every rank calls it)."""
+        self._blocking = None  # only left by an interrupted wait, on a communicator being given up
         pending, self._pending = self._pending, None
         if pending is not None:
             self.mixing.finish(pending)
@@ -257,15 +305,17 @@ class GradientTracker:
                 gradients_into(self.trackers, parameters, self._fresh)  # g^t (a missing .grad counts as 0)
             if self.overlap:
                 self.start(step)  # posted already unless this step had no start (then blocking)
-                pending, self._pending = self._pending, None
-                self.mixing.finish(pending)
-                self._mixing_before = None
+                self.mixing.finish(self._pending)  # a wait interrupted here is resumed by the next call
+                self._pending = self._mixing_before = None
                 if has_gradient:
                     self._correct()
             else:
                 if has_gradient:
-                    self._correct()
-                self.mixing.step(step)
+                    self._correct()  # again after an interrupted wait: y += g^t - g^t, nothing
+                if self._blocking is None:
+                    self._blocking = self.mixing.start(step)
+                self.mixing.finish(self._blocking)  # a wait interrupted here is resumed by the next call
+                self._blocking = None
             if not has_gradient:
                 return
             position = 0

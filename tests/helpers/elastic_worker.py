@@ -13,7 +13,9 @@ ELASTIC_WORKER_HOLD_AT=STEP the others wait at STEP until a join is asked (so th
 ELASTIC_WORKER_DIE_AT_FORMATION=UID:EPOCH:WHEN worker UID SIGKILLs itself when it arrives at the formation of
 EPOCH's group: before it tells the others it is there (WHEN=before), or just after (WHEN=after: the others may
 already form the Gloo group, which then waits for it until the timeout). ELASTIC_WORKER_DETECT sets the seconds of
-silence after which a member is declared dead (10 by default).
+silence after which a member is declared dead (10 by default). With ELASTIC_WORKER_TRACKING=exact|powergossip|sign the
+optimizer steps on gradient trackers mixed that way (the update then adds minus the tracker, not delta) and each row
+also has the worker's tracker y after the step; its gradient is -delta(uid, step).
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ def main() -> None:
     else:
         comm = open_epoch(membership, 0, membership.current.members, TIMEOUT, lambda: holder[0].step_count)
         schedule = schedule_for("one_peer_hypercube", size)[0]
-    model = DecentralizedDataParallel(net, comm, schedule, ExactGossip(), consensus_every=0)
+    tracking = os.environ.get("ELASTIC_WORKER_TRACKING") or False
+    model = DecentralizedDataParallel(net, comm, schedule, ExactGossip(), consensus_every=0, gradient_tracking=tracking)
     holder.append(model)
     with torch.no_grad():
         model.buckets[0].buffer.copy_(torch.tensor([1.0, 10.0, 100.0, 1000.0], dtype=torch.float64) * uid)
@@ -117,6 +120,8 @@ def main() -> None:
             optimizer.zero_grad()
             row["after"] = model.buckets[0].buffer.tolist()
             row["group"] = list(elastic.last_group)
+            if tracking:
+                row["tracker"] = model.tracker.trackers[0].buffer.tolist()
             if step % CONSENSUS_EVERY == 0:  # between two steps, over the group it trains in (None: none to be had)
                 row["consensus"] = elastic.consensus_distance()
             log.write(json.dumps(row) + "\n")
