@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.elastic_worker import delta
+from helpers.elastic_worker import BETA1, delta
 from helpers.launch import REPO, python, run_main_job
 
 import gossip
@@ -245,14 +245,46 @@ def check_both_ends_or_neither(runs: dict[int, list[dict]], n: int, steps: int, 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("tracking", ["exact", "sign"])
-def test_tracked_gradients_keep_their_sum_over_every_group_across_deaths(tmp_path, tracking):
-    """With gradient tracking: at every step, the trackers of each group's members sum to their gradients."""
+def first_moments(uid: int, steps: int) -> list[torch.Tensor]:
+    """MomentumTrackingAdamW's first moment of worker ``uid`` after each step, advanced once a step."""
+    h, moments = torch.zeros(4, dtype=torch.float64), []
+    for step in range(steps):
+        h = h.lerp(-delta(uid, step), 1 - BETA1)
+        moments.append(h)
+    return moments
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("tracking", "kill_in", "optimizer"),
+    [("exact", "top", "sgd"), ("exact", "tracker", "sgd"), ("sign", "tracker", "sgd"), ("sign", "tracker", "momentum")],
+)
+def test_tracked_gradients_keep_their_sum_over_every_group_across_deaths(tmp_path, tracking, kill_in, optimizer):
+    """With gradient (or momentum) tracking: at every step, each group's trackers sum to its members' inputs.
+
+    Killed at the top of a step (its parameters' exchange posted), or inside the update, after the parameters'
+    mixing and before its trackers' exchange: the partner has mixed the parameters and waits for the trackers.
+    Under momentum tracking every survivor's first moment advances exactly once a step, the interrupted one too.
+    """
     n, steps, kills, dead = 4, 90, "1@30,3@32", {1, 3}
-    result = launch(tmp_path, n, steps, kills, dead, {"ELASTIC_WORKER_TRACKING": tracking})
+    env = {
+        "ELASTIC_WORKER_TRACKING": tracking,
+        "ELASTIC_WORKER_KILL_IN": kill_in,
+        "ELASTIC_WORKER_OPTIMIZER": optimizer,
+    }
+    result = launch(tmp_path, n, steps, kills, dead, env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     runs = logs(tmp_path)
     by_step = {uid: {row["step"]: row for row in runs[uid] if "after" in row} for uid in range(n)}
+    if optimizer == "momentum":  # the trackers' input is the first moment; -delta is the gradient
+        for uid in (0, 2):
+            for step, h in enumerate(first_moments(uid, steps)):
+                torch.testing.assert_close(vector(by_step[uid][step]["input"]), h, rtol=1e-12, atol=0,
+                                           msg=f"worker {uid} step {step}")  # fmt: skip
+                assert by_step[uid][step]["moment_steps"] == step + 1, f"worker {uid} step {step}"
+        inputs = {uid: {s: vector(r["input"]) for s, r in rows.items()} for uid, rows in by_step.items()}
+    else:
+        inputs = {uid: {s: -delta(uid, s) for s in rows} for uid, rows in by_step.items()}
     checked: dict[int, int] = {}  # group size -> steps checked
     for step in range(steps):
         groups = {tuple(rows[step]["group"]) for rows in by_step.values() if step in rows}
@@ -260,10 +292,18 @@ def test_tracked_gradients_keep_their_sum_over_every_group_across_deaths(tmp_pat
             if not all(step in by_step[uid] and tuple(by_step[uid][step]["group"]) == group for uid in group):
                 continue  # a member of this group died before logging the step
             total = sum(vector(by_step[uid][step]["tracker"]) for uid in group)
-            torch.testing.assert_close(total, -sum(delta(uid, step) for uid in group), rtol=1e-12, atol=1e-9,
+            torch.testing.assert_close(total, sum(inputs[uid][step] for uid in group), rtol=1e-12, atol=1e-9,
                                        msg=f"step {step}, group {group}")  # fmt: skip
             checked[len(group)] = checked.get(len(group), 0) + 1
     assert checked.get(4, 0) >= 29 and checked.get(2, 0) >= 40, checked  # before the deaths, and the 2 survivors
+    if kill_in == "tracker":  # worker 1's partner at step 30 mixed the parameters with it, then lost the trackers
+        (partner, _), *_ = schedule_for("one_peer_hypercube", n)[0].peers(1, 30).in_peers
+        row = by_step[partner][30]
+        assert row["group"] == [partner]  # the step's remainder ran alone
+        if optimizer == "sgd":
+            mixed = vector(row["after"]) + vector(row["tracker"])  # SGD with lr 1 stepped on the tracker
+            average = (vector(row["before"]) + vector(by_step[1][29]["after"])) / 2
+            torch.testing.assert_close(mixed, average, rtol=1e-12, atol=0)
     for uid in (0, 2):
         events = runs[uid][-1]["events"]
         assert {int(u) for event in events for u in event["left"]} == dead and events[-1]["members"] == [0, 2]

@@ -15,7 +15,12 @@ EPOCH's group: before it tells the others it is there (WHEN=before), or just aft
 already form the Gloo group, which then waits for it until the timeout). ELASTIC_WORKER_DETECT sets the seconds of
 silence after which a member is declared dead (10 by default). With ELASTIC_WORKER_TRACKING=exact|powergossip|sign the
 optimizer steps on gradient trackers mixed that way (the update then adds minus the tracker, not delta) and each row
-also has the worker's tracker y after the step; its gradient is -delta(uid, step).
+also has the worker's tracker y after the step; its gradient is -delta(uid, step). With ELASTIC_WORKER_KILL_IN=tracker
+a worker named in KILLS dies inside that step's update instead, after the parameters' mixing, as its trackers'
+exchange is about to be posted (its partner is then left waiting for the trackers' message). With
+ELASTIC_WORKER_OPTIMIZER=momentum the optimizer is MomentumTrackingAdamW (beta1 = BETA1, no sample of the mean
+gradient), whose first moment the trackers mix, and each row also has the trackers' input (that first moment) and
+the optimizer's count of moment updates.
 """
 
 from __future__ import annotations
@@ -32,16 +37,19 @@ import torch
 from torch import nn
 from torch.distributed import TCPStore
 
-from gossip import DecentralizedDataParallel, ExactGossip
+from gossip import Algorithm, DecentralizedDataParallel, ExactGossip
 from gossip.backends.elastic_comm import open_epoch
 from gossip.backends.membership import STORE_VARIABLE, connect
 from gossip.wrapper.elastic import schedule_for, solo_communicator
 from gossip.wrapper.elastic_run import ElasticRun
+from optim import MomentumTrackingAdamW
 
 TIMEOUT = 20.0
 #: steps between two measurements of the consensus distance: not next to the tests' kill steps (30, 32, 50, 61, ...),
 #: since an interrupted collective makes the next re-formation wait the group's timeout (ElasticRun.consensus_distance)
 CONSENSUS_EVERY = 7
+#: MomentumTrackingAdamW's beta1 under ELASTIC_WORKER_OPTIMIZER=momentum
+BETA1 = 0.9
 
 
 def delta(uid: int, step: int) -> torch.Tensor:
@@ -72,6 +80,19 @@ def die_at_formation(membership, spec: str) -> None:
     membership.await_group = await_group
 
 
+def die_in_trackers_exchange(model: DecentralizedDataParallel, step: int) -> None:
+    """Make this worker SIGKILL itself when its trackers' exchange of ``step`` is about to be posted (whichever
+    algorithm object mixes the trackers then: each member set gets a fresh one)."""
+    start = Algorithm.start
+
+    def dying_start(self, at: int):
+        if self is model.tracker.mixing and at == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return start(self, at)
+
+    Algorithm.start = dying_start
+
+
 def main() -> None:
     out, steps = sys.argv[1], int(sys.argv[2])
     kills = {int(r): int(s) for r, s in (item.split("@") for item in sys.argv[3].split(",") if item)}
@@ -97,7 +118,15 @@ def main() -> None:
     holder.append(model)
     with torch.no_grad():
         model.buckets[0].buffer.copy_(torch.tensor([1.0, 10.0, 100.0, 1000.0], dtype=torch.float64) * uid)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    if os.environ.get("ELASTIC_WORKER_OPTIMIZER") == "momentum":
+        optimizer: torch.optim.Optimizer = MomentumTrackingAdamW(
+            model.parameters(), lr=1e-3, betas=(BETA1, 0.999), weight_decay=0.0, second_moment_every=0
+        )
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    kill_in_tracker = os.environ.get("ELASTIC_WORKER_KILL_IN") == "tracker" and uid in kills and not joining
+    if kill_in_tracker:
+        die_in_trackers_exchange(model, kills[uid])
     elastic = ElasticRun(model, optimizer, membership, schedule="one_peer_hypercube", algorithm=ExactGossip,
                          timeout=TIMEOUT)  # fmt: skip
     if joining:
@@ -110,7 +139,7 @@ def main() -> None:
             elastic.before_step()
             before = model.buckets[0].buffer.tolist()
             row = {"step": step, "before": before}
-            if kills.get(uid) == step:
+            if kills.get(uid) == step and not kill_in_tracker:
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -122,6 +151,9 @@ def main() -> None:
             row["group"] = list(elastic.last_group)
             if tracking:
                 row["tracker"] = model.tracker.trackers[0].buffer.tolist()
+                row["input"] = model.tracker.previous[0].tolist()
+                if isinstance(optimizer, MomentumTrackingAdamW):  # how often its moments advanced
+                    row["moment_steps"] = optimizer.state[net.weight]["step"]
             if step % CONSENSUS_EVERY == 0:  # between two steps, over the group it trains in (None: none to be had)
                 row["consensus"] = elastic.consensus_distance()
             log.write(json.dumps(row) + "\n")
