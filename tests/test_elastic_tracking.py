@@ -8,6 +8,8 @@ and under momentum tracking (MomentumTrackingAdamW without the mean gradient's s
 * the departed member held a share y_k - g_k that was not zero (so the restart is what keeps the sum);
 * under AdamW a member's last input is exactly its own gradient of that step;
 * trackers given as an algorithm object cannot be remade: rebind refuses them by name unless given a fresh one;
+* optimizer.step() interrupted in the trackers' wait and called again resumes the same exchange: bit-identical to an
+  uninterrupted run, the first moment advanced once (what an elastic run's completed step relies on);
 * a joiner whose optimizer is not of its donor's kind (a momentum source beside AdamW) is refused at the hand-over
   (it cannot take part in the ranks' agreement at the first step).
 """
@@ -20,7 +22,7 @@ from torch import nn
 
 import optim
 from gossip import DecentralizedDataParallel, ExactGossip, PowerGossip, simulate
-from gossip.errors import ElasticUnsupportedError, ReplicaMismatchError
+from gossip.errors import ElasticUnsupportedError, MembershipChangedError, ReplicaMismatchError
 from gossip.wrapper.elastic import rebind, schedule_for, solo_communicator
 from gossip.wrapper.elastic_sim import Change, Member, simulate_elastic
 
@@ -113,3 +115,54 @@ def test_a_joiner_with_another_optimizer_kind_is_refused_at_the_hand_over():
     with pytest.raises(ReplicaMismatchError, match=r"elastic: rank \d joins with MomentumTrackingAdamW.* donor rank"):
         simulate_elastic(4, 6, [Change(3, 9, join=True)], build=build, train_step=train, schedule="ring",
                          algorithm=ExactGossip)  # fmt: skip
+
+
+@pytest.mark.parametrize("tracking", ["exact", "sign"])
+def test_an_interrupted_trackers_wait_resumes_and_runs_each_part_once(tracking):
+    """What an elastic run's completed step relies on: optimizer.step() raising inside the trackers' wait (a change
+    noticed there) and called again finishes the same exchange, without mixing or preparing the moment twice.
+
+    Rank 0's first wait on the trackers' exchange at step 3 raises MembershipChangedError before waiting; its retry
+    must end every rank's run bit-identical to an uninterrupted one, under momentum tracking.
+    """
+
+    def run(interrupt: bool) -> list[torch.Tensor]:
+        results: dict[int, torch.Tensor] = {}
+
+        def worker(comm):
+            net = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 4)).double()
+            with torch.no_grad():  # not from the RNG, which the simulator's rank threads share
+                for parameter in net.parameters():
+                    parameter.copy_(torch.linspace(-0.5, 0.5, parameter.numel()).view_as(parameter))
+            model = DecentralizedDataParallel(net, comm, schedule_for("one_peer_hypercube", 2)[0], ExactGossip(),
+                                              consensus_every=0, gradient_tracking=tracking)  # fmt: skip
+            opt = optim.MomentumTrackingAdamW(model.parameters(), lr=1e-2, second_moment_every=2)
+            mixing, interrupted = model.tracker.mixing, []
+            finish_step = mixing._finish_step
+
+            def flaky_finish_step(pending):
+                if interrupt and comm.rank == 0 and model.step_count == 3 and not interrupted:
+                    interrupted.append(True)
+                    raise MembershipChangedError("rank 0: a change noticed in the trackers' wait (test)")
+                return finish_step(pending)
+
+            mixing._finish_step = flaky_finish_step
+            for step in range(6):
+                x = torch.linspace(-1, 1, 12, dtype=torch.float64).view(2, 6) * (comm.rank + 1) + step
+                model(x).square().mean().backward()
+                try:
+                    opt.step()
+                except MembershipChangedError:
+                    opt.step()  # as ElasticRun.update does for a step completed on the old group
+                opt.zero_grad()
+            assert interrupted == ([True] if interrupt and comm.rank == 0 else [])
+            assert opt.state[next(model.parameters())]["step"] == 6  # the first moment advanced once a step
+            results[comm.rank] = torch.cat([flat(b.buffer for b in model.buckets),
+                                            flat(t.buffer for t in model.tracker.trackers)])  # fmt: skip
+            model.close()
+
+        simulate(2, worker)
+        return [results[0], results[1]]
+
+    for plain, resumed in zip(run(False), run(True), strict=True):
+        torch.testing.assert_close(resumed, plain, rtol=0, atol=0)

@@ -217,6 +217,7 @@ class GradientTracker:
         self._mixing_before: dict[str, Any] | None = None  # the mixing's state before that exchange started
         self._blocking: Any = None  # the adapt-then-combine exchange, while a wait on it was interrupted
         self._option = option if option is True or isinstance(option, str) else None
+        self._corrected_at = -1  # the step whose correction y += g^t - g^{t-1} was applied
 
     @property
     def exact(self) -> bool:
@@ -300,18 +301,22 @@ class GradientTracker:
         """
         parameters = self._parameters
         has_gradient = any(p.grad is not None for p in parameters)
+        # once a step: a call again after an interrupted wait (or a rebind) within the step does not correct twice
+        correct = has_gradient and self._corrected_at != step
         with torch.no_grad():
-            if has_gradient:
+            if correct:
                 gradients_into(self.trackers, parameters, self._fresh)  # g^t (a missing .grad counts as 0)
             if self.overlap:
                 self.start(step)  # posted already unless this step had no start (then blocking)
                 self.mixing.finish(self._pending)  # a wait interrupted here is resumed by the next call
                 self._pending = self._mixing_before = None
-                if has_gradient:
+                if correct:
                     self._correct()
+                    self._corrected_at = step
             else:
-                if has_gradient:
-                    self._correct()  # again after an interrupted wait: y += g^t - g^t, nothing
+                if correct:
+                    self._correct()
+                    self._corrected_at = step
                 if self._blocking is None:
                     self._blocking = self.mixing.start(step)
                 self.mixing.finish(self._blocking)  # a wait interrupted here is resumed by the next call
@@ -361,4 +366,5 @@ class GradientTracker:
             )
         for target, value in zip(mine, saved, strict=True):
             target.copy_(value)
+        self._corrected_at = -1
         self.mixing.load_state_dict(state.get("mixing", {}))
