@@ -8,6 +8,9 @@ warm-up and cosine over 450 steps), validation every 25 steps on the main job's 
   the launcher restarts worker 2, which joins from a neighbour when the group reaches step 300;
 * ``gossip``: ``--elastic --algorithm exact``, nobody killed (the same code path, uninterrupted);
 * ``ddp``: ``--algorithm ddp`` (torch DistributedDataParallel), uninterrupted;
+* ``elastic-mt-sign`` and ``gossip-mt-sign``: ``elastic`` and ``gossip`` with sign momentum tracking
+  (``--gradient-tracking sign --optimizer momentum-tracking-adamw --second-moment-every 0``: under ``--elastic``
+  without the mean gradient's sample), whose trackers restart at each change;
 * ``ddp_restarted``: DERIVED from ``ddp``, not run: the main job cannot resume DDP from a checkpoint, so what
   ``torchrun --max-restarts`` gives with a checkpoint every 100 steps and a failure at step 150 is the ``ddp`` curve
   with steps 100-150 executed twice (the run is deterministic given its seed: their evaluations repeat) and
@@ -48,7 +51,10 @@ KINDS = {
     "gossip": ["--elastic", "--algorithm", "exact", "--save-replicas"],
     "ddp": ["--algorithm", "ddp"],
 }  # fmt: skip
-ORDER = ("gossip", "elastic", "ddp", "ddp_restarted")
+SIGN_MOMENTUM_TRACKING = ["--gradient-tracking", "sign", "--optimizer", "momentum-tracking-adamw",
+                          "--second-moment-every", "0"]  # fmt: skip
+KINDS |= {f"{kind}-mt-sign": KINDS[kind] + SIGN_MOMENTUM_TRACKING for kind in ("elastic", "gossip")}
+ORDER = ("gossip", "elastic", "gossip-mt-sign", "elastic-mt-sign", "ddp", "ddp_restarted")
 
 
 def command(kind: str, seed: int, out: Path) -> list[str]:
