@@ -40,6 +40,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -245,6 +246,25 @@ def check_both_ends_or_neither(runs: dict[int, list[dict]], n: int, steps: int, 
 
 
 @pytest.mark.multiprocess
+def tracker_sums_checked(
+    by_step: dict[int, dict[int, dict]], inputs: dict[int, dict[int, torch.Tensor]], steps: int
+) -> list[tuple[int, tuple[int, ...]]]:
+    """Assert that at every step each group's trackers sum to its members' inputs; the (step, group)s checked.
+
+    A group is checked at a step when every member logged that step over that group (not one that died in it).
+    """
+    checked = []
+    for step in range(steps):
+        for group in {tuple(rows[step]["group"]) for rows in by_step.values() if step in rows}:
+            if not all(step in by_step[uid] and tuple(by_step[uid][step]["group"]) == group for uid in group):
+                continue
+            total = sum(vector(by_step[uid][step]["tracker"]) for uid in group)
+            torch.testing.assert_close(total, sum(inputs[uid][step] for uid in group), rtol=1e-12, atol=1e-9,
+                                       msg=f"step {step}, group {group}")  # fmt: skip
+            checked.append((step, group))
+    return checked
+
+
 def first_moments(uid: int, steps: int) -> list[torch.Tensor]:
     """MomentumTrackingAdamW's first moment of worker ``uid`` after each step, advanced once a step."""
     h, moments = torch.zeros(4, dtype=torch.float64), []
@@ -285,16 +305,7 @@ def test_tracked_gradients_keep_their_sum_over_every_group_across_deaths(tmp_pat
         inputs = {uid: {s: vector(r["input"]) for s, r in rows.items()} for uid, rows in by_step.items()}
     else:
         inputs = {uid: {s: -delta(uid, s) for s in rows} for uid, rows in by_step.items()}
-    checked: dict[int, int] = {}  # group size -> steps checked
-    for step in range(steps):
-        groups = {tuple(rows[step]["group"]) for rows in by_step.values() if step in rows}
-        for group in groups:
-            if not all(step in by_step[uid] and tuple(by_step[uid][step]["group"]) == group for uid in group):
-                continue  # a member of this group died before logging the step
-            total = sum(vector(by_step[uid][step]["tracker"]) for uid in group)
-            torch.testing.assert_close(total, sum(inputs[uid][step] for uid in group), rtol=1e-12, atol=1e-9,
-                                       msg=f"step {step}, group {group}")  # fmt: skip
-            checked[len(group)] = checked.get(len(group), 0) + 1
+    checked = Counter(len(group) for _, group in tracker_sums_checked(by_step, inputs, steps))
     assert checked.get(4, 0) >= 29 and checked.get(2, 0) >= 40, checked  # before the deaths, and the 2 survivors
     if kill_in == "tracker":  # worker 1's partner at step 30 mixed the parameters with it, then lost the trackers
         (partner, _), *_ = schedule_for("one_peer_hypercube", n)[0].peers(1, 30).in_peers
@@ -419,30 +430,38 @@ def test_store_host_death_ends_every_worker_with_a_named_error(tmp_path):
             launcher.kill()
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("kills", ["2@20", "2@20,1@61"], ids=["join", "join_during_a_failure"])
-def test_restarted_worker_joins_with_its_donors_replica(tmp_path, kills):
-    steps = 120
-    hold = {**ENV, "ELASTIC_WORKER_HOLD_AT": "60"}  # worker 1 of the second case dies as the join is under way
-    launcher = subprocess.Popen(launcher_command(tmp_path, 4, steps, kills), env=hold, stdout=subprocess.DEVNULL,
+def run_with_a_restart(out: Path, steps: int, kills: str, env: dict) -> None:
+    """4 workers, ``kills`` killed, worker 2 started again once its death is reported; both must exit 0.
+
+    The others wait at step 60 until the join is asked, so that it lands mid-run.
+    """
+    hold = {**ENV, **env, "ELASTIC_WORKER_HOLD_AT": "60"}
+    launcher = subprocess.Popen(launcher_command(out, 4, steps, kills), env=hold, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         address = next(line for line in launcher.stderr if "membership store at" in line).split()[4]
         said: list[str] = []  # the launcher's messages, kept for a failure's report
         drain = threading.Thread(target=lambda: said.extend(launcher.stderr), daemon=True)
         drain.start()
-        env = {**ENV, "RANK": "2", "WORLD_SIZE": "4", STORE_VARIABLE: address, "ELASTIC_WORKER_AFTER_DEATH": "1"}
-        joiner = subprocess.run([python(), str(WORKER), str(tmp_path), str(steps), ""], env=env,
+        joining = {**hold, "RANK": "2", "WORLD_SIZE": "4", STORE_VARIABLE: address, "ELASTIC_WORKER_AFTER_DEATH": "1"}
+        joiner = subprocess.run([python(), str(WORKER), str(out), str(steps), ""], env=joining,
                                 capture_output=True, text=True, timeout=120)  # fmt: skip
-        error = tmp_path / "rank2.error"
+        error = out / "rank2.error"
         assert joiner.returncode == 0, error.read_text() if error.exists() else joiner.stderr[-3000:]
         status = launcher.wait(timeout=120)
         drain.join(timeout=10)
-        errors = {path.name: path.read_text() for path in tmp_path.glob("rank*.error")}
-        assert status == 0, "".join(said)[-4000:] + f"\n{errors}\n{last_rows(tmp_path)}"
+        errors = {path.name: path.read_text() for path in out.glob("rank*.error")}
+        assert status == 0, "".join(said)[-4000:] + f"\n{errors}\n{last_rows(out)}"
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kills", ["2@20", "2@20,1@61"], ids=["join", "join_during_a_failure"])
+def test_restarted_worker_joins_with_its_donors_replica(tmp_path, kills):
+    steps = 120
+    run_with_a_restart(tmp_path, steps, kills, {})  # worker 1 of the second case dies as the join is under way
     runs = logs(tmp_path)
     *rows, last = logs(tmp_path, ".joined")[2]
     first = rows[0]["step"]
@@ -467,6 +486,24 @@ def test_restarted_worker_joins_with_its_donors_replica(tmp_path, kills):
                 continue
             other, back = mixing_outcome(by_step[partner], partner, step)
             assert (outcome == "averaged") == (other == "averaged" and back == uid), f"step {step}: {uid}/{partner}"
+
+
+@pytest.mark.multiprocess
+def test_a_restarted_worker_joins_a_tracking_group_and_the_trackers_keep_their_sum(tmp_path):
+    """Sign trackers: worker 2 killed at step 20 and restarted joins with zero trackers; the sum holds throughout."""
+    steps = 120
+    run_with_a_restart(tmp_path, steps, "2@20", {"ELASTIC_WORKER_TRACKING": "sign"})
+    runs = logs(tmp_path)
+    *rows, last = logs(tmp_path, ".joined")[2]
+    by_step = {uid: {row["step"]: row for row in runs[uid] if "after" in row} for uid in range(4)}
+    by_step[2].update({row["step"]: row for row in rows})
+    inputs = {uid: {step: -delta(uid, step) for step in logged} for uid, logged in by_step.items()}
+    first = rows[0]["step"]
+    (join_event,) = [event for event in last["events"] if event["joined"]]
+    assert join_event["resume_step"] == first and join_event["members"][-1] == 2
+    checked = tracker_sums_checked(by_step, inputs, steps)
+    assert sum(step < 20 and len(group) == 4 for step, group in checked) == 20  # before the death
+    assert sum(step >= first and len(group) == 4 for step, group in checked) == steps - first  # after the join
 
 
 def _steps_logged(path: Path) -> int:
