@@ -118,13 +118,13 @@ def rebind(
     """
     mixing = None
     if model.tracker is not None:
-        mixing = tracker if tracker is not None else model.tracker.remake_mixing()
-        if mixing is None and not model.tracker.exact:
+        if tracker is None and not model.tracker.remakeable:
             raise ElasticUnsupportedError(
                 f"elastic: rank {model.comm.rank}: the gradient trackers were given the algorithm object "
                 f"{type(model.tracker.mixing).__name__}; pass a fresh one for each member set (rebind's tracker, "
                 "ElasticRun's tracker factory) or give gradient_tracking by name ('exact', 'powergossip', 'sign')"
             )
+        mixing = tracker if tracker is not None else model.tracker.remake_mixing()
     if not model._step.mixed:
         model._move("discard", "elastic rebind")
         model._exchange = None

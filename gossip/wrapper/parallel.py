@@ -298,12 +298,17 @@ class DecentralizedDataParallel(nn.Module):
         self._replica_views = [bucket.view(entry) for bucket in self.buckets for entry in bucket.entries]
         self._names = {id(p): name for name, p in named}
         #: The gradient tracker (gradient_tracking=True), else None; its exchange runs in finish_mixing.
-        parameters, overlap = self._parameters_in_order, tracking_overlap
-        self.tracker = (
-            GradientTracker(algorithm, schedule, self.buckets, parameters, mixing, overlap, gradient_tracking)
-            if gradient_tracking
-            else None
-        )
+        self.tracker: GradientTracker | None = None
+        if gradient_tracking:
+            self.tracker = GradientTracker(
+                algorithm,
+                schedule,
+                self.buckets,
+                self._parameters_in_order,
+                mixing,
+                overlap=tracking_overlap,
+                option=gradient_tracking,
+            )
         self._ownership: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._optimizer_agreed = False  # the ranks compared their optimizers' kinds (gossip.wrapper.momentum)
         self._momentum_prepared_at = -1  # the step whose first moment the optimizer last prepared

@@ -220,18 +220,24 @@ class GradientTracker:
         self._corrected_at = -1  # the step whose correction y += g^t - g^{t-1} was applied
 
     @property
-    def exact(self) -> bool:
-        """Whether the trackers are mixed exactly (:class:`TrackerMixing`)."""
-        return isinstance(self.mixing, TrackerMixing)
+    def remakeable(self) -> bool:
+        """Whether :meth:`remake_mixing` can make the trackers' algorithm: the option was a name or True."""
+        return self._option is not None
 
     def remake_mixing(self) -> Algorithm | None:
         """A fresh, unbound algorithm like the one that mixes the trackers, made from the wrapper's option.
 
         Returns:
-            The algorithm; None for exact mixing, and when the option was an algorithm object (it cannot be
-                remade: the caller passes a fresh one).
+            The algorithm, or None for exact mixing.
+
+        Raises:
+            InvalidArgumentError: the option was an algorithm object (not :attr:`remakeable`).
         """
-        return None if self._option is None else tracker_mixing(self._option)
+        if self._option is None:
+            raise InvalidArgumentError(
+                f"rank {self.mixing.comm.rank}: the trackers' algorithm was given as an object and cannot be remade"
+            )
+        return tracker_mixing(self._option)
 
     def rebind(self, algorithm: Algorithm, schedule: Schedule, mixing: Algorithm | None) -> None:
         r"""Move the trackers to a new member set (:func:`gossip.wrapper.elastic.rebind`): restart them, fresh mixing.
