@@ -6,7 +6,9 @@ delegates every operation to a :class:`~gossip.backends.torch_dist.TorchDistComm
 
 * an exchange is posted only while :meth:`Membership.try_post` allows it (no change under way) and the group is not
   broken by a failed peer; otherwise its handle raises :class:`MembershipChangedError` when waited for, and nothing
-  was sent;
+  was sent. The same holds for an exchange that the group's thread refuses because an operation queued before it
+  failed meanwhile (:class:`~gossip.errors.UseAfterCloseError` quoting that failure): the failure is a change to
+  resolve, not a misuse;
 * a wait returns, or raises :class:`MembershipChangedError` as soon as a change is under way (the transfers stay
   posted: waiting on the handle again after the decision completes them when the peer posted them too). While
   :attr:`ElasticCommunicator.completing` is set (a step the decision resolved as completed is waited for again) a
@@ -35,7 +37,7 @@ from gossip.backends.launch_env import LaunchInfo
 from gossip.backends.membership import Membership
 from gossip.backends.torch_dist import TorchDistCommunicator
 from gossip.backends.wire import Transfer
-from gossip.errors import MembershipChangedError, MembershipError
+from gossip.errors import MembershipChangedError, MembershipError, UseAfterCloseError
 
 #: Seconds between two looks at the membership while a wait is blocked.
 POLL = 0.02
@@ -74,6 +76,21 @@ class _Interruptible(Handle):
             self.wait_seconds += time.perf_counter() - start
 
 
+class _InterruptibleExchange(_Interruptible):
+    """An exchange's handle: a refusal by the group's thread after an earlier failure asks for the change."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        try:
+            super().wait(timeout)
+        except UseAfterCloseError as refusal:
+            failure = self._comm.failure
+            if failure is None:
+                raise  # refused for another reason than a failed operation (e.g. after close())
+            raise MembershipChangedError(
+                f"rank {self._comm.rank}: an exchange was not run: the group is broken by an earlier failure: {failure}"
+            ) from refusal
+
+
 class ElasticCommunicator(Communicator):
     """One epoch's Gloo communicator, interrupted by a membership change (see the module docstring).
 
@@ -108,7 +125,7 @@ class ElasticCommunicator(Communicator):
         # before the step's update, as an exchange that fails does
         if self.inner.failure is not None or not self.membership.try_post(self._step_of()):
             return _NotPosted(self.rank, seq)
-        return _Interruptible(self.inner._start_exchange(sends, recvs, seq), self)
+        return _InterruptibleExchange(self.inner._start_exchange(sends, recvs, seq), self)
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
         self._refuse_during_change("all_reduce")
