@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.elastic_worker import BETA1, delta
+from helpers.elastic_worker import BETA1, SLOW_SECONDS, delta
 from helpers.launch import REPO, python, run_main_job
 
 import gossip
@@ -318,6 +318,40 @@ def test_tracked_gradients_keep_their_sum_over_every_group_across_deaths(tmp_pat
     for uid in (0, 2):
         events = runs[uid][-1]["events"]
         assert {int(u) for event in events for u in event["left"]} == dead and events[-1]["members"] == [0, 2]
+
+
+@pytest.mark.multiprocess
+def test_a_partner_frozen_before_its_trackers_exchange_is_not_waited_for(tmp_path):
+    """A change lands between two partners' posts of their trackers' exchange: both run the trackers alone, at once.
+
+    Worker 1 dies at the top of step 30; worker 3 sleeps before it posts its trackers' exchange of that step, so
+    the change freezes it after its parameters' exchange only, while its partner already posted both. The decision
+    counts the exchanges each posted: the partner skips the trackers' exchange its peer never posted (instead of
+    waiting for a message that never comes), worker 3 completes what both posted, and the parameters' mixing of
+    step 30, applied on both ends, is kept; the trackers still sum to their inputs in every group.
+    """
+    n, steps, slow = 4, 60, 3
+    (partner, _), *_ = schedule_for("one_peer_hypercube", n)[0].peers(slow, 30).in_peers
+    assert partner not in (1, slow)
+    env = {"ELASTIC_WORKER_TRACKING": "sign", "ELASTIC_WORKER_SLOW_TRACKER": f"{slow}@30"}
+    result = launch(tmp_path, n, steps, "1@30", {1}, env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    runs = logs(tmp_path)
+    by_step = {uid: {row["step"]: row for row in runs[uid] if "after" in row} for uid in range(n)}
+    inputs = {uid: {s: -delta(uid, s) for s in rows} for uid, rows in by_step.items()}
+    checked = Counter(len(group) for _, group in tracker_sums_checked(by_step, inputs, steps))
+    assert checked.get(4, 0) >= 29 and checked.get(3, 0) >= 25, checked
+    pair = (partner, slow)
+    for uid in pair:
+        row = by_step[uid][30]
+        assert row["group"] == [uid]  # the trackers' exchange ran alone on both ends
+        mixed = vector(row["after"]) + vector(row["tracker"])  # SGD with lr 1 stepped on the tracker
+        average = sum(vector(by_step[u][30]["before"]) for u in pair) / 2
+        torch.testing.assert_close(mixed, average, rtol=1e-12, atol=0)  # the parameters' mixing, on both ends
+    outcomes = {uid: runs[uid][-1]["events"][0]["step_outcome"] for uid in pair}
+    assert outcomes == {partner: "skipped", slow: "completed"}, outcomes
+    took = {uid: by_step[uid][30]["time"] - by_step[uid][29]["time"] for uid in pair}
+    assert took[slow] >= SLOW_SECONDS and took[partner] < SLOW_SECONDS / 2, took  # the partner did not wait for it
 
 
 def test_elastic_refuses_mpi_by_name():

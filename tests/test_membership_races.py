@@ -340,3 +340,23 @@ def test_a_silence_bound_past_the_decision_timeout_is_refused(store):
         InvalidArgumentError, match=r"member 0: detect \(60.0 s\) must be positive and below decide_timeout"
     ):
         Membership(client(store), 0, **{**OPTIONS, "detect": 60.0, "decide_timeout": 60.0})
+
+
+def test_the_decision_records_how_many_exchanges_of_the_step_each_member_posted(store, members):
+    """A step with trackers has two exchanges: a member that posted both and one frozen before its second differ.
+
+    Member 0 posts step 5's parameters' and trackers' exchanges, member 1 only the parameters' before the change
+    freezes it. The decision says so, and :meth:`Decision.reached` compares (step, count) pairs: member 1 did not
+    reach member 0's second exchange, so member 0 must not wait for it; member 0 reached member 1's one.
+    """
+    zero, one = members
+    assert zero.try_post(5) and zero.try_post(5) and one.try_post(5)
+    assert (zero.posted, zero.exchanges, one.posted, one.exchanges) == (5, 2, 5, 1)
+    decision = decide_without_2(store, members)
+    assert decision.posted == {0: 5, 1: 5} and decision.exchanges == {0: 2, 1: 1}
+    assert not decision.reached(1, 5, 2) and decision.reached(0, 5, 1) and decision.reached(1, 5, 1)
+    assert decision.reached(0, 4, 3) and not decision.reached(0, 6, 0)  # a later step is past every count
+    for member in members:
+        member.open(decision.first)
+        assert member.exchanges == 0 and member.posted == decision.first - 1
+        assert member.try_post(decision.first) and member.exchanges == 1

@@ -7,11 +7,12 @@ worker may die. Keys (docs/ARCHITECTURE.md, "Elastic membership"):
 * ``dead/<uid>`` and the counter ``deaths``: set by the launcher the moment a worker process exits unfinished;
 * ``epoch``: the current epoch e; a member that sees a failure moves it to e + 1 (``compare_set``: once);
 * ``e<e>/in/<uid>``: a member's check-in for epoch e: the last step whose exchange it posted on its last group,
-  and whether it still waits for its state (a joiner not yet handed its donor's replica);
+  whether it still waits for its state (a joiner not yet handed its donor's replica), and how many exchanges of
+  that step it posted (a step with gradient tracking has two: the parameters', then the trackers');
 * ``joins`` and ``join/<k>``: joiners waiting for the next epoch (a joiner reads every epoch decided since its
   request: another joiner may have started the next epoch before it saw its own);
-* ``e<e>/decision``: the epoch's members, every member's last posted step, the joiners and the group's first step,
-  written once (first writer wins);
+* ``e<e>/decision``: the epoch's members, every member's last posted step and its count of exchanges, the joiners
+  and the group's first step, written once (first writer wins);
 * ``e<e>/ready/<uid>``: a member of epoch e is at the formation of the epoch's group (:meth:`Membership.await_group`);
 * ``e<e>/formation``: that barrier's one outcome, "form" or why it stopped (first writer wins);
 * ``e<e>/end/<uid>`` and ``e<e>/ended``: the same at the end of the run (:meth:`Membership.await_end`).
@@ -39,7 +40,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed import TCPStore
@@ -100,6 +101,7 @@ class Decision:
         epoch: the epoch.
         members: the uids, in rank order of the epoch's group.
         posted: for every member of the previous epoch that checked in: the last step it posted there (-1: none).
+        exchanges: for the same members: how many exchanges of that step each posted.
         joined: the uids that joined at this epoch.
         left: the uids of the previous epoch that are not members, with how they ended.
         joins: the join requests taken into account so far (the store's ``joins`` counter then).
@@ -113,6 +115,21 @@ class Decision:
     left: dict[int, str]
     joins: int = 0
     first: int = 0
+    exchanges: dict[int, int] = field(default_factory=dict)
+
+    def reached(self, uid: int, step: int, exchanges: int) -> bool:
+        """Whether member ``uid`` posted the first ``exchanges`` exchanges of ``step`` (or a later step) before it
+        checked in.
+
+        Args:
+            uid: a member of the previous epoch.
+            step: a training step.
+            exchanges: how many of that step's exchanges.
+
+        Returns:
+            True when its posted (step, count) is at least (``step``, ``exchanges``).
+        """
+        return (self.posted.get(uid, -1), self.exchanges.get(uid, 0)) >= (step, exchanges)
 
 
 class Membership:
@@ -148,6 +165,8 @@ class Membership:
         self.epoch = int(store.get("epoch"))
         self.current = self._read_decision(self.epoch)
         self.posted = -1
+        #: how many exchanges of step :attr:`posted` this member posted (the parameters', then the trackers')
+        self.exchanges = 0
         #: True from :meth:`join` until the joiner received its donor's state (:meth:`received_state`)
         self.needs_state = False
         #: set when this member has checked in for the next epoch (a change is under way)
@@ -235,7 +254,9 @@ class Membership:
         with self._lock:
             if self._frozen:
                 return False
-            self.posted = step
+            if step != self.posted:
+                self.posted, self.exchanges = step, 0
+            self.exchanges += 1
             return True
 
     def _check_in(self, epoch: int) -> None:
@@ -243,7 +264,7 @@ class Membership:
             if epoch <= self._checked:
                 return
             self._frozen, self._checked = True, epoch
-            self.store.set(f"e{epoch}/in/{self.uid}", json.dumps([self.posted, self.needs_state]))
+            self.store.set(f"e{epoch}/in/{self.uid}", json.dumps([self.posted, self.needs_state, self.exchanges]))
         self.changed.set()
 
     def request_change(self) -> None:
@@ -354,7 +375,7 @@ class Membership:
             raise MembershipError(self._store_lost(self.epoch + 1)) from error
         epoch = decision.epoch
         with self._lock:
-            self.epoch, self.current, self._frozen, self.posted = epoch, decision, True, -1
+            self.epoch, self.current, self._frozen, self.posted, self.exchanges = epoch, decision, True, -1, 0
             self._checked, self.needs_state = max(self._checked, epoch), True
             self.changed.clear()
         self._forget(decision.joined)
@@ -413,7 +434,7 @@ class Membership:
         with self._lock:
             self._watching = True
             if self._checked <= self.epoch:  # else checked in for the next epoch meanwhile: stay frozen
-                self.posted = first - 1
+                self.posted, self.exchanges = first - 1, 0
                 self._frozen = False
         self.restart_silence_watch()
 
@@ -567,12 +588,13 @@ class Membership:
         joiners = [uid for uid in asked if not self.store.check([f"dead/{uid}"])]
         members = [uid for uid in old if uid in checked and uid not in dead] + joiners
         check_ins = {uid: json.loads(self.store.get(f"e{epoch}/in/{uid}")) for uid in checked}
-        posted = {uid: step for uid, (step, _) in check_ins.items()}
+        posted = {uid: step for uid, (step, _, _) in check_ins.items()}
+        exchanges = {uid: count for uid, (_, _, count) in check_ins.items()}
         waiting = [uid for uid in members if uid in check_ins and check_ins[uid][1]]  # joiners still without state
         first = max([self.current.first] + [step + 1 for step in posted.values()])
         left = {uid: dead.get(uid, "left") for uid in old if uid not in members}
-        text = json.dumps({"members": members, "posted": posted, "joined": waiting + joiners, "left": left,
-                           "joins": joins, "first": first})  # fmt: skip
+        text = json.dumps({"members": members, "posted": posted, "exchanges": exchanges, "joined": waiting + joiners,
+                           "left": left, "joins": joins, "first": first})  # fmt: skip
         self.store.compare_set(f"e{epoch}/decision", "", text)
 
     def _read_decision(self, epoch: int) -> Decision:
@@ -585,6 +607,7 @@ class Membership:
             left={int(uid): how for uid, how in data.get("left", {}).items()},
             joins=data.get("joins", 0),
             first=data.get("first", 0),
+            exchanges={int(uid): count for uid, count in data.get("exchanges", {}).items()},
         )
 
     def exit_time(self, uid: int) -> float | None:

@@ -344,14 +344,14 @@ class ElasticRun:
     def _resolve(self, error: BaseException) -> None:
         started = time.perf_counter()
         old = self.members
-        step, posted = self.model.step_count, self.membership.posted
+        step, posted, exchanges = self.model.step_count, self.membership.posted, self.membership.exchanges
         schedule = self.model.schedule
         decision = self.membership.decide()
         completed = False
-        if posted == step:
+        if posted == step:  # completed when every partner posted as many of the step's exchanges as this end
             view = schedule.peers(old.index(self.membership.uid), step)
             partners = {old[p] for p, _ in (*view.in_peers, *view.out_peers)}
-            completed = all(u in decision.members and decision.posted.get(u, -1) >= step for u in partners)
+            completed = all(u in decision.members and decision.reached(u, step, exchanges) for u in partners)
         if completed:  # the partner applies it: a later change must not make this end drop it (one-ended mixing)
             self._comm.completing = True
         else:

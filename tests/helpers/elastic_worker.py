@@ -20,7 +20,9 @@ a worker named in KILLS dies inside that step's update instead, after the parame
 exchange is about to be posted (its partner is then left waiting for the trackers' message). With
 ELASTIC_WORKER_OPTIMIZER=momentum the optimizer is MomentumTrackingAdamW (beta1 = BETA1, no sample of the mean
 gradient), whose first moment the trackers mix, and each row also has the trackers' input (that first moment) and
-the optimizer's count of moment updates.
+the optimizer's count of moment updates. With ELASTIC_WORKER_SLOW_TRACKER=UID@STEP worker UID sleeps SLOW_SECONDS
+before it posts its trackers' exchange of STEP (a change then lands between its partner's post and its own). Each
+row has the wall-clock time the step ended.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import warnings
 
 import torch
@@ -50,6 +53,8 @@ TIMEOUT = 20.0
 CONSENSUS_EVERY = 7
 #: MomentumTrackingAdamW's beta1 under ELASTIC_WORKER_OPTIMIZER=momentum
 BETA1 = 0.9
+#: seconds a worker named by ELASTIC_WORKER_SLOW_TRACKER waits before it posts its trackers' exchange
+SLOW_SECONDS = 3.0
 
 
 def delta(uid: int, step: int) -> torch.Tensor:
@@ -80,17 +85,18 @@ def die_at_formation(membership, spec: str) -> None:
     membership.await_group = await_group
 
 
-def die_in_trackers_exchange(model: DecentralizedDataParallel, step: int) -> None:
-    """Make this worker SIGKILL itself when its trackers' exchange of ``step`` is about to be posted (whichever
+def before_trackers_exchange(model: DecentralizedDataParallel, step: int, action) -> None:
+    """Run ``action`` once, when this worker's trackers' exchange of ``step`` is first about to be posted (whichever
     algorithm object mixes the trackers then: each member set gets a fresh one)."""
-    start = Algorithm.start
+    start, done = Algorithm.start, []
 
-    def dying_start(self, at: int):
-        if self is model.tracker.mixing and at == step:
-            os.kill(os.getpid(), signal.SIGKILL)
+    def start_after_action(self, at: int):
+        if self is model.tracker.mixing and at == step and not done:
+            done.append(True)
+            action()
         return start(self, at)
 
-    Algorithm.start = dying_start
+    Algorithm.start = start_after_action
 
 
 def main() -> None:
@@ -126,7 +132,10 @@ def main() -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     kill_in_tracker = os.environ.get("ELASTIC_WORKER_KILL_IN") == "tracker" and uid in kills and not joining
     if kill_in_tracker:
-        die_in_trackers_exchange(model, kills[uid])
+        before_trackers_exchange(model, kills[uid], lambda: os.kill(os.getpid(), signal.SIGKILL))
+    slow = os.environ.get("ELASTIC_WORKER_SLOW_TRACKER", "")
+    if slow and int(slow.split("@")[0]) == uid and not joining:
+        before_trackers_exchange(model, int(slow.split("@")[1]), lambda: time.sleep(SLOW_SECONDS))
     elastic = ElasticRun(model, optimizer, membership, schedule="one_peer_hypercube", algorithm=ExactGossip,
                          timeout=TIMEOUT)  # fmt: skip
     if joining:
@@ -149,6 +158,7 @@ def main() -> None:
             optimizer.zero_grad()
             row["after"] = model.buckets[0].buffer.tolist()
             row["group"] = list(elastic.last_group)
+            row["time"] = time.time()
             if tracking:
                 row["tracker"] = model.tracker.trackers[0].buffer.tolist()
                 row["input"] = model.tracker.previous[0].tolist()
