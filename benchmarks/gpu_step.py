@@ -10,8 +10,10 @@ Measured side by side in one run, medians over ``--rounds`` (each timed between 
   (batched QR on CUDA, where Gram-Schmidt is the default), and on a second copy of the model in one bucket
   (``--one-bucket-bytes``: each group of layers one strided view, one ``bmm`` per group); and its share of
   forward + backward;
-* exact gossip's mixing per step (same loopback);
-* the optimizer step: AccumAdamW (foreach) vs ``torch.optim.AdamW(fused=True)``;
+* exact gossip's mixing per step (same loopback), and the scaled-sign trackers' (:class:`ChocoSign` with the sign
+  momentum tracking settings, 4 magnitudes per 256 values, and with 1 magnitude per 128): codec, exchange, update;
+* the optimizer step: AccumAdamW (foreach) vs ``torch.optim.AdamW(fused=True)``, and MomentumTrackingAdamW
+  (foreach; its first-moment phase and its update, as the wrapper calls them in one step);
 * ``--n`` virtual ranks on the simulator sharing the GPU, each with its own replica: wall time of one mixing step
   of all of them (exact, PowerGossip), i.e. what a one-GPU emulation of n workers costs per step;
 * memory: the training step's peak (parameters, gradients, optimizer state, activations), PowerGossip's per-edge
@@ -53,7 +55,7 @@ from powergossip_compute import (
 
 import optim
 import topologies
-from gossip import ExactGossip, PowerGossip, simulate
+from gossip import ChocoSign, ExactGossip, PowerGossip, simulate
 from gossip.algorithms import PowerGossipTuning
 from gossip.algorithms.buckets import Bucket
 
@@ -147,10 +149,14 @@ def main(argv: list[str] | None = None) -> None:
     optimizers = {
         "AccumAdamW (foreach)": optim.AccumAdamW(model.parameters(), lr=1e-4, accum_iter=2, foreach=True),
         "torch AdamW (fused)": torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda"),
+        "MomentumTrackingAdamW (foreach)": optim.MomentumTrackingAdamW(model.parameters(), lr=1e-4, foreach=True),
     }
     results["optimizer_s"] = {}
     for name, optimizer in optimizers.items():
-        results["optimizer_s"][name] = median_seconds(optimizer.step, device, args.warmup, args.rounds)
+        run = optimizer.step
+        if isinstance(optimizer, optim.MomentumTrackingAdamW):  # .grad <- h_i, then the update on it
+            run = lambda optimizer=optimizer: (optimizer.prepare_momentum(), optimizer.step())  # noqa: E731
+        results["optimizer_s"][name] = median_seconds(run, device, args.warmup, args.rounds)
     results["training_peak_bytes"] = peak_bytes(device)
     model.zero_grad(set_to_none=True)
     del optimizers
@@ -159,7 +165,11 @@ def main(argv: list[str] | None = None) -> None:
 
     # One rank's own computation per step (loopback), exact mixing and PowerGossip old / new. The previous
     # implementation runs with the immediate non-finite check it had (a host sync per step).
-    variants: dict[str, tuple[Callable[[], Any], list[Bucket]]] = {"exact mixing": (ExactGossip, buckets)}
+    variants: dict[str, tuple[Callable[[], Any], list[Bucket]]] = {
+        "exact mixing": (ExactGossip, buckets),
+        "sign trackers (ChocoSign, 4 magnitudes / 256)": (lambda: ChocoSign(chunk=256, levels=4), buckets),
+        "sign trackers (ChocoSign, 1 magnitude / 128)": (lambda: ChocoSign(chunk=128, levels=1), buckets),
+    }
     one_bucket = model_buckets(config, device, 0, args.one_bucket_bytes)[1] if args.one_bucket_bytes else None
     for rank in args.ranks:
         variants[f"powergossip r={rank}"] = (lambda rank=rank: PowerGossip(rank=rank), buckets)

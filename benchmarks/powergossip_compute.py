@@ -88,7 +88,7 @@ class LoopbackCommunicator(Communicator):
     elements at almost every iteration (on the main job 0.1-1.5 % of them, in every iteration but the first step's;
     measured with the simulator), and a peer that halves everything would spare the benchmark the code that such
     an R runs. No column of R is zero throughout (each has more than ``AGREE_EVERY`` elements), as in training
-    after the first step. Collectives act on this rank alone.
+    after the first step. Integer messages (packed sign bits) arrive as sent. Collectives act on this rank alone.
     """
 
     backend = "loopback"
@@ -110,7 +110,10 @@ class LoopbackCommunicator(Communicator):
 
     def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle:
         for send, recv in zip(sends, recvs, strict=True):
-            torch.mul(send.tensor, self._scale(send.tensor), out=recv.tensor)
+            if send.tensor.is_floating_point():  # the scale is flat: match it by flattening both (contiguous) ends
+                torch.mul(send.tensor.view(-1), self._scale(send.tensor), out=recv.tensor.view(-1))
+            else:  # packed bits (scaled-sign messages) arrive as sent
+                recv.tensor.copy_(send.tensor)
         return _Done()
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
