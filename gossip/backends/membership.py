@@ -118,8 +118,7 @@ class Decision:
     exchanges: dict[int, int] = field(default_factory=dict)
 
     def reached(self, uid: int, step: int, exchanges: int) -> bool:
-        """Whether member ``uid`` posted the first ``exchanges`` exchanges of ``step`` (or a later step) before it
-        checked in.
+        """Whether member ``uid`` had posted ``exchanges`` exchanges of ``step``, or a later step, at its check-in.
 
         Args:
             uid: a member of the previous epoch.
