@@ -354,6 +354,22 @@ def test_a_partner_frozen_before_its_trackers_exchange_is_not_waited_for(tmp_pat
     assert took[slow] >= SLOW_SECONDS and took[partner] < SLOW_SECONDS / 2, took  # the partner did not wait for it
 
 
+@pytest.mark.multiprocess
+def test_a_change_does_not_wait_for_what_it_interrupted_on_the_old_group(tmp_path):
+    """The consensus distance measured after every step: a death interrupts a collective or an exchange that a peer
+    never completes, and abandoning the old group does not wait for it until the group's timeout."""
+    result = launch(tmp_path, 4, 60, "1@30", {1}, {"ELASTIC_WORKER_CONSENSUS_EVERY": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    runs = logs(tmp_path)
+    for uid in (0, 2, 3):
+        (event,) = runs[uid][-1]["events"]
+        assert event["left"] == {"1": "killed by SIGKILL"} and event["members"] == [0, 2, 3]
+        assert event["reform_seconds"] < BOUND_SECONDS < GROUP_TIMEOUT, (uid, event)
+        rows = [row for row in runs[uid] if "after" in row]
+        assert [row["step"] for row in rows] == list(range(60))
+        assert all(row["consensus"] is not None for row in rows if row["step"] < 30 or row["step"] > 31), uid
+
+
 def test_elastic_refuses_mpi_by_name():
     with pytest.raises(ElasticUnsupportedError, match="cannot shrink without ULFM"):
         resolve_elastic(TrainConfig(backend="mpi", algorithm="exact"), 4)

@@ -11,11 +11,11 @@ Elastic settings: PowerGossip runs one power iteration and no periodic average u
 needs one exchange per step); the default schedule is ``one_peer_hypercube`` (a power of two) or
 ``random_matchings``; gradient tracking restarts the trackers at every change (each at its own last input) and
 runs blocking (no ``--tracking-overlap``), and momentum tracking takes no sample of the mean gradient
-(``--second-moment-every 0``: an all-reduce inside the step); the sampled consensus distance is off (a collective
-that a membership change interrupting it would make the next re-formation wait for, until the group's timeout: see
-:meth:`gossip.wrapper.elastic_run.ElasticRun.consensus_distance`); the data shards stay those of the original ranks
-(a departed worker's shard is not reassigned). The summary is written by the lowest surviving member; its
-``result.json`` has a ``membership`` list naming who left, when, and the new schedule.
+(``--second-moment-every 0``: an all-reduce inside the step); the sampled consensus distance is off (the wrapper's
+all-reduce in its step bookkeeping, outside what :class:`gossip.wrapper.elastic_run.ElasticRun` resolves at a change;
+:meth:`~gossip.wrapper.elastic_run.ElasticRun.consensus_distance` is the elastic one); the data shards stay those
+of the original ranks (a departed worker's shard is not reassigned). The summary is written by the lowest surviving
+member; its ``result.json`` has a ``membership`` list naming who left, when, and the new schedule.
 
 A worker started again with the same command, ``RANK`` and ``GOSSIP_ELASTIC_STORE`` (the launcher prints it) joins
 the run from a neighbour at the group's next step boundary; it writes no per-step metrics file, and the summary's

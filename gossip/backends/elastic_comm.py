@@ -41,6 +41,10 @@ from gossip.errors import MembershipChangedError, MembershipError, UseAfterClose
 
 #: Seconds between two looks at the membership while a wait is blocked.
 POLL = 0.02
+#: Abandoned groups, each with the time by which its operations in flight have ended (their timeout): kept
+#: referenced until then, since destroying the last reference to a Gloo group joins its threads, which wait in an
+#: operation that a change interrupted (a peer that never posts it) until the timeout
+_ABANDONED: list[tuple[float, Any]] = []
 
 
 class _NotPosted(Handle):
@@ -157,10 +161,18 @@ class ElasticCommunicator(Communicator):
         return self.inner.all_gather_object(obj)
 
     def abandon(self) -> None:
-        """Leave the epoch's group without a barrier (members are gone): stop its thread, destroy the group."""
+        """Leave the epoch's group without a barrier (members are gone): stop its thread, destroy the group.
+
+        Returns at once, also with an operation still in flight that a peer will never complete (a collective that a
+        change interrupted): the group object stays referenced until that operation's timeout has passed, so that
+        its threads are not joined here.
+        """
         self._closed = self.inner._closed = True
         self.inner._thread.stop(timeout=0.0)
+        now = time.monotonic()
+        _ABANDONED[:] = [(ends, group) for ends, group in _ABANDONED if ends > now]  # theirs have timed out
         if dist.is_initialized():
+            _ABANDONED.append((now + self.timeout + 1.0, dist.group.WORLD))  # released at a later abandon
             dist.destroy_process_group()
 
     def close(self) -> None:

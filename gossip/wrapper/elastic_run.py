@@ -252,9 +252,8 @@ class ElasticRun:
         trains alone before a new group's first step, and when a membership change interrupts the collective or a
         failed peer broke the group (e.g. the exchange posted for the next step failed): the change is then resolved
         by the next :meth:`update` (a failed peer moves the membership to its next epoch here, so that nothing more is
-        posted on the broken group). Cost of such an interruption: the Gloo collective keeps running in the group's
-        thread until the group's timeout, and the next re-formation waits for it (destroying the group); call it at
-        steps where a change is unlikely to be under way, or accept that wait.
+        posted on the broken group). The interrupted collective runs on in the old group's threads until the group's
+        timeout; the re-formation does not wait for it (:meth:`ElasticCommunicator.abandon`).
 
         Args:
             sampled: estimate it from the wrapper's sampled coordinates instead of all of them.

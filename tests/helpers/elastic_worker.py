@@ -2,27 +2,27 @@
 
 Usage: ``elastic_worker.py OUT STEPS KILLS`` under gossip.app.elastic_launch.launch_elastic (KILLS: ``r@s,r@s``).
 Worker RANK starts from x = [RANK, 10 RANK, 100 RANK, 1000 RANK]. Every step it writes one JSON line to
-OUT/rank<uid>.jsonl with the step, the group its mixing ran over (uids in rank order; itself alone while behind),
-x before the step and x after it. The update (SGD, lr 1, gradient set by hand) adds delta(uid, step), known to the
-test, so after - delta is exactly what the mixing made of x. Every 7th step the row also has the consensus
-distance over the worker's group after the step (or None). A worker named in KILLS SIGKILLs itself at the top of
-that step, after writing its x: its exchange of that step is already posted (the kill lands mid-exchange). A
-worker started again with the same RANK joins the run (OUT/rank<uid>.joined.jsonl); with ELASTIC_WORKER_AFTER_DEATH
-set it first waits for the launcher to report that RANK's exit (so the test can start it early); with
-ELASTIC_WORKER_HOLD_AT=STEP the others wait at STEP until a join is asked (so that it lands mid-run). With
-ELASTIC_WORKER_DIE_AT_FORMATION=UID:EPOCH:WHEN worker UID SIGKILLs itself when it arrives at the formation of
-EPOCH's group: before it tells the others it is there (WHEN=before), or just after (WHEN=after: the others may
-already form the Gloo group, which then waits for it until the timeout). ELASTIC_WORKER_DETECT sets the seconds of
-silence after which a member is declared dead (10 by default). With ELASTIC_WORKER_TRACKING=exact|powergossip|sign the
-optimizer steps on gradient trackers mixed that way (the update then adds minus the tracker, not delta) and each row
-also has the worker's tracker y after the step; its gradient is -delta(uid, step). With ELASTIC_WORKER_KILL_IN=tracker
-a worker named in KILLS dies inside that step's update instead, after the parameters' mixing, as its trackers'
-exchange is about to be posted (its partner is then left waiting for the trackers' message). With
-ELASTIC_WORKER_OPTIMIZER=momentum the optimizer is MomentumTrackingAdamW (beta1 = BETA1, no sample of the mean
-gradient), whose first moment the trackers mix, and each row also has the trackers' input (that first moment) and
-the optimizer's count of moment updates. With ELASTIC_WORKER_SLOW_TRACKER=UID@STEP worker UID sleeps SLOW_SECONDS
-before it posts its trackers' exchange of STEP (a change then lands between its partner's post and its own). Each
-row has the wall-clock time the step ended.
+OUT/rank<uid>.jsonl with the step, the group its mixing ran over (uids in rank order; itself alone while behind), x
+before the step and x after it. The update (SGD, lr 1, gradient set by hand) adds delta(uid, step), known to the
+test, so after - delta is exactly what the mixing made of x. Every 7th step (every ELASTIC_WORKER_CONSENSUS_EVERY-th
+when set) the row also has the consensus distance over the worker's group after the step (or None). A worker named
+in KILLS SIGKILLs itself at the top of that step, after writing its x: its exchange of that step is already posted
+(the kill lands mid-exchange). A worker started again with the same RANK joins the run (OUT/rank<uid>.joined.jsonl);
+with ELASTIC_WORKER_AFTER_DEATH set it first waits for the launcher to report that RANK's exit (so the test can
+start it early); with ELASTIC_WORKER_HOLD_AT=STEP the others wait at STEP until a join is asked (so that it lands
+mid-run). With ELASTIC_WORKER_DIE_AT_FORMATION=UID:EPOCH:WHEN worker UID SIGKILLs itself when it arrives at the
+formation of EPOCH's group: before it tells the others it is there (WHEN=before), or just after (WHEN=after: the
+others may already form the Gloo group, which then waits for it until the timeout). ELASTIC_WORKER_DETECT sets the
+seconds of silence after which a member is declared dead (10 by default). With
+ELASTIC_WORKER_TRACKING=exact|powergossip|sign the optimizer steps on gradient trackers mixed that way (the update
+then adds minus the tracker, not delta) and each row also has the worker's tracker y after the step; its gradient is
+-delta(uid, step). With ELASTIC_WORKER_KILL_IN=tracker a worker named in KILLS dies inside that step's update
+instead, after the parameters' mixing, as its trackers' exchange is about to be posted (its partner is then left
+waiting for the trackers' message). With ELASTIC_WORKER_OPTIMIZER=momentum the optimizer is MomentumTrackingAdamW
+(beta1 = BETA1, no sample of the mean gradient), whose first moment the trackers mix, and each row also has the
+trackers' input (that first moment) and the optimizer's count of moment updates. With
+ELASTIC_WORKER_SLOW_TRACKER=UID@STEP worker UID sleeps SLOW_SECONDS before it posts its trackers' exchange of STEP
+(a change then lands between its partner's post and its own). Each row has the wall-clock time the step ended.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ from gossip.wrapper.elastic_run import ElasticRun
 from optim import MomentumTrackingAdamW
 
 TIMEOUT = 20.0
-#: steps between two measurements of the consensus distance: not next to the tests' kill steps (30, 32, 50, 61, ...),
-#: since an interrupted collective makes the next re-formation wait the group's timeout (ElasticRun.consensus_distance)
+#: steps between two measurements of the consensus distance (ELASTIC_WORKER_CONSENSUS_EVERY overrides it)
 CONSENSUS_EVERY = 7
 #: MomentumTrackingAdamW's beta1 under ELASTIC_WORKER_OPTIMIZER=momentum
 BETA1 = 0.9
@@ -133,6 +132,7 @@ def main() -> None:
     kill_in_tracker = os.environ.get("ELASTIC_WORKER_KILL_IN") == "tracker" and uid in kills and not joining
     if kill_in_tracker:
         before_trackers_exchange(model, kills[uid], lambda: os.kill(os.getpid(), signal.SIGKILL))
+    consensus_every = int(os.environ.get("ELASTIC_WORKER_CONSENSUS_EVERY", CONSENSUS_EVERY))
     slow = os.environ.get("ELASTIC_WORKER_SLOW_TRACKER", "")
     if slow and int(slow.split("@")[0]) == uid and not joining:
         before_trackers_exchange(model, int(slow.split("@")[1]), lambda: time.sleep(SLOW_SECONDS))
@@ -164,7 +164,7 @@ def main() -> None:
                 row["input"] = model.tracker.previous[0].tolist()
                 if isinstance(optimizer, MomentumTrackingAdamW):  # how often its moments advanced
                     row["moment_steps"] = optimizer.state[net.weight]["step"]
-            if step % CONSENSUS_EVERY == 0:  # between two steps, over the group it trains in (None: none to be had)
+            if step % consensus_every == 0:  # between two steps, over the group it trains in (None: none to be had)
                 row["consensus"] = elastic.consensus_distance()
             log.write(json.dumps(row) + "\n")
             log.flush()
