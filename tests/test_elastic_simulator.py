@@ -245,11 +245,6 @@ def test_no_collective_inside_a_step_after_a_change(monkeypatch):
             {"consensus_every": 0, "gradient_tracking": True, "tracking_overlap": True},
             r"tracking_overlap=True posts the trackers' exchange beside the parameters'.*use the blocking tracker",
         ),
-        (
-            {"consensus_every": 0, "optimizer": "momentum"},
-            r"MomentumTrackingAdamW samples the mean gradient with an "
-            r"all-reduce inside optimizer.step\(\) every 32 steps.*second_moment_every=0",
-        ),
     ],
 )
 def test_a_wrapper_with_a_collective_inside_its_step_is_refused(tmp_path, options, refusal):

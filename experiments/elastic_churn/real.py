@@ -9,8 +9,10 @@ warm-up and cosine over 450 steps), validation every 25 steps on the main job's 
 * ``gossip``: ``--elastic --algorithm exact``, nobody killed (the same code path, uninterrupted);
 * ``ddp``: ``--algorithm ddp`` (torch DistributedDataParallel), uninterrupted;
 * ``elastic-mt-sign`` and ``gossip-mt-sign``: ``elastic`` and ``gossip`` with sign momentum tracking
-  (``--gradient-tracking sign --optimizer momentum-tracking-adamw --second-moment-every 0``: under ``--elastic``
-  without the mean gradient's sample), whose trackers restart at each change;
+  (``--gradient-tracking sign --optimizer momentum-tracking-adamw --second-moment-every 0``: without the mean
+  gradient's sample, which ``--elastic`` refused until it learnt to skip an interrupted one), whose trackers restart
+  at each change; ``elastic-mt-sign-v64`` and ``gossip-mt-sign-v64`` the same with the sample every 64 steps (the
+  main job's momentum tracking);
 * ``ddp_restarted``: DERIVED from ``ddp``, not run: the main job cannot resume DDP from a checkpoint, so what
   ``torchrun --max-restarts`` gives with a checkpoint every 100 steps and a failure at step 150 is the ``ddp`` curve
   with steps 100-150 executed twice (the run is deterministic given its seed: their evaluations repeat) and
@@ -54,7 +56,10 @@ KINDS = {
 SIGN_MOMENTUM_TRACKING = ["--gradient-tracking", "sign", "--optimizer", "momentum-tracking-adamw",
                           "--second-moment-every", "0"]  # fmt: skip
 KINDS |= {f"{kind}-mt-sign": KINDS[kind] + SIGN_MOMENTUM_TRACKING for kind in ("elastic", "gossip")}
-ORDER = ("gossip", "elastic", "gossip-mt-sign", "elastic-mt-sign", "ddp", "ddp_restarted")
+# the main job's momentum tracking: the mean gradient's second moment sampled every 64 steps, also under --elastic
+KINDS |= {f"{kind}-mt-sign-v64": KINDS[kind] + SIGN_MOMENTUM_TRACKING[:-1] + ["64"] for kind in ("elastic", "gossip")}
+ORDER = ("gossip", "elastic", "gossip-mt-sign", "elastic-mt-sign", "gossip-mt-sign-v64", "elastic-mt-sign-v64", "ddp",
+         "ddp_restarted")  # fmt: skip
 
 
 def command(kind: str, seed: int, out: Path) -> list[str]:

@@ -258,9 +258,9 @@ class Algorithm(abc.ABC):
         """:meth:`Communicator.start_planned`, booked to this step's ``traffic`` as :meth:`_exchange` books."""
         return self.comm.start_planned(plan, seq=seq, traffic=self.traffic)
 
-    def _all_reduce(self, tensor: torch.Tensor, op: str = "avg") -> Handle:
+    def _all_reduce(self, tensor: torch.Tensor, op: str = "avg", in_step: bool = False) -> Handle:
         """A non-blocking :meth:`Communicator.all_reduce`, booked to ``traffic`` as a ring all-reduce."""
-        return self.comm.all_reduce(tensor, op, async_op=True, traffic=self.traffic)
+        return self.comm.all_reduce(tensor, op, async_op=True, traffic=self.traffic, in_step=in_step)
 
     def check_deferred(self) -> None:
         """Raise :class:`NonFiniteError` if a deferred check found non-finite values from a peer.

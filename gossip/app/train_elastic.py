@@ -8,14 +8,14 @@ that step is already posted, so the kill lands mid-exchange, with no clean-up, a
 at the same step die together (:func:`gossip.app.elastic_launch.die_together`).
 
 Elastic settings: PowerGossip runs one power iteration and no periodic average unless given (real-process elastic
-needs one exchange per step); the default schedule is ``one_peer_hypercube`` (a power of two) or
-``random_matchings``; gradient tracking restarts the trackers at every change (each at its own last input) and
-runs blocking (no ``--tracking-overlap``), and momentum tracking takes no sample of the mean gradient
-(``--second-moment-every 0``: an all-reduce inside the step); the sampled consensus distance is off (the wrapper's
-all-reduce in its step bookkeeping, outside what :class:`gossip.wrapper.elastic_run.ElasticRun` resolves at a change;
-:meth:`~gossip.wrapper.elastic_run.ElasticRun.consensus_distance` is the elastic one); the data shards stay those
-of the original ranks (a departed worker's shard is not reassigned). The summary is written by the lowest surviving
-member; its ``result.json`` has a ``membership`` list naming who left, when, and the new schedule.
+needs one exchange per step); the default schedule is ``one_peer_hypercube`` (a power of two) or ``random_matchings``;
+gradient tracking restarts the trackers at every change (each at its own last input) and runs blocking (no
+``--tracking-overlap``), and momentum tracking's sample of the mean gradient is taken once a step at most, skipped
+where a change interrupts it (:class:`gossip.wrapper.elastic_run.ElasticRun`); the sampled consensus distance is off
+(the wrapper's all-reduce in its step bookkeeping, outside what :class:`gossip.wrapper.elastic_run.ElasticRun`
+resolves at a change; :meth:`~gossip.wrapper.elastic_run.ElasticRun.consensus_distance` is the elastic one); the data
+shards stay those of the original ranks (a departed worker's shard is not reassigned). The summary is written by the
+lowest surviving member; its ``result.json`` has a ``membership`` list naming who left, when, and the new schedule.
 
 A worker started again with the same command, ``RANK`` and ``GOSSIP_ELASTIC_STORE`` (the launcher prints it) joins
 the run from a neighbour at the group's next step boundary; it writes no per-step metrics file, and the summary's
@@ -49,7 +49,6 @@ from gossip.app.elastic_launch import die_together, hold_for_joiners, wait_for_s
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.app.run_dir import RunSummary, prepare_run_dir, write_outputs
 from gossip.app.train import (
-    MOMENTUM_TRACKING,
     TrainConfig,
     _sample,
     build_schedule,
@@ -87,8 +86,7 @@ def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, 
     Raises:
         ElasticUnsupportedError: a backend other than Gloo (MPI cannot shrink a communicator without ULFM).
         ConfigError: an option elastic runs cannot take (``--average-every``, ``--outer-every``,
-            ``--power-iterations`` > 1, ``--tracking-overlap``, ``--second-moment-every`` > 0 with momentum
-            tracking, DDP or DiLoCo).
+            ``--power-iterations`` > 1, ``--tracking-overlap``, DDP or DiLoCo).
     """
     if config.backend not in ("auto", "gloo"):
         raise ElasticUnsupportedError(
@@ -105,12 +103,6 @@ def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, 
         raise ConfigError("--power-iterations", "--elastic runs one power iteration per step")
     if config.tracking_overlap:
         raise ConfigError("--tracking-overlap", "--elastic runs the blocking tracker (one exchange after the mixing)")
-    if config.optimizer == MOMENTUM_TRACKING and config.second_moment_every:
-        raise ConfigError(
-            "--second-moment-every",
-            f"--elastic cannot sample the mean gradient (an all-reduce inside the step that a change could interrupt "
-            f"on some members only); pass --second-moment-every 0 with --optimizer {MOMENTUM_TRACKING}",
-        )
     elastic = dataclasses.replace(config, average_every=0, outer_every=0, power_iterations=1)
     if config.schedule is None and not (world_size >= 2 and world_size & (world_size - 1) == 0):
         elastic.schedule = ELASTIC_FALLBACK_SCHEDULE

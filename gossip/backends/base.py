@@ -322,7 +322,13 @@ class Communicator(abc.ABC):
 
     # -- collectives ----------------------------------------------------------------------------------------
     def all_reduce(
-        self, tensor: torch.Tensor, op: str = "sum", *, async_op: bool = False, traffic: Traffic | None = None
+        self,
+        tensor: torch.Tensor,
+        op: str = "sum",
+        *,
+        async_op: bool = False,
+        traffic: Traffic | None = None,
+        in_step: bool = False,
     ) -> Handle | None:
         """Sum (or average) ``tensor`` over all ranks, in place.
 
@@ -332,6 +338,9 @@ class Communicator(abc.ABC):
             async_op: return a handle instead of waiting.
             traffic: when given, records the bytes under :data:`COLLECTIVE` as a ring all-reduce moves them
                 (:func:`ring_all_reduce_bytes`).
+            in_step: the collective is part of a training step's update, posted like the step's exchanges (an
+                elastic communicator posts it only while no change is under way, and counts it among the
+                step's exchanges); the same as any all-reduce otherwise.
 
         Returns:
             A handle to wait on when ``async_op``, else None.
@@ -351,8 +360,12 @@ class Communicator(abc.ABC):
         if traffic is not None:
             nbytes = ring_all_reduce_bytes(buffer.numel() * buffer.element_size(), self.size)
             traffic.record(COLLECTIVE, nbytes, nbytes)
-        handle = self._all_reduce(buffer, op)
+        handle = self._start_step_all_reduce(buffer, op) if in_step else self._all_reduce(buffer, op)
         return handle if async_op else handle.wait()
+
+    def _start_step_all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
+        """Start an all-reduce that is part of a training step (:meth:`all_reduce` with ``in_step``)."""
+        return self._all_reduce(tensor, op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> Handle | None:
         """Copy rank ``src``'s ``tensor`` into ``tensor`` on every rank.

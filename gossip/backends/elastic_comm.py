@@ -8,7 +8,9 @@ delegates every operation to a :class:`~gossip.backends.torch_dist.TorchDistComm
   broken by a failed peer; otherwise its handle raises :class:`MembershipChangedError` when waited for, and nothing
   was sent. The same holds for an exchange that the group's thread refuses because an operation queued before it
   failed meanwhile (:class:`~gossip.errors.UseAfterCloseError` quoting that failure): the failure is a change to
-  resolve, not a misuse;
+  resolve, not a misuse. An all-reduce that is part of a step's update (``all_reduce(..., in_step=True)``: momentum
+  tracking's sample of the mean gradient) is posted and refused the same way, and counts among the step's
+  exchanges in the member's check-in;
 * a wait returns, or raises :class:`MembershipChangedError` as soon as a change is under way (the transfers stay
   posted: waiting on the handle again after the decision completes them when the peer posted them too). While
   :attr:`ElasticCommunicator.completing` is set (a step the decision resolved as completed is waited for again) a
@@ -48,14 +50,14 @@ _ABANDONED: list[tuple[float, Any]] = []
 
 
 class _NotPosted(Handle):
-    def __init__(self, rank: int, seq: int):
-        self._rank, self._seq = rank, seq
+    def __init__(self, rank: int, operation: str):
+        self._rank, self._operation = rank, operation
 
     def done(self) -> bool:
         return False
 
     def wait(self, timeout: float | None = None) -> None:
-        raise MembershipChangedError(f"rank {self._rank}: exchange {self._seq} not posted: the membership is changing")
+        raise MembershipChangedError(f"rank {self._rank}: {self._operation} not posted: the membership is changing")
 
 
 class _Interruptible(Handle):
@@ -81,7 +83,11 @@ class _Interruptible(Handle):
 
 
 class _InterruptibleExchange(_Interruptible):
-    """An exchange's handle: a refusal by the group's thread after an earlier failure asks for the change."""
+    """A step's exchange's handle: a refusal by the group's thread after an earlier failure asks for the change."""
+
+    def __init__(self, inner: Any, comm: ElasticCommunicator, operation: str = "an exchange"):
+        super().__init__(inner, comm)
+        self._operation = operation
 
     def wait(self, timeout: float | None = None) -> None:
         try:
@@ -91,7 +97,8 @@ class _InterruptibleExchange(_Interruptible):
             if failure is None:
                 raise  # refused for another reason than a failed operation (e.g. after close())
             raise MembershipChangedError(
-                f"rank {self._comm.rank}: an exchange was not run: the group is broken by an earlier failure: {failure}"
+                f"rank {self._comm.rank}: {self._operation} was not run: the group is broken by an earlier failure: "
+                f"{failure}"
             ) from refusal
 
 
@@ -128,8 +135,15 @@ class ElasticCommunicator(Communicator):
         # a group broken by a failed peer (e.g. in a collective) posts nothing more: its wait asks for the change,
         # before the step's update, as an exchange that fails does
         if self.inner.failure is not None or not self.membership.try_post(self._step_of()):
-            return _NotPosted(self.rank, seq)
+            return _NotPosted(self.rank, f"exchange {seq}")
         return _InterruptibleExchange(self.inner._start_exchange(sends, recvs, seq), self)
+
+    def _start_step_all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
+        # posted, and refused, as the step's exchanges are: the decision then knows who posted it (module doc)
+        step = self._step_of()
+        if self.inner.failure is not None or not self.membership.try_post(step):
+            return _NotPosted(self.rank, f"the all-reduce of step {step}")
+        return _InterruptibleExchange(self.inner._all_reduce(tensor, op), self, f"the all-reduce of step {step}")
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
         self._refuse_during_change("all_reduce")

@@ -8,7 +8,8 @@ worker may die. Keys (docs/ARCHITECTURE.md, "Elastic membership"):
 * ``epoch``: the current epoch e; a member that sees a failure moves it to e + 1 (``compare_set``: once);
 * ``e<e>/in/<uid>``: a member's check-in for epoch e: the last step whose exchange it posted on its last group,
   whether it still waits for its state (a joiner not yet handed its donor's replica), and how many exchanges of
-  that step it posted (a step with gradient tracking has two: the parameters', then the trackers');
+  that step it posted (a step with gradient tracking has two: the parameters', then the trackers'; momentum
+  tracking's sample of the mean gradient, an all-reduce, counts as one between them);
 * ``joins`` and ``join/<k>``: joiners waiting for the next epoch (a joiner reads every epoch decided since its
   request: another joiner may have started the next epoch before it saw its own);
 * ``e<e>/decision``: the epoch's members, every member's last posted step and its count of exchanges, the joiners

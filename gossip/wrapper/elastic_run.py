@@ -63,7 +63,6 @@ from gossip.wrapper.elastic import (
     solo_communicator,
     without_schedule_checks,
 )
-from gossip.wrapper.momentum import momentum_source
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from topologies import Schedule
 
@@ -163,13 +162,16 @@ class ElasticRun:
     (:func:`gossip.wrapper.elastic.rebind`), which keeps the trackers' sum equal to the members' gradients. A
     step's trackers' exchange is completed or skipped like its parameters' (a wait on it that a change interrupts
     resumes on the step's old group when the step is completed there, else the trackers restart and the step's
-    remainder runs alone).
+    remainder runs alone). Momentum tracking's sample of the mean gradient (:class:`optim.MomentumTrackingAdamW`
+    with ``second_moment_every`` > 0, an all-reduce between the parameters' and the trackers' exchanges) is posted
+    like them and attempted once: a member whose sample a change interrupts or refuses takes none that step (its
+    second moment waits for the next sample), while a member whose all-reduce completed keeps it; each member's
+    second moment is its own state, which the members need not share exactly. A step that runs alone samples its
+    own gradient, as a one-rank group does.
 
     Raises:
         ElasticUnsupportedError: the schedule, the algorithm (the parameters' or the trackers') or the wrapper cannot
-            run elastic (see :func:`check_supported` and :func:`check_wrapper`), or the optimizer samples the mean
-            gradient with an all-reduce inside its step (:class:`optim.MomentumTrackingAdamW` with
-            ``second_moment_every`` > 0).
+            run elastic (see :func:`check_supported` and :func:`check_wrapper`).
     """
 
     def __init__(
@@ -187,13 +189,6 @@ class ElasticRun:
         if model.tracker is not None:
             check_supported(model.schedule, model.tracker.mixing)
         check_wrapper(model)
-        source = momentum_source(optimizer)
-        if source is not None and source.second_moment_every:
-            raise ElasticUnsupportedError(
-                f"elastic: rank {model.comm.rank}: {type(optimizer).__name__} samples the mean gradient with an "
-                f"all-reduce inside optimizer.step() every {source.second_moment_every} steps, which a membership "
-                "change could interrupt on some members only; build it with second_moment_every=0"
-            )
         without_schedule_checks(model)  # no collective inside a step that a change could interrupt
         self.model, self.optimizer, self.membership = model, optimizer, membership
         self.schedule_name, self.make_algorithm, self.timeout = schedule, algorithm, timeout

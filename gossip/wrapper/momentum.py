@@ -119,21 +119,26 @@ def prepare_momentum(
     algorithm: Algorithm,
     buckets: Sequence[Bucket],
     parameters: Sequence[torch.Tensor],
+    sample: bool = True,
 ) -> None:
     """Phases 1 and 2 of the module docstring: sample the mean gradient if due, then write the first moment.
 
-    A collective on the steps the sampling is due (every rank asks the same optimizer kind, so every rank joins).
+    A collective on the steps the sampling is due (every rank asks the same optimizer kind, so every rank joins),
+    posted as part of the step (``in_step``: an elastic communicator refuses it during a membership change, and the
+    change's decision knows who posted it).
 
     Args:
         source: the optimizer.
         algorithm: the wrapper's bound algorithm (its communicator; its step account books the all-reduce).
         buckets: the wrapper's parameter buckets.
         parameters: the trainable parameters, in the order of the buckets' entries.
+        sample: False skips this step's sample even when it is due (an elastic step whose sample a membership
+            change interrupted: it is attempted once, on the group the step began in).
     """
-    if source.mean_gradient_due():
+    if sample and source.mean_gradient_due():
         flats = [torch.zeros_like(bucket.buffer) for bucket in buckets]
         means = gradients_into(buckets, parameters, flats)  # averaged in place below
-        handles: list[Any] = [algorithm._all_reduce(flat, "avg") for flat in flats]
+        handles: list[Any] = [algorithm._all_reduce(flat, "avg", in_step=True) for flat in flats]
         for handle in handles:
             algorithm._wait(handle)
         source.take_mean_gradient(means, algorithm.comm.size)

@@ -312,6 +312,7 @@ class DecentralizedDataParallel(nn.Module):
         self._ownership: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._optimizer_agreed = False  # the ranks compared their optimizers' kinds (gossip.wrapper.momentum)
         self._momentum_prepared_at = -1  # the step whose first moment the optimizer last prepared
+        self._sampled_at = -1  # the step whose sample of the mean gradient was last attempted
         self._tracked_at = -1  # the step whose mixing (parameters, first moment, trackers) is complete
         self._finish_began = 0.0  # when the step's finish began (its timing)
         self.step_count = 0
@@ -479,10 +480,13 @@ class DecentralizedDataParallel(nn.Module):
 
         Each part runs once per step. An elastic run whose member set changes inside it (a wait interrupted)
         calls it again on the new group's communicator: a part already done is not repeated, the parameters'
-        mixing (already written) is not repeated either (:func:`gossip.wrapper.elastic.rebind` keeps the phase).
+        mixing (already written) is not repeated either (:func:`gossip.wrapper.elastic.rebind` keeps the phase),
+        and the sample of the mean gradient is attempted once: one that the change interrupted or refused is
+        skipped, never posted again on another group (where the members that did not post it would not join it).
         """
         if momentum is not None and self._momentum_prepared_at != self.step_count:
-            prepare_momentum(momentum, self.algorithm, self.buckets, self._parameters_in_order)
+            sample, self._sampled_at = self._sampled_at != self.step_count, self.step_count  # attempted once a step
+            prepare_momentum(momentum, self.algorithm, self.buckets, self._parameters_in_order, sample)
             self._momentum_prepared_at = self.step_count
         if self.tracker is not None:
             self.tracker.track(self.step_count)

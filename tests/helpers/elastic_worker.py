@@ -19,8 +19,9 @@ then adds minus the tracker, not delta) and each row also has the worker's track
 -delta(uid, step). With ELASTIC_WORKER_KILL_IN=tracker a worker named in KILLS dies inside that step's update
 instead, after the parameters' mixing, as its trackers' exchange is about to be posted (its partner is then left
 waiting for the trackers' message). With ELASTIC_WORKER_OPTIMIZER=momentum the optimizer is MomentumTrackingAdamW
-(beta1 = BETA1, no sample of the mean gradient), whose first moment the trackers mix, and each row also has the
-trackers' input (that first moment) and the optimizer's count of moment updates. With
+(beta1 = BETA1; a sample of the mean gradient every ELASTIC_WORKER_SECOND_MOMENT_EVERY steps, none by default),
+whose first moment the trackers mix, and each row also has the trackers' input (that first moment), the optimizer's
+count of moment updates and of samples, the group size of its last sample and its sampled second moment. With
 ELASTIC_WORKER_SLOW_TRACKER=UID@STEP worker UID sleeps SLOW_SECONDS before it posts its trackers' exchange of STEP
 (a change then lands between its partner's post and its own). Each row has the wall-clock time the step ended.
 """
@@ -124,8 +125,9 @@ def main() -> None:
     with torch.no_grad():
         model.buckets[0].buffer.copy_(torch.tensor([1.0, 10.0, 100.0, 1000.0], dtype=torch.float64) * uid)
     if os.environ.get("ELASTIC_WORKER_OPTIMIZER") == "momentum":
+        every = int(os.environ.get("ELASTIC_WORKER_SECOND_MOMENT_EVERY", "0"))
         optimizer: torch.optim.Optimizer = MomentumTrackingAdamW(
-            model.parameters(), lr=1e-3, betas=(BETA1, 0.999), weight_decay=0.0, second_moment_every=0
+            model.parameters(), lr=1e-3, betas=(BETA1, 0.999), weight_decay=0.0, second_moment_every=every
         )
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -162,8 +164,10 @@ def main() -> None:
             if tracking:
                 row["tracker"] = model.tracker.trackers[0].buffer.tolist()
                 row["input"] = model.tracker.previous[0].tolist()
-                if isinstance(optimizer, MomentumTrackingAdamW):  # how often its moments advanced
-                    row["moment_steps"] = optimizer.state[net.weight]["step"]
+                if isinstance(optimizer, MomentumTrackingAdamW):  # how often its moments advanced, and its samples
+                    state = optimizer.state[net.weight]
+                    row["moment_steps"], row["samples"] = state["step"], state["samples"]
+                    row["sampled_over"], row["shared"] = optimizer.param_groups[0]["workers"], state["shared"].tolist()
             if step % consensus_every == 0:  # between two steps, over the group it trains in (None: none to be had)
                 row["consensus"] = elastic.consensus_distance()
             log.write(json.dumps(row) + "\n")
