@@ -85,9 +85,9 @@ def test_an_exchange_refused_after_an_earlier_failure_asks_for_the_change():
         comm = comm_during_a_change(completing=False, changing=False, failure=thread.failure)
         with pytest.raises(UseAfterCloseError):
             _Interruptible(queued, comm).wait()  # what a collective's handle still says
-        message = "rank 1: an exchange was not run: the group is broken by an earlier failure: rank 1: peer 2 closed"
+        message = "rank 1: exchange 30 was not run: the group is broken by an earlier failure: rank 1: peer 2 closed"
         with pytest.raises(MembershipChangedError, match=message) as raised:
-            _InterruptibleExchange(queued, comm).wait()
+            _InterruptibleExchange(queued, comm, "exchange 30").wait()
         assert isinstance(raised.value.__cause__, UseAfterCloseError)
     finally:
         thread.stop(timeout=1.0)
@@ -97,4 +97,4 @@ def test_an_exchange_refused_on_a_healthy_group_stays_a_misuse():
     refused = PostedExchange()
     refused._future.set_exception(UseAfterCloseError("rank 1: exchange 30 refused: this communicator was closed"))
     with pytest.raises(UseAfterCloseError, match="was closed"):
-        _InterruptibleExchange(refused, comm_during_a_change(completing=False, changing=False)).wait()
+        _InterruptibleExchange(refused, comm_during_a_change(completing=False, changing=False), "exchange 30").wait()

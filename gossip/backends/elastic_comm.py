@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -85,7 +86,7 @@ class _Interruptible(Handle):
 class _InterruptibleExchange(_Interruptible):
     """A step's exchange's handle: a refusal by the group's thread after an earlier failure asks for the change."""
 
-    def __init__(self, inner: Any, comm: ElasticCommunicator, operation: str = "an exchange"):
+    def __init__(self, inner: Any, comm: ElasticCommunicator, operation: str):
         super().__init__(inner, comm)
         self._operation = operation
 
@@ -131,19 +132,20 @@ class ElasticCommunicator(Communicator):
         if self.membership.changed.is_set() and not self.completing:
             raise MembershipChangedError(f"rank {self.rank}: {operation} refused: the membership is changing")
 
-    def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle:
+    def _post_in_step(self, operation: str, start: Callable[[], Handle]) -> Handle:
         # a group broken by a failed peer (e.g. in a collective) posts nothing more: its wait asks for the change,
-        # before the step's update, as an exchange that fails does
+        # before the step's update, as an exchange that fails does; what is posted is counted (Membership.try_post)
         if self.inner.failure is not None or not self.membership.try_post(self._step_of()):
-            return _NotPosted(self.rank, f"exchange {seq}")
-        return _InterruptibleExchange(self.inner._start_exchange(sends, recvs, seq), self)
+            return _NotPosted(self.rank, operation)
+        return _InterruptibleExchange(start(), self, operation)
+
+    def _start_exchange(self, sends: list[Transfer], recvs: list[Transfer], seq: int) -> Handle:
+        return self._post_in_step(f"exchange {seq}", lambda: self.inner._start_exchange(sends, recvs, seq))
 
     def _start_step_all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
-        # posted, and refused, as the step's exchanges are: the decision then knows who posted it (module doc)
-        step = self._step_of()
-        if self.inner.failure is not None or not self.membership.try_post(step):
-            return _NotPosted(self.rank, f"the all-reduce of step {step}")
-        return _InterruptibleExchange(self.inner._all_reduce(tensor, op), self, f"the all-reduce of step {step}")
+        return self._post_in_step(
+            f"the all-reduce of step {self._step_of()}", lambda: self.inner._all_reduce(tensor, op)
+        )
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> Handle:
         self._refuse_during_change("all_reduce")

@@ -165,7 +165,8 @@ class Membership:
         self.epoch = int(store.get("epoch"))
         self.current = self._read_decision(self.epoch)
         self.posted = -1
-        #: how many exchanges of step :attr:`posted` this member posted (the parameters', then the trackers')
+        #: how many exchanges of step :attr:`posted` this member posted (module docstring: the parameters', the sample
+        #: of the mean gradient, the trackers')
         self.exchanges = 0
         #: True from :meth:`join` until the joiner received its donor's state (:meth:`received_state`)
         self.needs_state = False

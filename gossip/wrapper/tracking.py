@@ -288,11 +288,12 @@ class GradientTracker:
             self.mixing.finish(pending)
             self._mixing_before = None
 
-    def _correct(self) -> None:
-        """y_i += g_i^t - g_i^{t-1}; g^{t-1} <- g^t."""
+    def _correct(self, step: int) -> None:
+        """y_i += g_i^t - g_i^{t-1}; g^{t-1} <- g^t; recorded as step ``step``'s correction."""
         for tracker, previous, fresh in zip(self.trackers, self.previous, self._fresh, strict=True):
             tracker.buffer.add_(fresh).sub_(previous)
             previous.copy_(fresh)
+        self._corrected_at = step
 
     def track(self, step: int) -> None:
         """Step ``step``: the tracker update, then ``.grad`` <- y_i.
@@ -317,12 +318,10 @@ class GradientTracker:
                 self.mixing.finish(self._pending)  # a wait interrupted here is resumed by the next call
                 self._pending = self._mixing_before = None
                 if correct:
-                    self._correct()
-                    self._corrected_at = step
+                    self._correct(step)
             else:
                 if correct:
-                    self._correct()
-                    self._corrected_at = step
+                    self._correct(step)
                 if self._blocking is None:
                     self._blocking = self.mixing.start(step)
                 self.mixing.finish(self._blocking)  # a wait interrupted here is resumed by the next call
