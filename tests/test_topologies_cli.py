@@ -14,7 +14,7 @@ def _row(output: str, name: str) -> list[str]:
 
 
 def test_names_lists_every_built_in_once():
-    assert len(set(topologies.names())) == len(topologies.names()) == 14
+    assert len(set(topologies.names())) == len(topologies.names()) == 15
 
 
 @pytest.mark.parametrize("name", topologies.names())

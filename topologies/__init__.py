@@ -6,6 +6,7 @@ Pure numpy + networkx. ``import topologies; s = topologies.one_peer_hypercube(8)
 from topologies.analysis import (
     ConsensusRate,
     bytes_per_step,
+    exact_averaging_starts,
     expected_consensus_rate,
     optimal_overrelaxation,
     period_product,
@@ -17,6 +18,7 @@ from topologies.analysis import (
     step_rhos,
     steps_to_consensus,
 )
+from topologies.finite_time import base_graph
 from topologies.peer_view import PeerView
 from topologies.registry import by_name, names
 from topologies.schedule import Schedule, ScheduleError
@@ -49,11 +51,13 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "alternating_exp_ring",
+    "base_graph",
     "by_name",
     "bytes_per_step",
     "complete",
     "cyclic",
     "erdos_renyi",
+    "exact_averaging_starts",
     "expected_consensus_rate",
     "from_edge_list",
     "from_matrix",

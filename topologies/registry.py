@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from topologies import static, time_varying
+from topologies import finite_time, static, time_varying
 from topologies.arguments import integer
 from topologies.schedule import Schedule, ScheduleError
 
@@ -102,6 +102,7 @@ _REGISTRY: dict[str, _Entry] = {
     "one_peer_exponential": _Entry(time_varying.one_peer_exponential, (), "directed one-peer exp, n = 2^K"),
     "one_peer_hypercube": _Entry(time_varying.one_peer_hypercube, (), "i <-> i XOR 2^(t mod log2 n)"),
     "random_matchings": _Entry(time_varying.random_matchings, ("seed",), "seeded random perfect matchings"),
+    "base_graph": _Entry(finite_time.base_graph, ("max_degree",), "Base-(k+1) graph: exact after a period, any n"),
     "alternating_exp_ring": _Entry(_alternating_exp_ring, ("per_node",), "Decent-DP AER over nodes"),
     "hierarchical": _Entry(_hierarchical, ("per_node",), "exact intra-node x one-peer inter-node"),
 }
