@@ -1,6 +1,7 @@
 """gossip-train: decentralized (gossip) data-parallel training for PyTorch.
 
-``gossip.init()`` returns a communicator for however this process was launched; ``gossip.simulate(n, fn)`` runs
+``gossip.init()`` returns a communicator for however this process was launched; ``gossip.wrap(model, comm, lr=...)``
+wraps a model in the default pipeline and returns it with its optimizer; ``gossip.simulate(n, fn)`` runs
 ``fn(comm)`` on ``n`` in-process virtual ranks, the oracle every real backend is tested against.
 """
 
@@ -61,6 +62,7 @@ from gossip.errors import (
     UseAfterCloseError,
 )
 from gossip.wrapper.parallel import DecentralizedDataParallel
+from gossip.wrapper.pipeline import Pipeline, default_schedule, wrap
 
 __all__ = [
     "ALGORITHMS",
@@ -102,6 +104,7 @@ __all__ = [
     "PeerFailedError",
     "PeerFailureError",
     "PeriodicAverage",
+    "Pipeline",
     "PowerGossip",
     "PowerGossipTuning",
     "ProcessGroupLeakWarning",
@@ -113,6 +116,7 @@ __all__ = [
     "UntrustedCheckpointError",
     "UseAfterCloseError",
     "__version__",
+    "default_schedule",
     "detect_launch",
     "exclude_names",
     "init",
@@ -120,4 +124,5 @@ __all__ = [
     "save_checkpoint",
     "simulate",
     "tagc_policy",
+    "wrap",
 ]

@@ -1,7 +1,8 @@
 """Momentum tracking (optim.MomentumTrackingAdamW with ``gradient_tracking``; gossip/wrapper/momentum.py): the
 optimizer alone, then on the simulator: the trackers' sum is the sum of the ranks' first moments at every step, the
-sampled second moment is the mean gradient's, its all-reduce is booked, the ranks must agree on the optimizer, the
-misuses are named, and resume is bit-identical. The same scenarios on Gloo and MPI against the simulator:
+sampled second moment is the mean gradient's (all-reduced, or gossiped over the schedule's exact hops), its bytes
+are booked, the ranks must agree on the optimizer (compared with their peers), the misuses are named, and resume is
+bit-identical. The same scenarios on Gloo and MPI against the simulator:
 test_gradient_tracking_powergossip.py ("momentum" cases)."""
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from helpers.tracking_scenarios import assert_trackers_sum_to_the_gradients, mom
 
 import gossip
 import optim
+import topologies
 from gossip.backends.base import ring_all_reduce_bytes
 from gossip.errors import (
     GossipError,
     InvalidArgumentError,
-    ReplicaMismatchError,
     StepPhaseError,
 )
+from gossip.wrapper.peer_agreement import MESSAGE_BYTES
 
 N = 4
 BETAS = (0.9, 0.95)
@@ -160,40 +162,104 @@ def test_the_overlapped_tracker_carries_the_first_moments_too():
         assert all(torch.equal(row["g"], row["h"]) for row in rows)
 
 
-def _sampled_second_moment(comm) -> dict:
-    """One step; the optimizer's u after its sample of the mean gradient, and this rank's gradient."""
-    model = wrap(comm, make_mlp(comm.rank), gradient_tracking=True)
-    optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=1e-2, betas=BETAS, second_moment_every=2)
-    loss_of(model, *batch(comm.rank, 0)).backward()
-    gradient = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
-    optimizer.step()
+def _sampled_second_moment(comm, mean_gradient: str, schedule: str, steps: int) -> dict:
+    """``steps`` steps at lr 0 (the model stays put); step 0's gradient, and after each step the optimizer's sample
+    count and u."""
+    model = gossip.DecentralizedDataParallel(
+        make_mlp(comm.rank),
+        comm,
+        topologies.by_name(schedule, comm.size),
+        gossip.ExactGossip(),
+        gradient_tracking=True,
+        mean_gradient=mean_gradient,
+    )
+    optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=0.0, betas=BETAS, second_moment_every=16)
+    first = next(iter(model.parameters()))
+    samples = []
+    for step in range(steps):
+        loss_of(model, *batch(comm.rank, step)).backward()
+        if step == 0:
+            gradient = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).clone()
+        optimizer.step()
+        optimizer.zero_grad()
+        samples.append(optimizer.state[first]["samples"])
     shared = torch.cat([optimizer.state[p]["shared"].reshape(-1) for p in model.parameters()]).clone()
     workers = optimizer.param_groups[0]["workers"]
     model.close()
-    return {"gradient": gradient, "shared": shared, "workers": workers}
+    return {"gradient": gradient, "shared": shared, "workers": workers, "samples": samples}
 
 
-def test_the_sample_is_the_mean_gradient_of_all_ranks_the_same_on_every_rank():
-    results = gossip.simulate(N, _sampled_second_moment)
+@pytest.mark.parametrize(
+    ("mean_gradient", "schedule", "n", "arrives_at"),
+    [
+        ("allreduce", "one_peer_hypercube", 4, 0),  # all-reduced at the step it is due
+        ("gossip", "one_peer_hypercube", 4, 2),  # hops at steps 1 and 2 (log2 4)
+        ("gossip", "base_graph", 6, 6),  # hops from the next period's first step, 3, over its 4 steps
+    ],
+)
+def test_the_sample_is_the_mean_gradient_of_all_ranks(mean_gradient, schedule, n, arrives_at):
+    """Step 0's sample reaches every rank's second moment as (1 - beta2^K) mean(g)^2: at once by an all-reduce, after
+    the schedule's exact hops by gossip; the same on every rank (bit for bit where the rows of W(t) pair ranks
+    alike: the all-reduce and the hypercube)."""
+    results = gossip.simulate(n, _sampled_second_moment, mean_gradient, schedule, arrives_at + 2)
     mean = torch.stack([r["gradient"] for r in results]).double().mean(0)
-    rate = BETAS[1] ** 2
+    expected = ((1 - BETAS[1] ** 16) * mean.square()).float()
     for rank, result in enumerate(results):
-        assert result["workers"] == N
-        assert torch.equal(result["shared"], results[0]["shared"]), f"rank {rank}"
-        expected = ((1 - rate) * mean.square()).float()
+        assert result["samples"] == [0] * arrives_at + [1, 1], f"rank {rank}"
+        assert result["workers"] == n
         torch.testing.assert_close(result["shared"], expected, rtol=1e-5, atol=1e-12)
+        if schedule == "one_peer_hypercube":
+            assert torch.equal(result["shared"], results[0]["shared"]), f"rank {rank}"
 
 
-def test_a_step_that_samples_costs_one_more_all_reduce_of_the_gradients():
+def _bytes_per_step(comm, mean_gradient: str) -> list[dict]:
+    return tracked_steps(
+        comm, "exact", True, steps=6, optimizer_factory=momentum_tracking_adamw, mean_gradient=mean_gradient
+    )
+
+
+def test_a_step_that_all_reduces_its_sample_costs_one_more_all_reduce_of_the_gradients():
     """every 2 steps on the one-peer hypercube: steps 0, 2, 4 send the trackers', the parameters' and the
-    all-reduce's bytes, steps 1, 3, 5 the first two only."""
-    per_rank = gossip.simulate(N, _momentum_steps)
+    all-reduce's bytes, steps 1, 3, 5 the first two only (and steps 1 and 2 the optimizers' comparison)."""
+    per_rank = gossip.simulate(N, _bytes_per_step, "allreduce")
     for rows in per_rank:
         sent = [row["bytes_sent"] for row in rows]
         model_bytes = rows[0]["x"].numel() * 4
-        assert sent[1] == sent[3] == sent[5] == 2 * model_bytes  # parameters and trackers, one peer each
-        assert sent[0] - sent[1] == ring_all_reduce_bytes(model_bytes, N)  # the MLP fits one bucket
-        assert sent[2] == sent[4] == sent[0]
+        assert sent[3] == sent[5] == 2 * model_bytes  # parameters and trackers, one peer each
+        assert sent[1] == 2 * model_bytes + MESSAGE_BYTES
+        assert sent[0] - 2 * model_bytes == ring_all_reduce_bytes(model_bytes, N)  # the MLP fits one bucket
+        assert sent[4] == sent[0] and sent[2] == sent[0] + MESSAGE_BYTES
+
+
+def test_a_gossiped_sample_costs_one_model_to_one_peer_per_hop_and_no_collective():
+    """every 2 steps on the one-peer hypercube of 4 (2 hops a sample): from step 1 on every step carries one hop,
+    one more model to the step's peer; nothing is all-reduced."""
+    per_rank = gossip.simulate(N, _bytes_per_step, "gossip")
+    for rows in per_rank:
+        sent = [row["bytes_sent"] for row in rows]
+        model_bytes = rows[0]["x"].numel() * 4
+        assert sent[0] == 2 * model_bytes
+        assert sent[1] == sent[2] == 3 * model_bytes + MESSAGE_BYTES  # the optimizers compared at steps 1, 2
+        assert sent[3:] == [3 * model_bytes] * 3
+
+
+def test_a_sample_due_before_the_last_one_is_averaged_is_refused_by_name():
+    def run(comm) -> str:
+        model = wrap(comm, make_mlp(comm.rank), gradient_tracking=True)
+        optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=1e-2, second_moment_every=2)
+        try:
+            for step in range(4):
+                loss_of(model, *batch(comm.rank, step)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        except InvalidArgumentError as error:
+            return str(error)
+        return "accepted"
+
+    for rank, message in enumerate(gossip.simulate(8, run)):
+        assert message.startswith(f"step 2: rank {rank}: the optimizer samples the mean gradient again while the last "
+                                  "sample still needs 1 of its 3 gossip steps over 'one_peer_hypercube'; raise its "
+                                  "second_moment_every to at least 3"), message  # fmt: skip
 
 
 def test_resume_is_bit_identical(tmp_path):
@@ -219,28 +285,41 @@ def _mismatched_optimizers(comm, plain_rank: int | None, every_on_rank_2: int) -
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     else:
         optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=1e-2, second_moment_every=every)
-    loss_of(model, *batch(comm.rank, 0)).backward()
     try:
-        optimizer.step()
-    except ReplicaMismatchError as error:
-        return str(error)
-    finally:
-        model.close()
+        for step in range(4):
+            loss_of(model, *batch(comm.rank, step)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except GossipError as error:
+        return f"{type(error).__name__}: {error}"
     return "accepted"
 
 
 @pytest.mark.parametrize(
-    ("plain_rank", "every_on_rank_2", "named"),
+    ("odd_rank", "its_kind", "every_on_rank_2"),
     [
-        (None, 8, "rank 2's optimizer is MomentumTrackingAdamW(second_moment_every=8) where rank 0's is "
-         "MomentumTrackingAdamW(second_moment_every=4)"),
-        (1, 4, "rank 1's optimizer is an optimizer that steps on .grad (not a momentum source) where rank 0's is "
-         "MomentumTrackingAdamW(second_moment_every=4)"),
+        (2, "MomentumTrackingAdamW(second_moment_every=8)", 8),
+        (1, "an optimizer that steps on .grad (not a momentum source)", 4),
     ],
-)  # fmt: skip
-def test_ranks_that_disagree_on_the_optimizer_are_named_on_every_rank(plain_rank, every_on_rank_2, named):
-    for message in gossip.simulate(N, _mismatched_optimizers, plain_rank, every_on_rank_2):
-        assert message.startswith("step 0: ") and named in message, message
+)
+def test_ranks_that_disagree_on_the_optimizer_are_named_by_their_peers(odd_rank, its_kind, every_on_rank_2):
+    """The optimizers are compared with each step's peers from the step after the first optimizer step: at step 1
+    of the hypercube of 4 the odd rank and its partner (rank XOR 2) name each other; the other two stop at their
+    next exchange with one of them (a timeout here)."""
+    plain_rank = 1 if odd_rank == 1 else None
+    messages = gossip.simulate(N, _mismatched_optimizers, plain_rank, every_on_rank_2, timeout=5.0)
+    usual = "MomentumTrackingAdamW(second_moment_every=4)"
+    partner = odd_rank ^ 2
+    assert messages[odd_rank] == (
+        f"ReplicaMismatchError: step 1: rank {odd_rank}: peer {partner}'s optimizer is {usual} where this rank's is "
+        f"{its_kind}: with gradient tracking or momentum tracking every rank must use the same optimizer with the "
+        "same second_moment_every"
+    )
+    assert messages[partner].startswith(
+        f"ReplicaMismatchError: step 1: rank {partner}: peer {odd_rank}'s optimizer is {its_kind} where this rank's is "
+    )
+    for rank in set(range(N)) - {odd_rank, partner}:
+        assert messages[rank].startswith("CommTimeoutError: step 2: "), messages[rank]
 
 
 def _misuse(comm, how: str) -> str:

@@ -21,8 +21,8 @@ from gossip.checkpoint import (
     read_dcp,
     save_checkpoint,
 )
+from gossip.errors import GossipError
 from gossip.wrapper.parallel import DecentralizedDataParallel
-from gossip.wrapper.replicas import ReplicaMismatchError
 
 N = 4
 
@@ -216,34 +216,31 @@ def test_frozen_parameters_are_saved_and_restored(tmp_path):
         assert torch.equal(saved, loaded)
 
 
-def test_a_schedule_without_period_that_diverged_since_the_last_check_is_named_by_save_and_nothing_is_written(
-    tmp_path,
-):
-    """Weights that differ on rank 1 from step 40 (same edges: the exchanges complete) and a save after 48 steps,
-    between two of the every-10-steps checks: save_checkpoint compares the steps since the last check, every rank
-    names rank 1, and no rank replaces the checkpoint it saved at step 30."""
+def test_a_schedule_without_period_that_diverges_stops_the_run_before_its_next_save(tmp_path):
+    """Weights that differ on rank 1 from step 40 (same edges: the exchanges complete), a save at step 30 and one
+    due at step 48: rank 1 and its step-40 peer name the difference at step 40 (their W(40) messages), the others
+    stop at the next exchange with them, no rank reaches the second save, and the step-30 files stay as written."""
 
     def run(comm) -> tuple[str, bytes]:
         schedule = weights_flip_on_rank_1(comm.rank)
         model = DecentralizedDataParallel(make_mlp(comm.rank), comm, schedule, ExactGossip(), consensus_every=0)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        for step in range(48):
-            if step == 30:
-                saved = save_checkpoint(tmp_path, model, optimizer).read_bytes()  # this rank's file, committed
-            loss_of(model, *batch(comm.rank, step)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
         try:
+            for step in range(48):
+                if step == 30:
+                    saved = save_checkpoint(tmp_path, model, optimizer).read_bytes()  # this rank's file, committed
+                loss_of(model, *batch(comm.rank, step)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
             save_checkpoint(tmp_path, model, optimizer)
-        except ReplicaMismatchError as error:
-            return str(error), saved
+        except GossipError as error:
+            return f"{type(error).__name__}: {error}", saved
         return "no error", saved
 
-    results = gossip.simulate(N, run)
-    assert all(
-        message.startswith("step 48: rank 1's schedule 'pairs' differs from rank 0's between steps 40 and 48")
-        for message, _ in results
-    ), results[0][0]
+    results = gossip.simulate(N, run, timeout=5.0)
+    assert results[1][0].startswith("ReplicaMismatchError: step 40: rank 1: peer 0's schedule 'pairs' has another ")
+    assert results[0][0].startswith("ReplicaMismatchError: step 40: rank 0: peer 1's schedule 'pairs' has another ")
+    assert all(message.startswith("CommTimeoutError: step 41: ") for message, _ in results[2:]), results
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"rank{r}.pt" for r in range(N)]  # no temporary left
     for rank, (_, saved) in enumerate(results):
         assert checkpoint_path(tmp_path, rank).read_bytes() == saved, f"rank {rank}'s checkpoint was replaced"

@@ -5,6 +5,7 @@ the ranks in lockstep, and non-finite buffers are not averaged in silently."""
 
 from __future__ import annotations
 
+import itertools
 import time
 import warnings
 
@@ -30,6 +31,7 @@ from gossip.algorithms.powergossip import PowerGossip
 from gossip.checkpoint import load_checkpoint
 from gossip.errors import GossipError, NonFiniteError, NonFiniteWarning
 from gossip.wrapper.parallel import AverageDriftWarning, DecentralizedDataParallel, MixingOnlyStepWarning
+from gossip.wrapper.peer_agreement import MESSAGE_BYTES
 from gossip.wrapper.replicas import ReplicaMismatchError
 from topologies.schedule import Schedule
 
@@ -237,42 +239,51 @@ def test_an_aperiodic_schedule_is_compared_over_its_window(window, caught):
     assert (pairings(0, None, window).fingerprint() != pairings(1, None, window).fingerprint()) is caught
 
 
-def run_with_other_weights(comm, steps: int, end: str) -> str:
-    """``steps`` SGD steps on :func:`weights_flip_on_rank_1`, then ``end``: "close", "averaged" or "nothing"."""
+def run_with_other_weights(comm, steps: int) -> str:
+    """``steps`` SGD steps on :func:`weights_flip_on_rank_1`; the error each rank meets."""
     schedule = weights_flip_on_rank_1(comm.rank)
     model = DecentralizedDataParallel(make_mlp(comm.rank), comm, schedule, ExactGossip(), consensus_every=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     try:
         sgd_steps(model, optimizer, range(steps), comm.rank)
-        if end == "averaged":
-            with model.averaged():
-                pass
-        if end == "close":
-            model.close()
-    except ReplicaMismatchError as error:
-        return str(error)
+    except GossipError as error:
+        return f"{type(error).__name__}: {error}"
     return "no error"
 
 
-def test_an_aperiodic_schedule_with_other_weights_after_its_window_is_named_within_ten_steps():
-    expected = (
-        "step 49: rank 1's schedule 'pairs' differs from rank 0's between steps 40 and 49 (a schedule without "
-        "period is compared over its first 32 steps at construction, then every 10 steps): build it the same way on "
-        "every rank (same seed)"
-    )
-    assert gossip.simulate(N, run_with_other_weights, 60, "nothing") == [expected] * N
+def test_an_aperiodic_schedule_with_other_weights_after_its_window_is_named_by_the_peers_at_that_step():
+    """W(40) differs on rank 1 only in its weights: rank 1 and its step-40 peer compare W(40) in that step's
+    message and both name it, at once; the others learn of it from the peers that stopped (a timeout here)."""
+    messages = gossip.simulate(N, run_with_other_weights, 60, timeout=5.0)
+    for rank, peer in ((0, 1), (1, 0)):
+        assert messages[rank] == (
+            f"ReplicaMismatchError: step 40: rank {rank}: peer {peer}'s schedule 'pairs' has another W(40) than this "
+            "rank's (the same edges, other weights; construction compared the first 32 steps): build it the same "
+            "way on every rank (same seed)"
+        )
+    assert all(m.startswith("CommTimeoutError: step 41: ") for m in messages[2:]), messages
 
 
-@pytest.mark.parametrize("end", ["close", "averaged"])
-def test_other_weights_since_the_last_periodic_check_are_named_by_close_and_averaged(end):
-    """A run that ends (or evaluates the average) between two periodic checks still compares the steps since the
-    last one: 48 steps, weights differing from step 40, and close() or averaged() names it."""
-    expected = (
-        "step 48: rank 1's schedule 'pairs' differs from rank 0's between steps 40 and 48 (a schedule without "
-        "period is compared over its first 32 steps at construction, then every 10 steps): build it the same way on "
-        "every rank (same seed)"
-    )
-    assert gossip.simulate(N, run_with_other_weights, 48, end) == [expected] * N
+def test_comparing_w_with_the_peers_sends_one_small_message_a_step_past_the_window():
+    """Periodic schedules were compared whole at construction and send nothing more; a schedule without period sends
+    one MESSAGE_BYTES message to each peer at every step past its window, and none within it."""
+
+    def sent(comm) -> list[int]:
+        model = DecentralizedDataParallel(
+            make_mlp(comm.rank), comm, pairings(comm.rank, None), ExactGossip(), consensus_every=0
+        )
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        before = []
+        for step in range(36):
+            before.append(sum(comm.bytes_sent.values()))
+            sgd_steps(model, optimizer, range(step, step + 1), comm.rank)
+        model.close()
+        return [b - a for a, b in itertools.pairwise(before)]
+
+    per_step = gossip.simulate(N, sent)[0]  # [k]: what step k + 1 posted after step k's update (k >= 1)
+    within, past = per_step[1:31], per_step[31:]  # the exchanges of steps 2..31, and of 32..35
+    assert len(set(within)) == 1 and len(set(past)) == 1
+    assert past[0] - within[0] == MESSAGE_BYTES
 
 
 def test_the_same_run_without_the_flip_ends_cleanly_in_close_and_averaged():

@@ -176,7 +176,7 @@ def train_elastic(
     tracking = tracking_option(config)
     model = DecentralizedDataParallel(  # a joiner writes no per-step metrics (its rank-0 file would be uid 0's)
         module, comm, schedule, algorithm, run_dir=None if joining else run_dir, consensus_every=0, seed=config.seed,
-        gradient_tracking=tracking,
+        gradient_tracking=tracking, mean_gradient="allreduce",  # an elastic step's sample: one skippable collective
     )  # fmt: skip
     holder.append(model)
     optimizer = make_optimizer(config, model.module)

@@ -32,8 +32,8 @@ from gossip.wrapper.parallel import DecentralizedDataParallel
 def begin_save(model: DecentralizedDataParallel, operation: str) -> None:
     """What every save does first, on every rank.
 
-    Refuse a closed wrapper, wait for (and commit) a pending asynchronous save, and compare the schedules since
-    their last check (a run whose schedules diverged never saves).
+    Refuse a closed wrapper and wait for (and commit) a pending asynchronous save. (Diverged schedules never reach a
+    save: every step compares W(t) with its peers, :mod:`gossip.wrapper.peer_agreement`.)
 
     Args:
         model: the wrapper to save.
@@ -41,7 +41,7 @@ def begin_save(model: DecentralizedDataParallel, operation: str) -> None:
     """
     model._require_usable(operation)
     wait_pending(model)
-    model._check_schedule_agreement()
+    model._settle_exchange()  # the save's collectives may follow a backward that progressed the exchange
 
 
 def _unlink(temporary: Path) -> None:

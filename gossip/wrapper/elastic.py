@@ -22,7 +22,6 @@ agree on the new member set first and then do exactly this.
 from __future__ import annotations
 
 import io
-import math
 from collections.abc import Sequence
 
 import torch
@@ -33,6 +32,7 @@ from gossip.backends.simulator import SimulatorCommunicator, _World
 from gossip.errors import ElasticUnsupportedError, InvalidArgumentError, ReplicaMismatchError
 from gossip.wrapper.momentum import optimizer_kind
 from gossip.wrapper.parallel import DecentralizedDataParallel
+from gossip.wrapper.peer_agreement import PeerAgreement
 from topologies import Schedule, registry
 from topologies.schedule import ScheduleError
 
@@ -132,23 +132,27 @@ def rebind(
     algorithm.setup(comm, schedule, model.buckets)
     if model.tracker is not None:
         model.tracker.rebind(algorithm, schedule, mixing)
+    if model._mean_gradient is not None:
+        model._mean_gradient.rebind(algorithm, schedule)  # a gossiped sample in progress is dropped
     model.comm, model.schedule, model.algorithm = comm, schedule, algorithm
+    model._agreement = PeerAgreement(comm, schedule, algorithm.traffic)
     without_schedule_checks(model)
     model._optimizer_agreed = True  # a joiner compares its optimizer with its donor's instead (hand_over)
 
 
 def without_schedule_checks(model: DecentralizedDataParallel) -> None:
-    """Turn off the wrapper's later schedule-agreement checks for a wrapper whose members change.
+    """Turn off the wrapper's comparisons with its peers for a wrapper whose members change.
 
-    For a schedule without period the wrapper compares the ranks' schedules every few steps with an all-reduce inside
-    the optimizer step, after the update. A membership change can interrupt that collective, and the step could not
-    be resolved without applying the update twice. Every member builds each epoch's schedule alike from its family
-    and size (:func:`schedule_for`), so the check guards nothing there; the check at construction stays.
+    The wrapper compares W(t) of a schedule without period, and the optimizer over its first steps, with each step's
+    peers (:class:`gossip.wrapper.peer_agreement.PeerAgreement`): one more exchange in the step, which a membership
+    change could interrupt on one end only. Every member builds each epoch's schedule alike from its family and size
+    (:func:`schedule_for`), so the W(t) comparison guards nothing there; the check at construction stays, and
+    :class:`~gossip.wrapper.elastic_run.ElasticRun` compares the optimizers once, before the first step.
 
     Args:
         model: the wrapper.
     """
-    model._schedule_checked_to = math.inf
+    model._agreement.stop()
 
 
 def choose_donor(schedule: Schedule, joiner: int, step: int, old: Sequence[int]) -> int:

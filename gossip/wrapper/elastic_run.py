@@ -63,6 +63,8 @@ from gossip.wrapper.elastic import (
     solo_communicator,
     without_schedule_checks,
 )
+from gossip.wrapper.mean_gradient import GossipedMeanGradient
+from gossip.wrapper.momentum import check_optimizer_agreement
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from topologies import Schedule
 
@@ -143,6 +145,12 @@ def check_wrapper(model: DecentralizedDataParallel) -> None:
             f"elastic: rank {rank}: tracking_overlap=True posts the trackers' exchange beside the parameters' (two "
             "exchanges a step, which the completed-or-skipped rule does not cover); use the blocking tracker"
         )
+    if isinstance(model._mean_gradient, GossipedMeanGradient):
+        raise ElasticUnsupportedError(
+            f"elastic: rank {rank}: mean_gradient='gossip' posts the sample's hops beside the parameters' exchange "
+            "(two exchanges a step, which the completed-or-skipped rule does not cover); build the wrapper with "
+            "mean_gradient='allreduce', whose sample a change skips"
+        )
 
 
 class ElasticRun:
@@ -190,6 +198,9 @@ class ElasticRun:
             check_supported(model.schedule, model.tracker.mixing)
         check_wrapper(model)
         without_schedule_checks(model)  # no collective inside a step that a change could interrupt
+        if model.tracker is not None and not model._optimizer_agreed:  # once, before any change can interrupt it
+            check_optimizer_agreement(model.comm, optimizer, model.step_count)
+            model._optimizer_agreed = True
         self.model, self.optimizer, self.membership = model, optimizer, membership
         self.schedule_name, self.make_algorithm, self.timeout = schedule, algorithm, timeout
         self.make_tracker = tracker

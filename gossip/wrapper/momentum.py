@@ -4,32 +4,31 @@ An optimizer that follows :class:`MomentumSource` (:class:`optim.MomentumTrackin
 things inside ``optimizer.step()``, after the parameters' mixing and before the gradient tracker (the math:
 ``optim/momentum_tracking.py``):
 
-1. on the steps :meth:`MomentumSource.mean_gradient_due` names, the mean gradient over the ranks: one all-reduce of
-   the gradients in the buckets' layout (a parameter without ``.grad`` contributes zeros), booked to the
-   algorithm's step account as a ring all-reduce, then :meth:`MomentumSource.take_mean_gradient`;
+1. on the steps :meth:`MomentumSource.mean_gradient_due` names, a sample of the mean gradient over the ranks, for
+   :meth:`MomentumSource.take_mean_gradient`: averaged by gossip over the schedule and handed over a few steps later
+   (``mean_gradient="gossip"``, the default), or all-reduced at once (``"allreduce"``), in the buckets' layout (a
+   parameter without ``.grad`` contributes zeros); :mod:`gossip.wrapper.mean_gradient` has both;
 2. :meth:`MomentumSource.prepare_momentum`, which writes the rank's first moment into ``.grad``, where the tracker
    (``gradient_tracking=True``) mixes it.
 
-The ranks must agree on the optimizer: a rank that samples the mean gradient while another does not would wait in
-the all-reduce, and one tracking first moments beside one tracking gradients would average quantities of different
-meaning. At the first optimizer step of a wrapper that tracks, or whose optimizer is a momentum source, the ranks
-therefore compare a fingerprint of the optimizer's kind (:func:`gossip.wrapper.replicas.digests_agree`, as the
-wrapper's schedule check does) and raise :class:`~gossip.errors.ReplicaMismatchError` naming the rank that differs.
-A momentum source in a wrapper that does not track is refused on its own rank before that comparison
-(:class:`~gossip.errors.InvalidArgumentError`): a rank with an ordinary optimizer and no tracker beside it never
-joins the comparison, and would otherwise leave it waiting.
+The ranks must agree on the optimizer: a rank that samples the mean gradient while another does not would wait for
+a peer that never joins, and one tracking first moments beside one tracking gradients would average quantities of
+different meaning. From the first optimizer step of a wrapper that tracks, the ranks therefore compare
+:func:`optimizer_kind` with their peers over one connected window of the schedule
+(:class:`gossip.wrapper.peer_agreement.PeerAgreement`) and raise :class:`~gossip.errors.ReplicaMismatchError` naming
+the peer that differs; :func:`check_optimizer_agreement` compares it over every rank at once (elastic runs, before
+their first step). A momentum source in a wrapper that does not track is refused on its own rank
+(:class:`~gossip.errors.InvalidArgumentError`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from gossip.algorithms.base import Algorithm
-from gossip.algorithms.buckets import Bucket, gradients_into
 from gossip.backends.base import Communicator
 from gossip.errors import ReplicaMismatchError
 from gossip.wrapper.replicas import digests_agree
@@ -111,35 +110,3 @@ def check_optimizer_agreement(comm: Communicator, optimizer: torch.optim.Optimiz
         f"step {step}: rank {other}'s optimizer is {kinds[other]} where rank 0's is {kinds[0]}: with momentum "
         "tracking every rank must use the same optimizer with the same second_moment_every"
     )
-
-
-@torch.no_grad()
-def prepare_momentum(
-    source: MomentumSource,
-    algorithm: Algorithm,
-    buckets: Sequence[Bucket],
-    parameters: Sequence[torch.Tensor],
-    sample: bool = True,
-) -> None:
-    """Phases 1 and 2 of the module docstring: sample the mean gradient if due, then write the first moment.
-
-    A collective on the steps the sampling is due (every rank asks the same optimizer kind, so every rank joins),
-    posted as part of the step (``in_step``: an elastic communicator refuses it during a membership change, and the
-    change's decision knows who posted it).
-
-    Args:
-        source: the optimizer.
-        algorithm: the wrapper's bound algorithm (its communicator; its step account books the all-reduce).
-        buckets: the wrapper's parameter buckets.
-        parameters: the trainable parameters, in the order of the buckets' entries.
-        sample: False skips this step's sample even when it is due (an elastic step whose sample a membership
-            change interrupted: it is attempted once, on the group the step began in).
-    """
-    if sample and source.mean_gradient_due():
-        flats = [torch.zeros_like(bucket.buffer) for bucket in buckets]
-        means = gradients_into(buckets, parameters, flats)  # averaged in place below
-        handles: list[Any] = [algorithm._all_reduce(flat, "avg", in_step=True) for flat in flats]
-        for handle in handles:
-            algorithm._wait(handle)
-        source.take_mean_gradient(means, algorithm.comm.size)
-    source.prepare_momentum()

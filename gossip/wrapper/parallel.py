@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import math
 import time
 import warnings
@@ -33,7 +32,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -61,9 +59,11 @@ from gossip.wrapper.consensus import (
     global_average,
     reading,
 )
+from gossip.wrapper.mean_gradient import MEAN_GRADIENT_SOURCES, GossipedMeanGradient, make_mean_gradient
 from gossip.wrapper.metrics import StepMetrics
-from gossip.wrapper.momentum import MomentumSource, check_optimizer_agreement, momentum_source, prepare_momentum
-from gossip.wrapper.replicas import ReplicaMismatchError, broadcast_from_rank0, check_replicas, digests_agree
+from gossip.wrapper.momentum import MomentumSource, momentum_source, optimizer_kind
+from gossip.wrapper.peer_agreement import PeerAgreement
+from gossip.wrapper.replicas import ReplicaMismatchError, broadcast_from_rank0, check_replicas
 from gossip.wrapper.step_phase import StepPhase, StepState
 from gossip.wrapper.tracking import GradientTracker, require_doubly_stochastic, tracker_mixing, tracking_setting
 from topologies import Schedule
@@ -73,8 +73,6 @@ from topologies.validation import find_violation
 _NAMES_ITS_STEP = (ModelChangedError, ReplicaMismatchError, StepPhaseError)
 
 BUFFER_POLICIES = ("local", "average")
-#: A schedule without period is compared across ranks every this many steps (beyond its construction window).
-SCHEDULE_CHECK_EVERY = 10
 
 
 def _forget_closed_wrappers_of(module: nn.Module) -> None:
@@ -210,6 +208,11 @@ class DecentralizedDataParallel(nn.Module):
         tracking_overlap: with gradient tracking, the combine-then-adapt tracker (DIGing's form,
             y_i <- sum_j W_ij(t) y_j^{t-1} + g_i^t - g_i^{t-1}): the trackers' exchange starts with the parameters'
             and runs during forward and backward instead of blocking the optimizer step; the same sum invariant.
+        mean_gradient: with gradient tracking, how a momentum-tracking optimizer's sample of the mean gradient is
+            formed (:mod:`gossip.wrapper.mean_gradient`): ``"gossip"`` (default) averages it over the schedule's own
+            steps, one hop a step beside the parameters' exchange, exact after the schedule's finite-time window
+            (log2 n steps of the hypercube), and hands it over then; ``"allreduce"`` all-reduces the gradients at the
+            step it is due (a collective over every rank). Equal on every rank.
 
     Raises:
         ArgumentTypeError: ``module`` already contains a wrapper.
@@ -235,6 +238,7 @@ class DecentralizedDataParallel(nn.Module):
         seed: int = 0,
         gradient_tracking: bool | str | Algorithm = False,
         tracking_overlap: bool = False,
+        mean_gradient: str = "gossip",
     ):
         super().__init__()
         if any(isinstance(inner, DecentralizedDataParallel) for inner in module.modules()):
@@ -251,6 +255,10 @@ class DecentralizedDataParallel(nn.Module):
             raise InvalidArgumentError(f"rank {comm.rank}: buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
         if bucket_bytes <= 0:
             raise InvalidArgumentError(f"rank {comm.rank}: bucket_bytes must be positive, got {bucket_bytes}")
+        if mean_gradient not in MEAN_GRADIENT_SOURCES:
+            raise InvalidArgumentError(
+                f"rank {comm.rank}: mean_gradient must be one of {MEAN_GRADIENT_SOURCES}, got {mean_gradient!r}"
+            )
         if consensus_every < 0:
             raise InvalidArgumentError(
                 f"rank {comm.rank}: consensus_every must be >= 0 (0 = off), got {consensus_every}"
@@ -268,6 +276,7 @@ class DecentralizedDataParallel(nn.Module):
             "nonfinite": algorithm.nonfinite,
             "gradient_tracking": tracking_setting(gradient_tracking),
             "tracking_overlap": bool(tracking_overlap),
+            "mean_gradient": mean_gradient,
         }
         self.signature = check_replicas(module, comm, schedule, algorithm, settings)
         if gradient_tracking:
@@ -289,7 +298,8 @@ class DecentralizedDataParallel(nn.Module):
         self._backward_since_step = False  # a backward accumulated gradients since the last optimizer step
         self._forward_since_step = False  # the wrapper's forward ran since the last optimizer step
         self._progressing = False  # the algorithm may make progress on the exchange in flight (backward hooks)
-        self._schedule_checked_to = schedule.window  # a schedule without period: steps agreed on so far
+        # the optimizer and W(t), compared with each step's peers (gossip.wrapper.peer_agreement)
+        self._agreement = PeerAgreement(comm, schedule, algorithm.traffic)
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self._parameters_in_order = [p for _, p in named]
@@ -309,6 +319,12 @@ class DecentralizedDataParallel(nn.Module):
                 overlap=tracking_overlap,
                 option=gradient_tracking,
             )
+        #: how a momentum-tracking optimizer's sample of the mean gradient is formed (gossip.wrapper.mean_gradient)
+        self._mean_gradient = (
+            make_mean_gradient(mean_gradient, algorithm, schedule, self.buckets, self._parameters_in_order)
+            if gradient_tracking
+            else None
+        )
         self._ownership: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._optimizer_agreed = False  # the ranks compared their optimizers' kinds (gossip.wrapper.momentum)
         self._momentum_prepared_at = -1  # the step whose first moment the optimizer last prepared
@@ -473,6 +489,7 @@ class DecentralizedDataParallel(nn.Module):
         self._finish_began = time.perf_counter()
         self.algorithm.finish(self._exchange)
         self._exchange = None
+        self._agreement.check(self.step_count)
         self._move("finish", "finish_mixing()")
 
     def _finish_tracking(self, momentum: MomentumSource | None) -> None:
@@ -486,7 +503,10 @@ class DecentralizedDataParallel(nn.Module):
         """
         if momentum is not None and self._momentum_prepared_at != self.step_count:
             sample, self._sampled_at = self._sampled_at != self.step_count, self.step_count  # attempted once a step
-            prepare_momentum(momentum, self.algorithm, self.buckets, self._parameters_in_order, sample)
+            assert self._mean_gradient is not None  # a momentum source without trackers is refused before
+            with torch.no_grad():
+                self._mean_gradient.take(momentum, self.step_count, sample)
+            momentum.prepare_momentum()
             self._momentum_prepared_at = self.step_count
         if self.tracker is not None:
             self.tracker.track(self.step_count)
@@ -523,9 +543,6 @@ class DecentralizedDataParallel(nn.Module):
             with self._naming_step():
                 estimate = self._sampler.estimate_sq(self._replica_views, self.comm, self.step_count + 1)
             row["consensus"] = math.sqrt(estimate)
-        if (self.step_count + 1) % SCHEDULE_CHECK_EVERY == 0:
-            with self._naming_step():
-                self._check_schedule_agreement()
         self.metrics.record(row)
         self._move("advance", "next_step()")
         self.step_count += 1
@@ -550,33 +567,6 @@ class DecentralizedDataParallel(nn.Module):
             if error.args and isinstance(error.args[0], str) and not error.args[0].startswith(f"{where}:"):
                 error.args = (f"{where}: {error.args[0]}", *error.args[1:])
             raise
-
-    def _check_schedule_agreement(self) -> None:
-        """For a schedule without period (checked at construction over its first ``window`` steps only): agree
-        on the SHA-256 of its W(t) for the steps since the last check (:func:`digests_agree`). Only when they
-        differ are the ranks asked which one differs. Different edges usually stop the
-        exchange first (a timeout or an exchange mismatch naming the step); this catches different *weights*,
-        which would otherwise mix silently wrong.
-        """
-        self._settle_exchange()  # every caller goes on to a collective (averaged(), a checkpoint, close())
-        first, last = self._schedule_checked_to, self.step_count
-        if self.schedule.period is not None or last < first:  # periodic: compared whole at construction; or
-            return  # still inside the window compared at construction (the same on every rank)
-        digest = hashlib.sha256()
-        for t in range(first, last + 1):
-            for array in self.schedule.triplets(t):
-                digest.update(np.ascontiguousarray(array).tobytes())
-        self._schedule_checked_to = last + 1
-        if digests_agree(self.comm, digest.digest()):
-            return
-        fingerprints = self.comm.all_gather_object(digest.hexdigest())
-        other = next(rank for rank, f in enumerate(fingerprints) if f != fingerprints[0])
-        raise ReplicaMismatchError(
-            f"step {last}: rank {other}'s schedule '{self.schedule.name}' differs from rank 0's between steps {first} "
-            f"and {last} "
-            f"(a schedule without period is compared over its first {self.schedule.window} steps at construction, "
-            f"then every {SCHEDULE_CHECK_EVERY} steps): build it the same way on every rank (same seed)"
-        )
 
     def _warn_if_mixing_only(self) -> None:
         """An optimizer step with neither a forward nor a backward since the previous one only mixes. Deliberate
@@ -661,6 +651,9 @@ class DecentralizedDataParallel(nn.Module):
         self._progressing = True
         if self.tracker is not None:
             self.tracker.start(self.step_count)  # overlapped tracking only: y^{t-1}'s exchange joins x_t's
+        self._agreement.post(self.step_count)
+        if self._mean_gradient is not None:
+            self._mean_gradient.post(self.step_count)  # a hop of the mean gradient's sample in progress
         self._move("start", "starting the exchange")
         self._started_at = time.perf_counter()
 
@@ -718,11 +711,8 @@ class DecentralizedDataParallel(nn.Module):
                 "DecentralizedDataParallel has gradient tracking off; pass gradient_tracking=True (or "
                 "'powergossip') to it, or use an optimizer that steps on .grad (e.g. torch.optim.AdamW)"
             )
-        if not self._optimizer_agreed:
-            self._require_usable("optimizer step (mixing)")
-            self._settle_exchange()  # a collective while step t's exchange may be in flight
-            with self._naming_step():
-                check_optimizer_agreement(self.comm, optimizer, self.step_count)
+        if not self._optimizer_agreed:  # compared with the peers of the next steps (gossip.wrapper.peer_agreement)
+            self._agreement.compare_optimizer(optimizer_kind(optimizer), self.step_count)
             self._optimizer_agreed = True
         if source is None:
             return
@@ -750,9 +740,8 @@ class DecentralizedDataParallel(nn.Module):
     def _drain_exchange(self) -> None:
         """For ``close()``: complete an exchange in flight (every rank does, so none is left waiting) and drop its
         result, so that the parameters keep x_t."""
-        if self.tracker is not None:
-            with self._naming_step():
-                self.tracker.drain()
+        with self._naming_step():
+            self._drain_side_exchanges()
         if not self._step.in_flight:
             with self._naming_step():
                 self.algorithm.drain()
@@ -765,6 +754,15 @@ class DecentralizedDataParallel(nn.Module):
         with torch.no_grad():
             for bucket, saved in zip(self.buckets, local, strict=True):
                 bucket.buffer.copy_(saved)
+
+    def _drain_side_exchanges(self) -> None:
+        """Complete and drop what travels beside the parameters: the trackers' overlapped exchange, the peers'
+        comparison and a hop of the mean gradient's sample."""
+        if self.tracker is not None:
+            self.tracker.drain()
+        self._agreement.drain()
+        if self._mean_gradient is not None:
+            self._mean_gradient.drain()
 
     # -- evaluation and consensus ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -788,8 +786,7 @@ class DecentralizedDataParallel(nn.Module):
             UseAfterCloseError: called after ``close()``.
         """
         self._require_usable("averaged()")
-        with self._naming_step():
-            self._check_schedule_agreement()  # an average of replicas mixed by different weights is no average
+        self._settle_exchange()  # a collective while step t's exchange may be in flight
         average = global_average([bucket.buffer for bucket in self.buckets], self.comm)
         parameters = dict(self.module.named_parameters())
         targets = [parameters[entry.name] for bucket in self.buckets for entry in bucket.entries]
@@ -844,12 +841,13 @@ class DecentralizedDataParallel(nn.Module):
 
         Valid between ``optimizer.step()`` and the next step's update; an exchange in flight is not saved -- a
         run resumed from this state starts step t's exchange anew, which is bit-identical. With gradient tracking
-        the trackers y_i^{t-1} and the gradients g_i^{t-1} are saved too (under ``"tracker"``).
+        the trackers y_i^{t-1} and the gradients g_i^{t-1} are saved too (under ``"tracker"``), and the mean
+        gradient's sample in progress (under ``"mean_gradient"``, with ``mean_gradient="gossip"``).
 
         Returns:
             ``{"step": t, "buckets": [copies of the buckets], "algorithm": the algorithm's state}``, plus
-                ``"tracker"`` with gradient tracking and ``"algorithm_in_flight"`` when the algorithm keeps an
-                exchange in flight across steps.
+                ``"tracker"`` with gradient tracking, ``"mean_gradient"`` with its gossiped sample, and
+                ``"algorithm_in_flight"`` when the algorithm keeps an exchange in flight across steps.
 
         Raises:
             StepPhaseError: called between the mixing and the optimizer's update.
@@ -868,6 +866,8 @@ class DecentralizedDataParallel(nn.Module):
         }
         if self.tracker is not None:
             state["tracker"] = self.tracker.state_dict()
+        if isinstance(self._mean_gradient, GossipedMeanGradient):
+            state["mean_gradient"] = self._mean_gradient.state_dict()
         in_flight = self.algorithm.in_flight_state()  # an exchange kept across steps (waited for, not applied)
         if in_flight:
             state["algorithm_in_flight"] = in_flight
@@ -901,8 +901,10 @@ class DecentralizedDataParallel(nn.Module):
         self.algorithm.load_in_flight_state(state.get("algorithm_in_flight", {}))
         if self.tracker is not None:
             self.tracker.load_state_dict(state["tracker"])
+        self._agreement.drain()
+        if isinstance(self._mean_gradient, GossipedMeanGradient) and "mean_gradient" in state:
+            self._mean_gradient.load_state_dict(state["mean_gradient"])
         self.step_count = int(state["step"])
-        self._schedule_checked_to = max(self.schedule.window, self.step_count)
         self._last_step_end = math.nan
 
     # -- teardown -------------------------------------------------------------------------------------------
@@ -949,8 +951,6 @@ class DecentralizedDataParallel(nn.Module):
                 *error.args[1:],
             )
             raise
-        with self._naming_step():
-            self._check_schedule_agreement()  # the steps since the last periodic check
         self._move("close", "close()")
         summary = self.metrics.summarize(self.comm)
         self.metrics.close()

@@ -120,7 +120,9 @@ def main() -> None:
         comm = open_epoch(membership, 0, membership.current.members, TIMEOUT, lambda: holder[0].step_count)
         schedule = schedule_for("one_peer_hypercube", size)[0]
     tracking = os.environ.get("ELASTIC_WORKER_TRACKING") or False
-    model = DecentralizedDataParallel(net, comm, schedule, ExactGossip(), consensus_every=0, gradient_tracking=tracking)
+    model = DecentralizedDataParallel(  # an elastic run samples the mean gradient by all-reduce (skipped at a change)
+        net, comm, schedule, ExactGossip(), consensus_every=0, gradient_tracking=tracking, mean_gradient="allreduce"
+    )
     holder.append(model)
     with torch.no_grad():
         model.buckets[0].buffer.copy_(torch.tensor([1.0, 10.0, 100.0, 1000.0], dtype=torch.float64) * uid)

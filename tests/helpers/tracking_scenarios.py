@@ -12,6 +12,7 @@ import torch
 import gossip
 import optim
 import topologies
+from gossip.wrapper.peer_agreement import MESSAGE_BYTES
 from helpers.parallel_scenarios import batch, checkpoint_resume, flat_parameters, loss_of, make_mlp
 
 STEPS = 8
@@ -32,6 +33,7 @@ def tracked_steps(
     overlap: bool = False,
     schedule: str = "one_peer_hypercube",
     optimizer_factory: Callable[[Any], torch.optim.Optimizer] | None = None,
+    mean_gradient: str = "gossip",
 ) -> list[dict]:
     """SGD (or ``optimizer_factory``'s optimizer) with gradient tracking (``tracking``; default: PowerGossip
     trackers) on the built-in ``schedule`` (``overlap``: the overlapped, combine-then-adapt form); after every step:
@@ -45,6 +47,7 @@ def tracked_steps(
         make[algorithm](),
         gradient_tracking=tracking or tracker(),
         tracking_overlap=overlap,
+        mean_gradient=mean_gradient,
     )
     make_optimizer = optimizer_factory or (lambda parameters: torch.optim.SGD(parameters, lr=0.05))
     optimizer = make_optimizer(model.parameters())
@@ -127,3 +130,12 @@ def run_all(comm, directory: Path) -> dict[str, Any]:
             gradient_tracking=True,
         ),
     }
+
+
+def comparison_bytes(schedule_name: str, n: int, rank: int, steps: int) -> list[int]:
+    """The bytes of the optimizers' comparison with the peers (:mod:`gossip.wrapper.peer_agreement`) in each of
+    ``steps`` steps of a tracking run whose first optimizer step is step 0: one message to each out-peer at steps
+    1 .. len(check_steps)."""
+    schedule = topologies.by_name(schedule_name, n)
+    window = range(1, 1 + len(schedule.check_steps))
+    return [MESSAGE_BYTES * len(schedule.peers(rank, t).out_peers) if t in window else 0 for t in range(steps)]

@@ -1,0 +1,217 @@
+r"""The default pipeline in one call: pure gossip that learns like DDP, no collective in the training step.
+
+``model, optimizer = gossip.wrap(net, comm, lr=3e-3)`` builds the library's default (:class:`Pipeline`):
+
+* the schedule: the one-peer hypercube when n is a power of two, else the one-peer Base-2 graph
+  (:func:`topologies.base_graph`): one peer per step, the exact average after one period, for any n
+  (:func:`default_schedule`);
+* the parameters: :class:`gossip.PowerGossip` at rank 4 with 2 power iterations per step, its products in float16
+  (Vogels et al. 2020);
+* the trackers: the wrapper's gradient tracking mixes each rank's first moment (momentum tracking, Takezawa et al.,
+  TMLR 2023) by :class:`gossip.ChocoSign`, CHOCO-Gossip with scaled-sign messages of 3 bits a value;
+* the optimizer: :class:`optim.MomentumTrackingAdamW`, dividing by the mean gradient's second moment sampled every
+  64 steps and averaged by gossip over the schedule (``mean_gradient="gossip"``,
+  :mod:`gossip.wrapper.mean_gradient`), with decoupled weight decay on matrices only
+  (:func:`optim.param_groups`).
+
+Each step then sends point-to-point messages to that step's peer only: the parameters' products, the trackers'
+signs, every 64 steps log2(n) hops of one gradient sample, and over the first steps the peers' comparison of
+settings (:mod:`gossip.wrapper.peer_agreement`). Why these choices, and what they reach against DDP and DiLoCo:
+docs/results.md. Any part can be changed (``Pipeline(rank=8).wrap(...)``), and the parts stay available to
+assemble by hand (README, "Use it in your own loop").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+import optim
+import topologies
+from gossip.algorithms.choco_sign import ChocoSign
+from gossip.algorithms.powergossip import PowerGossip
+from gossip.backends.base import Communicator
+from gossip.errors import InvalidArgumentError
+from gossip.wrapper.mean_gradient import MEAN_GRADIENT_SOURCES
+from gossip.wrapper.parallel import DecentralizedDataParallel
+from gossip.wrapper.tracking import TRACKER_MIXINGS
+
+
+def default_schedule(n: int) -> str:
+    """The default schedule's name for n ranks.
+
+    Args:
+        n: the number of ranks, >= 1.
+
+    Returns:
+        ``"one_peer_hypercube"`` when n is a power of two >= 2, else ``"base_graph"`` (its one-peer version, equal
+            to the hypercube at powers of two; one rank: its single step W = [1]).
+    """
+    return "one_peer_hypercube" if n >= 2 and n & (n - 1) == 0 else "base_graph"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """The settings of the default pipeline (module docstring); each field is one choice, with its default.
+
+    Attributes:
+        rank: PowerGossip's rank for the parameters.
+        power_iterations: PowerGossip's power iterations (exchanges) per step.
+        message_dtype: the dtype PowerGossip's products travel in (None: the parameters').
+        trackers: how the trackers are mixed: ``"sign"`` (:class:`gossip.ChocoSign`), ``"exact"`` or
+            ``"powergossip"`` (the wrapper's ``gradient_tracking``).
+        second_moment_every: steps between two samples of the mean gradient's second moment.
+        mean_gradient: how the sample is averaged: ``"gossip"`` over the schedule, or ``"allreduce"``.
+        schedule: the schedule's name (:func:`topologies.by_name`); None picks :func:`default_schedule`.
+    """
+
+    rank: int = 4
+    power_iterations: int = 2
+    message_dtype: torch.dtype | None = torch.float16
+    trackers: str = "sign"
+    second_moment_every: int = 64
+    mean_gradient: str = "gossip"
+    schedule: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.trackers not in TRACKER_MIXINGS:
+            raise InvalidArgumentError(f"Pipeline: trackers must be one of {TRACKER_MIXINGS}, got {self.trackers!r}")
+        if self.mean_gradient not in MEAN_GRADIENT_SOURCES:
+            raise InvalidArgumentError(
+                f"Pipeline: mean_gradient must be one of {MEAN_GRADIENT_SOURCES}, got {self.mean_gradient!r}"
+            )
+
+    def build_schedule(self, n: int) -> topologies.Schedule:
+        """The schedule for n ranks.
+
+        Args:
+            n: the number of ranks.
+
+        Returns:
+            ``schedule`` (or the default one) built for n.
+        """
+        return topologies.by_name(self.schedule or default_schedule(n), n)
+
+    def algorithm(self) -> PowerGossip:
+        """A fresh, unbound algorithm for the parameters.
+
+        Returns:
+            PowerGossip with this pipeline's rank, iterations and message dtype.
+        """
+        return PowerGossip(rank=self.rank, num_iterations=self.power_iterations, message_dtype=self.message_dtype)
+
+    def tracking(self) -> str | ChocoSign:
+        """The wrapper's ``gradient_tracking`` for the trackers.
+
+        Returns:
+            ``"sign"``'s :class:`gossip.ChocoSign` defaults, or ``"exact"`` / ``"powergossip"`` by name.
+        """
+        return self.trackers
+
+    def wrap_module(self, module: nn.Module, comm: Communicator, **wrapper: Any) -> DecentralizedDataParallel:
+        """Wrap ``module`` with this pipeline's schedule, algorithm and trackers (no optimizer).
+
+        Args:
+            module: the model, as :class:`gossip.DecentralizedDataParallel` takes it.
+            comm: this rank's communicator.
+            **wrapper: further :class:`gossip.DecentralizedDataParallel` arguments (``run_dir``, ``seed``, ...).
+
+        Returns:
+            The wrapper.
+        """
+        return DecentralizedDataParallel(
+            module,
+            comm,
+            self.build_schedule(comm.size),
+            self.algorithm(),
+            gradient_tracking=self.tracking(),
+            mean_gradient=self.mean_gradient,
+            **wrapper,
+        )
+
+    def optimizer(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.1,
+        eps: float = 1e-8,
+    ) -> optim.MomentumTrackingAdamW:
+        """The optimizer over the wrapper's parameters (create it after wrapping).
+
+        Args:
+            params: the parameters or param groups.
+            lr: the learning rate.
+            betas: Adam's (beta1, beta2).
+            weight_decay: decoupled weight decay (of groups that do not set their own).
+            eps: added to the denominator.
+
+        Returns:
+            :class:`optim.MomentumTrackingAdamW` sampling every ``second_moment_every`` steps.
+        """
+        return optim.MomentumTrackingAdamW(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+            second_moment_every=self.second_moment_every,
+        )  # fmt: skip
+
+    def wrap(
+        self,
+        module: nn.Module,
+        comm: Communicator,
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.1,
+        **wrapper: Any,
+    ) -> tuple[DecentralizedDataParallel, optim.MomentumTrackingAdamW]:
+        """Wrap ``module`` and create its optimizer: the whole pipeline in one call.
+
+        Weight decay applies to the matrices only (``optim.param_groups``: biases, norms and other vectors get none).
+
+        Args:
+            module: the model.
+            comm: this rank's communicator.
+            lr: the learning rate (schedule it with any ``torch.optim.lr_scheduler`` on the optimizer returned).
+            betas: Adam's (beta1, beta2).
+            weight_decay: decoupled weight decay on matrices.
+            **wrapper: further :class:`gossip.DecentralizedDataParallel` arguments.
+
+        Returns:
+            The wrapper and the optimizer; train with them as with DDP and any torch optimizer.
+        """
+        model = self.wrap_module(module, comm, **wrapper)
+        return model, self.optimizer(optim.param_groups(model.module, weight_decay), lr, betas, weight_decay)
+
+
+def wrap(
+    module: nn.Module,
+    comm: Communicator,
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    weight_decay: float = 0.1,
+    pipeline: Pipeline | None = None,
+    **wrapper: Any,
+) -> tuple[DecentralizedDataParallel, optim.MomentumTrackingAdamW]:
+    """The default pipeline around ``module`` (module docstring): the wrapper and its optimizer. A collective.
+
+    >>> model, optimizer = gossip.wrap(net, comm, lr=3e-3)  # doctest: +SKIP
+
+    Args:
+        module: the model; every rank passes the same architecture.
+        comm: this rank's communicator (``gossip.init()``).
+        lr: the learning rate.
+        betas: Adam's (beta1, beta2).
+        weight_decay: decoupled weight decay on matrices.
+        pipeline: the settings (default: ``Pipeline()``).
+        **wrapper: further :class:`gossip.DecentralizedDataParallel` arguments (``run_dir``, ``seed``, ...).
+
+    Returns:
+        The wrapper and its optimizer.
+    """
+    chosen = Pipeline() if pipeline is None else pipeline
+    return chosen.wrap(module, comm, lr=lr, betas=betas, weight_decay=weight_decay, **wrapper)
