@@ -202,7 +202,7 @@ def test_the_main_job_page_states_the_main_jobs_defaults():
     assert table["`--average-every K`"].startswith(f"{DEFAULTS.average_every} ")
     assert table["`--outer-every H`"].startswith(f"{DEFAULTS.outer_every} with `exact` and `powergossip`")
     outer = table["`--local-steps H`, `--outer-lr`, `--outer-momentum`"]
-    assert f"–, {DEFAULTS.outer_lr:g}, {DEFAULTS.outer_momentum:g} for the defaults' outer step" in outer
+    assert f"–, {DEFAULTS.outer_lr:g}, {DEFAULTS.outer_momentum:g} for a hybrid's outer step" in outer
     assert table["`--algorithm`"].startswith(
         f"`{DEFAULTS.algorithm}` (rank {DEFAULTS.rank}, {DEFAULTS.power_iterations} power iterations, "
         f"{DEFAULTS.message_dtype} messages)"

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 from helpers.launch import REPO, main_job_run, metrics_rows, run_main_job
+from helpers.tracking_scenarios import comparison_bytes
 
 from gossip.app.cli import main
 from gossip.app.corpus import load_corpus
+from gossip.app.gpt import GPT, GPTConfig
 from gossip.app.run_dir import PLOTS
 
 STEPS = 30
@@ -26,7 +28,7 @@ STEPS = 30
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
-    args = ["--nproc", "2", "--steps", str(STEPS), "--batch-size", "4", "--eval-every", "10"]
+    args = ["--nproc", "2", "--steps", str(STEPS), "--batch-size", "4", "--eval-every", "10", "--log-every", "3"]
     return main_job_run(tmp_path_factory.mktemp("job"), args)
 
 
@@ -58,6 +60,24 @@ def test_validation_loss_is_recorded_every_eval_every_steps(tiny_run):
 
 
 @pytest.mark.multiprocess
+def test_consensus_is_estimated_with_each_evaluation_not_each_progress_update(tiny_run):
+    estimated = [int(row["step"]) for row in metrics_rows(tiny_run[1]) if row["consensus"]]
+    assert estimated == [9, 19, 29]
+
+
+@pytest.mark.multiprocess
+def test_the_defaults_send_the_same_light_step_but_one_more_model_for_the_gossiped_mean_gradient(tiny_run):
+    """PowerGossip's products and the sign trackers' messages every step (under 1/6 of the float32 model), no
+    collective; the mean gradient's sample of step 0 gossiped at step 1 (one hop on 2 workers: one more model);
+    the optimizers' comparison beside them."""
+    model_bytes = 4 * GPT(GPTConfig()).num_parameters()
+    compared = comparison_bytes("one_peer_hypercube", 2, 0, STEPS)
+    sent = [int(row["bytes_sent"]) - c for row, c in zip(metrics_rows(tiny_run[1]), compared, strict=True)]
+    assert 0 < sent[0] < model_bytes / 6
+    assert sent == [sent[0] + (model_bytes if step == 1 else 0) for step in range(STEPS)]
+
+
+@pytest.mark.multiprocess
 def test_config_json_holds_the_resolved_values(tiny_run):
     config = json.loads((tiny_run[1] / "config.json").read_text())
     assert config["world_size"] == 2
@@ -65,6 +85,12 @@ def test_config_json_holds_the_resolved_values(tiny_run):
     assert config["accum_iter"] == 1  # max(1, 2 // 4)
     assert config["warmup_steps"] == STEPS // 10
     assert config["steps"] == STEPS and config["batch_size"] == 4
+    assert (config["optimizer"], config["gradient_tracking"], config["mean_gradient"], config["outer_every"]) == (
+        "momentum-tracking-adamw",
+        "sign",
+        "gossip",
+        0,
+    )
     assert config["out"] == str(tiny_run[1])
 
 

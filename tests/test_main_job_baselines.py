@@ -47,21 +47,35 @@ def test_a_failed_run_is_an_error_with_its_stderr(tmp_path, monkeypatch):
         study.run_once("ddp", 0, args)
 
 
-def test_no_outer_step_is_the_defaults_powergossip_alone():
-    import gossip
+def algorithm_of(argv):
     from gossip.app.cli import build_parser, config_from
     from gossip.app.train import make_algorithm, resolve
 
-    def algorithm_of(method):
-        return make_algorithm(resolve(config_from(build_parser().parse_args(list(study.METHODS[method]))), 8)[0])
+    config = resolve(config_from(build_parser().parse_args(list(argv))), 8)[0]
+    return config, make_algorithm(config)
 
-    defaults, alone = algorithm_of("defaults"), algorithm_of("no-outer-step")
-    assert isinstance(defaults, gossip.OuterOptimizer) and isinstance(defaults.averaging, gossip.AllReduce)
-    assert (defaults.local_steps, defaults.outer_lr, defaults.outer_momentum) == (10, 1.0, 0.0)
-    between = defaults.between
+
+def test_the_defaults_method_is_powergossip_alone_with_sign_momentum_tracking():
+    import gossip
+
+    config, defaults = algorithm_of(study.METHODS["defaults"])
+    assert type(defaults) is gossip.PowerGossip and config.outer_every == 0
+    assert (config.optimizer, config.gradient_tracking) == ("momentum-tracking-adamw", "sign")
+
+
+def test_no_outer_step_is_the_hybrids_powergossip_and_adamw_alone():
+    import gossip
+
+    hybrid_config, hybrid = algorithm_of(study.METHODS["hybrid"])  # the main job's defaults of issues 27 to 59
+    alone_config, alone = algorithm_of(study.METHODS["no-outer-step"])
+    assert isinstance(hybrid, gossip.OuterOptimizer) and isinstance(hybrid.averaging, gossip.AllReduce)
+    assert (hybrid.local_steps, hybrid.outer_lr, hybrid.outer_momentum) == (10, 1.0, 0.0)
+    between = hybrid.between
     assert type(between) is gossip.PowerGossip and type(alone) is gossip.PowerGossip
     assert (between.matrix_rank, between.num_iterations, between.message_dtype) == (
         alone.matrix_rank,
         alone.num_iterations,
         alone.message_dtype,
     )
+    for config in (hybrid_config, alone_config):
+        assert (config.optimizer, config.gradient_tracking) == ("adamw", False)

@@ -23,13 +23,13 @@ def test_the_switch_delays_the_defaults_last_power_iteration():
     assert algorithm.num_iterations == 2 and algorithm.matrix_rank == 4
     assert "2 power iterations, the last applied a step later" in describe_mixing(config)
     _, default = built([])
-    assert not default.between.delayed_last_iteration
+    assert type(default) is gossip.PowerGossip and not default.delayed_last_iteration
 
 
-def test_the_switch_takes_the_place_of_the_defaults_outer_step_and_says_so():
+def test_the_switch_keeps_the_default_pipeline_and_needs_no_note():
     config, notes = resolve(config_from(build_parser().parse_args(["--delay-last-iteration"])), 4)
-    assert config.outer_every == 0
-    assert notes == ["outer step: off (--delay-last-iteration takes the place of the default outer step every 10)"]
+    assert (config.outer_every, config.optimizer, config.gradient_tracking) == (0, "momentum-tracking-adamw", "sign")
+    assert notes == []
 
 
 @pytest.mark.parametrize(

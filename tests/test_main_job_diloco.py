@@ -73,13 +73,16 @@ def test_unset_diloco_options_resolve_to_gossip_diloco_defaults_and_the_hybrid_k
     assert make_algorithm(config).config() == {**gossip.DiLoCo().config()}
     default, _ = resolve(TrainConfig(), 4)
     assert default.algorithm == DEFAULTS.algorithm != "diloco"
-    # the defaults' outer step is the hybrid's (a plain average), not DiLoCo's; local steps stay DiLoCo's alone
-    assert (default.outer_every, default.outer_lr, default.outer_momentum) == (10, 1.0, 0.0)
+    # the defaults take no outer step, so no outer option applies to them
+    assert (default.outer_every, default.outer_lr, default.outer_momentum, default.local_steps) == (0, None, None, None)
+    hybrid, _ = resolve(TrainConfig(outer_every=10), 4)
+    # a hybrid's outer step is a plain average, not DiLoCo's; local steps stay DiLoCo's alone
+    assert (hybrid.outer_every, hybrid.outer_lr, hybrid.outer_momentum) == (10, 1.0, 0.0)
     assert (DEFAULTS.outer_lr, DEFAULTS.outer_momentum) != (
         DILOCO_DEFAULTS["outer_lr"],
         DILOCO_DEFAULTS["outer_momentum"],
     )
-    assert default.local_steps is None
+    assert hybrid.local_steps is None
     for algorithm in ("ddp", "allreduce"):
         other, _ = resolve(TrainConfig(algorithm=algorithm), 4)
         assert other.outer_every == 0

@@ -21,12 +21,24 @@ def test_average_every_and_power_iterations_reach_the_config_and_its_json():
     assert config.to_json()["average_every"] == 8 and config.to_json()["power_iterations"] == 3
 
 
+#: the fields of DEFAULTS that apply to a hybrid's outer step only: the defaults take none (``outer_every`` 0)
+HYBRID_FIELDS = ("outer_lr", "outer_momentum")
+
+
 def test_the_command_line_defaults_follow_the_one_place_that_sets_them():
     config, _ = resolve(config_from(build_parser().parse_args([])), 4)
     for field in dataclasses.fields(DEFAULTS):
-        assert getattr(config, field.name) == getattr(DEFAULTS, field.name), field.name
+        if field.name not in HYBRID_FIELDS:
+            assert getattr(config, field.name) == getattr(DEFAULTS, field.name), field.name
     wrapped = isinstance(make_algorithm(config), gossip.PeriodicAverage)
     assert wrapped == (DEFAULTS.average_every > 0)
+
+
+def test_a_hybrids_outer_step_takes_the_one_place_that_sets_it():
+    assert DEFAULTS.outer_every == 0
+    config, _ = resolve(config_from(build_parser().parse_args(["--outer-every", "10"])), 4)
+    for name in HYBRID_FIELDS:
+        assert getattr(config, name) == getattr(DEFAULTS, name), name
 
 
 @pytest.mark.parametrize("algorithm", ["ddp", "allreduce", "exact"])
@@ -97,11 +109,14 @@ def test_time_to_loss_periodic_average_methods_are_valid_main_job_commands(metho
 
 def test_message_dtype_reaches_powergossip_and_is_refused_where_it_changes_nothing():
     config, _ = resolve(config_from(build_parser().parse_args(["--message-dtype", "bfloat16"])), 4)
-    powergossip = make_algorithm(config).between  # the defaults' per-step algorithm inside their outer step
+    powergossip = make_algorithm(config)  # the defaults' algorithm, with no outer step around it
+    assert type(powergossip) is gossip.PowerGossip
     assert powergossip.message_dtype is torch.bfloat16 and config.to_json()["message_dtype"] == "bfloat16"
     assert "bfloat16 messages" in describe_mixing(config)
-    config, _ = resolve(TrainConfig(message_dtype="float32", outer_every=0), 4)
+    config, _ = resolve(TrainConfig(message_dtype="float32"), 4)
     assert make_algorithm(config).message_dtype is None  # the model's own float32
+    config, _ = resolve(TrainConfig(message_dtype="bfloat16", outer_every=10), 4)
+    assert make_algorithm(config).between.message_dtype is torch.bfloat16  # a hybrid's per-step PowerGossip
     with pytest.raises(ConfigError, match=r"--message-dtype.*applies to --algorithm powergossip only"):
         resolve(TrainConfig(algorithm="exact", message_dtype="float16"), 4)
     with pytest.raises(ConfigError, match=r"--message-dtype.*unknown 'int8'"):

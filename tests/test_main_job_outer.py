@@ -29,35 +29,44 @@ def test_plain_diloco_is_still_gossip_diloco_and_records_allreduce():
     assert (config.outer_sync, config.outer_every, config.outer_delay, config.outer_merge) == ("allreduce", 0, 0, None)
 
 
-def test_the_defaults_are_powergossip_every_step_and_an_exact_average_every_10_steps():
+def test_the_defaults_take_no_outer_step_and_track_the_first_moments_with_signs():
     config, algorithm = built([])
+    assert type(algorithm) is gossip.PowerGossip and config.outer_every == 0
+    assert (algorithm.matrix_rank, algorithm.num_iterations, algorithm.message_dtype) == (4, 2, torch.float16)
+    assert (config.optimizer, config.gradient_tracking) == ("momentum-tracking-adamw", "sign")
+    assert "outer" not in describe_mixing(config)
+    _, exact = built(["--algorithm", "exact"])
+    assert type(exact) is gossip.ExactGossip
+    for other in ("ddp", "allreduce", "diloco"):
+        assert resolve(TrainConfig(algorithm=other), 4)[0].outer_every == 0, other
+
+
+def test_outer_every_10_is_powergossip_every_step_and_an_exact_average_every_10_steps():
+    config, algorithm = built(["--outer-every", "10"])
     assert type(algorithm) is gossip.OuterOptimizer and isinstance(algorithm.averaging, gossip.AllReduce)
     assert (algorithm.local_steps, algorithm.outer_lr, algorithm.outer_momentum, algorithm.delay) == (10, 1.0, 0.0, 0)
     between = algorithm.between
     assert type(between) is gossip.PowerGossip
     assert (between.matrix_rank, between.num_iterations, between.message_dtype) == (4, 2, torch.float16)
+    assert (config.optimizer, config.gradient_tracking) == ("adamw", False)
     assert describe_mixing(config).endswith("exact average every 10 steps (outer step, lr 1, no momentum)")
-    _, exact = built(["--algorithm", "exact"])
+    _, exact = built(["--algorithm", "exact", "--outer-every", "10"])
     assert type(exact) is gossip.OuterOptimizer and type(exact.between) is gossip.ExactGossip
     # landing late, the replica merges with the average instead of becoming it: not called an exact average
-    delayed, _ = built(["--outer-delay", "1"])
+    delayed, _ = built(["--outer-every", "10", "--outer-delay", "1"])
     assert describe_mixing(delayed).endswith(
         "outer Nesterov SGD lr 1 momentum 0 every 10 steps, landing 1 step(s) late (merge 0.5)"
     )
-    _, off = built(["--outer-every", "0"])
-    assert type(off) is gossip.PowerGossip
-    # an outer option alone applies to the defaults' outer step
-    _, gossiped = built(["--outer-sync", "gossip", "--outer-lr", "0.8"])
+    _, gossiped = built(["--outer-every", "10", "--outer-sync", "gossip", "--outer-lr", "0.8"])
     assert isinstance(gossiped.averaging, gossip.ExactGossip) and (gossiped.local_steps, gossiped.outer_lr) == (10, 0.8)
-    for other in ("ddp", "allreduce", "diloco"):
-        assert resolve(TrainConfig(algorithm=other), 4)[0].outer_every == 0, other
 
 
-def test_average_every_takes_the_place_of_the_defaults_outer_step_and_says_so():
+def test_average_every_replaces_the_mixing_every_k_steps_with_adamw_and_no_note():
     config, notes = resolve(config_from(build_parser().parse_args(["--average-every", "32"])), 4)
     assert (config.average_every, config.outer_every) == (32, 0)
     assert isinstance(make_algorithm(config), gossip.PeriodicAverage)
-    assert notes == ["outer step: off (--average-every takes the place of the default outer step every 10)"]
+    assert (config.optimizer, config.gradient_tracking) == ("adamw", False)
+    assert notes == []
 
 
 def test_diloco_with_gossip_averaged_pseudo_gradients():
@@ -103,6 +112,7 @@ def test_help_lists_the_outer_options():
     ("argv", "option", "says"),
     [
         (["--outer-every", "0", "--outer-sync", "gossip"], "--outer-sync", "diloco or --outer-every only"),
+        (["--outer-lr", "0.8"], "--outer-lr", "--outer-every only, not powergossip"),  # the defaults take no outer step
         (["--algorithm", "ddp", "--outer-delay", "1"], "--outer-delay", "diloco or --outer-every only, not ddp"),
         (["--algorithm", "diloco", "--outer-every", "5"], "--outer-every", "a hybrid runs --algorithm exact or"),
         (["--algorithm", "allreduce", "--outer-every", "5"], "--outer-every", "not allreduce"),

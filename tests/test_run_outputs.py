@@ -64,9 +64,26 @@ def test_without_the_tensorboard_package_only_the_json_lines_are_written(tmp_pat
     assert (tmp_path / "metrics_rank1.jsonl").read_text().count("\n") == STEPS
 
 
+def test_plot_title_names_the_defaults_trackers_and_how_the_mean_gradient_is_sampled():
+    config, _ = resolve(TrainConfig(steps=300, seed=7), world_size=4)
+    assert plot_title(config) == (
+        "powergossip on one_peer_hypercube (rank 4, 2 power iterations, float16 messages), sign trackers of the first "
+        "moments, the mean gradient's second moment every 64 steps by gossip, 4 workers, momentum-tracking-adamw "
+        "lr 0.003, 300 steps x 16, iid, seed 7"
+    )
+
+
 def test_plot_title_names_the_configuration():
     config, _ = resolve(
-        TrainConfig(algorithm="powergossip", rank=2, power_iterations=3, optimizer="accum-adamw", steps=300, seed=7),
+        TrainConfig(
+            algorithm="powergossip",
+            rank=2,
+            power_iterations=3,
+            outer_every=10,
+            optimizer="accum-adamw",
+            steps=300,
+            seed=7,
+        ),
         world_size=4,
     )
     assert plot_title(config) == (

@@ -137,6 +137,8 @@ class RunConfig:
     average_moments: str = ""  # "m", "v" or "mv": the AdamW moments averaged over all ranks after every step
     v_every: int = 1  # shared-v-adamw: steps between two samples of the mean gradient (an all-reduce each)
     v_source: str = "local"  # tracked-m-adamw: the second moment, "local", "debiased" or "shared" (every v_every)
+    mean_gradient: str = "allreduce"  # tracked-m-adamw, "shared": the wrapper's mean_gradient ("gossip": along the
+    # schedule's exact hops, no collective; "allreduce": at once, what every run before issue 59 used)
     lr: float = 3e-3
     warmup: int = 30
     workers: int = 8
@@ -304,6 +306,7 @@ def train_run(config: RunConfig, seed: int, device: str = "cpu") -> dict[str, li
                 seed=seed,
                 gradient_tracking=tracking(config),
                 tracking_overlap=config.tracking_overlap,
+                mean_gradient=config.mean_gradient,
             )
             parameters = [b.buffer for b in wrapped.buckets]
         optimizer = make_optimizer(config, module)
@@ -651,6 +654,30 @@ def suite(name: str) -> list[RunConfig]:
             **pg,
             **s4000,
             **many,
+        ),
+        # issue 59: the same, with the mean gradient averaged by gossip along the hypercube (no collective), at both n
+        c(
+            "n16b1-pg4-it2-fp16-mtsign4-c256-gossipv64-s4000",
+            gradient_tracking="choco-sign",
+            tracker_levels=4,
+            tracker_chunk=256,
+            mean_gradient="gossip",
+            **mt,
+            **shared_v(64),
+            **pg,
+            **s4000,
+            **many,
+        ),
+        c(
+            "pg4-it2-fp16-mtsign4-c256-gossipv64",
+            gradient_tracking="choco-sign",
+            tracker_levels=4,
+            tracker_chunk=256,
+            mean_gradient="gossip",
+            **mt,
+            **shared_v(64),
+            **pg,
+            **d,
         ),
         # a slower first moment changes less per step, so compressed trackers might keep up: beta1 0.95 and 0.99,
         # beside DDP with beta1 0.99

@@ -23,27 +23,27 @@ from experiments.shared import write_csv
 RESULTS = Path(__file__).resolve().parent / "results"
 #: method name -> the gossip-train options that select it (the defaults: none)
 METHODS = {
-    # PowerGossip every step and an exact average of the replicas every 10 steps (an outer step, lr 1, no momentum)
+    # since issue 59: PowerGossip, sign-compressed momentum trackers and momentum-tracking AdamW whose second moment
+    # comes from the mean gradient averaged by gossip every 64 steps (gossip.Pipeline); no collective in the step
     "defaults": (),
-    # the defaults' PowerGossip alone (the main job's defaults before issue 27)
-    "no-outer-step": ("--outer-every", "0"),
+    # the defaults from issue 27 to 59: PowerGossip every step and an exact average of the replicas every 10 steps
+    # (an outer step, lr 1, no momentum), AdamW
+    "hybrid": ("--outer-every", "10"),
+    # that PowerGossip alone (the main job's defaults before issue 27)
+    "no-outer-step": ("--outer-every", "0", "--optimizer", "adamw"),
     "ddp": ("--algorithm", "ddp"),
     "diloco": ("--algorithm", "diloco"),
     "diloco-h10-avg": ("--algorithm", "diloco", "--local-steps", "10", "--outer-lr", "1", "--outer-momentum", "0"),
-    # momentum tracking (optim.MomentumTrackingAdamW, the mean gradient's second moment every 32 steps): exact
-    # gossip and exact trackers, and the defaults' PowerGossip with exact trackers
+    # momentum tracking (optim.MomentumTrackingAdamW, the mean gradient's second moment all-reduced every 32 steps):
+    # exact gossip and exact trackers, and the defaults' PowerGossip with exact trackers
     "exact-momentum-tracking": (
-        "--algorithm", "exact", "--outer-every", "0", "--gradient-tracking", "--optimizer", "momentum-tracking-adamw"
+        "--algorithm", "exact", "--gradient-tracking", "--second-moment-every", "32", "--mean-gradient", "allreduce",
     ),
     "powergossip-momentum-tracking": (
-        "--outer-every", "0", "--gradient-tracking", "--optimizer", "momentum-tracking-adamw"
+        "--gradient-tracking", "--second-moment-every", "32", "--mean-gradient", "allreduce",
     ),
-    # the same with the trackers mixed by gossip.ChocoSign (scaled signs, 3 bits a value) and the second moment
-    # every 64 steps: the study's configuration within a tenth of DDP's bytes
-    "sign-momentum-tracking": (
-        "--outer-every", "0", "--gradient-tracking", "sign", "--optimizer", "momentum-tracking-adamw",
-        "--second-moment-every", "64",
-    ),
+    # the defaults with the mean gradient all-reduced instead (the configuration of issue 27)
+    "sign-momentum-tracking": ("--mean-gradient", "allreduce"),
 }  # fmt: skip
 COLUMNS = (
     "method",

@@ -71,7 +71,7 @@ import torch
 from gossip.algorithms.allreduce import AllReduce
 from gossip.algorithms.base import Algorithm, all_finite_on_host
 from gossip.algorithms.buckets import Bucket
-from gossip.algorithms.period import Period
+from gossip.algorithms.period import EveryPeriod, PeriodStep
 from gossip.backends.base import Communicator
 from gossip.errors import ArgumentTypeError, CheckpointMismatchError, InvalidArgumentError, NonFiniteError
 from topologies import Schedule
@@ -126,12 +126,6 @@ class _Sync:
     pending: Any  # what the averaging's start returned; None for one loaded from a checkpoint, not yet posted
 
 
-@dataclass
-class _Step:
-    step: int
-    between: Any = None  # what between.start returned, on the other steps
-
-
 def _number(owner: str, name: str, value: Any, low: float, high: float, *, low_open: bool, high_open: bool) -> float:
     ok = not isinstance(value, bool) and isinstance(value, (int, float))
     if ok:
@@ -142,7 +136,7 @@ def _number(owner: str, name: str, value: Any, low: float, high: float, *, low_o
     return float(value)
 
 
-class OuterOptimizer(Algorithm):
+class OuterOptimizer(EveryPeriod):
     r"""Local steps, then an outer (Nesterov) SGD step on pseudo-gradients averaged by ``averaging``.
 
     ``OuterOptimizer(AllReduce(), local_steps=20)`` is DiLoCo; ``OuterOptimizer(ExactGossip(), 20)`` averages the
@@ -214,6 +208,7 @@ class OuterOptimizer(Algorithm):
         self.merge = _number(label, "merge", merge, 0.0, 1.0, low_open=False, high_open=False)
         self.averaging, self.between, self.sync_schedule = averaging, between, schedule
         self.local_steps, self.delay = local_steps, delay
+        self._period_length = local_steps
         self.outer_lr, self.outer_momentum, self.nesterov = float(outer_lr), float(outer_momentum), nesterov
         self._sync: list[torch.Tensor] = []  # theta_i, one tensor per bucket
         self._momentum: list[torch.Tensor] = []  # v_i (none with outer_momentum 0)
@@ -264,11 +259,6 @@ class OuterOptimizer(Algorithm):
         self._outer_steps, self._inflight, self._open = 0, None, None
 
     @property
-    def period(self) -> Period:
-        """The calendar of ``local_steps``: which steps synchronise, and ``between``'s step numbers."""
-        return Period(self.local_steps)
-
-    @property
     def outer_steps(self) -> int:
         """The outer steps taken so far."""
         return self._outer_steps
@@ -291,56 +281,29 @@ class OuterOptimizer(Algorithm):
         """
         return [delta.buffer for delta in self._deltas]
 
-    # -- the Algorithm interface ----------------------------------------------------------------------------
-    def check_deferred(self) -> None:
-        """Also the parts' deferred non-finite checks."""
-        super().check_deferred()
-        for part in (self.averaging, self.between):
-            if part is not None and getattr(part, "_unchecked", None):
-                part.check_deferred()
+    # -- the period end (the step loop: gossip.algorithms.period.EveryPeriod) ----------------------------------
+    def _parts(self) -> list[Algorithm]:
+        """The averaging and ``between``: their deferred non-finite checks run here."""
+        return [part for part in (self.averaging, self.between) if part is not None]
 
-    def _start_step(self, step: int) -> _Step:
+    def _before_start(self, step: int) -> None:
         if self._loaded:
             self._check_agreement(step)
-        self._open = step
-        parts = _Step(step)
         if self._inflight is not None and self._inflight.pending is None:  # loaded: post its averaging again
             self._inflight.pending = self.averaging.start(self._inflight.index)
-        if self.period.ends(step):
-            with torch.no_grad():
-                for delta, sync, bucket in zip(self._deltas, self._sync, self.buckets, strict=True):
-                    torch.sub(sync, bucket.buffer, out=delta.buffer)
-            index = self.period.index(step)
-            self._averaging_before = self.averaging.state_snapshot()
-            self._inflight = _Sync(step, index, self.averaging.start(index))
-        elif self.between is not None:
-            self._between_before = self.between.state_snapshot()
-            parts.between = self.between.start(self.period.between(step))
-        return parts
 
-    def progress(self, pending: _Step, wait: bool = False) -> bool:
-        """``between``'s progress on the steps it runs (PowerGossip's further power iterations during backward).
+    def _start_period_end(self, step: int) -> None:
+        with torch.no_grad():
+            for delta, sync, bucket in zip(self._deltas, self._sync, self.buckets, strict=True):
+                torch.sub(sync, bucket.buffer, out=delta.buffer)
+        index = self.period.index(step)
+        self._averaging_before = self.averaging.state_snapshot()
+        self._inflight = _Sync(step, index, self.averaging.start(index))
 
-        A synchronisation's averaging is posted whole in ``start``: on those steps there is nothing to progress.
-
-        Args:
-            pending: what :meth:`start` returned for the open step.
-            wait: post everything that may be posted early, waiting as needed.
-
-        Returns:
-            Whether a later call may still make progress this step.
-        """
-        if pending.between is None:
-            return False
-        return self.between.progress(pending.between, wait)
-
-    def _finish_step(self, pending: _Step) -> None:
-        if pending.between is not None:
-            self.between.finish(pending.between)
+    def _finish_step_end(self, pending: PeriodStep) -> None:
         inflight = self._inflight
         if inflight is not None and inflight.step + self.delay == pending.step:
             self._land(inflight, pending.step)
-        self._open, self._between_before = None, None
 
     def _land(self, inflight: _Sync, step: int) -> None:
         """Complete the averaging, take the outer step and write the replica (or merge it, when delayed)."""
@@ -444,9 +407,7 @@ class OuterOptimizer(Algorithm):
         """
         inflight = self._inflight
         saved = inflight is not None and (self._open is None or inflight.step < self._open)
-        between = None
-        if self.between is not None:
-            between = self._between_before if self._between_before is not None else self.between.state_dict()
+        between = self._between_state()
         averaging = self._averaging_before if inflight is not None else self.averaging.state_dict()
         return {
             "config": self.config(),

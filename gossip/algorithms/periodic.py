@@ -40,9 +40,7 @@ with :class:`gossip.errors.NonFiniteWarning` naming the dropped ranks.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,10 +48,10 @@ import torch
 
 from gossip.algorithms.base import Algorithm
 from gossip.algorithms.buckets import Bucket
-from gossip.algorithms.period import Period
+from gossip.algorithms.period import EveryPeriod, PeriodStep
 from gossip.backends.base import Communicator
 from gossip.backends.comm_thread import Handle
-from gossip.errors import ArgumentTypeError, GossipError, InvalidArgumentError, NonFiniteError, NonFiniteWarning
+from gossip.errors import ArgumentTypeError, InvalidArgumentError, NonFiniteError, NonFiniteWarning
 from topologies import Schedule
 
 
@@ -64,13 +62,7 @@ class _Averaging:
     handles: list[Handle]
 
 
-@dataclass
-class _Gossip:
-    step: int
-    inner: Any  # what the inner algorithm's start returned
-
-
-class PeriodicAverage(Algorithm):
+class PeriodicAverage(EveryPeriod):
     """Wrap ``inner``: exact global average on steps with (step + 1) % every == 0, ``inner`` on all others.
 
     ``PeriodicAverage(PowerGossip(rank=4), every=16)`` gossips low-rank differences for 15 steps and averages
@@ -88,6 +80,7 @@ class PeriodicAverage(Algorithm):
     """
 
     name = "periodic-average"
+    _label = "PeriodicAverage"
 
     def __init__(self, inner: Algorithm, every: int):
         if not isinstance(inner, Algorithm):
@@ -96,12 +89,16 @@ class PeriodicAverage(Algorithm):
             raise InvalidArgumentError(
                 f"PeriodicAverage: every must be an integer >= 1 (steps between global averages), got {every!r}"
             )
-        self.inner, self.every = inner, every
+        self.every = self._period_length = every
+        self.between: Algorithm | None = inner
+        self._open: int | None = None
+        self._between_before: dict[str, Any] | None = None
 
     @property
-    def period(self) -> Period:
-        """The calendar of ``every``: which steps average, and the inner algorithm's step numbers."""
-        return Period(self.every)
+    def inner(self) -> Algorithm:
+        """The algorithm run on the steps between the averages (the step loop's ``between``)."""
+        assert self.between is not None
+        return self.between
 
     @property
     def needs_symmetric_schedule(self) -> bool:  # type: ignore[override]
@@ -126,60 +123,21 @@ class PeriodicAverage(Algorithm):
         super().setup(comm, schedule, buckets)
         self.setup_part(self.inner, schedule, buckets)
 
-    @contextlib.contextmanager
-    def _naming_training_step(self, step: int) -> Iterator[None]:
-        try:
-            yield
-        except GossipError as error:
-            if error.args and isinstance(error.args[0], str):
-                note = f" [{self.inner.name} step {self.period.between(step)} is step {step} of PeriodicAverage]"
-                error.args = (error.args[0] + note, *error.args[1:])
-            raise
-
-    def check_deferred(self) -> None:
-        """Also the inner algorithm's deferred non-finite check, its step named as a training step."""
-        super().check_deferred()
-        if self.inner is not None and getattr(self.inner, "_unchecked", None):
-            inner_step = self.inner._unchecked[0][0]
-            # the training step whose gossip was inner step s: s plus the averaging steps before it
-            with self._naming_training_step(self.period.training_step(inner_step)):
-                self.inner.check_deferred()
-
-    # -- the Algorithm interface ----------------------------------------------------------------------------
-    def _start_step(self, step: int) -> _Averaging | _Gossip:
-        if not self.period.ends(step):
-            with self._naming_training_step(step):
-                return _Gossip(step, self.inner.start(self.period.between(step)))
+    # -- the period end (the step loop: gossip.algorithms.period.EveryPeriod) ----------------------------------
+    def _start_period_end(self, step: int) -> _Averaging:
         copies = [bucket.buffer.clone() for bucket in self.buckets]
         return _Averaging(step, copies, [self._all_reduce(copy) for copy in copies])
 
-    def progress(self, pending: _Averaging | _Gossip, wait: bool = False) -> bool:
-        """The inner algorithm's progress on its steps (PowerGossip's further power iterations during backward).
-
-        Nothing on an averaging step, whose all-reduce is posted whole in ``start``.
-
-        Args:
-            pending: what :meth:`start` returned for the open step.
-            wait: post everything that may be posted early, waiting as needed.
-
-        Returns:
-            Whether a later call may still make progress this step.
-        """
-        if not isinstance(pending, _Gossip):
-            return False
-        return self.inner.progress(pending.inner, wait)
-
-    def _finish_step(self, pending: _Averaging | _Gossip) -> None:
-        if isinstance(pending, _Gossip):
-            with self._naming_training_step(pending.step):
-                self.inner.finish(pending.inner)
+    def _finish_step_end(self, pending: PeriodStep) -> None:
+        averaging = pending.at_period_end
+        if averaging is None:
             return
-        for handle in pending.handles:
+        for handle in averaging.handles:
             self._wait(handle)
-        checks = [torch.isfinite(copy).all() for copy in pending.copies if copy.numel()]
+        checks = [torch.isfinite(copy).all() for copy in averaging.copies if copy.numel()]
         if checks and not bool(torch.stack(checks).all()):
-            self._replace_nonfinite_mean(pending)
-        for bucket, mean in zip(self.buckets, pending.copies, strict=True):
+            self._replace_nonfinite_mean(averaging)
+        for bucket, mean in zip(self.buckets, averaging.copies, strict=True):
             bucket.buffer.copy_(mean)
 
     def _replace_nonfinite_mean(self, pending: _Averaging) -> None:

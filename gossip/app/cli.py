@@ -9,13 +9,15 @@ Two ways to run it:
   ``srun gossip-train``, ``torchrun --nproc-per-node 4 -m gossip`` or a single process (``gossip.init`` reads the
   launcher's environment).
 
-Defaults (:data:`gossip.app.train.DEFAULTS`, the best configuration of the learning-per-step study at this scale:
-experiments/learning_per_step/README.md): PowerGossip at rank 4 with 2 power iterations per step and its products
-in float16 on one_peer_hypercube (ring when the number of workers is not a power of two), and every 10 steps an exact
-average of the replicas (an outer step with lr 1 and no momentum over an all-reduce; ``--outer-every 0`` turns it
-off), AdamW, 500 steps of 16 x 64 bytes per worker, lr 3e-3 with warmup and cosine decay. What a run with them
-reaches is in docs/results.md, section "The main job, one run". ``--algorithm exact --optimizer accum-adamw``
-(accum_iter = max(1, n // 4)) runs the exact gossip + AccumAdamW configuration.
+Defaults (:data:`gossip.app.train.DEFAULTS`, the library's default pipeline, :class:`gossip.Pipeline`): PowerGossip
+at rank 4 with 2 power iterations per step and its products in float16 on one_peer_hypercube (base_graph when the
+number of workers is not a power of two: one peer a step, exact after one period), each worker's first moment
+tracked by sign-compressed trackers (:class:`gossip.ChocoSign`) and :class:`optim.MomentumTrackingAdamW` dividing by
+the mean gradient's second moment, sampled every 64 steps and averaged by gossip; no collective between the first
+step and the end but the evaluations (``--eval-every``). 500 steps of 16 x 64 bytes per worker, lr 3e-3 with warmup
+and cosine decay. What it reaches against DDP and DiLoCo: docs/results.md. The previous defaults, PowerGossip with an
+exact average of the replicas every 10 steps and AdamW, are ``--optimizer adamw --outer-every 10``;
+``--algorithm exact --optimizer accum-adamw`` (accum_iter = max(1, n // 4)) runs exact gossip with AccumAdamW.
 
 Baselines: ``--algorithm ddp`` (torch DistributedDataParallel) and ``--algorithm diloco`` (DiLoCo: ``--local-steps``
 H = 20 local AdamW steps, then an all-reduce of the pseudo-gradient and an outer Nesterov SGD step, ``--outer-lr``
@@ -35,13 +37,12 @@ from pathlib import Path
 
 import gossip
 import topologies
-from gossip.app.arg_types import in_unit_interval, int_at_least, positive
+from gossip.app.arg_types import int_at_least, positive
 from gossip.app.local_launch import ERROR_DIR_VARIABLE, launch_local, worker_argv
 from gossip.app.outer_options import add_outer_options, outer_settings
 from gossip.app.train import (
     ALGORITHM_CHOICES,
     DEFAULTS,
-    DILOCO_DEFAULTS,
     MESSAGE_DTYPES,
     OPTIMIZERS,
     ConfigError,
@@ -49,6 +50,7 @@ from gossip.app.train import (
     resolve,
     train,
 )
+from gossip.wrapper.mean_gradient import MEAN_GRADIENT_SOURCES
 from gossip.wrapper.tracking import TRACKER_MIXINGS
 
 
@@ -167,14 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--gradient-tracking",
         nargs="?",
         const=True,
-        default=False,
+        default=None,
         choices=TRACKER_MIXINGS,
         metavar="{exact,powergossip,sign}",
         help="step on a tracker of the mean gradient, mixed like the parameters: exactly (the flag alone or exact: "
         "one more exchange of model size per step), by PowerGossip at --rank (powergossip: its compressed "
         "products per step) or by CHOCO-Gossip with scaled-sign messages (sign: gossip.ChocoSign, 3 bits a value "
         "and error feedback); the trackers' sum stays the gradients' sum; needs a doubly stochastic (powergossip, "
-        "sign: symmetric) schedule; default: off",
+        f"sign: symmetric) schedule; default: {DEFAULTS.gradient_tracking} with --optimizer {DEFAULTS.optimizer}, "
+        "else off",
     )
     gossip_options.add_argument(
         "--tracking-overlap",
@@ -188,48 +191,35 @@ def build_parser() -> argparse.ArgumentParser:
         dest="gradient_tracking",
         action="store_const",
         const=False,
-        help="gradient tracking off (the default)",
+        help="gradient tracking off (and --optimizer adamw unless given)",
     )
-    diloco = parser.add_argument_group(
-        "diloco (--algorithm diloco; --outer-lr and --outer-momentum also with --outer-every)"
-    )
-    diloco.add_argument(
-        "--local-steps",
-        type=positive(int),
-        default=None,
-        help=f"local steps between two synchronisations (H); default: {DILOCO_DEFAULTS['local_steps']}",
-    )
-    diloco.add_argument(
-        "--outer-lr",
-        type=positive(float),
-        default=None,
-        help=f"learning rate of the outer Nesterov SGD; default: {DILOCO_DEFAULTS['outer_lr']} for diloco, "
-        f"{DEFAULTS.outer_lr:g} for a hybrid",
-    )
-    diloco.add_argument(
-        "--outer-momentum",
-        type=in_unit_interval(include_one=False),
-        default=None,
-        help=f"momentum of the outer Nesterov SGD, in [0, 1); default: {DILOCO_DEFAULTS['outer_momentum']} for "
-        f"diloco, {DEFAULTS.outer_momentum:g} for a hybrid",
-    )
-    add_outer_options(parser)
+    add_outer_options(parser, hybrid_lr=DEFAULTS.outer_lr, hybrid_momentum=DEFAULTS.outer_momentum)
     training = parser.add_argument_group("training")
     training.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
-        default=defaults.optimizer,
+        default=None,
         help="local update rule: adamw is torch.optim.AdamW, accum-adamw optim.AccumAdamW (moments advance once per "
         "--accum-iter steps), momentum-tracking-adamw optim.MomentumTrackingAdamW (its first moment goes through "
-        "the gradient trackers: needs --gradient-tracking), sgd Nesterov SGD",
+        "the gradient trackers: needs --gradient-tracking), sgd Nesterov SGD; default: momentum-tracking-adamw for "
+        "exact and powergossip without --outer-every or --average-every, else adamw",
     )
     training.add_argument("--accum-iter", type=positive(int), default=None, help="default: max(1, workers // 4)")
     training.add_argument(
         "--second-moment-every",
         type=int_at_least(0),
         default=defaults.second_moment_every,
-        help="momentum-tracking-adamw: steps between two samples of the mean gradient's second moment (an "
-        f"all-reduce of the gradients each); 0 keeps each worker's own; default: {defaults.second_moment_every}",
+        help="momentum-tracking-adamw: steps between two samples of the mean gradient's second moment; 0 keeps "
+        f"each worker's own; default: {defaults.second_moment_every}",
+    )
+    training.add_argument(
+        "--mean-gradient",
+        choices=MEAN_GRADIENT_SOURCES,
+        default=None,
+        help="momentum-tracking-adamw: how each sample of the mean gradient is averaged: gossip (over the schedule, "
+        "one hop a step beside the parameters' exchange, exact after log2 n hops of the hypercube; no collective) "
+        f"or allreduce (at once; a collective over every worker); default: {DEFAULTS.mean_gradient} "
+        "(allreduce with --elastic)",
     )
     training.add_argument("--steps", type=positive(int), default=defaults.steps, help="optimizer steps")
     training.add_argument("--batch-size", type=positive(int), default=defaults.batch_size, help="per worker")
@@ -244,7 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-every", type=positive(int), default=defaults.eval_every, help="steps between validation losses"
     )
     output.add_argument(
-        "--log-every", type=positive(int), default=defaults.log_every, help="steps between consensus estimates"
+        "--log-every",
+        type=positive(int),
+        default=defaults.log_every,
+        help="steps between progress-bar updates (the consensus distance is estimated with each --eval-every)",
     )
     return parser
 
@@ -266,6 +259,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         optimizer=args.optimizer,
         accum_iter=args.accum_iter,
         second_moment_every=args.second_moment_every,
+        mean_gradient=args.mean_gradient,
         algorithm=args.algorithm,
         rank=args.rank,
         power_iterations=args.power_iterations,
@@ -274,9 +268,6 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         gradient_tracking=args.gradient_tracking,
         tracking_overlap=args.tracking_overlap,
         delayed_last_iteration=args.delay_last_iteration,
-        local_steps=args.local_steps,
-        outer_lr=args.outer_lr,
-        outer_momentum=args.outer_momentum,
         **outer_settings(args),
         schedule=args.schedule,
         split=args.split,

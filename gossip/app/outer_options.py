@@ -18,7 +18,8 @@ import argparse
 from typing import Any
 
 import gossip
-from gossip.app.arg_types import in_unit_interval, int_at_least
+from gossip.algorithms.diloco import LOCAL_STEPS, OUTER_LR, OUTER_MOMENTUM
+from gossip.app.arg_types import in_unit_interval, int_at_least, positive
 from gossip.errors import ConfigError
 
 OUTER_SYNCS = ("allreduce", "gossip", "powergossip")
@@ -28,13 +29,34 @@ HYBRID_ALGORITHMS = ("exact", "powergossip")
 DEFAULT_MERGE = 0.5
 
 
-def add_outer_options(parser: argparse.ArgumentParser) -> None:
-    """Add the outer-optimizer options (a group of their own) to the ``gossip-train`` parser.
+def add_outer_options(parser: argparse.ArgumentParser, *, hybrid_lr: float, hybrid_momentum: float) -> None:
+    """Add the outer-optimizer options (DiLoCo's and the hybrids', one group) to the ``gossip-train`` parser.
 
     Args:
         parser: the parser.
+        hybrid_lr: a hybrid's default outer learning rate (DiLoCo's is :data:`gossip.algorithms.diloco.OUTER_LR`).
+        hybrid_momentum: a hybrid's default outer momentum.
     """
     group = parser.add_argument_group("outer optimizer (--algorithm diloco, or a hybrid with --outer-every)")
+    group.add_argument(
+        "--local-steps",
+        type=positive(int),
+        default=None,
+        help=f"(diloco) local steps between two synchronisations (H); default: {LOCAL_STEPS}",
+    )
+    group.add_argument(
+        "--outer-lr",
+        type=positive(float),
+        default=None,
+        help=f"learning rate of the outer Nesterov SGD; default: {OUTER_LR} for diloco, {hybrid_lr:g} for a hybrid",
+    )
+    group.add_argument(
+        "--outer-momentum",
+        type=in_unit_interval(include_one=False),
+        default=None,
+        help=f"momentum of the outer Nesterov SGD, in [0, 1); default: {OUTER_MOMENTUM} for diloco, "
+        f"{hybrid_momentum:g} for a hybrid",
+    )
     group.add_argument(
         "--outer-sync",
         choices=OUTER_SYNCS,
@@ -48,8 +70,8 @@ def add_outer_options(parser: argparse.ArgumentParser) -> None:
         type=int_at_least(0),
         default=None,
         help="with --algorithm exact or powergossip: keep that gossip every step and take an outer step every H "
-        "steps (a hybrid; with --outer-lr 1 and --outer-momentum 0 an exact average of the replicas); 0 = off; "
-        "default: 10 for exact and powergossip (0 with --average-every, --delay-last-iteration or --elastic)",
+        "steps (a hybrid, with AdamW unless --optimizer says otherwise; with --outer-lr 1 and --outer-momentum 0 "
+        "an exact average of the replicas; --outer-every 10 was the main job before issue 59); 0 = off; default: 0",
     )
     group.add_argument(
         "--outer-delay",
@@ -76,9 +98,13 @@ def outer_settings(args: argparse.Namespace) -> dict[str, Any]:
         args: the parsed options.
 
     Returns:
-        ``outer_sync``, ``outer_every``, ``outer_delay``, ``outer_merge``.
+        ``local_steps``, ``outer_lr``, ``outer_momentum``, ``outer_sync``, ``outer_every``, ``outer_delay``,
+            ``outer_merge``.
     """
     return {
+        "local_steps": args.local_steps,
+        "outer_lr": args.outer_lr,
+        "outer_momentum": args.outer_momentum,
         "outer_sync": args.outer_sync,
         "outer_every": args.outer_every,
         "outer_delay": args.outer_delay,

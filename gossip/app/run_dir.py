@@ -214,6 +214,18 @@ def describe_mixing(config: Any) -> str:
         mixing += f", exact average every {config.average_every} steps"
     if getattr(config, "outer_every", 0):
         mixing += f", {describe_outer(config)}"
+    tracking = getattr(config, "gradient_tracking", False)
+    if tracking:
+        kind = "exact" if tracking is True else tracking
+        overlapped = ", overlapped" if getattr(config, "tracking_overlap", False) else ""
+        if getattr(config, "optimizer", None) == "momentum-tracking-adamw":
+            mixing += f", {kind} trackers of the first moments{overlapped}"
+            every = getattr(config, "second_moment_every", 0)
+            if every:
+                how = getattr(config, "mean_gradient", None) or "gossip"
+                mixing += f", the mean gradient's second moment every {every} steps by {how}"
+        else:
+            mixing += f", {kind} gradient trackers{overlapped}"
     return mixing
 
 

@@ -44,6 +44,7 @@ from gossip.app.outer_options import HYBRID_ALGORITHMS, check_outer_options, mak
 from gossip.app.run_dir import RunSummary, describe_mixing, prepare_run_dir, write_outputs
 from gossip.backends.base import Communicator
 from gossip.errors import ConfigError, NonFiniteError
+from gossip.wrapper.mean_gradient import MEAN_GRADIENT_SOURCES
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from gossip.wrapper.tracking import TRACKER_MIXINGS
 
@@ -57,23 +58,24 @@ DILOCO = "diloco"
 DILOCO_DEFAULTS = {"local_steps": LOCAL_STEPS, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM}
 ALGORITHM_CHOICES = tuple(sorted([*gossip.ALGORITHMS, DDP]))
 DEFAULT_SCHEDULE = "one_peer_hypercube"
-FALLBACK_SCHEDULE = "ring"
+FALLBACK_SCHEDULE = "base_graph"
+PIPELINE = gossip.Pipeline()  # the library's default pipeline, which the main job's defaults follow
 SAMPLE_PROMPT = "def "
 SAMPLE_BYTES = 80
 
 
 @dataclasses.dataclass(frozen=True)
 class MixingDefaults:
-    r"""The main job's default mixing and local optimizer, in one place (``gossip-train``'s defaults follow it).
+    r"""The main job's default mixing and local optimizer, in one place: the library's default pipeline.
 
-    ``power_iterations`` applies when the algorithm is PowerGossip, ``average_every`` to the gossip algorithms
-    (not to ``ddp`` or ``allreduce``, which average every step) and ``outer_every`` to the algorithms a hybrid runs
-    every step (exact gossip and PowerGossip): the defaults are a hybrid, PowerGossip every step and an outer step
-    every ``outer_every`` steps. With ``outer_lr = 1`` and no momentum the outer step
-    :math:`\theta \leftarrow \theta_{sync} - \frac{1}{n}\sum_i (\theta_{sync} - \theta_i)` is the exact average
-    of the replicas (:class:`gossip.OuterOptimizer` over :class:`gossip.AllReduce`). :func:`resolve` fills these in
-    where unset; ``--elastic`` runs without the outer step (it synchronises every rank).
-    Why these values: experiments/learning_per_step/README.md, section "Why these are the main job's defaults".
+    They are :class:`gossip.Pipeline`'s (``gossip.wrap``): PowerGossip for the parameters, the first moments tracked
+    by sign-compressed trackers (:class:`gossip.ChocoSign`), :class:`optim.MomentumTrackingAdamW` dividing by the
+    mean gradient's second moment, sampled every ``second_moment_every`` steps and averaged by gossip; no outer step.
+    :func:`resolve` fills them in where unset. ``optimizer`` and ``gradient_tracking`` apply to the gossip algorithms
+    (exact gossip, PowerGossip) when neither an outer step nor a periodic average is asked for; DDP, DiLoCo and the
+    hybrids (``--outer-every``) step with AdamW. The previous defaults, PowerGossip with an exact average of the
+    replicas every 10 steps and AdamW, are ``--optimizer adamw --outer-every 10``. Why these values:
+    docs/results.md, "The default pipeline".
 
     Attributes:
         algorithm: the mixing algorithm.
@@ -82,21 +84,27 @@ class MixingDefaults:
         message_dtype: the dtype PowerGossip's products travel in.
         average_every: an exact global average every this many steps instead of the mixing (0: never).
         outer_every: an outer step every this many steps, on top of the mixing (0: never).
-        outer_lr: the hybrid's outer learning rate (DiLoCo keeps its own, :data:`DILOCO_DEFAULTS`).
-        outer_momentum: the hybrid's outer Nesterov momentum.
-        optimizer: the local optimizer.
+        outer_lr: a hybrid's outer learning rate (DiLoCo keeps its own, :data:`DILOCO_DEFAULTS`).
+        outer_momentum: a hybrid's outer Nesterov momentum.
+        optimizer: the local optimizer of the gossip algorithms.
+        gradient_tracking: how the trackers are mixed (with ``optimizer``).
+        second_moment_every: the steps between two samples of the mean gradient's second moment.
+        mean_gradient: how the sample is averaged.
         lr: the peak learning rate.
     """
 
     algorithm: str = "powergossip"
-    rank: int = 4
-    power_iterations: int = 2
-    message_dtype: str = "float16"
+    rank: int = PIPELINE.rank
+    power_iterations: int = PIPELINE.power_iterations
+    message_dtype: str = str(PIPELINE.message_dtype).removeprefix("torch.")
     average_every: int = 0
-    outer_every: int = 10
+    outer_every: int = 0
     outer_lr: float = 1.0
     outer_momentum: float = 0.0
-    optimizer: str = "adamw"
+    optimizer: str = "momentum-tracking-adamw"
+    gradient_tracking: str = PIPELINE.trackers
+    second_moment_every: int = PIPELINE.second_moment_every
+    mean_gradient: str = PIPELINE.mean_gradient
     lr: float = 3e-3
 
 
@@ -117,10 +125,13 @@ class TrainConfig:
         lr: the peak learning rate.
         warmup_steps: linear warmup steps (None: ``steps // 10`` capped at 100).
         weight_decay: AdamW's weight decay, on matrices only.
-        optimizer: the local optimizer, one of :data:`OPTIMIZERS`.
+        optimizer: the local optimizer, one of :data:`OPTIMIZERS` (None: :data:`DEFAULTS`' for exact gossip and
+            PowerGossip without an outer step or a periodic average, else ``adamw``).
         accum_iter: AccumAdamW's accumulation (None: max(1, n // 4)).
         second_moment_every: MomentumTrackingAdamW's steps between two samples of the mean gradient's second
-            moment (an all-reduce of the gradients each; 0: each rank's own second moment).
+            moment (0: each rank's own second moment).
+        mean_gradient: how that sample is averaged: ``"gossip"`` over the schedule or ``"allreduce"`` (None:
+            :data:`DEFAULTS`'; the wrapper's ``mean_gradient``).
         algorithm: the mixing algorithm (see :data:`ALGORITHM_CHOICES`).
         rank: PowerGossip's rank.
         power_iterations: PowerGossip's power iterations per step (None: :data:`DEFAULTS`').
@@ -129,7 +140,8 @@ class TrainConfig:
         gradient_tracking: the optimizer steps on a tracker of the mean gradient, mixed like the parameters
             (``DecentralizedDataParallel(..., gradient_tracking=...)``): False (off), True or ``"exact"`` (one more
             exchange of model size per step), ``"powergossip"`` (PowerGossip at ``rank``, compressed products) or
-            ``"sign"`` (:class:`gossip.ChocoSign`: scaled-sign messages with error feedback).
+            ``"sign"`` (:class:`gossip.ChocoSign`: scaled-sign messages with error feedback); None:
+            :data:`DEFAULTS`' with the momentum-tracking optimizer, else off.
         tracking_overlap: the trackers' exchange overlaps forward and backward (combine-then-adapt tracking).
         delayed_last_iteration: PowerGossip's last power iteration is applied at the next step, so that its
             exchange overlaps that step's compute (``PowerGossip(delayed_last_iteration=True)``).
@@ -144,7 +156,7 @@ class TrainConfig:
             ``delayed_last_iteration`` is given, which take its place; else 0).
         outer_delay: steps a synchronisation stays in flight (the delayed, streaming outer update; 0: none).
         outer_merge: with a delay, the weight of the replica's own progress when the average lands.
-        schedule: the schedule name (None: :func:`default_schedule`).
+        schedule: the schedule name (None: :func:`gossip.default_schedule`).
         split: how the corpus is split between workers.
         seed: the seed of the model, the batches and the sampling.
         data: the text file to train on (None: the built-in corpus).
@@ -163,15 +175,16 @@ class TrainConfig:
     lr: float = DEFAULTS.lr
     warmup_steps: int | None = None
     weight_decay: float = 0.1
-    optimizer: str = DEFAULTS.optimizer
+    optimizer: str | None = None
     accum_iter: int | None = None
-    second_moment_every: int = 32
+    second_moment_every: int = DEFAULTS.second_moment_every
+    mean_gradient: str | None = None
     algorithm: str = DEFAULTS.algorithm
     rank: int = DEFAULTS.rank
     power_iterations: int | None = None
     message_dtype: str | None = None
     average_every: int | None = None
-    gradient_tracking: bool | str = False
+    gradient_tracking: bool | str | None = None
     tracking_overlap: bool = False
     delayed_last_iteration: bool = False
     local_steps: int | None = None
@@ -204,23 +217,6 @@ class TrainConfig:
 
 
 Replicated = DecentralizedDataParallel | DDPBaseline
-
-
-def default_schedule(world_size: int) -> str:
-    """The default schedule for ``world_size`` workers.
-
-    one_peer_hypercube when ``world_size`` is a power of two >= 2 (one peer per step, exact average after
-    log2 n steps), else ring (any n).
-
-    Args:
-        world_size: the number of workers.
-
-    Returns:
-        The schedule's name.
-    """
-    if world_size >= 2 and world_size & (world_size - 1) == 0:
-        return DEFAULT_SCHEDULE
-    return FALLBACK_SCHEDULE
 
 
 def build_schedule(config: TrainConfig) -> topologies.Schedule:
@@ -270,28 +266,32 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     if config.algorithm == DDP:
         _check_ddp(config)
     elif config.schedule is None:
-        resolved.schedule = default_schedule(world_size)
+        resolved.schedule = gossip.default_schedule(world_size)
         if resolved.schedule != DEFAULT_SCHEDULE:
-            notes.append(f"schedule: {resolved.schedule} ({DEFAULT_SCHEDULE} needs a power of two >= 2 workers)")
+            notes.append(
+                f"schedule: {resolved.schedule}, exact after {topologies.by_name(resolved.schedule, world_size).period}"
+                f" steps ({DEFAULT_SCHEDULE} needs a power of two >= 2 workers)"
+            )
     if config.accum_iter is None:
         resolved.accum_iter = max(1, world_size // 4)
     if config.warmup_steps is None:
         resolved.warmup_steps = min(100, config.steps // 10)
     if config.algorithm not in ALGORITHM_CHOICES:
         raise ConfigError("--algorithm", f"unknown {config.algorithm!r}; choose one of {list(ALGORITHM_CHOICES)}")
-    if config.optimizer not in OPTIMIZERS:
+    if config.optimizer not in (None, *OPTIMIZERS):
         raise ConfigError("--optimizer", f"unknown {config.optimizer!r}; choose one of {list(OPTIMIZERS)}")
     if config.outer_every is None:
-        resolved.outer_every = _default_outer_every(config, notes)
+        resolved.outer_every = DEFAULTS.outer_every if config.algorithm in HYBRID_ALGORITHMS else 0
     _check_mixing_options(resolved)
-    if config.gradient_tracking not in (False, True, *TRACKER_MIXINGS):
+    if config.gradient_tracking not in (None, False, True, *TRACKER_MIXINGS):
         raise ConfigError(
             "--gradient-tracking",
             f"must be off, on, 'exact', 'powergossip' or 'sign', got {config.gradient_tracking!r}",
         )
-    if config.tracking_overlap and not config.gradient_tracking:
+    _resolve_pipeline(config, resolved)
+    if config.tracking_overlap and not resolved.gradient_tracking:
         raise ConfigError("--tracking-overlap", "overlaps the trackers' exchange: add --gradient-tracking")
-    if config.optimizer == MOMENTUM_TRACKING and not config.gradient_tracking and config.algorithm != DDP:
+    if resolved.optimizer == MOMENTUM_TRACKING and not resolved.gradient_tracking and config.algorithm != DDP:
         raise ConfigError(
             "--optimizer", f"{MOMENTUM_TRACKING} runs its first moment through the gradient trackers: add "
             "--gradient-tracking (exact, powergossip or sign)"
@@ -322,28 +322,41 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     return resolved, notes
 
 
-def _default_outer_every(config: TrainConfig, notes: list[str]) -> int:
-    """``outer_every`` where unset: :data:`DEFAULTS`' for a hybrid's algorithms, unless an option takes its place.
+def _resolve_pipeline(config: TrainConfig, resolved: TrainConfig) -> None:
+    """``optimizer``, ``gradient_tracking`` and ``mean_gradient`` where unset (:class:`MixingDefaults`).
+
+    The default pipeline (momentum tracking with :data:`DEFAULTS`' trackers) for exact gossip and PowerGossip run
+    without an outer step or a periodic average and without ``--no-gradient-tracking``; AdamW without trackers
+    otherwise.
 
     Args:
         config: the config as given.
-        notes: the notes of :func:`resolve`; one is added when an option turns the default outer step off.
+        resolved: its copy being resolved, changed in place.
 
-    Returns:
-        The steps between outer steps (0: none).
+    Raises:
+        ConfigError: ``--mean-gradient`` given without the momentum-tracking optimizer, or unknown.
     """
-    if config.algorithm not in HYBRID_ALGORITHMS or not DEFAULTS.outer_every:
-        return 0
-    for option, given in (
-        ("--average-every", config.average_every),
-        ("--delay-last-iteration", config.delayed_last_iteration),
-    ):
-        if given:
-            notes.append(
-                f"outer step: off ({option} takes the place of the default outer step every {DEFAULTS.outer_every})"
+    pipeline = (
+        config.algorithm in HYBRID_ALGORITHMS
+        and config.gradient_tracking is not False
+        and not resolved.outer_every
+        and not config.average_every
+    )
+    if config.optimizer is None:
+        resolved.optimizer = DEFAULTS.optimizer if pipeline else "adamw"
+    if config.gradient_tracking is None:
+        resolved.gradient_tracking = DEFAULTS.gradient_tracking if resolved.optimizer == MOMENTUM_TRACKING else False
+    if config.mean_gradient is not None:
+        if config.mean_gradient not in MEAN_GRADIENT_SOURCES:
+            raise ConfigError(
+                "--mean-gradient", f"unknown {config.mean_gradient!r}; choose one of {list(MEAN_GRADIENT_SOURCES)}"
             )
-            return 0
-    return DEFAULTS.outer_every
+        if resolved.optimizer != MOMENTUM_TRACKING:
+            raise ConfigError(
+                "--mean-gradient", f"applies to --optimizer {MOMENTUM_TRACKING} only, not {resolved.optimizer}"
+            )
+    else:
+        resolved.mean_gradient = DEFAULTS.mean_gradient
 
 
 def _check_mixing_options(config: TrainConfig) -> None:
@@ -523,17 +536,18 @@ def make_model(config: TrainConfig, comm: Communicator, run_dir: Path) -> Replic
     """
     module = GPT(GPTConfig(**config.model))
     if config.algorithm == DDP:
-        return DDPBaseline(module, comm, run_dir=run_dir, consensus_every=config.log_every)
+        return DDPBaseline(module, comm, run_dir=run_dir, consensus_every=config.eval_every)
     return DecentralizedDataParallel(
         module,
         comm,
         build_schedule(config),
         make_algorithm(config),
         run_dir=run_dir,
-        consensus_every=config.log_every,
+        consensus_every=config.eval_every,  # with the evaluation's collectives, never between them
         seed=config.seed,
         gradient_tracking=tracking_option(config),
         tracking_overlap=config.tracking_overlap,
+        mean_gradient=config.mean_gradient,
     )
 
 

@@ -86,7 +86,7 @@ def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, 
     Raises:
         ElasticUnsupportedError: a backend other than Gloo (MPI cannot shrink a communicator without ULFM).
         ConfigError: an option elastic runs cannot take (``--average-every``, ``--outer-every``,
-            ``--power-iterations`` > 1, ``--tracking-overlap``, DDP or DiLoCo).
+            ``--power-iterations`` > 1, ``--tracking-overlap``, ``--mean-gradient gossip``, DDP or DiLoCo).
     """
     if config.backend not in ("auto", "gloo"):
         raise ElasticUnsupportedError(
@@ -103,7 +103,9 @@ def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, 
         raise ConfigError("--power-iterations", "--elastic runs one power iteration per step")
     if config.tracking_overlap:
         raise ConfigError("--tracking-overlap", "--elastic runs the blocking tracker (one exchange after the mixing)")
-    elastic = dataclasses.replace(config, average_every=0, outer_every=0, power_iterations=1)
+    if config.mean_gradient == "gossip":
+        raise ConfigError("--mean-gradient", "--elastic samples the mean gradient by allreduce (a change skips it)")
+    elastic = dataclasses.replace(config, average_every=0, outer_every=0, power_iterations=1, mean_gradient="allreduce")
     if config.schedule is None and not (world_size >= 2 and world_size & (world_size - 1) == 0):
         elastic.schedule = ELASTIC_FALLBACK_SCHEDULE
     return resolve(elastic, world_size)
