@@ -21,7 +21,7 @@ def _assert_pure_gossip(results: list[dict], n: int) -> None:
         assert result["last_loss"] < result["first_loss"]
 
 
-@pytest.mark.parametrize("n", [4, 6])
+@pytest.mark.parametrize("n", [4, 6, 12])
 def test_the_default_pipeline_issues_no_collective_on_the_simulator(n):
     results = gossip.simulate(n, default_pipeline_run)
     assert results[0]["schedule"] == ("one_peer_hypercube" if n == 4 else "base_graph")
