@@ -1,11 +1,15 @@
-"""gossip.wrapper.optimizer_hooks: one pair of torch.optim global hooks per process, dispatched to the listeners."""
+"""gossip.wrapper.optimizer_hooks: one pair of torch.optim global hooks per process, dispatched to the listeners;
+``step(None)`` is no closure (Accelerate's optimizer wrapper and ``GradScaler.step`` call a step that way)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.parallel_scenarios import batch, loss_of, make_mlp, wrap
 from torch.optim import optimizer as torch_optimizer
 
+import gossip
+import optim
 from gossip.wrapper import optimizer_hooks
 
 
@@ -90,3 +94,37 @@ def test_a_refused_step_does_not_leave_the_next_one_looking_nested(parameters):
     finally:
         optimizer_hooks.unsubscribe(listener)
     assert listener.calls == ["before(closure=False)", "before(closure=False)", "after"]
+
+
+def test_none_in_the_closures_place_is_no_closure(parameters):
+    """``step(None)`` is how Accelerate's optimizer wrapper and ``GradScaler.step(optimizer, None)`` call a step."""
+    listener = Listener(parameters[0])
+    optimizer_hooks.subscribe(listener)
+    try:
+        optimizer = torch.optim.SGD([parameters[0]], lr=0.1)
+        optimizer.step(None)
+        optimizer.step(closure=None)
+        torch.amp.GradScaler("cpu", enabled=False).step(optimizer, None)
+        optimizer.step(lambda: torch.tensor(0.0))
+    finally:
+        optimizer_hooks.unsubscribe(listener)
+    assert listener.calls == [
+        *["before(closure=False)", "after"] * 3,
+        "before(closure=True)",
+        "after",
+    ]
+
+
+def _momentum_tracking_step_none(comm) -> str:
+    model = wrap(comm, make_mlp(comm.rank), gradient_tracking=True)
+    optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=1e-2, second_moment_every=2)
+    try:
+        loss_of(model, *batch(comm.rank, 0)).backward()
+        optimizer.step(None)  # as AcceleratedOptimizer.step() calls it
+        return f"step {model.step_count}"
+    finally:
+        model.close()
+
+
+def test_a_momentum_tracking_optimizer_stepped_with_none_is_accepted():
+    assert gossip.simulate(2, _momentum_tracking_step_none) == ["step 1", "step 1"]

@@ -44,7 +44,7 @@ class StepListener(Protocol):
 
         Args:
             optimizer: the optimizer that steps.
-            computes_gradients: a closure was passed, so the step computes its own gradients.
+            computes_gradients: a closure (not None) was passed, so the step computes its own gradients.
         """
         ...
 
@@ -122,9 +122,26 @@ def _reset(listener: StepListener) -> None:
         _depth[listener] = 0
 
 
+def passes_closure(args: Any, kwargs: Any) -> bool:
+    """Whether an ``optimizer.step(...)`` call, as torch's step hooks see it, passes a closure.
+
+    ``args[0]`` is the optimizer itself. A closure given positionally or as ``closure=`` computes the gradients
+    inside ``step()``; ``None`` in its place is no closure: ``step(None)`` is how Accelerate's optimizer wrapper
+    (``self.optimizer.step(closure)`` with its default ``None``) and ``GradScaler.step(optimizer, None)`` call an
+    ordinary step.
+
+    Args:
+        args: the positional arguments of the call, the optimizer first.
+        kwargs: its keyword arguments.
+
+    Returns:
+        True when a closure (anything but None) was passed.
+    """
+    return any(arg is not None for arg in args[1:]) or kwargs.get("closure") is not None
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    # args[0] is the optimizer itself; a closure (positional or keyword) computes the gradients inside step()
-    computes_gradients = bool(args[1:] or kwargs.get("closure"))
+    computes_gradients = passes_closure(args, kwargs)
     for listener in listeners():
         if listener.owns(optimizer) and _enter(listener) == 1:
             try:
