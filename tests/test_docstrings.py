@@ -39,6 +39,7 @@ import ast
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 import re
@@ -56,8 +57,11 @@ PACKAGES = (
     "gossip.algorithms",
     "gossip.wrapper",
     "gossip.checkpoint",
+    "gossip.integrations",
     "gossip.app",
 )
+#: Modules that need an optional dependency (an extra that the ``test`` extra installs): skipped where it is absent.
+OPTIONAL = {"gossip.integrations.lightning": "pytorch_lightning", "gossip.integrations.hf": "transformers"}
 # Packages whose own public names (``__all__``) are checked without walking their submodules: the names defined in
 # a package of ``PACKAGES`` are checked there, the rest (``gossip``'s errors and warnings) here.
 ROOTS = ("gossip",)
@@ -103,7 +107,9 @@ def modules(package: str) -> list[ModuleType]:
     root = importlib.import_module(package)
     found = [root]
     for info in pkgutil.walk_packages(root.__path__, prefix=f"{package}."):
-        found.append(importlib.import_module(info.name))
+        needs = OPTIONAL.get(info.name)
+        if needs is None or importlib.util.find_spec(needs) is not None:
+            found.append(importlib.import_module(info.name))
     return found
 
 

@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("wrapper", ("gossip.wrapper",)),  # DecentralizedDataParallel and its helpers
     ("checkpoint", ("gossip.checkpoint",)),  # save and resume of a wrapped run
     ("public names", ("gossip",)),  # gossip/__init__.py
+    ("integrations", ("gossip.integrations",)),  # Lightning, HF Trainer: imported only by who uses them
     ("main job", (APPLICATION, *ENTRY_POINTS)),  # gossip-train and python -m gossip
 )
 
@@ -266,7 +267,7 @@ def test_the_layering_check_names_an_upward_import_and_a_module_outside_every_la
         "topologies (topologies and optimizers) -> gossip.backends.base (communicators)",
     ]
     assert unlayered_modules(tmp_path) == ["gossip.loose"]
-    assert layer_of("gossip") == 6 and layer_of("gossip.algorithms") == 3 and layer_of("gossip.__main__") == 7
+    assert layer_of("gossip") == 6 and layer_of("gossip.algorithms") == 3 and layer_of("gossip.__main__") == 8
 
 
 def test_the_layers_of_the_architecture_document_are_read_row_by_row():
@@ -275,3 +276,23 @@ def test_the_layers_of_the_architecture_document_are_read_row_by_row():
     table += "| b | | `gossip`, `experiments/` |"
     text = f"## Layers\n\nSee `gossip.errors`.\n\n{table}\n\n## Next\n\n| x | `y` |\n"
     assert documented_layers(text) == [("topologies", "optim"), ("gossip",)]
+
+
+FRAMEWORKS = ("pytorch_lightning", "lightning", "lightning_fabric", "transformers", "accelerate")
+
+
+def framework_imports(root: Path) -> list[str]:
+    """Every import of a training framework (:data:`FRAMEWORKS`) by a library module outside gossip.integrations."""
+    found = []
+    for module, path in package_modules(root, LIBRARY_PACKAGES).items():
+        if module == "gossip.integrations" or module.startswith("gossip.integrations."):
+            continue
+        for node in _import_nodes(ast.parse(path.read_text(), filename=str(path))):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [f"{module} -> {name}" for name in names if name.split(".")[0] in FRAMEWORKS and not node.level]
+    return found
+
+
+def test_only_the_integrations_import_a_training_framework():
+    """``import gossip`` never imports Lightning, transformers or Accelerate: only gossip.integrations.* do."""
+    assert framework_imports(REPO) == []

@@ -1,0 +1,275 @@
+"""Worker for tests/test_integration_lightning.py: Lightning's Trainer with GossipStrategy on 4 CPU devices (Gloo).
+
+Usage: python tests/helpers/lightning_worker.py OUT_DIR (4 processes with torchrun's environment, one per device).
+
+One process per device runs every scenario in turn, each a ``Trainer.fit`` of the same small regression module
+(seeded identically, so every scenario starts from the same weights), and writes ``rank<r>.pt``:
+
+* ``pipeline``: the default pipeline with ``MomentumTrackingAdamW`` (which refuses a closure), 4 steps; the
+  strategy's model, the step events (start, forward, backward, mix, update), the losses, the parameters.
+* ``plain``: the same pipeline, seeds, data and steps in a plain loop (no Lightning): its events, losses, parameters.
+* ``manual``: ``pipeline`` with manual optimization; ``bf16``: ``pipeline`` under ``precision="bf16-mixed"``.
+* ``ring``: exact gossip on a ring, validation every 2 steps on the replicas' average (the same full validation set
+  on every rank), the parameters just before each update.
+* ``complete``: exact gossip on the complete graph (W = J): the mixed parameters just before each update.
+* ``accumulate``: ``accumulate_grad_batches=2``: gossip steps, optimizer steps, events.
+* ``resume``: 8 steps (one batch per epoch) with a checkpoint at step 4, then ``fit(ckpt_path=...)`` from it.
+* ``threads``: after each fit, the gossip and Gloo threads compared with those before the first.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+import gossip
+import topologies
+from gossip.integrations.common import GossipGroup
+from gossip.integrations.lightning import GossipStrategy
+from helpers.gloo_threads import GLOO_THREADS, thread_names
+
+N, BATCH, LR = 4, 4, 3e-2
+
+
+def dataset(seed: int = 0) -> TensorDataset:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 8, generator=generator)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True).sin() + 0.1 * torch.randn(64, 1, generator=generator))
+
+
+class Regression(pl.LightningModule):
+    """A small MLP; records its step events and losses. ``optimizer``: "pipeline" or "sgd"."""
+
+    def __init__(self, optimizer: str = "pipeline", manual: bool = False):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.automatic_optimization = not manual
+        self.optimizer_kind = optimizer
+        self.events: list[str] = []
+        self.losses: list[float] = []
+        self.val_losses: list[float] = []
+        self.output_dtypes: set[str] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.events.append("forward")
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        self.output_dtypes.add(str(out.dtype))
+        loss = F.mse_loss(out.float(), y)
+        self.losses.append(loss.item())
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            self.manual_backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
+
+    def on_after_backward(self) -> None:
+        self.events.append("backward")
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_losses.append(F.mse_loss(self(x).float(), y).item())
+
+    def configure_optimizers(self):
+        if self.optimizer_kind == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=LR)
+        return gossip.Pipeline().optimizer(self.parameters(), lr=LR)
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+
+
+def spy(wrapper: gossip.DecentralizedDataParallel, optimizer: torch.optim.Optimizer, module: Regression,
+        snapshots: list[torch.Tensor]) -> None:  # fmt: skip
+    """Record the algorithm's start and finish (the mixing) and the update (the optimizer's own pre-step hook runs
+    after torch's global ones, i.e. after the mixing), with the parameters just before each update."""
+    algorithm = wrapper.algorithm
+    start, finish = algorithm.start, algorithm.finish
+
+    def recording_start(step):
+        module.events.append("start")
+        return start(step)
+
+    def recording_finish(pending):
+        module.events.append("mix")
+        return finish(pending)
+
+    def before_update(*_):
+        module.events.append("update")
+        snapshots.append(flat(module))
+
+    algorithm.start, algorithm.finish = recording_start, recording_finish
+    optimizer.register_step_pre_hook(before_update)
+
+
+class Spy(Callback):
+    def __init__(self):
+        self.snapshots: list[torch.Tensor] = []
+        self.gossip_steps = -1
+        self.model_type = ""
+        self.ddp_modules = -1
+        self.saved: list[tuple[dict, torch.Tensor]] = []
+
+    def on_fit_start(self, trainer, pl_module):
+        model = trainer.strategy.model
+        self.model_type = type(model).__name__
+        self.ddp_modules = sum(isinstance(m, nn.parallel.DistributedDataParallel) for m in model.modules())
+        spy(trainer.strategy.wrapper, trainer.optimizers[0], pl_module, self.snapshots)
+
+    def on_train_end(self, trainer, pl_module):
+        self.gossip_steps = trainer.strategy.wrapper.step_count
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        replica = torch.cat([v.reshape(-1).clone() for v in trainer.strategy.wrapper._replica_views])
+        self.saved.append((torch.cat([v.reshape(-1) for v in checkpoint["state_dict"].values()]), replica))
+
+
+def ring_wrap(module, comm):
+    return gossip.DecentralizedDataParallel(module, comm, topologies.ring(comm.size), gossip.ExactGossip())
+
+
+def complete_wrap(module, comm):
+    return gossip.DecentralizedDataParallel(module, comm, topologies.complete(comm.size), gossip.ExactGossip())
+
+
+def fit(module: Regression, strategy: GossipStrategy, loaders: dict, ckpt_path=None, callbacks=(), **trainer) -> Spy:
+    watcher = Spy()
+    settings = {"max_steps": 4, "num_sanity_val_steps": 0, "enable_checkpointing": False, **trainer}
+    pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=N, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[watcher, *callbacks], **settings,
+    ).fit(module, ckpt_path=ckpt_path, **loaders)  # fmt: skip
+    return watcher
+
+
+def train_loader() -> DataLoader:
+    return DataLoader(dataset(), batch_size=BATCH)  # Lightning shards and shuffles it (DistributedSampler, seed 0)
+
+
+def fresh(**kwargs) -> Regression:
+    pl.seed_everything(0, verbose=False)
+    return Regression(**kwargs)
+
+
+def plain_loop(steps: int) -> dict:
+    """The pipeline scenario without Lightning: the README's loop over this rank's shard, the same seeds."""
+    module = fresh()
+    group = GossipGroup()
+    model = gossip.Pipeline().wrap_module(module, group.comm)
+    optimizer = gossip.Pipeline().optimizer(model.parameters(), lr=LR)
+    snapshots: list[torch.Tensor] = []
+    spy(model, optimizer, module, snapshots)
+    sampler = DistributedSampler(dataset(), num_replicas=N, rank=dist.get_rank(), shuffle=True, seed=0)  # Lightning's
+    for step, (x, y) in enumerate(DataLoader(dataset(), batch_size=BATCH, sampler=sampler)):
+        if step == steps:
+            break
+        loss = F.mse_loss(model(x), y)
+        module.losses.append(loss.item())
+        loss.backward()
+        module.events.append("backward")
+        optimizer.step()
+        optimizer.zero_grad()
+    model.close()
+    group.close()
+    return {"events": module.events, "losses": module.losses, "final": flat(module)}
+
+
+def gossip_and_gloo_threads(baseline: collections.Counter | None = None, deadline: float = 5.0) -> collections.Counter:
+    """This process's gossip and Gloo threads; with ``baseline``, waited for (up to ``deadline``) to equal it."""
+    end = time.monotonic() + deadline
+    while True:
+        names = collections.Counter(n for n in thread_names() if n in GLOO_THREADS or n.startswith("gossip"))
+        if baseline is None or names == baseline or time.monotonic() > end:
+            return names
+        time.sleep(0.05)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")  # Lightning adopts it; its threads, once all started, are the baseline
+    rank = dist.get_rank()
+    dist.all_reduce(torch.zeros(1))
+    dist.barrier()
+    time.sleep(0.5)
+    baseline = gossip_and_gloo_threads()
+    threads: dict[str, collections.Counter] = {}
+    result: dict = {}
+
+    module = fresh()
+    watcher = fit(module, GossipStrategy(average_at_end=False), {"train_dataloaders": train_loader()})
+    result["pipeline"] = {"model_type": watcher.model_type, "ddp_modules": watcher.ddp_modules,
+                          "events": module.events, "losses": module.losses, "final": flat(module),
+                          "gossip_steps": watcher.gossip_steps}  # fmt: skip
+    threads["pipeline"] = gossip_and_gloo_threads(baseline)
+    result["plain"] = plain_loop(4)
+
+    module = fresh(manual=True)
+    fit(module, GossipStrategy(average_at_end=False), {"train_dataloaders": train_loader()})
+    result["manual"] = {"losses": module.losses, "events": module.events}
+
+    module = fresh()
+    fit(module, GossipStrategy(), {"train_dataloaders": train_loader()}, precision="bf16-mixed")
+    result["bf16"] = {"losses": module.losses, "dtypes": sorted(module.output_dtypes)}
+
+    module = fresh(optimizer="sgd")
+    shard = DataLoader(Subset(dataset(), range(rank, 64, N)), batch_size=BATCH)
+    validation = DataLoader(dataset(seed=1), batch_size=16)
+    watcher = fit(module, GossipStrategy(wrap=ring_wrap, average_at_end=False),
+                  {"train_dataloaders": shard, "val_dataloaders": validation},
+                  use_distributed_sampler=False, val_check_interval=2)  # fmt: skip
+    result["ring"] = {"pre_update": watcher.snapshots, "val_losses": module.val_losses, "final": flat(module)}
+    threads["ring"] = gossip_and_gloo_threads(baseline)
+
+    module = fresh(optimizer="sgd")
+    watcher = fit(module, GossipStrategy(wrap=complete_wrap, average_at_end=False),
+                  {"train_dataloaders": train_loader()}, max_steps=2)  # fmt: skip
+    result["complete"] = {"pre_update": watcher.snapshots}
+
+    module = fresh()
+    watcher = fit(module, GossipStrategy(), {"train_dataloaders": train_loader()}, max_steps=2,
+                  accumulate_grad_batches=2)  # fmt: skip
+    result["accumulate"] = {"gossip_steps": watcher.gossip_steps, "events": module.events}
+
+    # One batch per epoch on each rank, never shuffled: the data of a step depends on nothing that a resume from an
+    # epoch's end could change in Lightning's loops (its data order on resume is the same as with DDP).
+    ckpt_dir = out / "checkpoints"
+    own = {
+        "train_dataloaders": DataLoader(Subset(dataset(), range(rank * BATCH, (rank + 1) * BATCH)), batch_size=BATCH)
+    }
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=4, save_top_k=-1, save_on_train_epoch_end=True)
+    module = fresh()
+    watcher = fit(module, GossipStrategy(average_at_end=False), own, max_steps=8, callbacks=[checkpoint],
+                  enable_checkpointing=True, use_distributed_sampler=False)  # fmt: skip
+    straight, saved, straight_losses = flat(module), watcher.saved, module.losses
+    module = fresh()
+    fit(module, GossipStrategy(average_at_end=False), own, max_steps=8, use_distributed_sampler=False,
+        ckpt_path=str(ckpt_dir / "epoch=3-step=4.ckpt"))  # fmt: skip
+    result["resume"] = {"straight": straight, "resumed": flat(module), "saved": saved,
+                        "straight_losses": straight_losses, "resumed_losses": module.losses,
+                        "files": sorted(p.name for p in ckpt_dir.iterdir())}  # fmt: skip
+    threads["resume"] = gossip_and_gloo_threads(baseline)
+    result["threads"] = {"baseline": baseline, "after": threads}
+
+    torch.save(result, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""gossip.integrations.lightning: Lightning's Trainer with GossipStrategy, 4 CPU devices on Gloo, one job.
+
+tests/helpers/lightning_worker.py runs every scenario in the same 4 processes (its docstring lists them); each test
+below pins one property of what they recorded. Skipped without pytorch_lightning (the ``lightning`` extra, which
+the ``test`` extra installs).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("pytorch_lightning")
+
+from helpers.launch import launch
+
+N = 4
+STEP = ["forward", "backward", "mix", "update", "start"]  # after the first step's start, each step is this
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return launch("lightning_worker.py", tmp_path_factory.mktemp("lightning"), [], backend="gloo", n=N, timeout=400)[0]
+
+
+def test_the_strategys_model_is_the_gossip_wrapper_and_no_ddp(ranks):
+    assert {(r["pipeline"]["model_type"], r["pipeline"]["ddp_modules"]) for r in ranks} == {
+        ("DecentralizedDataParallel", 0)
+    }
+
+
+def test_each_step_runs_forward_backward_then_mixes_then_updates_as_the_plain_loop(ranks):
+    for result in ranks:
+        events = result["pipeline"]["events"]
+        assert events[: 1 + 4 * len(STEP)] == ["start", *STEP * 4]
+        assert events == result["plain"]["events"]
+
+
+def test_the_lightning_run_has_the_plain_loops_losses(ranks):
+    for result in ranks:
+        assert len(result["pipeline"]["losses"]) == 4
+        assert result["pipeline"]["losses"] == pytest.approx(result["plain"]["losses"], rel=1e-6, abs=1e-7)
+        assert torch.allclose(result["pipeline"]["final"], result["plain"]["final"], rtol=1e-6, atol=1e-7)
+
+
+def test_manual_optimization_follows_the_same_trajectory(ranks):
+    for result in ranks:
+        assert result["manual"]["losses"] == pytest.approx(result["pipeline"]["losses"], rel=1e-6, abs=1e-7)
+        assert result["manual"]["events"] == result["pipeline"]["events"]
+
+
+def test_bf16_mixed_trains_under_autocast_close_to_float32(ranks):
+    for result in ranks:
+        assert result["bf16"]["dtypes"] == ["torch.bfloat16"]
+        assert result["bf16"]["losses"] == pytest.approx(result["pipeline"]["losses"], rel=5e-2, abs=1e-2)
+
+
+def test_ring_gossip_leaves_the_replicas_different(ranks):
+    finals = [r["ring"]["final"] for r in ranks]
+    assert all(not torch.allclose(finals[0], other) for other in finals[1:])
+
+
+def test_a_complete_graph_mixes_every_replica_to_the_same_average(ranks):
+    for step in range(2):
+        mixed = [r["complete"]["pre_update"][step] for r in ranks]
+        assert all(torch.allclose(mixed[0], other, rtol=0, atol=1e-6) for other in mixed[1:])
+    assert not torch.allclose(ranks[0]["ring"]["pre_update"][1], ranks[1]["ring"]["pre_update"][1])
+
+
+def test_validation_on_the_average_is_identical_on_every_rank(ranks):
+    losses = [r["ring"]["val_losses"] for r in ranks]
+    assert len(losses[0]) == 2 * 4  # 4 batches after steps 2 and 4, while the replicas differ
+    assert all(other == losses[0] for other in losses[1:])
+
+
+def test_gradient_accumulation_is_one_gossip_step_per_optimizer_step(ranks):
+    for result in ranks:
+        assert result["accumulate"]["gossip_steps"] == 2
+        events = result["accumulate"]["events"]
+        assert events[:11] == ["start", *["forward", "backward"] * 2, "mix", "update", "start", "forward", "backward",
+                               "forward"]  # fmt: skip
+
+
+def test_a_checkpoint_holds_the_average_and_resume_continues_bit_for_bit(ranks):
+    saved = [r["resume"]["saved"] for r in ranks]
+    assert [len(s) for s in saved] == [2] * N  # steps 4 and 8
+    for index in range(2):
+        average = torch.stack([s[index][1] for s in saved]).mean(dim=0)
+        assert torch.allclose(saved[0][index][0], average, rtol=0, atol=1e-6)
+    assert {"epoch=3-step=4.ckpt", "epoch=3-step=4.ckpt.gossip"} <= set(ranks[0]["resume"]["files"])
+    for result in ranks:
+        assert result["resume"]["resumed_losses"] == result["resume"]["straight_losses"][4:]
+        assert torch.equal(result["resume"]["resumed"], result["resume"]["straight"])
+
+
+def test_no_gossip_or_gloo_thread_is_left_after_fit(ranks):
+    for result in ranks:
+        threads = result["threads"]
+        assert all(after == threads["baseline"] for after in threads["after"].values()), threads
