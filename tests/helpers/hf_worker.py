@@ -1,0 +1,180 @@
+"""Worker for tests/test_integration_hf.py: the HF Trainer with GossipTrainer, under torchrun on 2 CPU processes.
+
+Usage: torchrun --nproc-per-node 2 tests/helpers/hf_worker.py OUT_DIR
+
+A tiny randomly initialised GPT-2 (no download) on synthetic token data with an extra dataset column (``note``)
+that its ``forward`` does not take. Each scenario is one ``train()``; the worker writes ``rank<r>.pt``:
+
+* ``pipeline``: the default pipeline, 4 steps, ``evaluate()`` every 2 steps: the trainer's models, the keyword
+  arguments the model's forward received, the step events, the parameters before each update, the evaluations,
+  the parameters after ``train()`` and an ``evaluate()`` after it.
+* ``complete``: exact gossip on the complete graph: the mixed parameters before each update.
+* ``accumulate``: ``gradient_accumulation_steps=2``: gossip steps and forwards.
+* ``resume``: 4 steps with a checkpoint at step 2, then ``train(resume_from_checkpoint=...)`` from it.
+* ``accelerate``: the Accelerate recipe of docs/guide/huggingface.md, run as printed.
+* ``threads``: after each ``train()``, the gossip and Gloo threads compared with those before the first.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import SequentialSampler
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+
+import gossip
+import topologies
+from gossip.integrations.hf import GossipTrainer
+from helpers.gloo_threads import GLOO_THREADS, thread_names
+
+REPO = Path(__file__).resolve().parent.parent.parent
+N, BATCH, LENGTH = 2, 4, 16
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=LENGTH))
+
+
+def tokens(count: int, seed: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, 64, (count, LENGTH), generator=generator)
+    return [{"input_ids": row, "labels": row, "note": torch.tensor(i)} for i, row in enumerate(rows)]
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+
+
+class SequentialTrainer(GossipTrainer):
+    """Batches in dataset order, so that a resumed run's data does not depend on the RNG streams."""
+
+    def _get_train_sampler(self, *args, **kwargs):
+        return SequentialSampler(self.train_dataset)
+
+
+class Spy(TrainerCallback):
+    """Records the trainer's models, the step events and the parameters before each update."""
+
+    def __init__(self):
+        self.trainer = None
+        self.events: list[str] = []
+        self.pre_update: list[torch.Tensor] = []
+        self.forward_keys: set[str] = set()
+        self.models: tuple[str, str, int] | None = None
+        self.gossip_steps = -1
+        self.global_step = -1
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        trainer, model = self.trainer, self.trainer.model
+        wrapper = trainer.model_wrapped
+        self.models = (type(model).__name__, type(wrapper).__name__,
+                       sum(isinstance(m, nn.parallel.DistributedDataParallel) for m in wrapper.modules()))  # fmt: skip
+        algorithm, events = wrapper.algorithm, self.events
+        start, finish = algorithm.start, algorithm.finish
+        algorithm.start = lambda step: (events.append("start"), start(step))[1]
+        algorithm.finish = lambda pending: (events.append("mix"), finish(pending))[1]
+
+        def forward(module, args, kwargs):
+            if module.training:
+                events.append("forward")
+                self.forward_keys.update(kwargs)
+
+        def update(*_):
+            events.append("update")
+            self.pre_update.append(flat(model))
+
+        model.register_forward_pre_hook(forward, with_kwargs=True)
+        model.transformer.wpe.weight.register_post_accumulate_grad_hook(lambda _: events.append("backward"))
+        trainer._torch_optimizer().register_step_pre_hook(update)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.gossip_steps, self.global_step = self.trainer.gossip_model.step_count, state.global_step
+
+
+def arguments(out: Path, name: str, **overrides) -> TrainingArguments:
+    settings = {"output_dir": str(out / name), "use_cpu": True, "report_to": [], "per_device_train_batch_size": BATCH,
+                "per_device_eval_batch_size": BATCH, "max_steps": 4, "learning_rate": 3e-3, "save_strategy": "no",
+                "logging_steps": 1, "disable_tqdm": True, "seed": 0, "optim": "adamw_torch", **overrides}  # fmt: skip
+    return TrainingArguments(**settings)
+
+
+def train(trainer_class, args: TrainingArguments, resume: str | None = None, **gossip_options):
+    spy = Spy()
+    trainer = trainer_class(model=tiny_gpt2(), args=args, train_dataset=tokens(32, 1), eval_dataset=tokens(8, 2),
+                            callbacks=[spy], **gossip_options)  # fmt: skip
+    spy.trainer = trainer
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, spy
+
+
+def complete_wrap(module, comm):
+    return gossip.DecentralizedDataParallel(module, comm, topologies.complete(comm.size), gossip.ExactGossip())
+
+
+def gossip_and_gloo_threads(baseline: collections.Counter | None = None, deadline: float = 5.0) -> collections.Counter:
+    end = time.monotonic() + deadline
+    while True:
+        names = collections.Counter(n for n in thread_names() if n in GLOO_THREADS or n.startswith("gossip"))
+        if baseline is None or names == baseline or time.monotonic() > end:
+            return names
+        time.sleep(0.05)
+
+
+def accelerate_recipe() -> dict:
+    """The guide's Accelerate loop, run as printed; what it leaves in its namespace."""
+    guide = (REPO / "docs" / "guide" / "huggingface.md").read_text()
+    code = re.search(r"<!-- accelerate recipe -->\n```python\n(.*?)```", guide, re.DOTALL).group(1)
+    namespace: dict = {"__name__": "recipe"}
+    exec(compile(code, "huggingface.md (Accelerate recipe)", "exec"), namespace)
+    return {"losses": namespace["losses"], "average_loss": namespace["average_loss"],
+            "prepared": [type(p).__name__ for p in namespace["accelerator"]._models]}  # fmt: skip
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    args = arguments(out, "pipeline", eval_strategy="steps", eval_steps=2)
+    rank = args.process_index  # the arguments initialise torch.distributed under torchrun
+    dist.barrier()
+    time.sleep(0.5)
+    baseline = gossip_and_gloo_threads()
+    threads, result = {}, {}
+
+    trainer, spy = train(GossipTrainer, args)
+    evaluations = [row["eval_loss"] for row in trainer.state.log_history if "eval_loss" in row]
+    result["pipeline"] = {"models": spy.models, "forward_keys": sorted(spy.forward_keys), "events": spy.events,
+                          "pre_update": spy.pre_update, "evaluations": evaluations, "final": flat(trainer.model),
+                          "after": trainer.evaluate()["eval_loss"], "gossip_steps": spy.gossip_steps,
+                          "global_step": spy.global_step}  # fmt: skip
+    threads["pipeline"] = gossip_and_gloo_threads(baseline)
+
+    trainer, spy = train(GossipTrainer, arguments(out, "complete", max_steps=2), gossip_wrap=complete_wrap)
+    result["complete"] = {"pre_update": spy.pre_update}
+
+    trainer, spy = train(GossipTrainer, arguments(out, "accumulate", max_steps=2, gradient_accumulation_steps=2))
+    result["accumulate"] = {"gossip_steps": spy.gossip_steps, "events": spy.events}
+
+    saving = {"save_strategy": "steps", "save_steps": 2}
+    trainer, _ = train(SequentialTrainer, arguments(out, "resume", **saving))
+    straight = flat(trainer.model)
+    checkpoint = out / "resume" / "checkpoint-2"
+    trainer, _ = train(SequentialTrainer, arguments(out, "resume", **saving), resume=str(checkpoint))
+    result["resume"] = {"straight": straight, "resumed": flat(trainer.model),
+                        "files": sorted(str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*"))}  # fmt: skip
+    threads["resume"] = gossip_and_gloo_threads(baseline)
+
+    result["accelerate"] = accelerate_recipe()
+    threads["accelerate"] = gossip_and_gloo_threads(baseline)
+    result["threads"] = {"baseline": baseline, "after": threads}
+    torch.save(result, out / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""gossip.integrations.hf: the HF Trainer with GossipTrainer on 2 CPU processes under torchrun, and the Accelerate
+recipe of docs/guide/huggingface.md.
+
+tests/helpers/hf_worker.py runs every scenario in one torchrun job (its docstring lists them); each test below pins
+one property of what it recorded. The refusals run in this process, the example (examples/hf_trainer_gossip.py)
+under torchrun. Skipped without transformers and Accelerate (the ``hf`` extra, which the ``test`` extra installs).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from helpers.launch import CPU_ONLY, REPO, _env, python
+
+from gossip.errors import ConfigurationError
+
+N = 2
+STEP = ["forward", "backward", "mix", "update", "start"]  # after the first step's start, each step is this
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
+    command = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}",
+               str(REPO / "tests" / "helpers" / "hf_worker.py"), str(out)]  # fmt: skip
+    job = subprocess.run(command, cwd=out, env=_env(CPU_ONLY), capture_output=True, text=True, timeout=400)
+    assert job.returncode == 0, job.stdout[-5000:] + job.stderr[-5000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(N)]
+
+
+@pytest.mark.multiprocess
+def test_the_trainer_wraps_the_model_with_gossip_not_ddp_and_keeps_the_model_itself(ranks):
+    assert {r["pipeline"]["models"] for r in ranks} == {("GPT2LMHeadModel", "DecentralizedDataParallel", 0)}
+
+
+@pytest.mark.multiprocess
+def test_dataset_columns_are_filtered_on_the_models_real_forward(ranks):
+    for result in ranks:
+        keys = result["pipeline"]["forward_keys"]
+        assert {"input_ids", "labels"} <= set(keys) and "note" not in keys, keys
+
+
+@pytest.mark.multiprocess
+def test_each_step_runs_forward_backward_then_mixes_then_updates(ranks):
+    for result in ranks:
+        assert result["pipeline"]["events"][: 1 + 4 * len(STEP)] == ["start", *STEP * 4]
+        assert result["pipeline"]["gossip_steps"] == result["pipeline"]["global_step"] == 4
+
+
+@pytest.mark.multiprocess
+def test_compressed_gossip_leaves_the_replicas_different_until_the_average_at_the_end(ranks):
+    before = [r["pipeline"]["pre_update"][-1] for r in ranks]
+    assert not torch.allclose(before[0], before[1])
+    assert torch.equal(ranks[0]["pipeline"]["final"], ranks[1]["pipeline"]["final"])
+
+
+@pytest.mark.multiprocess
+def test_a_complete_graph_mixes_every_replica_to_the_same_average(ranks):
+    for step in range(2):
+        mixed = [r["complete"]["pre_update"][step] for r in ranks]
+        assert torch.allclose(mixed[0], mixed[1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_evaluate_is_the_averaged_models_loss_on_every_rank(ranks):
+    evaluations = [r["pipeline"]["evaluations"] for r in ranks]
+    assert len(evaluations[0]) == 2 and evaluations[0] == evaluations[1]  # at steps 2 and 4
+    after = [r["pipeline"]["after"] for r in ranks]  # after train(): the model is the average of step 4's replicas
+    assert after[0] == after[1] == pytest.approx(evaluations[0][-1], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_gradient_accumulation_is_one_gossip_step_per_optimizer_step(ranks):
+    for result in ranks:
+        assert result["accumulate"]["gossip_steps"] == 2
+        assert result["accumulate"]["events"][:8] == ["start", *["forward", "backward"] * 2, "mix", "update", "start"]
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_holds_the_average_and_each_ranks_state_and_resume_is_bit_identical(ranks):
+    files = set(ranks[0]["resume"]["files"])
+    assert {"model.safetensors", "gossip/rank0.pt", "gossip/rank1.pt"} <= files, files
+    for result in ranks:
+        assert torch.equal(result["resume"]["resumed"], result["resume"]["straight"])
+
+
+@pytest.mark.multiprocess
+def test_the_accelerate_recipe_trains_without_ddp_and_evaluates_one_average(ranks):
+    recipes = [r["accelerate"] for r in ranks]
+    assert all(recipe["prepared"] == [] for recipe in recipes)  # Accelerate never prepared (wrapped) the model
+    assert recipes[0]["average_loss"] == recipes[1]["average_loss"]
+    for recipe in recipes:
+        losses = recipe["losses"]
+        assert len(losses) == 8 and recipe["average_loss"] < losses[0]
+
+
+@pytest.mark.multiprocess
+def test_no_gossip_or_gloo_thread_is_left_after_train(ranks):
+    for result in ranks:
+        threads = result["threads"]
+        assert all(after == threads["baseline"] for after in threads["after"].values()), threads
+
+
+def _tiny_trainer(tmp_path, **arguments):
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from gossip.integrations.hf import GossipTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **arguments)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
+    return lambda **extra: GossipTrainer(model=model, args=args, **extra)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"), [({"fp16": True}, "fp16=True"), ({"torch_compile": True}, "torch_compile=True")]
+)
+def test_unsupported_settings_are_refused_by_name(tmp_path, arguments, named):
+    with pytest.raises(ConfigurationError, match=f"GossipTrainer does not support {named}"):
+        _tiny_trainer(tmp_path, **arguments)()
+
+
+def test_a_ready_made_optimizer_is_refused_for_optimizer_cls_and_kwargs(tmp_path):
+    make = _tiny_trainer(tmp_path)
+    with pytest.raises(ConfigurationError, match="optimizer_cls_and_kwargs"):
+        make(optimizers=(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), None))
+
+
+@pytest.mark.multiprocess
+def test_the_example_trains_under_torchrun(tmp_path):
+    command = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}",
+               str(REPO / "examples" / "hf_trainer_gossip.py"), "--steps", "20"]  # fmt: skip
+    job = subprocess.run(command, cwd=tmp_path, env=_env(CPU_ONLY), capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-5000:] + job.stderr[-5000:]
+    found = re.search(r"2 processes, 20 steps: eval loss ([\d.]+) -> ([\d.]+)", job.stdout)
+    assert found is not None, job.stdout[-3000:]
+    assert float(found.group(2)) < float(found.group(1))
