@@ -2,17 +2,22 @@
 
 tests/helpers/lightning_worker.py runs every scenario in the same 4 processes (its docstring lists them); each test
 below pins one property of what they recorded. Skipped without pytorch_lightning (the ``lightning`` extra, which
-the ``test`` extra installs).
+the ``test`` extra installs). The example (examples/lightning_gossip.py) runs under Lightning's own launcher.
 """
 
 from __future__ import annotations
+
+import re
+import subprocess
 
 import pytest
 import torch
 
 pytest.importorskip("pytorch_lightning")
 
-from helpers.launch import launch
+from helpers.launch import CPU_ONLY, REPO, _env, launch, python
+
+pytestmark = pytest.mark.multiprocess
 
 N = 4
 STEP = ["forward", "backward", "mix", "update", "start"]  # after the first step's start, each step is this
@@ -73,6 +78,12 @@ def test_validation_on_the_average_is_identical_on_every_rank(ranks):
     assert all(other == losses[0] for other in losses[1:])
 
 
+def test_two_optimizers_are_refused_by_name_on_every_rank(ranks):
+    for rank, result in enumerate(ranks):
+        assert result["refused"].startswith(f"ConfigurationError: rank {rank}: step 0: GossipStrategy: "), result
+        assert "returned 2 optimizers" in result["refused"]
+
+
 def test_gradient_accumulation_is_one_gossip_step_per_optimizer_step(ranks):
     for result in ranks:
         assert result["accumulate"]["gossip_steps"] == 2
@@ -97,3 +108,13 @@ def test_no_gossip_or_gloo_thread_is_left_after_fit(ranks):
     for result in ranks:
         threads = result["threads"]
         assert all(after == threads["baseline"] for after in threads["after"].values()), threads
+
+
+def test_the_example_trains_under_lightnings_own_launcher(tmp_path):
+    """examples/lightning_gossip.py with ``devices=2``: Lightning starts the second process itself (popen)."""
+    command = [python(), str(REPO / "examples" / "lightning_gossip.py"), "--devices", "2", "--epochs", "1"]
+    job = subprocess.run(command, cwd=tmp_path, env=_env(CPU_ONLY), capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-5000:] + job.stderr[-5000:]
+    found = re.search(r"2 processes, 16 steps: validation loss ([\d.]+) -> ([\d.]+)", job.stdout)
+    assert found is not None, job.stdout[-3000:]
+    assert float(found.group(2)) < float(found.group(1))

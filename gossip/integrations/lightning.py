@@ -1,33 +1,25 @@
 """``GossipStrategy``: PyTorch Lightning trains a LightningModule with gossip instead of DDP.
 
 ``Trainer(strategy=GossipStrategy(), accelerator="cpu", devices=4)`` (or ``strategy="gossip"`` once this module is
-imported) wraps the LightningModule with the default pipeline's :class:`gossip.DecentralizedDataParallel`; there is
-no DDP anywhere, and nothing of gossip runs a collective during training. The rest is Lightning's: its launchers
-(``devices=N``, torchrun, srun, mpirun through Lightning's cluster environments), data sharding, logging, callbacks.
+imported) wraps the LightningModule with the default pipeline's :class:`gossip.DecentralizedDataParallel`: no DDP,
+no collective of gossip's during training. Launchers, data sharding, logging and callbacks stay Lightning's.
 
-What the strategy changes, and why:
-
-* **The step order is the plain loop's.** Lightning runs ``training_step`` and ``backward`` in a closure it hands
-  to ``optimizer.step(closure)``; torch's optimizer pre-step hooks, where the wrapper mixes, fire before the closure
-  runs. The strategy hands the precision plugin an optimizer whose ``step(closure)`` runs the closure first and
-  then the real ``step()`` without one, so each step is: the exchange started after the previous update, forward
-  and backward overlapping it, the mixing, the update -- as ``loss.backward(); optimizer.step()``. That is also
-  what lets momentum-tracking optimizers (which refuse a closure) and manual optimization work.
+* **The plain loop's step order.** Lightning runs ``training_step`` and ``backward`` in a closure passed to
+  ``optimizer.step(closure)``, and torch's pre-step hooks (where the wrapper mixes) fire before a closure runs. The
+  precision plugin gets an optimizer whose ``step(closure)`` runs the closure, then the real ``step()`` without
+  one: the exchange started after the previous update overlaps forward and backward, then the mixing, the update.
+  So momentum-tracking optimizers (which refuse a closure) and manual optimization work too.
 * **Gossip has a process group of its own**; Lightning's ``reduce``, ``barrier`` and ``broadcast`` keep the world.
-* **Validation, test and predict call the LightningModule directly**, never the wrapper (whose forward would start
-  an exchange). With ``evaluate="average"`` (default) validation during ``fit`` runs on the replicas' average.
-* **Checkpoints** (``ModelCheckpoint``, ``trainer.save_checkpoint`` during fit) hold the averaged weights (every
-  rank takes part, as Lightning already calls it on every rank); beside ``path.ckpt`` each rank writes its own
-  state (replica, optimizer, algorithm, RNG) to ``path.ckpt.gossip/rank<r>.pt`` with :func:`gossip.save_checkpoint`,
-  and ``trainer.fit(ckpt_path=path.ckpt)`` restores it: the resumed run continues bit for bit.
-* **Teardown** averages the replicas into every rank's LightningModule (``average_at_end=True``), closes the wrapper,
-  the communicator and its group: no gossip or Gloo thread of the run is left. After ``fit``, test, validate and
-  predict see one model on every rank, as after DDP.
+* **Validation, test and predict call the LightningModule directly**, never the wrapper (whose forward starts an
+  exchange); with ``evaluate="average"`` validation during ``fit`` runs on the replicas' average.
+* **Checkpoints** during fit hold the averaged weights (a collective; Lightning calls it on every rank), and each
+  rank's own state goes to ``path.ckpt.gossip/rank<r>.pt`` (:func:`gossip.save_checkpoint`), which
+  ``trainer.fit(ckpt_path=path.ckpt)`` restores: the resumed run continues bit for bit.
+* **Teardown** averages the replicas into every rank's module (``average_at_end``), closes the wrapper, the
+  communicator and its group: no thread of the run is left, and after ``fit`` every rank holds one model.
 
-Not supported (refused by name): several optimizers, ``LBFGS`` (a closure evaluated more than once),
-``sync_batchnorm=True`` (a collective in every forward). The strategy subclasses the ``pytorch_lightning`` package's
-``DDPStrategy`` (what ``pip install 'gossip-train[lightning]'`` installs); the unified ``lightning`` package's
-``lightning.pytorch.Trainer`` needs a strategy built on its own classes.
+Refused by name: several optimizers, ``LBFGS``, ``sync_batchnorm=True``. Built on the ``pytorch_lightning``
+package (the ``[lightning]`` extra); the unified ``lightning`` package's classes are other classes.
 """
 
 from __future__ import annotations

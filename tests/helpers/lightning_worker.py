@@ -12,6 +12,7 @@ One process per device runs every scenario in turn, each a ``Trainer.fit`` of th
 * ``ring``: exact gossip on a ring, validation every 2 steps on the replicas' average (the same full validation set
   on every rank), the parameters just before each update.
 * ``complete``: exact gossip on the complete graph (W = J): the mixed parameters just before each update.
+* ``refused``: two optimizers (manual optimization): the error every rank raises, and the threads after it.
 * ``accumulate``: ``accumulate_grad_batches=2``: gossip steps, optimizer steps, events.
 * ``resume``: 8 steps (one batch per epoch) with a checkpoint at step 4, then ``fit(ckpt_path=...)`` from it.
 * ``threads``: after each fit, the gossip and Gloo threads compared with those before the first.
@@ -35,6 +36,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import gossip
 import topologies
+from gossip.errors import ConfigurationError
 from gossip.integrations.common import GossipGroup
 from gossip.integrations.lightning import GossipStrategy
 from helpers.gloo_threads import GLOO_THREADS, thread_names
@@ -141,6 +143,11 @@ class Spy(Callback):
         self.saved.append((torch.cat([v.reshape(-1) for v in checkpoint["state_dict"].values()]), replica))
 
 
+class TwoOptimizers(Regression):
+    def configure_optimizers(self):
+        return [torch.optim.SGD(self.net[0].parameters(), lr=LR), torch.optim.SGD(self.net[2].parameters(), lr=LR)]
+
+
 def ring_wrap(module, comm):
     return gossip.DecentralizedDataParallel(module, comm, topologies.ring(comm.size), gossip.ExactGossip())
 
@@ -241,6 +248,14 @@ def main() -> None:
     watcher = fit(module, GossipStrategy(wrap=complete_wrap, average_at_end=False),
                   {"train_dataloaders": train_loader()}, max_steps=2)  # fmt: skip
     result["complete"] = {"pre_update": watcher.snapshots}
+
+    pl.seed_everything(0, verbose=False)
+    try:
+        fit(TwoOptimizers(manual=True), GossipStrategy(), {"train_dataloaders": train_loader()})
+        result["refused"] = "accepted"
+    except ConfigurationError as error:
+        result["refused"] = f"{type(error).__name__}: {error}"
+    threads["refused"] = gossip_and_gloo_threads(baseline)
 
     module = fresh()
     watcher = fit(module, GossipStrategy(), {"train_dataloaders": train_loader()}, max_steps=2,
