@@ -21,6 +21,9 @@ import gossip
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("gossip", "optim", "topologies")
 OPTIONAL = {"mpi4py": "mpi", "tensorboard": "tensorboard"}  # import name -> extra that provides it
+# Modules that exist for one framework, imported only by who uses it (never by ``import gossip``): the framework's
+# imports may stand at module level there, provided by the module's extra.
+INTEGRATIONS = {"gossip/integrations/lightning.py": "lightning", "gossip/integrations/hf.py": "hf"}
 
 
 def _setup_cfg() -> configparser.ConfigParser:
@@ -53,6 +56,19 @@ def _imports(path: Path) -> list[tuple[str, bool]]:
     return found
 
 
+def _provided_by_extra(name: str, extra: str, distributions: dict[str, list[str]]) -> bool:
+    """Whether the import ``name`` comes from a distribution that ``extra`` requires (or what they require)."""
+    required = {_requirement_name(r) for r in _setup_cfg()["options.extras_require"][extra].split()}
+    for requirement in list(required):
+        try:
+            dependencies = importlib.metadata.requires(requirement) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        required |= {_requirement_name(d) for d in dependencies if "extra ==" not in d}
+    provided = {d.lower().replace("_", "-") for d in distributions.get(name, [name])}
+    return bool(provided & {r.replace("_", "-") for r in required})
+
+
 def test_version_is_the_installed_distributions():
     assert gossip.__version__ == importlib.metadata.version("gossip-train")
 
@@ -79,6 +95,8 @@ def test_every_third_party_import_is_a_core_requirement_or_a_lazy_optional_one()
                 if name in sys.stdlib_module_names or name in PACKAGES:
                     continue
                 where = path.relative_to(REPO)
+                if str(where) in INTEGRATIONS and _provided_by_extra(name, INTEGRATIONS[str(where)], distributions):
+                    continue
                 if name in OPTIONAL:
                     if at_module_level:
                         problems.append(f"{where}: optional {name} imported at module level")
@@ -93,3 +111,9 @@ def test_the_mpi_extra_does_not_pull_the_mpich_wheel_but_the_mpich_extra_does():
     extras = _setup_cfg()["options.extras_require"]
     assert {_requirement_name(r) for r in extras["mpi"].split()} == {"mpi4py"}
     assert {_requirement_name(r) for r in extras["mpich"].split()} == {"mpi4py", "mpich"}
+
+
+@pytest.mark.parametrize("extra", sorted(set(INTEGRATIONS.values())))
+def test_the_test_extra_installs_each_integration_extra(extra):
+    extras = _setup_cfg()["options.extras_require"]
+    assert set(extras[extra].split()) <= set(extras["test"].split())
