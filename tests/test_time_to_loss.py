@@ -185,8 +185,8 @@ def test_every_powergossip_method_names_its_settings_so_a_changed_default_leaves
 
 
 def test_every_gossip_method_names_its_outer_step_so_the_defaults_average_stays_out_where_not_named():
-    """The main job's defaults take an exact average every 10 steps; every exact or PowerGossip method says whether it
-    runs one (only the hybrid ``-h10-avg-`` does), and resolves to it."""
+    """Every exact or PowerGossip method says whether it takes an outer step (only the hybrid ``-h10-avg-`` does,
+    the main job's defaults from issue 27 to 59), and resolves to it whatever the defaults are."""
     from gossip.app.cli import build_parser, config_from
     from gossip.app.train import resolve
 

@@ -147,15 +147,19 @@ def _hybrid_average(local_steps: int, delay: int = 0) -> Method:
     return Method(f"pg4-it2-fp16-h{local_steps}-d{delay}-avg-adamw", label, _gossip_train(*options))
 
 
-def _momentum_tracking(name: str, label: str, *algorithm: str, trackers: str = "exact", every: int = 32) -> Method:
+def _momentum_tracking(
+    name: str, label: str, *algorithm: str, trackers: str = "exact", every: int = 32, mean_gradient: str = "allreduce"
+) -> Method:
     """``algorithm`` for the parameters, gradient trackers carrying the optimizer's first moment, mixed exactly or
     by ``trackers`` (``--gradient-tracking``: ``sign`` for ``gossip.ChocoSign``'s scaled signs), and the mean
     gradient's second moment sampled every ``every`` steps (``optim.MomentumTrackingAdamW``; the learning-per-step
-    study's ``*-mt-sharedv32`` and ``*-mtsign4-c256-sharedv64``)."""
+    study's ``*-mt-sharedv32`` and ``*-mtsign4-c256-sharedv64``), averaged as ``mean_gradient`` says (an all-reduce
+    until issue 59, gossip in the main job's defaults since)."""
     options = [*algorithm, "--gradient-tracking", trackers, "--optimizer", "momentum-tracking-adamw"]
     label += f", {'exact' if trackers == 'exact' else trackers + '-compressed'} momentum trackers, the mean"
-    label += f" gradient's second moment every {every} steps"
-    return Method(name, label, _gossip_train(*options, "--second-moment-every", str(every)))
+    label += f" gradient's second moment every {every} steps by {mean_gradient}"
+    options += ["--second-moment-every", str(every), "--mean-gradient", mean_gradient]
+    return Method(name, label, _gossip_train(*options))
 
 
 def _pga(name: str, *, rank: int, iterations: int, every: int, adamw: bool) -> Method:
@@ -259,6 +263,15 @@ METHODS = {
             *powergossip(4, 2, "float16"),
             trackers="sign",
             every=64,
+        ),
+        # the main job's defaults since issue 59 (gossip.Pipeline): the same with the mean gradient by gossip
+        _momentum_tracking(
+            "pg4-it2-fp16-mtsign-gossipv-adamw",
+            "PowerGossip r=4, 2 iterations, float16 messages",
+            *powergossip(4, 2, "float16"),
+            trackers="sign",
+            every=64,
+            mean_gradient="gossip",
         ),
         Method("decentdp", "decent-dp 0.2.3, one-peer-exp", _decent_dp("one-peer-exp")),
         Method("decentdp-aer", "decent-dp 0.2.3, alternating-exp-ring", _decent_dp("alternating-exp-ring")),
