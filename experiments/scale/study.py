@@ -1,0 +1,262 @@
+"""The scale sweeps: gossip against DDP at n = 16 ... 1024 replicas, on the replica-axis engine.
+
+Three sweeps (:func:`sweep`), each arm paired with DDP on the same seed (the same initial model and the same tokens:
+worker i draws rank i's batches of ``ShardedBatches``):
+
+* ``strong``: a fixed global batch of ``GLOBAL_BATCH`` sequences, n in (16, 64, 256, 1024), b = B / n;
+* ``weak``: a fixed ``WEAK_BATCH`` sequences per worker, n in (16, 64, 256);
+* ``topology``: the default pipeline at ``WEAK_BATCH`` per worker on the one-peer hypercube, random matchings and
+  the ring at n = 64 and 256, and at n = 96 (not a power of two) on the one-peer Base-2 graph
+  (:func:`topologies.base_graph`, the default there), random matchings and the ring, with DDP at each n.
+
+Arms: ``ddp`` (the gradients all-reduced, AdamW), ``pipeline`` (:class:`gossip.Pipeline`'s defaults: PowerGossip
+rank 4 x 2 in float16, sign momentum trackers, the mean gradient's second moment every 64 steps gossiped along the
+schedule) and ``gossip`` (the same PowerGossip with AdamW, no trackers). Every ``record_every`` steps a run appends
+to ``steps.csv`` the training loss (mean over workers and over the block of steps), the averaged model's and the
+mean local validation loss (up to 8 workers evenly spaced) on held-out batches, the consensus distance Xi and the
+bytes each worker has sent; at the end one line to ``summary.csv``. A run already in ``summary.csv`` is skipped, so
+an interrupted sweep resumes where it stopped. ``--time`` instead times a few steps of each arm per n.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import gossip
+from experiments.scale.config import EngineConfig
+from experiments.scale.engine import Engine
+from gossip.app.corpus import load_corpus, validation_batches
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GLOBAL_BATCH = 1024
+WEAK_BATCH = 4
+STRONG_WORKERS = (16, 64, 256, 1024)
+WEAK_WORKERS = (16, 64, 256)
+ARMS = {
+    "ddp": {"params": "ddp", "trackers": "", "optimizer": "adamw"},
+    "pipeline": {},  # EngineConfig's defaults are the default pipeline's
+    "gossip": {"trackers": "", "optimizer": "adamw"},
+}
+EVAL_BATCHES, EVAL_BATCH = 8, 16
+
+
+def _arm(arm: str, prefix: str = "", schedule: str = "", **fields: object) -> EngineConfig:
+    """A run named by what it is (n, b, arm, schedule when not the default), so that sweeps share their runs."""
+    config = EngineConfig(**ARMS[arm], **fields)
+    if schedule == gossip.default_schedule(config.workers) or arm == "ddp":
+        schedule = ""
+    name = f"{prefix}n{config.workers}-b{config.batch}-{arm}" + (f"-{schedule}" if schedule else "")
+    return config.replace(name=name, schedule=schedule)
+
+
+def sweep(name: str, steps: int = 1000) -> list[EngineConfig]:
+    """The configurations of a sweep, smallest n first.
+
+    Args:
+        name: ``"strong"``, ``"weak"``, ``"topology"`` or ``"smoke"`` (two workers' worth of everything, tiny).
+        steps: every run's steps.
+
+    Returns:
+        The configurations (one per arm, n and schedule; the seeds are the caller's), named
+            ``n{n}-b{b}-{arm}[-{schedule}]`` (the schedule when it is not the default for n): a run two sweeps
+            share has one name.
+
+    Raises:
+        ValueError: an unknown sweep.
+    """
+    runs: list[EngineConfig] = []
+    if name == "strong":
+        for n in STRONG_WORKERS:
+            runs += [_arm(a, workers=n, batch=GLOBAL_BATCH // n, steps=steps) for a in ARMS]
+    elif name == "weak":
+        for n in WEAK_WORKERS:
+            runs += [_arm(a, workers=n, batch=WEAK_BATCH, steps=steps) for a in ARMS]
+    elif name == "topology":
+        for n, schedules in ((64, ("one_peer_hypercube", "random_matchings", "ring")),
+                             (96, ("base_graph", "random_matchings", "ring")),
+                             (256, ("one_peer_hypercube", "random_matchings", "ring"))):  # fmt: skip
+            runs.append(_arm("ddp", workers=n, batch=WEAK_BATCH, steps=steps))
+            runs += [_arm("pipeline", schedule=s, workers=n, batch=WEAK_BATCH, steps=steps) for s in schedules]
+    elif name == "smoke":
+        tiny = {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16, "steps": steps, "warmup": 2}
+        runs = [_arm(a, "smoke-", workers=n, batch=2, **tiny) for n in (8, 12) for a in ARMS]
+        runs.append(_arm("pipeline", "smoke-", "ring", workers=8, batch=2, **tiny))
+    else:
+        raise ValueError(f"unknown sweep {name!r}; choose strong, weak, topology or smoke")
+    return runs
+
+
+def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_every: int, out: Path) -> dict:
+    """Train one configuration with one seed, appending its records to ``out``/steps.csv; return its summary.
+
+    Args:
+        config: the configuration (its ``seed`` is replaced).
+        seed: the seed.
+        device: where the engine runs.
+        grad_mode: how the per-worker gradients are computed.
+        record_every: steps between two records.
+        out: the results folder.
+
+    Returns:
+        The summary row (also appended to ``out``/summary.csv).
+
+    Raises:
+        FloatingPointError: the training loss is not finite.
+    """
+    config = config.replace(seed=seed, warmup=min(config.warmup, config.steps // 2))
+    corpus = load_corpus(None, block_size=config.block_size)
+    held_out = [(x.to(device), y.to(device)) for x, y in
+                validation_batches(corpus.validation, EVAL_BATCH, config.block_size, EVAL_BATCHES)]  # fmt: skip
+    engine = Engine(config, corpus.train, device, grad_mode)
+    started, losses, rows = time.perf_counter(), [], []
+    for step in range(config.steps):
+        losses.append(engine.step(step).mean())
+        if (step + 1) % record_every == 0 or step + 1 == config.steps:
+            block = float(torch.stack(losses).mean())
+            if not math.isfinite(block):
+                raise FloatingPointError(f"{config.name} seed {seed}: training loss {block} at step {step}")
+            rows.append({"config": config.name, "seed": seed, "workers": config.workers, "batch": config.batch,
+                         "schedule": engine.schedule.name, "step": step + 1, "train_loss": block,
+                         **engine.evaluate(held_out), "bytes_per_worker": engine.bytes_per_worker(),
+                         "seconds": time.perf_counter() - started})  # fmt: skip
+            losses = []
+    append_rows(out / "steps.csv", rows)
+    last = rows[-1]
+    summary = {key: last[key] for key in ("config", "seed", "workers", "batch", "schedule", "step")}
+    summary |= {
+        "final_avg_val_loss": last["avg_val_loss"],
+        "final_local_val_loss": last["local_val_loss"],
+        "final_consensus": last["consensus"],
+        "bytes_per_worker_per_step": last["bytes_per_worker"] / config.steps,
+        "seconds_per_step": last["seconds"] / config.steps,
+        "device": device,
+        "grad_mode": grad_mode,
+    }
+    append_rows(out / "summary.csv", [summary])
+    return summary
+
+
+def append_rows(path: Path, rows: list[dict]) -> None:
+    """Append ``rows`` to the CSV at ``path``, with a header when the file is new.
+
+    Args:
+        path: the CSV file.
+        rows: the rows, all with the same keys.
+    """
+    if not rows:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with path.open("a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def done_runs(path: Path) -> set[tuple[str, int]]:
+    """The (config, seed) pairs already in a summary CSV.
+
+    Args:
+        path: ``summary.csv``.
+
+    Returns:
+        The pairs (empty when the file does not exist).
+    """
+    if not path.exists():
+        return set()
+    with path.open() as handle:
+        return {(row["config"], int(row["seed"])) for row in csv.DictReader(handle)}
+
+
+def time_steps(workers: list[int], batch: int, steps: int, device: str, grad_mode: str, arms: list[str]) -> list[dict]:
+    """Wall and CPU seconds per step of each arm at each n (after one warm-up step), ``batch`` sequences a worker.
+
+    Args:
+        workers: the n to time.
+        batch: sequences per worker.
+        steps: timed steps per arm (after the warm-up step).
+        device: where the engine runs.
+        grad_mode: how the per-worker gradients are computed.
+        arms: the arms to time (keys of :data:`ARMS`).
+
+    Returns:
+        One row per (n, arm).
+    """
+    corpus = load_corpus(None, block_size=EngineConfig().block_size)
+    rows = []
+    for n in workers:
+        for arm in arms:
+            engine = Engine(_arm(arm, "time-", workers=n, batch=batch), corpus.train, device, grad_mode)
+            engine.step(0)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            started, cpu = time.perf_counter(), time.process_time()
+            for step in range(1, steps + 1):
+                engine.step(step)
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            seconds, cpu = (time.perf_counter() - started) / steps, (time.process_time() - cpu) / steps
+            rows.append({"workers": n, "batch": batch, "arm": arm, "seconds_per_step": seconds,
+                         "cpu_seconds_per_step": cpu, "device": device, "grad_mode": grad_mode})  # fmt: skip
+            print(f"n={n} b={batch} {arm}: {seconds:.3f} s/step ({cpu:.3f} s of CPU)", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (``python -m experiments.scale --help``).
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sweep", nargs="+", default=["strong", "weak", "topology"],
+                        choices=["strong", "weak", "topology", "smoke"])  # fmt: skip
+    parser.add_argument("--only", nargs="*", help="run only these configuration names")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--max-workers", type=int, default=1024, help="skip configurations with more workers")
+    parser.add_argument("--record-every", type=int, default=10)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--grad-mode", default="batched", choices=["loop", "vmap", "batched"])
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--list", action="store_true", help="print the runs and exit")
+    parser.add_argument("--time", type=int, nargs="*", metavar="N", help="time the arms' steps at these n instead")
+    parser.add_argument("--time-batch", type=int, default=WEAK_BATCH)
+    args = parser.parse_args(argv)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    if args.time is not None:
+        workers = args.time or list(WEAK_WORKERS)
+        rows = time_steps(workers, args.time_batch, max(1, args.steps), args.device, args.grad_mode, args.arms)
+        append_rows(args.out / "step_times.csv", rows)
+        return 0
+    configs = [c for name in args.sweep for c in sweep(name, args.steps) if c.workers <= args.max_workers]
+    configs = list({c.name: c for c in configs}.values())  # a run two sweeps share runs once
+    configs = [c for c in configs if any(f"-{arm}" in c.name for arm in args.arms)]
+    if args.only:
+        configs = [c for c in configs if c.name in args.only]
+    done = done_runs(args.out / "summary.csv")
+    jobs = [(c, s) for c in configs for s in args.seeds if (c.name, s) not in done]
+    for config, seed in jobs:
+        if args.list:
+            print(f"{config.name} seed {seed}: n={config.workers} b={config.batch} {config.build_schedule().name}")
+            continue
+        summary = run(config, seed, args.device, args.grad_mode, args.record_every, args.out)
+        print(summary, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The replica-axis engine of experiments/scale reproduces the library's trajectories on the simulator.
+
+The engine is a second implementation of a gossip step, so it is held to the first: the same configuration run by
+:func:`experiments.scale.reference.simulated_trajectory` (``gossip.simulate`` around the real
+``gossip.DecentralizedDataParallel``, or ``gossip.Pipeline`` for the default pipeline) and by
+:class:`experiments.scale.engine.Engine` (one ``(n, P)`` buffer) must give every rank the same parameters after every
+step, at n = 8 and 16, for exact gossip, PowerGossip (rank 4, 2 power iterations, float16 messages), exact
+trackers, AdamW, DDP, and the default pipeline (PowerGossip, sign trackers, momentum tracking with the gossiped mean
+gradient, sampled every 4 steps here so that 12 steps see three samples), and on schedules with several peers
+(ring), idle ranks and unequal weights (the Base-2 graph at n = 12) and random matchings.
+
+Tolerance: ``atol = 1e-6`` on parameters of order 1 (rtol 0), over 12 steps; on this machine every difference is
+exactly 0. The engine computes the gradients replica by replica (``grad_mode="loop"``, the kernels a rank runs) and
+every mixing and update with the library's kernels on the library's operand layouts. The tolerance leaves room for
+a BLAS that rounds a matrix differently when it is batched differently, not more: the compressed arms are not
+continuous in rounding (a float16 product or a sign that flips jumps by a unit of the code), so a difference of
+rounding there shows as 1e-4 to 1e-2 within a few steps, and so would any difference of algorithm (a weight, an
+order, a sign, a missing step). The fast gradient modes (hand-batched GPT, vmap) are compared to the loop one
+gradient by gradient, at float32 rounding.
+
+Also pinned: the batched scaled-sign code equals the library's codec row by row, bit for bit, with the bytes of its
+messages; mixing preserves the average over ranks; both ends of a one-peer edge hold bit-identical trackers; the
+log2 n hops of the hypercube give every rank the mean; PowerGossip preserves the sum and leaves identical replicas
+identical.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.func import functional_call, grad
+
+import topologies
+from experiments.scale.config import EngineConfig
+from experiments.scale.engine import Engine
+from experiments.scale.mixing import consensus_sq, exact_gossip_, rank_order_sum_
+from experiments.scale.powergossip import BatchedPowerGossip
+from experiments.scale.reference import simulated_trajectory
+from experiments.scale.replicas import Replicas, template_model
+from experiments.scale.sign import BatchedChocoSign, message_bytes, sign_values
+from experiments.scale.steps import StepPlan
+from gossip.algorithms.scaled_sign import SignCodec
+from gossip.app.corpus import load_corpus
+from gossip.app.gpt import GPTConfig
+
+TINY = {"n_layer": 2, "n_embd": 16, "n_head": 2, "block_size": 8, "batch": 2, "steps": 40, "warmup": 5}
+STEPS = 12
+ATOL = 1e-6
+ARMS = {
+    "exact-adamw": {"params": "exact", "trackers": "", "optimizer": "adamw"},
+    "powergossip-adamw": {"params": "powergossip", "trackers": "", "optimizer": "adamw"},
+    "exact-trackers-adamw": {"params": "exact", "trackers": "exact", "optimizer": "adamw"},
+    "pipeline": {"second_moment_every": 4},  # gossip.Pipeline's parts, the second moment sampled every 4 steps
+    "ddp": {"params": "ddp", "trackers": "", "optimizer": "adamw"},
+}
+
+
+@pytest.fixture(scope="module")
+def train() -> torch.Tensor:
+    return load_corpus(None, block_size=TINY["block_size"]).train
+
+
+def _compare(config: EngineConfig, train: torch.Tensor, steps: int = STEPS) -> Engine:
+    reference = simulated_trajectory(config, train, steps)
+    engine = Engine(config, train, "cpu", grad_mode="loop")
+    start = engine.parameters.clone()
+    engine_bytes = []
+    for t, expected in enumerate(reference):
+        losses = engine.step(t)
+        where = f"{config.name}, n = {config.workers}, step {t}: "
+        torch.testing.assert_close(engine.parameters, expected["params"], rtol=0, atol=ATOL, msg=where.__add__)
+        torch.testing.assert_close(losses, expected["losses"], rtol=0, atol=ATOL, msg=where.__add__)
+        engine_bytes.append(engine.bytes_per_worker())
+    assert (engine.parameters - start).abs().max() > 1e-3  # it trained
+    if config.params != "ddp":
+        assert consensus_sq(engine.parameters) > 0  # the replicas differ: the mixing had something to do
+    if config.params != "ddp":  # the bytes every rank's algorithm counted, on average, after every step
+        assert engine_bytes == [float(r["bytes"].mean()) for r in reference]
+    return engine
+
+
+@pytest.mark.parametrize("n", [8, 16])
+@pytest.mark.parametrize("arm", ARMS)
+def test_the_engine_reproduces_the_simulators_trajectory(arm, n, train):
+    _compare(EngineConfig(name=arm, workers=n, **TINY, **ARMS[arm]), train)
+
+
+@pytest.mark.parametrize(("n", "schedule"), [(8, "ring"), (8, "random_matchings"), (12, "")])
+def test_the_pipeline_is_reproduced_on_other_schedules(n, schedule, train):
+    config = EngineConfig(name=f"pipeline-{schedule}", workers=n, schedule=schedule, second_moment_every=16, **TINY)
+    engine = _compare(config, train, steps=8)
+    assert engine.schedule.name == (schedule or "base_graph")
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap of the CPU attention: a loop inside
+def test_the_fast_gradient_modes_agree_with_the_loop_to_rounding():
+    config = GPTConfig(block_size=8, n_layer=2, n_embd=16, n_head=2)
+    model = template_model(config, 0, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(0, 256, (4, 3, 8), generator=generator) for _ in range(2))
+    grads, losses = {}, {}
+    for mode in ("loop", "vmap", "batched"):
+        replicas = Replicas(model, 4, mode)
+        replicas.flat.add_(0.02 * torch.randn(replicas.flat.shape, generator=torch.Generator().manual_seed(2)))
+        losses[mode], grads[mode] = replicas.gradients(x, y), replicas.grad.clone()
+    for mode in ("vmap", "batched"):
+        torch.testing.assert_close(losses[mode], losses["loop"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(grads[mode], grads["loop"], rtol=1e-4, atol=1e-6)
+    # and the loop is the module's own backward, bit for bit
+    module = template_model(config, 0, torch.device("cpu"))
+    replicas = Replicas(module, 4, "loop")
+    params = {k: v[1].clone() for k, v in replicas.views.items()}
+    expected = grad(lambda p: functional_call(module, p, (x[1], y[1]))[1])(params)
+    replicas.gradients(x, y)
+    assert all(torch.equal(replicas.grad_views[k][1], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("levels", [1, 2, 4])
+@pytest.mark.parametrize(("numel", "chunk"), [(1000, 256), (1792, 256), (777, 32), (5, 256)])
+def test_the_batched_sign_code_is_the_librarys_row_by_row(numel, chunk, levels):
+    generator = torch.Generator().manual_seed(numel + levels)
+    residual = torch.randn(4, numel, generator=generator) * torch.rand(4, 1, generator=generator)
+    residual[0, :3] = 0.0  # zeros count as +
+    values = sign_values(residual, chunk, levels)
+    for row in range(4):
+        message, expected = SignCodec(chunk, levels).encode(residual[row].clone())
+        assert torch.equal(values[row], expected)
+        assert message_bytes(numel, chunk, levels) == sum(t.numel() * t.element_size() for t in message)
+
+
+SCHEDULES = [("one_peer_hypercube", 8), ("ring", 8), ("random_matchings", 8), ("base_graph", 12)]
+
+
+@pytest.mark.parametrize(("name", "n"), SCHEDULES)
+def test_exact_and_rank_order_mixing_preserve_the_average(name, n):
+    schedule = topologies.by_name(name, n)
+    rows = torch.randn(n, 300, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    mean = rows.mean(dim=0)
+    for t in range(3):
+        plan = StepPlan.build(schedule, t, torch.device("cpu"))
+        for mix in (exact_gossip_, rank_order_sum_):
+            mixed = rows.clone()
+            mix(mixed, plan)
+            torch.testing.assert_close(mixed.mean(dim=0), mean, rtol=0, atol=1e-12)
+            torch.testing.assert_close(mixed, torch.from_numpy(schedule.mixing_matrix(t)) @ rows, rtol=0, atol=1e-12)
+
+
+def test_one_peer_edges_end_bit_identical_and_the_hypercube_averages_exactly():
+    n = 16
+    schedule = topologies.one_peer_hypercube(n)
+    rows = torch.randn(n, 1000, generator=torch.Generator().manual_seed(0))
+    mean = rows.double().mean(dim=0)
+    for t in range(int(math.log2(n))):
+        plan = StepPlan.build(schedule, t, torch.device("cpu"))
+        rank_order_sum_(rows, plan)
+        partner = plan.slots[0].index
+        assert torch.equal(rows, rows[partner])  # both ends of every edge hold the same bits
+    torch.testing.assert_close(rows.double(), mean.expand(n, -1), rtol=0, atol=1e-6)
+
+
+def _replicas(n: int) -> Replicas:
+    model = template_model(GPTConfig(block_size=8, n_layer=2, n_embd=16, n_head=2), 0, torch.device("cpu"))
+    return Replicas(model, n, "loop")
+
+
+def test_powergossip_preserves_the_sum_and_leaves_identical_replicas_identical():
+    import gossip
+
+    n = 8
+    schedule = topologies.one_peer_hypercube(n)
+    replicas = _replicas(n)
+    algorithm = BatchedPowerGossip(replicas, n, gossip.PowerGossip(4, 2, message_dtype=torch.float16))
+    before = replicas.flat.clone()
+    algorithm.mix_(replicas.flat, StepPlan.build(schedule, 0, torch.device("cpu")))
+    assert torch.equal(replicas.flat, before)  # R = 0: nothing moves, the warm factors stay
+    replicas.flat.add_(0.01 * torch.randn(replicas.flat.shape, generator=torch.Generator().manual_seed(3)))
+    total, spread = replicas.flat.double().sum(dim=0), consensus_sq(replicas.flat)
+    for t in range(1, 4):
+        algorithm.mix_(replicas.flat, StepPlan.build(schedule, t, torch.device("cpu")))
+    torch.testing.assert_close(replicas.flat.double().sum(dim=0), total, rtol=0, atol=1e-5)
+    assert consensus_sq(replicas.flat) < spread
+
+
+def test_sign_trackers_preserve_the_sum_over_ranks():
+    n = 8
+    schedule = topologies.one_peer_hypercube(n)
+    replicas = _replicas(n)
+    mixing = BatchedChocoSign(replicas.segments)
+    y = torch.randn(replicas.flat.shape, generator=torch.Generator().manual_seed(4))
+    total = y.double().sum(dim=0)
+    for t in range(5):
+        mixing.mix_(y, StepPlan.build(schedule, t, torch.device("cpu")))
+    torch.testing.assert_close(y.double().sum(dim=0), total, rtol=0, atol=1e-4)
