@@ -41,6 +41,7 @@ from experiments.scale.reference import simulated_trajectory
 from experiments.scale.replicas import Replicas, template_model
 from experiments.scale.sign import BatchedChocoSign, message_bytes, sign_values
 from experiments.scale.steps import StepPlan
+from experiments.scale.study import sweep
 from gossip.algorithms.scaled_sign import SignCodec
 from gossip.app.corpus import load_corpus
 from gossip.app.gpt import GPTConfig
@@ -92,6 +93,29 @@ def test_the_pipeline_is_reproduced_on_other_schedules(n, schedule, train):
     config = EngineConfig(name=f"pipeline-{schedule}", workers=n, schedule=schedule, second_moment_every=16, **TINY)
     engine = _compare(config, train, steps=8)
     assert engine.schedule.name == (schedule or "base_graph")
+
+
+def test_momentum_tracking_with_exact_trackers_and_an_all_reduced_mean_gradient_is_reproduced(train):
+    config = EngineConfig(name="mt-exact", workers=8, trackers="exact", mean_gradient="allreduce", **TINY)
+    _compare(config.replace(second_moment_every=3), train, steps=8)
+
+
+def test_the_sweeps_hold_what_they_vary_fixed_and_share_their_runs():
+    strong, weak, topology = (sweep(name) for name in ("strong", "weak", "topology"))
+    assert {c.workers * c.batch for c in strong} == {1024} and {c.workers for c in strong} == {16, 64, 256, 1024}
+    assert {c.batch for c in weak + topology} == {4} and {c.workers for c in weak} == {16, 64, 256}
+    assert {(c.workers, c.build_schedule().name) for c in topology if c.params != "ddp"} >= {
+        (96, "base_graph"),
+        (256, "ring"),
+        (64, "random_matchings"),
+        (256, "one_peer_hypercube"),
+    }
+    every = strong + weak + topology
+    assert all(c.steps == 1000 for c in every)
+    ddp = {(c.workers, c.batch) for c in every if c.params == "ddp"}
+    assert {(c.workers, c.batch) for c in every} == ddp  # every gossip run has its DDP twin: same n, b and seeds
+    named = {c.name: c for c in every}  # one name, one configuration: shared runs are the same run
+    assert all(named[c.name] == c for c in every)
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop")  # vmap of the CPU attention: a loop inside
