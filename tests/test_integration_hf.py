@@ -119,7 +119,8 @@ def _tiny_trainer(tmp_path, **arguments):
 
 
 @pytest.mark.parametrize(
-    ("arguments", "named"), [({"fp16": True}, "fp16=True"), ({"torch_compile": True}, "torch_compile=True")]
+    ("arguments", "named"),
+    [({"fp16": True}, "fp16=True"), ({"fsdp": True}, "fsdp"), ({"torch_compile": True}, "torch_compile=True")],
 )
 def test_unsupported_settings_are_refused_by_name(tmp_path, arguments, named):
     with pytest.raises(ConfigurationError, match=f"GossipTrainer does not support {named}"):
