@@ -100,6 +100,39 @@ def test_momentum_tracking_with_exact_trackers_and_an_all_reduced_mean_gradient_
     _compare(config.replace(second_moment_every=3), train, steps=8)
 
 
+def test_the_engines_default_arm_is_the_librarys_default_pipeline():
+    """The sweeps' ``pipeline`` arm is ``gossip.Pipeline()`` as the library defines it: no collective in the step."""
+    import gossip
+    from experiments.scale.study import ARMS as STUDY_ARMS
+
+    default, pipeline = EngineConfig(), gossip.Pipeline()
+    assert STUDY_ARMS["pipeline"] == {} and default.is_pipeline()
+    algorithm, ours = pipeline.algorithm(), default.powergossip()
+    assert (ours.matrix_rank, ours.num_iterations, ours.gamma, ours.message_dtype) == (
+        algorithm.matrix_rank,
+        algorithm.num_iterations,
+        algorithm.gamma,
+        algorithm.message_dtype,
+    )
+    assert pipeline.tracking() == default.trackers == "sign"
+    library_sign, our_sign = gossip.ChocoSign(), default.tracking()
+    assert (our_sign.gamma, our_sign.chunk, our_sign.levels) == (
+        library_sign.gamma,
+        library_sign.chunk,
+        library_sign.levels,
+    )
+    assert default.optimizer == "momentum-tracking"
+    assert (default.mean_gradient, default.second_moment_every) == (
+        pipeline.mean_gradient,
+        pipeline.second_moment_every,
+    )
+    assert default.mean_gradient == "gossip"  # the second moment gossiped along the schedule, never all-reduced
+    assert default.build_schedule().name == gossip.default_schedule(default.workers)
+    pipelines = [c for c in sweep("strong") + sweep("weak") + sweep("topology") if "-pipeline" in c.name]
+    assert len(pipelines) == 16
+    assert all((c.mean_gradient, c.second_moment_every, c.trackers) == ("gossip", 64, "sign") for c in pipelines)
+
+
 def test_the_sweeps_hold_what_they_vary_fixed_and_share_their_runs():
     strong, weak, topology = (sweep(name) for name in ("strong", "weak", "topology"))
     assert {c.workers * c.batch for c in strong} == {1024} and {c.workers for c in strong} == {16, 64, 256, 1024}
