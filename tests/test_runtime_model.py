@@ -53,6 +53,17 @@ def test_hierarchical_allreduce_known_value_two_nodes_of_four():
     assert hierarchical_allreduce_time(m, 4, 2, network) == pytest.approx(expected)
 
 
+def test_ring_allreduce_is_the_flat_ring_as_gloo_runs_it_even_across_nodes():
+    # 2 nodes x 2 ranks, node-major ring: 2 (g - 1) = 6 steps of M / 4 through one uplink each; "best" may pick the
+    # hierarchical form (intra ring, then an all-reduce of M between the 2 nodes), which Gloo does not run
+    network = Network(1e-4, 12.5 * MB, intra_latency_s=1e-4, intra_bandwidth_Bps=3e9, local_size=2)
+    m = 8.388608 * MB
+    assert allreduce_time(m, 4, network, "ring") == pytest.approx(6 * (1e-4 + m / 4 / (12.5 * MB)))
+    hierarchical = hierarchical_allreduce_time(m, 2, 2, network, "best")
+    assert allreduce_time(m, 4, network, "best") == pytest.approx(hierarchical)
+    assert hierarchical < allreduce_time(m, 4, network, "ring")
+
+
 def test_group_of_two_is_a_full_duplex_pairwise_exchange():
     network = Network(1e-3, GBIT, intra_latency_s=1e-5, intra_bandwidth_Bps=10 * GBIT, local_size=2)
     assert group_allreduce_time(4 * MB, [0, 2], network) == pytest.approx(1e-3 + 4 * MB / GBIT)

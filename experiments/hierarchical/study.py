@@ -37,8 +37,7 @@ per step on average for L = 2 (M per node per step; flat does 2M every other ste
 hierarchical step reaches the exact global average every log2(N) = 1 step here. Hierarchical PowerGossip sends
 (L-1)/L M twice over the fast level (reduce-scatter + all-gather, uncompressed) plus the compressed factors across
 nodes, so on this machine (2 shared cores, loopback limited by CPU) it is slower than flat PowerGossip, which sends
-only factors; its bytes column counts both levels. One run per method, no repetitions: differences of ~20 % are
-within this machine's noise (load average ~20 from other jobs while measured).
+only factors; its bytes column counts both levels. One run per method; the README gives three repeats.
 """
 
 

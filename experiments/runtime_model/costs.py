@@ -127,7 +127,10 @@ def group_allreduce_time(
                      leaves the node, so the uplink is not shared)
       hierarchical:  hierarchical_allreduce_time(M, l, k)
     With "best", a pair (g = 2) is a pairwise exchange, alpha + M beta. Both forms equal T_AR(M, g) when l = 1.
-    ``algorithm="best"`` lets each ring stage use halving-doubling when it is faster (allreduce_cost).
+    ``algorithm="best"``: the faster of the two forms, each ring stage with halving-doubling when it is faster
+    (allreduce_cost). ``algorithm="ring"``: the flat ring only, as Gloo runs it (it has no hierarchical
+    all-reduce): with l > 1 the hierarchical form, faster by up to a factor 2(g-1)/g / (2(k-1)/k) at the same
+    uplink, is a different algorithm.
     """
     members = sorted(set(int(r) for r in ranks))
     g = len(members)
@@ -145,7 +148,7 @@ def group_allreduce_time(
     chunk = message_bytes / g
     flat_step = max(alpha + chunk / bandwidth, network.intra_alpha + chunk / network.intra_bandwidth)
     flat = 2 * (g - 1) * flat_step if per_node > 1 else allreduce_cost(message_bytes, g, alpha, bandwidth, algorithm)
-    return min(flat, hierarchical)
+    return flat if algorithm == "ring" else min(flat, hierarchical)
 
 
 def allreduce_time(model_bytes: float, n: int, network: Network, algorithm: str = "best") -> float:
