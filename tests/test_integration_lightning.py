@@ -2,7 +2,9 @@
 
 tests/helpers/lightning_worker.py runs every scenario in the same 4 processes (its docstring lists them); each test
 below pins one property of what they recorded. Skipped without pytorch_lightning (the ``lightning`` extra, which
-the ``test`` extra installs). The example (examples/lightning_gossip.py) runs under Lightning's own launcher.
+the ``test`` extra installs). The example (examples/lightning_gossip.py) runs under Lightning's own launcher, and
+tests/helpers/lightning_launched_worker.py on 2 processes started by torchrun and by ``mpiexec`` (Lightning's
+``TorchElasticEnvironment`` and ``MPIEnvironment``; nothing but Lightning sets up torch.distributed there).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 pytest.importorskip("pytorch_lightning")
 
-from helpers.launch import CPU_ONLY, REPO, _env, launch, python
+from helpers.launch import CPU_ONLY, REPO, _env, launch, mpiexec, python
 
 pytestmark = pytest.mark.multiprocess
 
@@ -118,3 +120,63 @@ def test_the_example_trains_under_lightnings_own_launcher(tmp_path):
     found = re.search(r"2 processes, 16 steps: validation loss ([\d.]+) -> ([\d.]+)", job.stdout)
     assert found is not None, job.stdout[-3000:]
     assert float(found.group(2)) < float(found.group(1))
+
+
+LAUNCHED = 2  # processes started by an outside launcher
+
+
+@pytest.fixture(scope="module", params=["torchrun", "mpiexec"])
+def launched(request, tmp_path_factory):
+    """``(launcher, environment class, per-rank results)`` of lightning_launched_worker.py on 2 processes."""
+    out = tmp_path_factory.mktemp(request.param)
+    if request.param == "mpiexec":
+        mpiexec()  # fails without the mpich wheel (the test extra installs it with mpi4py, which MPIEnvironment needs)
+        results = launch("lightning_launched_worker.py", out, [str(LAUNCHED)], backend="mpi", n=LAUNCHED,
+                         timeout=300)[0]  # fmt: skip
+        return request.param, "MPIEnvironment", results
+    command = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={LAUNCHED}",
+               str(REPO / "tests" / "helpers" / "lightning_launched_worker.py"), str(out), str(LAUNCHED)]  # fmt: skip
+    job = subprocess.run(command, cwd=out, env=_env(CPU_ONLY), capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-5000:] + job.stderr[-5000:]
+    results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(LAUNCHED)]
+    return request.param, "TorchElasticEnvironment", results
+
+
+def test_under_an_outside_launcher_lightning_runs_on_the_launchers_processes(launched):
+    _, environment, ranks = launched
+    for rank, result in enumerate(ranks):
+        assert result["environment"] == {"class": environment, "external": True, "world_size": LAUNCHED,
+                                         "rank": rank, "dist_rank": rank}  # fmt: skip
+
+
+def test_under_an_outside_launcher_the_model_is_the_gossip_wrapper_and_no_ddp(launched):
+    for result in launched[2]:
+        fit = result["fit"]
+        assert (fit["model_type"], fit["ddp_modules"], fit["gossip_steps"]) == ("DecentralizedDataParallel", 0, 4)
+
+
+def test_under_an_outside_launcher_training_is_the_plain_loops_bit_for_bit(launched):
+    """Validation on the average after steps 2 and 4 changes nothing of the trajectory either."""
+    for result in launched[2]:
+        assert result["fit"]["events"] == result["plain"]["events"]
+        assert result["fit"]["events"][: 1 + 4 * len(STEP)] == ["start", *STEP * 4]
+        assert result["fit"]["losses"] == result["plain"]["losses"]
+        assert torch.equal(result["fit"]["replica"], result["plain"]["final"])
+
+
+def test_under_an_outside_launcher_validation_is_the_averages_on_every_rank(launched):
+    ranks = launched[2]
+    replicas = [r["fit"]["replica"] for r in ranks]
+    assert not torch.allclose(replicas[0], replicas[1])  # compressed gossip: the replicas differ
+    losses = [r["fit"]["val_losses"] for r in ranks]
+    assert len(losses[0]) == 2 * 4 and losses[1] == losses[0]  # the same data, the same (averaged) model
+
+
+def test_under_an_outside_launcher_every_rank_ends_with_the_average_and_no_thread_left(launched):
+    ranks = launched[2]
+    average = torch.stack([r["fit"]["replica"] for r in ranks]).mean(dim=0)
+    for result in ranks:
+        assert torch.allclose(result["fit"]["final"], average, rtol=0, atol=1e-7)
+        threads = result["threads"]
+        assert threads["after"] == threads["baseline"], threads
+        assert not any(name.startswith("gossip") for name in threads["baseline"]), threads

@@ -156,11 +156,12 @@ def complete_wrap(module, comm):
     return gossip.DecentralizedDataParallel(module, comm, topologies.complete(comm.size), gossip.ExactGossip())
 
 
-def fit(module: Regression, strategy: GossipStrategy, loaders: dict, ckpt_path=None, callbacks=(), **trainer) -> Spy:
+def fit(module: Regression, strategy: GossipStrategy, loaders: dict, ckpt_path=None, callbacks=(), devices=N,
+        **trainer) -> Spy:  # fmt: skip
     watcher = Spy()
     settings = {"max_steps": 4, "num_sanity_val_steps": 0, "enable_checkpointing": False, **trainer}
     pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=N, logger=False, enable_progress_bar=False,
+        strategy=strategy, accelerator="cpu", devices=devices, logger=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[watcher, *callbacks], **settings,
     ).fit(module, ckpt_path=ckpt_path, **loaders)  # fmt: skip
     return watcher
@@ -183,7 +184,7 @@ def plain_loop(steps: int) -> dict:
     optimizer = gossip.Pipeline().optimizer(model.parameters(), lr=LR)
     snapshots: list[torch.Tensor] = []
     spy(model, optimizer, module, snapshots)
-    sampler = DistributedSampler(dataset(), num_replicas=N, rank=dist.get_rank(), shuffle=True, seed=0)  # Lightning's
+    sampler = DistributedSampler(dataset(), dist.get_world_size(), dist.get_rank(), shuffle=True, seed=0)  # Lightning's
     for step, (x, y) in enumerate(DataLoader(dataset(), batch_size=BATCH, sampler=sampler)):
         if step == steps:
             break
