@@ -250,3 +250,27 @@ def test_sign_trackers_preserve_the_sum_over_ranks():
     for t in range(5):
         mixing.mix_(y, StepPlan.build(schedule, t, torch.device("cpu")))
     torch.testing.assert_close(y.double().sum(dim=0), total, rtol=0, atol=1e-4)
+
+
+def test_the_report_pairs_each_arm_with_its_ddp_twin():
+    from experiments.scale.report import gaps
+
+    def summary(config, seed, loss, sent):
+        n, b = (int(part[1:]) for part in config.split("-")[:2])
+        final = {"final_avg_val_loss": loss, "final_local_val_loss": loss + 0.01, "final_consensus": 0.1}
+        return {"config": config, "seed": seed, "workers": n, "batch": b, "step": 30, **final,
+                "bytes_per_worker_per_step": sent}  # fmt: skip
+
+    rows = [summary("n16-b4-ddp", 0, 1.5, 100.0), summary("n16-b4-pipeline", 0, 1.6, 10.0),
+            summary("n16-b4-pipeline", 1, 1.4, 10.0), summary("n64-b4-pipeline", 0, 1.0, 1.0)]  # fmt: skip
+    curve = [
+        {"config": "n16-b4-ddp", "seed": 0, "step": s, "avg_val_loss": v} for s, v in ((10, 2), (20, 1.6), (30, 1.5))
+    ]
+    (only,) = gaps(rows, curve)  # seed 1 and n = 64 have no DDP twin
+    assert (only["arm"], only["seed"], only["ddp_equivalent_step"], only["steps_ratio_at_least"]) == (
+        "pipeline",
+        0,
+        20,
+        1.5,
+    )
+    assert only["gap"] == pytest.approx(0.1) and only["bytes_per_step_over_ddp"] == pytest.approx(0.1)

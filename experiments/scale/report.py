@@ -1,0 +1,134 @@
+"""The sweeps' tables and plot from their records: each arm against DDP on the same n, batch and seed.
+
+For every run in ``summary.csv`` with a DDP twin (same workers, batch and seed: the same initial model and tokens),
+:func:`gaps` gives the paired gap of the final averaged-model validation loss, arm - DDP, and the DDP-equivalent
+steps: the first recorded step at which DDP's averaged validation loss is at or below the arm's final one
+(``steps.csv``, every ``record_every`` steps), so that the arm's steps over it bounds from below the steps ratio the
+arm needs to reach DDP's final loss on the same schedule (``None`` when DDP's curve never gets that high: the arm
+ends below DDP). :func:`plot` draws the averaged model's validation loss against steps, one panel per (n, batch).
+
+Run: ``python -m experiments.scale.report`` (reads and writes ``experiments/scale/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from experiments.scale.study import RESULTS
+from experiments.shared import pyplot, read_csv, save_figure, write_csv
+
+
+def _arm(config: str) -> str:
+    """``n16-b4-pipeline[-ring]`` -> ``pipeline[-ring]``."""
+    return config.split("-", 2)[2]
+
+
+def gaps(summary: list[dict], steps: list[dict]) -> list[dict]:
+    """One row per (workers, batch, arm, seed) that has a DDP twin.
+
+    Args:
+        summary: ``summary.csv``'s rows (:func:`experiments.shared.read_csv`).
+        steps: ``steps.csv``'s rows.
+
+    Returns:
+        Rows with ``gap`` (arm - DDP, final averaged validation loss), ``ddp_equivalent_step`` and
+            ``steps_ratio_at_least`` (the arm's steps over it), the final consensus distance and bytes per step.
+    """
+    ddp = {(r["workers"], r["batch"], r["seed"]): r for r in summary if _arm(r["config"]) == "ddp"}
+    curves: dict[tuple, list[dict]] = {}
+    for row in steps:
+        curves.setdefault((row["config"], row["seed"]), []).append(row)
+    out = []
+    for row in summary:
+        key = (row["workers"], row["batch"], row["seed"])
+        if _arm(row["config"]) == "ddp" or key not in ddp:
+            continue
+        twin = ddp[key]
+        final = row["final_avg_val_loss"]
+        curve = sorted(curves.get((twin["config"], twin["seed"]), []), key=lambda r: r["step"])
+        reached = next((int(r["step"]) for r in curve if r["avg_val_loss"] <= final), None)
+        out.append({
+            "workers": int(row["workers"]), "batch": int(row["batch"]), "arm": _arm(row["config"]),
+            "seed": int(row["seed"]), "steps": int(row["step"]), "final_avg_val_loss": final,
+            "ddp_final_avg_val_loss": twin["final_avg_val_loss"], "gap": final - twin["final_avg_val_loss"],
+            "local_minus_avg": row["final_local_val_loss"] - final, "final_consensus": row["final_consensus"],
+            "ddp_equivalent_step": reached, "steps_ratio_at_least": row["step"] / reached if reached else None,
+            "bytes_per_step_over_ddp": row["bytes_per_worker_per_step"] / twin["bytes_per_worker_per_step"],
+        })  # fmt: skip
+    return sorted(out, key=lambda r: (r["workers"], r["batch"], r["arm"], r["seed"]))
+
+
+def mean_spread(values: list[float]) -> str:
+    """``mean ± sd (k seeds)``, or the value and ``(1 seed)``.
+
+    Args:
+        values: one value per seed.
+
+    Returns:
+        The text.
+    """
+    if len(values) == 1:
+        return f"{values[0]:+.3f} (1 seed)"
+    return f"{statistics.mean(values):+.3f} ± {statistics.stdev(values):.3f} ({len(values)} seeds)"
+
+
+def plot(steps: list[dict], path: Path) -> Path:
+    """The averaged model's validation loss against steps, one panel per (workers, batch), seed 0.
+
+    Args:
+        steps: ``steps.csv``'s rows.
+        path: the PNG to write.
+
+    Returns:
+        ``path``.
+    """
+    plt = pyplot()
+    panels = sorted({(int(r["workers"]), int(r["batch"])) for r in steps})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False)
+    for ax, (n, b) in zip(axes[0], panels, strict=True):
+        runs = sorted({r["config"] for r in steps if int(r["workers"]) == n and int(r["batch"]) == b})
+        for config in runs:
+            rows = [r for r in steps if r["config"] == config and r["seed"] == 0]
+            rows.sort(key=lambda r: r["step"])
+            ax.plot([r["step"] for r in rows], [r["avg_val_loss"] for r in rows], label=_arm(config), lw=1.2)
+        ax.set(title=f"n = {n}, {b} sequences a worker (seed 0)", xlabel="step", ylabel="val. loss, averaged model")
+        ax.set_ylim(top=2.6)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    summary, steps = read_csv(args.results / "summary.csv"), read_csv(args.results / "steps.csv")
+    rows = gaps(summary, steps)
+    write_csv(args.results / "gaps.csv", rows)
+    print("| n × sequences | arm | gap to DDP | DDP-equivalent step of 1000 | consensus | bytes ÷ DDP's |")
+    print("|---|---|---|---|---|---|")
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["workers"], row["batch"], row["arm"]), []).append(row)
+    for (n, b, arm), group in groups.items():
+        equivalent = " / ".join(str(r["ddp_equivalent_step"]) for r in group)
+        consensus = " / ".join(f"{r['final_consensus']:.2f}" for r in group)
+        print(f"| {n} × {b} | {arm} | {mean_spread([r['gap'] for r in group])} | {equivalent} | {consensus} | "
+              f"{group[0]['bytes_per_step_over_ddp']:.3f} |")  # fmt: skip
+    print(plot(steps, args.results / "validation_loss.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
