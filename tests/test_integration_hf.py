@@ -127,6 +127,20 @@ def test_unsupported_settings_are_refused_by_name(tmp_path, arguments, named):
         _tiny_trainer(tmp_path, **arguments)()
 
 
+def test_a_deepspeed_config_in_the_arguments_is_refused_by_name_before_the_trainer_reads_it(tmp_path):
+    """Without deepspeed installed, ``TrainingArguments(deepspeed=...)`` itself raises (transformers requires
+    deepspeed>=0.9.3 there), so the config is set on built arguments: the attribute the Trainer would read."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from gossip.integrations.hf import GossipTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    args.deepspeed = {"train_batch_size": "auto", "zero_optimization": {"stage": 2}}
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
+    with pytest.raises(ConfigurationError, match="GossipTrainer does not support deepspeed: DeepSpeed's engine"):
+        GossipTrainer(model=model, args=args)
+
+
 def test_a_ready_made_optimizer_is_refused_for_optimizer_cls_and_kwargs(tmp_path):
     make = _tiny_trainer(tmp_path)
     with pytest.raises(ConfigurationError, match="optimizer_cls_and_kwargs"):
