@@ -4,7 +4,9 @@ tests/helpers/lightning_worker.py runs every scenario in the same 4 processes (i
 below pins one property of what they recorded. Skipped without pytorch_lightning (the ``lightning`` extra, which
 the ``test`` extra installs). The example (examples/lightning_gossip.py) runs under Lightning's own launcher, and
 tests/helpers/lightning_launched_worker.py on 2 processes started by torchrun and by ``mpiexec`` (Lightning's
-``TorchElasticEnvironment`` and ``MPIEnvironment``; nothing but Lightning sets up torch.distributed there).
+``TorchElasticEnvironment`` and ``MPIEnvironment``; nothing but Lightning sets up torch.distributed there), and
+under torchrun on the unified ``lightning`` package (``import lightning.pytorch as pl``), which the test extra
+installs beside ``pytorch_lightning``.
 """
 
 from __future__ import annotations
@@ -125,21 +127,37 @@ def test_the_example_trains_under_lightnings_own_launcher(tmp_path):
 LAUNCHED = 2  # processes started by an outside launcher
 
 
-@pytest.fixture(scope="module", params=["torchrun", "mpiexec"])
+#: (launcher, Lightning package) of each run of lightning_launched_worker.py
+LAUNCHES = [("torchrun", "pytorch_lightning"), ("mpiexec", "pytorch_lightning"), ("torchrun", "lightning.pytorch")]
+
+
+@pytest.fixture(scope="module", params=LAUNCHES, ids=["torchrun", "mpiexec", "torchrun-unified-lightning"])
 def launched(request, tmp_path_factory):
-    """``(launcher, environment class, per-rank results)`` of lightning_launched_worker.py on 2 processes."""
-    out = tmp_path_factory.mktemp(request.param)
-    if request.param == "mpiexec":
+    """``(package, environment class, per-rank results)`` of lightning_launched_worker.py on 2 processes."""
+    launcher, package = request.param
+    out = tmp_path_factory.mktemp(launcher)
+    extra = {"GOSSIP_TEST_LIGHTNING": package}
+    if launcher == "mpiexec":
         mpiexec()  # fails without the mpich wheel (the test extra installs it with mpi4py, which MPIEnvironment needs)
-        results = launch("lightning_launched_worker.py", out, [str(LAUNCHED)], backend="mpi", n=LAUNCHED,
-                         timeout=300)[0]  # fmt: skip
-        return request.param, "MPIEnvironment", results
+        with pytest.MonkeyPatch.context() as patch:  # launch() passes the test process's environment on
+            patch.setenv("GOSSIP_TEST_LIGHTNING", package)
+            results = launch("lightning_launched_worker.py", out, [str(LAUNCHED)], backend="mpi", n=LAUNCHED,
+                             timeout=300)[0]  # fmt: skip
+        return package, "MPIEnvironment", results
     command = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={LAUNCHED}",
                str(REPO / "tests" / "helpers" / "lightning_launched_worker.py"), str(out), str(LAUNCHED)]  # fmt: skip
-    job = subprocess.run(command, cwd=out, env=_env(CPU_ONLY), capture_output=True, text=True, timeout=300)
+    job = subprocess.run(command, cwd=out, env=_env({**CPU_ONLY, **extra}), capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stdout[-5000:] + job.stderr[-5000:]
     results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(LAUNCHED)]
-    return request.param, "TorchElasticEnvironment", results
+    return package, "TorchElasticEnvironment", results
+
+
+def test_under_an_outside_launcher_the_strategy_is_built_on_the_trainers_package(launched):
+    """The unified ``lightning`` package's run never imports ``pytorch_lightning``, nor the other way round."""
+    package = launched[0]
+    for result in launched[2]:
+        assert result["package"] == {"asked": package, "chosen": package, "trainer": f"{package}.trainer.trainer",
+                                     "strategy_base": f"{package}.strategies.ddp", "loaded": [package]}  # fmt: skip
 
 
 def test_under_an_outside_launcher_lightning_runs_on_the_launchers_processes(launched):

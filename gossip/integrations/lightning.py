@@ -18,14 +18,22 @@ no collective of gossip's during training. Launchers, data sharding, logging and
 * **Teardown** averages the replicas into every rank's module (``average_at_end``), closes the wrapper, the
   communicator and its group: no thread of the run is left, and after ``fit`` every rank holds one model.
 
-Refused by name: several optimizers, ``LBFGS``, ``sync_batchnorm=True``. Built on the ``pytorch_lightning``
-package (the ``[lightning]`` extra); the unified ``lightning`` package's classes are other classes.
+Refused by name: several optimizers, ``LBFGS``, ``sync_batchnorm=True``.
+
+Built on one Lightning package, :data:`LIGHTNING_PACKAGE`, chosen when this module is imported: the unified
+``lightning.pytorch`` when it is imported already and ``pytorch_lightning`` is not (``import lightning.pytorch as
+pl`` before ``from gossip.integrations.lightning import GossipStrategy``), or when ``pytorch_lightning`` is not
+installed; else ``pytorch_lightning`` (the ``[lightning]`` extra). The two packages' Trainers accept only their own
+package's strategies.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import importlib.util
 import shutil
+import sys
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -42,14 +50,30 @@ from gossip.integrations.common import GossipGroup, Wrap, check_evaluate, choose
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from gossip.wrapper.pipeline import Pipeline
 
+
+def _lightning_package() -> str:
+    """The package whose Trainer the strategy is for: ``lightning.pytorch`` when it is imported already and
+    ``pytorch_lightning`` is not, or when ``pytorch_lightning`` is not installed; else ``pytorch_lightning``."""
+    unified = "lightning.pytorch" in sys.modules and "pytorch_lightning" not in sys.modules
+    if unified or importlib.util.find_spec("pytorch_lightning") is None:
+        return "lightning.pytorch"
+    return "pytorch_lightning"
+
+
+#: ``"pytorch_lightning"`` or ``"lightning.pytorch"``: the package whose classes :class:`GossipStrategy` builds on
+LIGHTNING_PACKAGE = _lightning_package()
+_FABRIC = "lightning.fabric" if LIGHTNING_PACKAGE == "lightning.pytorch" else "lightning_fabric"
+
 try:
-    import pytorch_lightning as pl
-    from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
-    from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
-    from pytorch_lightning.trainer.states import TrainerFn
+    pl = importlib.import_module(LIGHTNING_PACKAGE)
+    default_pg_timeout = importlib.import_module(f"{_FABRIC}.plugins.collectives.torch_collective").default_pg_timeout
+    DDPStrategy = importlib.import_module(f"{LIGHTNING_PACKAGE}.strategies").DDPStrategy
+    StrategyRegistry = importlib.import_module(f"{LIGHTNING_PACKAGE}.strategies").StrategyRegistry
+    TrainerFn = importlib.import_module(f"{LIGHTNING_PACKAGE}.trainer.states").TrainerFn
 except ImportError as error:  # the optional dependency
     raise ImportError(
-        "gossip.integrations.lightning needs pytorch_lightning: pip install 'gossip-train[lightning]'",
+        "gossip.integrations.lightning needs pytorch_lightning (or the unified lightning package): "
+        "pip install 'gossip-train[lightning]'",
         name=error.name,
     ) from error
 

@@ -1,13 +1,16 @@
 """Worker for tests/test_integration_lightning.py under an outside launcher: torchrun or ``mpiexec``, Gloo, CPU.
 
 Usage: ``torchrun --standalone --nproc-per-node N lightning_launched_worker.py OUT_DIR N`` or
-``mpiexec -n N python lightning_launched_worker.py OUT_DIR N``.
+``mpiexec -n N python lightning_launched_worker.py OUT_DIR N``; on the unified ``lightning.pytorch`` package with
+``GOSSIP_TEST_LIGHTNING=lightning.pytorch`` (:mod:`helpers.lightning_package`).
 
 Unlike tests/helpers/lightning_worker.py, nothing here sets up torch.distributed: Lightning detects the launcher
 (``TorchElasticEnvironment``, ``MPIEnvironment``), creates the world process group and runs on the processes it was
 given. Each rank writes ``rank<r>.pt``:
 
 * ``environment``: the cluster environment's class, whether it created the processes itself, world size and rank.
+* ``package``: the Lightning package asked for, the one ``gossip.integrations.lightning`` chose, the modules of the
+  Trainer and of the strategy's base class, and which of the two packages the process has imported.
 * ``fit``: ``Trainer(strategy=GossipStrategy(), devices=N)`` of the default pipeline, 4 steps, validation on the
   replicas' average after steps 2 and 4 (the same data on every rank); the strategy's model, its DDP modules, the
   step events, the losses, the validation losses, this rank's replica at the end of training and its module after
@@ -21,12 +24,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
-from gossip.integrations.lightning import GossipStrategy
+from helpers.lightning_package import PACKAGE, pl
 from helpers.lightning_worker import Spy, dataset, flat, fresh, gossip_and_gloo_threads, plain_loop, train_loader
 
 
@@ -43,6 +45,8 @@ class EndOfTraining(Spy):
 
 
 def main() -> None:
+    from gossip.integrations.lightning import LIGHTNING_PACKAGE, GossipStrategy  # after the Lightning package
+
     out, devices = Path(sys.argv[1]), int(sys.argv[2])
     # every sample N times in a row: Lightning's DistributedSampler (rank r takes r, r + N, ...) gives every rank
     # the same validation data
@@ -61,7 +65,10 @@ def main() -> None:
         "rank": trainer.global_rank,
         "dist_rank": dist.get_rank(),
     }
-    result: dict = {"environment": environment}
+    package = {"asked": PACKAGE, "chosen": LIGHTNING_PACKAGE, "trainer": type(trainer).__module__,
+               "strategy_base": GossipStrategy.__mro__[1].__module__, "loaded": sorted(
+                   name for name in ("pytorch_lightning", "lightning.pytorch") if name in sys.modules)}  # fmt: skip
+    result: dict = {"environment": environment, "package": package}
     baseline = gossip_and_gloo_threads()
 
     module = fresh()

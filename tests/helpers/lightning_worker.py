@@ -24,12 +24,11 @@ import collections
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
@@ -38,8 +37,11 @@ import gossip
 import topologies
 from gossip.errors import ConfigurationError
 from gossip.integrations.common import GossipGroup
-from gossip.integrations.lightning import GossipStrategy
 from helpers.gloo_threads import GLOO_THREADS, thread_names
+from helpers.lightning_package import pl
+
+if TYPE_CHECKING:
+    from gossip.integrations.lightning import GossipStrategy
 
 N, BATCH, LR = 4, 4, 3e-2
 
@@ -121,7 +123,7 @@ def spy(wrapper: gossip.DecentralizedDataParallel, optimizer: torch.optim.Optimi
     optimizer.register_step_pre_hook(before_update)
 
 
-class Spy(Callback):
+class Spy(pl.Callback):
     def __init__(self):
         self.snapshots: list[torch.Tensor] = []
         self.gossip_steps = -1
@@ -210,6 +212,8 @@ def gossip_and_gloo_threads(baseline: collections.Counter | None = None, deadlin
 
 
 def main() -> None:
+    from gossip.integrations.lightning import GossipStrategy  # after the Lightning package it builds on
+
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")  # Lightning adopts it; its threads, once all started, are the baseline
     rank = dist.get_rank()
@@ -269,7 +273,9 @@ def main() -> None:
     own = {
         "train_dataloaders": DataLoader(Subset(dataset(), range(rank * BATCH, (rank + 1) * BATCH)), batch_size=BATCH)
     }
-    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=4, save_top_k=-1, save_on_train_epoch_end=True)
+    checkpoint = pl.callbacks.ModelCheckpoint(
+        dirpath=ckpt_dir, every_n_epochs=4, save_top_k=-1, save_on_train_epoch_end=True
+    )
     module = fresh()
     watcher = fit(module, GossipStrategy(average_at_end=False), own, max_steps=8, callbacks=[checkpoint],
                   enable_checkpointing=True, use_distributed_sampler=False)  # fmt: skip
