@@ -5,9 +5,11 @@ A small regression model on synthetic data, trained by every process on its own 
 
     python examples/lightning_gossip.py --devices 4           # Lightning starts the 4 processes (CPU: Gloo)
     torchrun --nproc-per-node 4 examples/lightning_gossip.py --devices 4
+    mpiexec -n 4 python examples/lightning_gossip.py --devices 4  # Lightning's MPIEnvironment: needs mpi4py
 
 On GPUs, ``--accelerator gpu`` (gossip then runs on NCCL). Rank 0 prints the validation loss of the averaged
-model before and after training. Needs ``pip install 'gossip-train[lightning]'``.
+model before and after training. Needs ``pip install 'gossip-train[lightning]'``; with the unified ``lightning``
+package, ``import lightning.pytorch as pl`` in place of ``import pytorch_lightning as pl`` is the only change.
 """
 
 from __future__ import annotations
