@@ -82,6 +82,13 @@ def _forget_closed_wrappers_of(module: nn.Module) -> None:
             optimizer_hooks.unsubscribe(listener)
 
 
+def _slot(module: nn.Module, name: str) -> tuple[dict[str, Any], str]:
+    """The parameter dict of the submodule that owns parameter ``name`` (dotted, as ``named_parameters`` gives it),
+    and its key there."""
+    owner, _, key = name.rpartition(".")
+    return module.get_submodule(owner)._parameters, key
+
+
 class _BackwardSeen:
     """Post-accumulate-grad hook: notes that a backward ran since the last optimizer step, and lets the algorithm
     make progress on the step's exchange (:meth:`gossip.Algorithm.progress`) while it wants to (holds a weak ref)."""
@@ -293,6 +300,13 @@ class DecentralizedDataParallel(nn.Module):
         _warn_if_average_drifts(schedule, algorithm, comm.rank)
         # Every parameter as wrapped: (name, object, storage address, requires_grad), checked at every step.
         self._bound = [(name, p, p.data_ptr(), p.requires_grad) for name, p in module.named_parameters()]
+        # The same as (owning module's parameter dict, key, object, address, requires_grad), and every module's
+        # parameter and child dicts with what they held: the check before the mixing reads these directly instead
+        # of walking the module tree again (see _check_bound_parameters).
+        self._bound_slots = [(*_slot(module, name), p, address, requires_grad)
+                             for name, p, address, requires_grad in self._bound]  # fmt: skip
+        self._bound_tree = [(m._parameters, len(m._parameters), m._modules, tuple(m._modules.values()))
+                            for m in module.modules()]  # fmt: skip
         self._step = StepState()  # the phase of step t: the only place its legal moves are decided
         self._averaging = False  # inside averaged()
         self._backward_since_step = False  # a backward accumulated gradients since the last optimizer step
@@ -476,7 +490,7 @@ class DecentralizedDataParallel(nn.Module):
             return
         with self._naming_step():
             if not self._step.mixed:
-                self._check_parameters()
+                self._check_bound_parameters()
                 self._finish_mixing()
             self._finish_tracking(momentum)
 
@@ -637,6 +651,28 @@ class DecentralizedDataParallel(nn.Module):
                 f"{where}: parameter '{name}' was {change} after wrapping; it would not be mixed. Create every "
                 "parameter before wrapping (run one forward first for lazy modules such as nn.LazyLinear)"
             )
+
+    def _check_bound_parameters(self) -> None:
+        """Before the mixing, what :meth:`_check_parameters` checks at the step's start, read from the dicts it was
+        built from: every module still has the same children and as many parameter entries, and every parameter is
+        still the object in its module's dict, in its bucket, with the same ``requires_grad``. Any change found
+        runs the full check, which names it. No walk of the module tree: a few dict reads per module."""
+        for parameters, count, children, held in self._bound_tree:
+            if len(parameters) != count or len(children) != len(held):
+                self._check_parameters()
+                return
+            for child, was in zip(children.values(), held, strict=True):
+                if child is not was:
+                    self._check_parameters()
+                    return
+        for parameters, key, bound, address, requires_grad in self._bound_slots:
+            if (
+                parameters.get(key) is not bound
+                or bound.requires_grad != requires_grad
+                or (requires_grad and bound.data_ptr() != address)
+            ):
+                self._check_parameters()
+                return
 
     def _start(self) -> None:
         self._check_parameters()
