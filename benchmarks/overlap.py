@@ -73,6 +73,9 @@ class Method(NamedTuple):
     make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] = lambda model: torch.optim.SGD(
         model.parameters(), lr=0.01
     )
+    #: a whole pipeline (``gossip.Pipeline``) that builds the wrapper and its optimizer itself; the fields above
+    #: are then unused
+    pipeline: object = None
 
 
 def momentum_tracking(algorithm: str, size: int, trackers: str = "exact", every: int = 32) -> Method:
@@ -102,6 +105,9 @@ def momentum_tracking(algorithm: str, size: int, trackers: str = "exact", every:
 
 def algorithms(size: int) -> dict[str, Method]:
     found: dict[str, Method] = {"exact": Method(ExactGossip), "allreduce": Method(AllReduce)}
+    # the library's default pipeline exactly as gossip.wrap builds it (PowerGossip rank 4, ChocoSign trackers,
+    # MomentumTrackingAdamW with the gossiped mean gradient's second moment every 64 steps)
+    found["default"] = Method(ExactGossip, pipeline=gossip.Pipeline())
     try:
         from gossip.algorithms.powergossip import PowerGossip
 
@@ -163,20 +169,28 @@ def loss_fn(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> to
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def train_steps(model: nn.Module, name: str, batches: list[tuple], adamw: bool = False) -> list[float]:
+def train_steps(model: nn.Module, name: str, batches: list[tuple], adamw: bool = False, warmup: int = 0) -> list[float]:
     """Ordinary SGD (or AdamW) loop; returns each step's wall time (the first ``warmup`` are dropped by the caller)."""
     if adamw:
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     times = []
-    for x, y in batches:
+    for index, (x, y) in enumerate(batches):
+        if index == warmup:
+            CPU_SECONDS[0] = time.process_time()
         begin = time.perf_counter()
         loss_fn(name, model, x, y).backward()
         optimizer.step()
         optimizer.zero_grad()
         times.append(time.perf_counter() - begin)
+    CPU_SECONDS[1] = (time.process_time() - CPU_SECONDS[0]) / max(1, len(batches) - warmup)
     return times
+
+
+#: [process CPU seconds at the first measured step, CPU seconds per measured step] of the last loop measured: all
+#: of the process's threads (its communication threads included), which the other processes' load does not inflate
+CPU_SECONDS = [0.0, 0.0]
 
 
 def posted_ahead(algorithm: object) -> int:
@@ -206,27 +220,33 @@ def peer_lateness(comm, schedule, period, rows: list[dict], ready: list[float]) 
 
 
 def measure_gossip(comm, args, method: Method, batches: list[tuple]) -> dict[str, float]:
-    schedule = topologies.one_peer_hypercube(comm.size)
-    model = DecentralizedDataParallel(
-        make_model(args.model),
-        comm,
-        schedule,
-        method.make_algorithm(),
-        consensus_every=0,
-        gradient_tracking=method.gradient_tracking,
-    )
-    optimizer = method.make_optimizer(model)
+    if method.pipeline is not None:
+        model, optimizer = method.pipeline.wrap(make_model(args.model), comm, lr=3e-3, consensus_every=0)
+        schedule = model.schedule
+    else:
+        schedule = topologies.one_peer_hypercube(comm.size)
+        model = DecentralizedDataParallel(
+            make_model(args.model),
+            comm,
+            schedule,
+            method.make_algorithm(),
+            consensus_every=0,
+            gradient_tracking=method.gradient_tracking,
+        )
+        optimizer = method.make_optimizer(model)
     rows, ready, ahead_before = [], [], 0
     comm.barrier()
     for index, (x, y) in enumerate(batches):
         if index == args.warmup:
             ahead_before = posted_ahead(model.algorithm)
+            cpu_begin = time.process_time()
         loss_fn(args.model, model, x, y).backward()
         ready.append(time.time())  # what this rank's peers wait for: its gradients, then its last message
         optimizer.step()
         optimizer.zero_grad()
         rows.append(dict(model.metrics.last))
     ahead = posted_ahead(model.algorithm) - ahead_before
+    cpu = (time.process_time() - cpu_begin) / (len(batches) - args.warmup)
     model.close()
     period = getattr(model.algorithm, "period", None)
     late = peer_lateness(comm, schedule, period, rows, ready)[args.warmup :]
@@ -246,6 +266,7 @@ def measure_gossip(comm, args, method: Method, batches: list[tuple]) -> dict[str
         "exposed_on_averaging_steps": statistics.mean(syncs) if syncs else 0.0,
         "averaging_steps": len(syncs),
         "step": statistics.mean(r["step_seconds"] for r in rows),
+        "cpu": cpu,
         "comm": statistics.median(blocking),
         "exposed": statistics.mean(r["wait_seconds"] for r in rows),
         # the part of each step's wait that its latest peer's lateness accounts for, and the lateness itself
@@ -279,38 +300,80 @@ def measure_ddp(comm, args, batches: list[tuple], local_step: float) -> dict[str
     }
 
 
+def measure_round(comm, args, probe: nn.Module, batches: list[tuple], order: list[str]) -> dict[str, dict]:
+    """One measurement of every name in ``order`` (``local``, ``local-adamw`` and the methods), in that order."""
+    results: dict[str, dict] = {}
+    wanted = algorithms(comm.size)
+    for name in order:
+        if name == "local":
+            local_times = train_steps(probe, args.model, batches, warmup=args.warmup)[args.warmup :]
+            # the compute-only step's own spread: how far apart unsynchronised ranks drift each step (the wait a
+            # late peer causes comes from it, whatever the method)
+            spread = {"step_sd": statistics.stdev(local_times), "step_p90": statistics.quantiles(local_times, n=10)[-1]}
+            results["local"] = {"step": statistics.mean(local_times), "cpu": CPU_SECONDS[1], "comm": 0.0,
+                                "exposed": 0.0, "bytes_sent_per_step": 0.0, **spread}  # fmt: skip
+        elif name == "local-adamw":
+            # momentum tracking's optimizer is an AdamW: its compute-only step, to read its "vs local" against
+            times = train_steps(make_model(args.model), args.model, batches, adamw=True, warmup=args.warmup)
+            results["local-adamw"] = {"step": statistics.mean(times[args.warmup :]), "cpu": CPU_SECONDS[1],
+                                      "comm": 0.0, "exposed": 0.0, "bytes_sent_per_step": 0.0}  # fmt: skip
+        elif name == "ddp":
+            if comm.backend == "gloo":
+                results["ddp"] = measure_ddp(comm, args, batches, results.get("local", {}).get("step", 0.0))
+        elif name in wanted:
+            results[name] = measure_gossip(comm, args, wanted[name], batches)
+        comm.barrier()
+    return results
+
+
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     comm = gossip.init(args.backend, timeout=600.0)
     probe = make_model(args.model)
     batches = make_batches(args.model, probe, args.batch, comm.rank, args.warmup + args.steps)
-    comm.barrier()
-    local_times = train_steps(probe, args.model, batches)[args.warmup :]
-    local_step = statistics.mean(local_times)
-    # the compute-only step's own spread: how far apart unsynchronised ranks drift each step (the wait a late peer
-    # causes comes from it, whatever the method)
-    spread = {"step_sd": statistics.stdev(local_times), "step_p90": statistics.quantiles(local_times, n=10)[-1]}
-    results = {"local": {"step": local_step, "comm": 0.0, "exposed": 0.0, "bytes_sent_per_step": 0.0, **spread}}
-    wanted = algorithms(comm.size)
-    if any(name.startswith("mt-") for name in args.methods.split(",")):
-        # momentum tracking's optimizer is an AdamW: its compute-only step, to read its "vs local" against
-        local_adamw = statistics.mean(
-            train_steps(make_model(args.model), args.model, batches, adamw=True)[args.warmup :]
-        )
-        results["local-adamw"] = {"step": local_adamw, "comm": 0.0, "exposed": 0.0, "bytes_sent_per_step": 0.0}
-    for name in args.methods.split(","):
-        if name == "ddp":
-            if comm.backend == "gloo":
-                results["ddp"] = measure_ddp(comm, args, batches, local_step)
-        elif name in wanted:
-            results[name] = measure_gossip(comm, args, wanted[name], batches)
-    gathered = comm.all_gather_object(results)
-    if comm.rank == 0:
-        report(args, comm.size, sum(p.numel() for p in probe.parameters()), gathered)
+    methods = args.methods.split(",")
+    order = ["local", *(["local-adamw"] if any(m.startswith("mt-") or m == "default" for m in methods) else [])]
+    order += [m for m in methods if m != "ddp"] + (["ddp"] if "ddp" in methods else [])  # ddp reads local's step
+    tables = []
+    for index in range(args.rounds):
+        comm.barrier()
+        # every other round in the reverse order (local first still: DDP's exposed time reads it), so that a
+        # drifting load does not favour the methods measured first
+        this = order if index % 2 == 0 else ["local", *reversed(order[1:])]
+        gathered = comm.all_gather_object(measure_round(comm, args, probe, batches, this))
+        if comm.rank == 0:
+            tables.append(report(args, comm.size, sum(p.numel() for p in probe.parameters()), gathered))
+    if comm.rank == 0 and args.rounds > 1:
+        paired(tables)
+    if comm.rank == 0 and args.out:
+        rounds = {"rounds": tables} if args.rounds > 1 else tables[0]  # one round: the layout of earlier results
+        Path(args.out).write_text(json.dumps({"args": vars(args), **rounds}, indent=2) + "\n")
     comm.close()
 
 
-def report(args: argparse.Namespace, size: int, numel: int, gathered: list[dict]) -> None:
+def paired(tables: list[dict]) -> None:
+    """Each method's step over the compute-only steps of the same round, median over the rounds (and the range)."""
+    print(f"\npaired over {len(tables)} rounds: step / compute-only step of the same round, median [min, max]")
+    for reference in ("local", "local-adamw"):
+        if reference not in tables[0]["results"]:
+            continue
+        for method in tables[0]["results"]:
+            if method in ("local", "local-adamw"):
+                continue
+            ratios = [t["results"][method]["step"] / t["results"][reference]["step"] for t in tables]
+            steps = [t["results"][method]["step"] * 1e3 for t in tables]
+            line = (
+                f"  {method:<18} / {reference:<12} {statistics.median(ratios):.3f} [{min(ratios):.3f}, "
+                f"{max(ratios):.3f}]   step {statistics.median(steps):.1f} ms"
+            )
+            if "cpu" in tables[0]["results"][method]:  # the same for the process's CPU seconds per step
+                cpus = [t["results"][method]["cpu"] / t["results"][reference]["cpu"] for t in tables]
+                line += f"   CPU {statistics.median(cpus):.3f} [{min(cpus):.3f}, {max(cpus):.3f}]"
+                line += f" ({statistics.median(t['results'][method]['cpu'] for t in tables) * 1e3:.1f} ms)"
+            print(line)
+
+
+def report(args: argparse.Namespace, size: int, numel: int, gathered: list[dict]) -> dict:
     table = {}
     for method in gathered[0]:
         table[method] = {key: statistics.mean(r[method][key] for r in gathered) for key in gathered[0][method]}
@@ -334,11 +397,7 @@ def report(args: argparse.Namespace, size: int, numel: int, gathered: list[dict]
         return " ".join(f"{r['local'][key] * 1e3:.1f}" for r in gathered)
 
     print(f"local step per rank, ms: mean {per_rank('step')}, sd {per_rank('step_sd')}, p90 {per_rank('step_p90')}")
-    if args.out:
-        ranks = [r["local"] for r in gathered]
-        Path(args.out).write_text(
-            json.dumps({"args": vars(args), "results": table, "local_per_rank": ranks}, indent=2) + "\n"
-        )
+    return {"results": table, "local_per_rank": [r["local"] for r in gathered]}
 
 
 def spawn(args: argparse.Namespace, argv: list[str]) -> int:
@@ -362,6 +421,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="measured steps per method")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--comm-repeats", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1, help="measure everything this many times, interleaved")
     parser.add_argument("--methods", default="exact,powergossip,allreduce,ddp")
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--threads", type=int, default=1)
