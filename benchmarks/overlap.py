@@ -14,6 +14,9 @@ Runs, side by side in one job on every rank (same model, same batch size, same d
   (``--gradient-tracking sign``) and the second moment every 64 steps. The trackers' blocking exchange and the
   all-reduce of the sampled steps are booked to the same ``wait_seconds``, so they count as exposed; the
   communication time adds the trackers' exchange run blocking.
+* ``default`` -- the library's default pipeline exactly as ``gossip.wrap`` builds it (``gossip.Pipeline()``:
+  PowerGossip rank 4, ChocoSign trackers, ``optim.MomentumTrackingAdamW`` with the gossiped mean gradient),
+  read against ``local-adamw``, run with it.
 * ``ddp`` -- torch ``DistributedDataParallel`` on the Gloo process group (bucketed gradient all-reduce overlapped
   with backward). Its waiting is not observable from outside, so: exposed = DDP step time - local step time;
   communication time = a blocking ``all_reduce`` of a flat tensor of the gradients' size, timed separately.
@@ -23,6 +26,9 @@ communication, and exposed / communication (0 = fully hidden behind forward and 
 the step time minus the local one (everything the method costs: exposed communication, mixing arithmetic, and
 CPU contention from the communication threads when ranks share cores). For DDP the last two coincide by
 construction, so its fraction can exceed 1 when its overhead is more than a blocking all-reduce.
+With ``--rounds R`` every method is measured R times (every other round in reverse order) and each method's step
+over the same round's compute-only step is printed as a median and range, also for the process's CPU seconds per
+step (all its threads), which other processes' load on a shared machine does not inflate.
 For the gossip methods also "peer late": per step, how long after this rank its latest in-peer of that step (every
 rank on an averaging step) ended backward, by one wall clock; and "exposed of it": the part of each step's wait
 no longer than that lateness, the wait a late peer accounts for rather than the transfer. For the compute-only step
@@ -31,6 +37,7 @@ each rank's mean, standard deviation and 90th percentile: the step-to-step sprea
 Usage::
 
     python benchmarks/overlap.py --nprocs 4                   # spawns 4 Gloo processes on loopback
+    python benchmarks/overlap.py --nprocs 4 --model gpt --batch 16 --methods default --rounds 5   # paired rounds
     python -m experiments.netem run --hosts 4 --rate 100mbit -- python benchmarks/overlap.py
     torchrun --nproc-per-node 4 benchmarks/overlap.py
 
