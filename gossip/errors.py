@@ -97,6 +97,15 @@ class InvalidArgumentError(ConfigurationError, ValueError):
     """
 
 
+class ShardedLayoutError(ConfigurationError, ValueError):
+    """Sharded replicas (FSDP2 groups gossiping lane by lane) laid out in a way gossip cannot mix correctly.
+
+    DTensor parameters given to the unsharded wrapper, a 2-D FSDP mesh (HSDP), FSDP1's flat shards, a mesh without
+    the ``("replicate", "shard")`` dimensions, or lanes that disagree on the schedule or settings; the message
+    names the rank, the lane, the parameter and what to do.
+    """
+
+
 class ConfigError(ConfigurationError, ValueError):
     """A ``gossip-train`` command-line option has a value this run cannot use.
 

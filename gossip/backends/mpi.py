@@ -160,6 +160,8 @@ class MPICommunicator(Communicator):
         device: where the tensors it moves live, ``"cpu"`` or ``"cuda"`` (this rank's GPU by local rank).
         stage: copy every tensor through a pinned host buffer; None stages CUDA tensors only when the MPI library
             is not CUDA-aware, True forces staging (also for CPU tensors).
+        world: the mpi4py communicator whose ranks this one spans (duplicated); None is ``COMM_WORLD``. A lane of
+            sharded replicas passes its ``COMM_WORLD.Split`` (:func:`gossip.backends.lanes.init_lanes`).
 
     Raises:
         LaunchError: this process was not started by an MPI launcher consistent with ``info``.
@@ -168,12 +170,19 @@ class MPICommunicator(Communicator):
 
     backend = "mpi"
 
-    def __init__(self, info: LaunchInfo, timeout: float, device: str | torch.device = "cpu", stage: bool | None = None):
+    def __init__(
+        self,
+        info: LaunchInfo,
+        timeout: float,
+        device: str | torch.device = "cpu",
+        stage: bool | None = None,
+        world: Any = None,
+    ):
         super().__init__()
         from mpi4py import MPI
 
         self._MPI = MPI
-        self._comm = MPI.COMM_WORLD.Dup()
+        self._comm = (MPI.COMM_WORLD if world is None else world).Dup()
         self.rank, self.size = self._comm.Get_rank(), self._comm.Get_size()
         if (self.rank, self.size) != (info.rank, info.size):
             raise LaunchError(
