@@ -27,6 +27,7 @@ from gossip.algorithms import (
 from gossip.backends.base import Communicator
 from gossip.backends.bootstrap import BACKENDS, init
 from gossip.backends.comm_thread import Handle
+from gossip.backends.lanes import Lanes, init_lanes
 from gossip.backends.launch_env import LaunchInfo, detect_launch
 from gossip.backends.simulator import SimulatorCommunicator, simulate
 from gossip.checkpoint import CheckpointFuture, load_checkpoint, save_checkpoint
@@ -57,12 +58,14 @@ from gossip.errors import (
     ProcessGroupLeakWarning,
     RankMismatchError,
     ReplicaMismatchError,
+    ShardedLayoutError,
     StepPhaseError,
     UntrustedCheckpointError,
     UseAfterCloseError,
 )
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from gossip.wrapper.pipeline import Pipeline, default_schedule, wrap
+from gossip.wrapper.sharded import ShardedDecentralizedDataParallel
 
 __all__ = [
     "ALGORITHMS",
@@ -93,6 +96,7 @@ __all__ = [
     "Handle",
     "HierarchicalGossip",
     "InvalidArgumentError",
+    "Lanes",
     "LaunchError",
     "LaunchInfo",
     "MisuseError",
@@ -110,6 +114,8 @@ __all__ = [
     "ProcessGroupLeakWarning",
     "RankMismatchError",
     "ReplicaMismatchError",
+    "ShardedDecentralizedDataParallel",
+    "ShardedLayoutError",
     "SimulatorCommunicator",
     "StepPhaseError",
     "Traffic",
@@ -120,6 +126,7 @@ __all__ = [
     "detect_launch",
     "exclude_names",
     "init",
+    "init_lanes",
     "load_checkpoint",
     "save_checkpoint",
     "simulate",

@@ -64,6 +64,7 @@ from gossip.wrapper.metrics import StepMetrics
 from gossip.wrapper.momentum import MomentumSource, momentum_source, optimizer_kind
 from gossip.wrapper.peer_agreement import PeerAgreement
 from gossip.wrapper.replicas import ReplicaMismatchError, broadcast_from_rank0, check_replicas
+from gossip.wrapper.shard_layout import refuse_sharded
 from gossip.wrapper.step_phase import StepPhase, StepState
 from gossip.wrapper.tracking import GradientTracker, require_doubly_stochastic, tracker_mixing, tracking_setting
 from topologies import Schedule
@@ -258,6 +259,8 @@ class DecentralizedDataParallel(nn.Module):
                 f"rank {comm.rank}: the communicator was already closed (comm.close()); create a new one with "
                 "gossip.init() before wrapping"
             )
+        if not self._shards_replicas:
+            refuse_sharded(module, comm.rank)
         if buffers not in BUFFER_POLICIES:
             raise InvalidArgumentError(f"rank {comm.rank}: buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
         if bucket_bytes <= 0:
@@ -285,7 +288,7 @@ class DecentralizedDataParallel(nn.Module):
             "tracking_overlap": bool(tracking_overlap),
             "mean_gradient": mean_gradient,
         }
-        self.signature = check_replicas(module, comm, schedule, algorithm, settings)
+        self.signature = self._check_run(module, comm, schedule, algorithm, settings)
         if gradient_tracking:
             require_doubly_stochastic(schedule, comm.rank)  # before the parameters move into buckets
         mixing = tracker_mixing(gradient_tracking) if gradient_tracking else None
@@ -294,12 +297,12 @@ class DecentralizedDataParallel(nn.Module):
                 f"rank {comm.rank}: tracking_overlap=True overlaps the trackers' exchange, but gradient_tracking is "
                 "off; turn gradient tracking on or drop tracking_overlap"
             )
-        self.buckets = bucket_parameters(module, bucket_bytes)
+        self.buckets = self._make_buckets(module, bucket_bytes)
         algorithm.setup(comm, schedule, self.buckets)  # refuses a bad schedule or configuration on every rank
-        broadcast_from_rank0(module, self.buckets, comm)
+        self._broadcast_initial()
         _warn_if_average_drifts(schedule, algorithm, comm.rank)
         # Every parameter as wrapped: (name, object, storage address, requires_grad), checked at every step.
-        self._bound = [(name, p, p.data_ptr(), p.requires_grad) for name, p in module.named_parameters()]
+        self._bound = [(name, p, self._address(p), p.requires_grad) for name, p in module.named_parameters()]
         # The same as (owning module's parameter dict, key, object, address, requires_grad), and every module's
         # parameter and child dicts with what they held: the check before the mixing reads these directly instead
         # of walking the module tree again (see _check_bound_parameters).
@@ -319,7 +322,7 @@ class DecentralizedDataParallel(nn.Module):
         self._parameters_in_order = [p for _, p in named]
         # The same tensors as views of the buckets (the bucket entries follow the parameters' order): what the
         # replica holds even while averaged() lets the parameters read the average.
-        self._replica_views = [bucket.view(entry) for bucket in self.buckets for entry in bucket.entries]
+        self._replica_views = self._replica_tensors()
         self._names = {id(p): name for name, p in named}
         #: The gradient tracker (gradient_tracking=True), else None; its exchange runs in finish_mixing.
         self.tracker: GradientTracker | None = None
@@ -354,7 +357,7 @@ class DecentralizedDataParallel(nn.Module):
         # alone in the consensus all-reduce (and without any run_dir nothing would read it).
         anyone_logs = any(self.comm.all_gather_object(run_dir is not None))
         self.consensus_every = consensus_every if anyone_logs else 0
-        self._sampler = ConsensusSampler([p.numel() for p in self._parameters_in_order], consensus_samples, seed)
+        self._sampler = ConsensusSampler([t.numel() for t in self._replica_views], consensus_samples, seed)
         self._started_at = self._last_step_end = math.nan
         self._timing = {"compute_seconds": 0.0, "wait_seconds": math.nan, "finish_seconds": 0.0}
         for parameter in self._parameters_in_order:
@@ -362,6 +365,33 @@ class DecentralizedDataParallel(nn.Module):
 
         _forget_closed_wrappers_of(module)
         optimizer_hooks.subscribe(self)
+
+    #: whether this wrapper mixes the local shards of sharded replicas (:mod:`gossip.wrapper.sharded`)
+    _shards_replicas = False
+
+    # -- what the sharded wrapper (gossip.wrapper.sharded) replaces ----------------------------------------------
+    def _check_run(
+        self, module: nn.Module, comm: Communicator, schedule: Schedule, algorithm: Algorithm, settings: dict
+    ) -> dict:
+        """The construction's agreement of every rank on the run (:func:`gossip.wrapper.replicas.check_replicas`)."""
+        return check_replicas(module, comm, schedule, algorithm, settings)
+
+    def _make_buckets(self, module: nn.Module, bucket_bytes: int) -> list:
+        """The buckets the algorithm mixes: the parameters moved into flat buckets (they become views)."""
+        return bucket_parameters(module, bucket_bytes)
+
+    def _broadcast_initial(self) -> None:
+        """Rank 0's parameters, frozen parameters and buffers copied to every rank, before the first step."""
+        broadcast_from_rank0(self.module, self.buckets, self.comm)
+
+    def _address(self, parameter: torch.Tensor) -> int:
+        """Where ``parameter``'s values live, compared at every step (a rebound parameter moved)."""
+        return parameter.data_ptr()
+
+    def _replica_tensors(self) -> list[torch.Tensor]:
+        """What this replica holds, one tensor per trainable parameter (views of the buckets), also while
+        ``averaged()`` lets the parameters read the average: what the consensus distances read."""
+        return [bucket.view(entry) for bucket in self.buckets for entry in bucket.entries]
 
     @property
     def closed(self) -> bool:
@@ -638,7 +668,7 @@ class DecentralizedDataParallel(nn.Module):
                     f"{parameter.requires_grad} after wrapping; the wrapper gossips the parameters trainable when "
                     "it was built: freeze or unfreeze before wrapping (and the same on every rank)"
                 )
-            if requires_grad and parameter.data_ptr() != address:
+            if requires_grad and self._address(parameter) != address:
                 raise ModelChangedError(
                     f"{where}: parameter '{name}' no longer lives in the wrapper's bucket: it was rebound after "
                     "wrapping (model.double(), .to(dtype or device), load_state_dict(..., assign=True), "
@@ -669,7 +699,7 @@ class DecentralizedDataParallel(nn.Module):
             if (
                 parameters.get(key) is not bound
                 or bound.requires_grad != requires_grad
-                or (requires_grad and bound.data_ptr() != address)
+                or (requires_grad and self._address(bound) != address)
             ):
                 self._check_parameters()
                 return
