@@ -97,6 +97,19 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+def append_rows(path: Path, rows: list[dict]) -> None:
+    """Append ``rows`` (all with the same keys) to the CSV at ``path``, writing the header when the file is new."""
+    if not rows:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with path.open("a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
 def read_csv(path: Path) -> list[dict]:
     """Rows of a CSV written by ``write_csv``; numeric fields as float, empty ones as None."""
 

@@ -67,7 +67,6 @@ as runs finish, so an interrupted sweep keeps what it finished. ``--suite smoke`
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import math
 import multiprocessing
@@ -91,6 +90,7 @@ from experiments.learning_per_step.optimizers import (
     TrackedMomentumAdamW,
 )
 from experiments.learning_per_step.spectrum import spectrum_rows
+from experiments.shared import append_rows
 from gossip.algorithms.base import Algorithm
 from gossip.app.corpus import ShardedBatches, load_corpus, validation_batches
 from gossip.app.gpt import GPT, GPTConfig
@@ -738,18 +738,6 @@ def _run_job(job: tuple[RunConfig, int, str]) -> dict[str, list[dict]]:
         return train_run(config, seed, device)
     except Exception as error:  # one failed run must not sink the sweep: record it
         return {"error": [{"config": config.name, "seed": seed, "error": f"{type(error).__name__}: {error}"}]}
-
-
-def append_rows(path: Path, rows: list[dict]) -> None:
-    """Append ``rows`` to the CSV at ``path``, writing the header when the file is new."""
-    if not rows:
-        return
-    new = not path.exists()
-    with path.open("a", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
 
 
 def jobs_in_order(configs: list[RunConfig], seeds: list[int]) -> Iterator[tuple[RunConfig, int]]:

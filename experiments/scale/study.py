@@ -32,6 +32,7 @@ import torch
 import gossip
 from experiments.scale.config import EngineConfig
 from experiments.scale.engine import Engine
+from experiments.shared import append_rows
 from gossip.app.corpus import load_corpus, validation_batches
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -141,24 +142,6 @@ def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_eve
     }
     append_rows(out / "summary.csv", [summary])
     return summary
-
-
-def append_rows(path: Path, rows: list[dict]) -> None:
-    """Append ``rows`` to the CSV at ``path``, with a header when the file is new.
-
-    Args:
-        path: the CSV file.
-        rows: the rows, all with the same keys.
-    """
-    if not rows:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
-    with path.open("a", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
 
 
 def done_runs(path: Path) -> set[tuple[str, int]]:

@@ -8,6 +8,7 @@ deadline far longer than that exit, for the Gloo threads to end before they read
 
 from __future__ import annotations
 
+import collections
 import time
 from pathlib import Path
 
@@ -45,3 +46,13 @@ def thread_names_once_gloo_ended(deadline_seconds: float = 5.0) -> list[str]:
         time.sleep(0.005)
         names = thread_names()
     return names
+
+
+def gossip_and_gloo_threads(baseline: collections.Counter | None = None, deadline: float = 5.0) -> collections.Counter:
+    """This process's gossip and Gloo threads; with ``baseline``, waited for (up to ``deadline``) to equal it."""
+    end = time.monotonic() + deadline
+    while True:
+        names = collections.Counter(n for n in thread_names() if n in GLOO_THREADS or n.startswith("gossip"))
+        if baseline is None or names == baseline or time.monotonic() > end:
+            return names
+        time.sleep(0.05)

@@ -17,7 +17,6 @@ that its ``forward`` does not take. Each scenario is one ``train()``; the worker
 
 from __future__ import annotations
 
-import collections
 import re
 import sys
 import time
@@ -32,7 +31,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingA
 import gossip
 import topologies
 from gossip.integrations.hf import GossipTrainer
-from helpers.gloo_threads import GLOO_THREADS, thread_names
+from helpers.gloo_threads import gossip_and_gloo_threads
 
 REPO = Path(__file__).resolve().parent.parent.parent
 N, BATCH, LENGTH = 2, 4, 16
@@ -117,15 +116,6 @@ def train(trainer_class, args: TrainingArguments, resume: str | None = None, **g
 
 def complete_wrap(module, comm):
     return gossip.DecentralizedDataParallel(module, comm, topologies.complete(comm.size), gossip.ExactGossip())
-
-
-def gossip_and_gloo_threads(baseline: collections.Counter | None = None, deadline: float = 5.0) -> collections.Counter:
-    end = time.monotonic() + deadline
-    while True:
-        names = collections.Counter(n for n in thread_names() if n in GLOO_THREADS or n.startswith("gossip"))
-        if baseline is None or names == baseline or time.monotonic() > end:
-            return names
-        time.sleep(0.05)
 
 
 def accelerate_recipe() -> dict:

@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
+from helpers.gloo_threads import gossip_and_gloo_threads
 from helpers.lightning_package import PACKAGE, pl
-from helpers.lightning_worker import Spy, dataset, flat, fresh, gossip_and_gloo_threads, plain_loop, train_loader
+from helpers.lightning_worker import Spy, dataset, flat, fresh, plain_loop, train_loader
 
 
 class EndOfTraining(Spy):

@@ -37,7 +37,7 @@ import gossip
 import topologies
 from gossip.errors import ConfigurationError
 from gossip.integrations.common import GossipGroup
-from helpers.gloo_threads import GLOO_THREADS, thread_names
+from helpers.gloo_threads import gossip_and_gloo_threads
 from helpers.lightning_package import pl
 
 if TYPE_CHECKING:
@@ -199,16 +199,6 @@ def plain_loop(steps: int) -> dict:
     model.close()
     group.close()
     return {"events": module.events, "losses": module.losses, "final": flat(module)}
-
-
-def gossip_and_gloo_threads(baseline: collections.Counter | None = None, deadline: float = 5.0) -> collections.Counter:
-    """This process's gossip and Gloo threads; with ``baseline``, waited for (up to ``deadline``) to equal it."""
-    end = time.monotonic() + deadline
-    while True:
-        names = collections.Counter(n for n in thread_names() if n in GLOO_THREADS or n.startswith("gossip"))
-        if baseline is None or names == baseline or time.monotonic() > end:
-            return names
-        time.sleep(0.05)
 
 
 def main() -> None:
