@@ -5,7 +5,7 @@ The world is laid out on a 2-D ``DeviceMesh`` with dimensions ``("replicate", "s
 "shard"))``, the layout of DeepSpeed's MiCS and of HSDP). Each replica is sharded by FSDP2 over
 ``mesh["shard"]`` only; gossip never enters FSDP's groups. Shard j of every replica forms *lane* j: the R ranks
 :math:`\{r G + j\}_r`, which hold the same rows of every parameter and gossip them with each other over W(t) of the
-replicas (docs/guide/sharded.md).
+replicas.
 
 :func:`init_lanes` builds, on every rank, two communicators of its own, on process groups created here and used
 by nothing else (FSDP2 issues its collectives on the mesh's groups from the training thread, the gossip

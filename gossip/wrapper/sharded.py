@@ -17,7 +17,13 @@ PowerGossip (Vogels et al. 2020, arXiv 2008.01425, Alg. 1) runs in *block* mode:
 lane's local shard :math:`X_{i,j}` as a matrix of its own, with the given rank per block, so the mixing of the
 whole replica has rank up to G·r; no collective inside a replica, and both ends of an edge hold bit-identical
 factors and preserve the lane's sum exactly as unsharded. Its result depends on G (a G = 8 run is not a G = 1 run
-with the same rank); docs/guide/sharded.md gives the bytes.
+with the same rank).
+
+Supported so far: exact gossip and PowerGossip's block mode on the shards (the tests cover exact gossip: sum
+preserved, replicas equal after a complete-graph step, placements and storage kept), ``averaged()`` and the
+consensus distance over lanes. Not yet: gradient or momentum tracking on shards, checkpoints through
+``torch.distributed.checkpoint``, the main job; PowerGossip's progress during backward may not run, since FSDP2
+assigns the reduce-scattered gradient rather than accumulating it (the results do not depend on it).
 
 What changes against :class:`gossip.DecentralizedDataParallel`, of which this is the sharded mode:
 
@@ -100,7 +106,7 @@ def check_lanes(shard: Communicator, signature: dict, replica: int) -> None:
 class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
     """Gossip between FSDP2-sharded replicas: each rank mixes its local shards with the same shards of its peers.
 
-    Usage (every rank; see docs/guide/sharded.md)::
+    Usage (every rank)::
 
         mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
         for block in net.blocks:
