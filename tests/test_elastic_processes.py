@@ -488,11 +488,12 @@ def test_main_job_elastic_kill_with_sign_momentum_tracking_exits_zero(tmp_path):
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (not a zombie); a process reaped between the two reads is not alive."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
 
 
 def _wait_for(condition, seconds: float, what: str) -> None:
