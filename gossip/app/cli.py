@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--elastic", action="store_true", help="survive dead workers: drop them and train on (with --nproc)"
     )
     launch.add_argument(
+        "--shards", type=positive(int), default=None,
+        help="shard each replica over G workers with FSDP2 and gossip between the replicas, shard to shard "
+        "(world = replicas x G; exact gossip and AdamW; docs/guide/sharded.md)",
+    )  # fmt: skip
+    launch.add_argument(
         "--kill", type=_kill, action="append", default=[], metavar="RANK@STEP",
         help="(--elastic) worker RANK SIGKILLs itself at step STEP; repeatable",
     )  # fmt: skip
@@ -286,7 +291,14 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_s
         parser.error(f"argument --weight-decay: must be >= 0, got {args.weight_decay}")
     if args.seed < 0:
         parser.error(f"argument --seed: must be >= 0, got {args.seed}")
-    if world_size is not None:
+    if world_size is not None and args.shards is not None:
+        from gossip.app.train_sharded import resolve_sharded
+
+        try:
+            resolve_sharded(config_from(args), args.shards, world_size)
+        except ConfigError as err:
+            parser.error(f"argument {err}")
+    elif world_size is not None:
         try:
             resolve(config_from(args), world_size)
         except ConfigError as err:
@@ -356,6 +368,10 @@ def run_worker(args: argparse.Namespace) -> int:
             from gossip.app.train_elastic import train_elastic
 
             summary = train_elastic(config_from(args), dict(args.kill), dict(args.restart), args.save_replicas)
+        elif args.shards is not None:
+            from gossip.app.train_sharded import train_sharded
+
+            summary = train_sharded(config_from(args), args.shards)
         else:
             summary = train(config_from(args))
     except Exception as err:
@@ -385,7 +401,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    if any(item == "--shards" or item.startswith("--shards=") for item in argv):
+        from gossip.app.train_sharded import SHARDED_DEFAULTS
+
+        parser.set_defaults(**SHARDED_DEFAULTS)  # what the sharded wrapper runs, unless asked otherwise
     args = parser.parse_args(argv)
+    if args.shards is not None and args.elastic:
+        parser.error("argument --shards: not with --elastic (the sharded replicas have no elastic membership yet)")
     _validate(parser, args, args.nproc)
     if args.kill and not args.elastic:
         parser.error("argument --kill: needs --elastic (without it, a dead worker stops the job)")

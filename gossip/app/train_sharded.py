@@ -1,0 +1,340 @@
+r"""The main job on sharded replicas (``gossip-train --nproc 4 --shards 2``): R replicas x G shards, gossip by lane.
+
+The world of N = R G workers is laid out on a ``("replicate", "shard")`` DeviceMesh (:mod:`gossip.backends.lanes`):
+world rank :math:`r G + j` holds shard j of replica r. Each replica's GPT is sharded by FSDP2
+(``torch.distributed.fsdp.fully_shard``, each block then the root) over ``mesh["shard"]`` only, so FSDP's
+reduce-scatter averages the gradient within replica r and never across replicas; the replicas are then mixed by
+:class:`gossip.ShardedDecentralizedDataParallel`, shard j of every replica with shard j of the others (lane j),
+over the same W(t) of the R replicas in every lane (docs/design.md B.1, with :math:`x_i` a replica):
+
+.. math::  x_{i,j}^{t+1} = \sum_k W_{ik}(t)\, x_{k,j}^{t} \;-\; \eta_t\, d_{i,j}^{t}
+
+Exact gossip is an element-wise weighted sum, so this is, term by term, the unsharded job of R workers: the data
+are split over the R replicas as the unsharded job splits them over R workers (the G shards of a replica read the
+same batch, :class:`gossip.app.corpus.ShardedBatches` with the replica index), the model and the schedule are those
+of R workers, and the averaged model is evaluated on the same validation batches (each replica a share, its shards
+together). The loss, the learning rate and the evaluation are those of :mod:`gossip.app.train`.
+
+What the sharded wrapper does not run is refused by name before any process group starts
+(:func:`check_sharded`): another algorithm than exact gossip, gradient or momentum tracking, a periodic average or
+an outer step, ``--elastic``, MPI, and a world size that ``--shards`` does not divide.
+
+Outputs: rank 0 writes the run directory as the unsharded job does (``config.json`` with ``shards``,
+``metrics.csv`` with one loss per replica averaged, the plots). Lane 0's ranks write ``metrics_rank<r>.jsonl``
+(r = replica) there, lane j > 0's into ``lane<j>/``: every lane samples the consensus distance together, since it
+is summed over the shard group; bytes are per rank, i.e. one shard's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import gossip
+from gossip.app.corpus import ShardedBatches, decode, encode, load_corpus, validation_batches
+from gossip.app.gpt import GPT, GPTConfig
+from gossip.app.run_dir import RunSummary, describe_mixing, prepare_run_dir, write_outputs
+from gossip.app.train import (
+    SAMPLE_BYTES,
+    SAMPLE_PROMPT,
+    TrainConfig,
+    build_schedule,
+    make_algorithm,
+    make_optimizer,
+    make_scheduler,
+    resolve,
+    train_step,
+    worker_threads,
+)
+from gossip.backends.base import Communicator
+from gossip.backends.lanes import Lanes, init_lanes
+from gossip.errors import ConfigError, NonFiniteError
+from gossip.wrapper.sharded import ShardedDecentralizedDataParallel
+
+logger = logging.getLogger(__name__)
+#: the algorithms the sharded wrapper runs (ShardedDecentralizedDataParallel's tested mode)
+SHARDED_ALGORITHMS = ("exact",)
+#: the local optimizers the sharded job runs on FSDP2's DTensor shards (no trackers: the wrapper refuses them)
+SHARDED_OPTIMIZERS = ("adamw",)
+#: what ``--shards`` changes in the parser's defaults: exact gossip and AdamW, without trackers
+SHARDED_DEFAULTS = {"algorithm": "exact", "optimizer": "adamw", "gradient_tracking": False}
+
+
+@dataclasses.dataclass
+class ShardedTrainConfig(TrainConfig):
+    """:class:`~gossip.app.train.TrainConfig` and the number of shards of each replica.
+
+    ``world_size`` (set by :func:`resolve_sharded`) is the number of *replicas* R, the schedule's n; the job runs
+    R x ``shards`` processes.
+
+    Attributes:
+        shards: the ranks FSDP2 shards each replica over (G, ``--shards``).
+    """
+
+    shards: int = 2
+
+
+def check_sharded(config: TrainConfig, shards: int, processes: int) -> int:
+    """Refuse what the sharded job cannot run, naming the option; return the number of replicas.
+
+    Args:
+        config: the config as given (before :func:`~gossip.app.train.resolve`).
+        shards: ``--shards``, G.
+        processes: the number of worker processes, N.
+
+    Returns:
+        R = N / G.
+
+    Raises:
+        ConfigError: naming ``--shards``, ``--algorithm``, ``--optimizer``, ``--gradient-tracking``,
+            ``--tracking-overlap``, ``--average-every``, ``--outer-every`` or ``--backend``, and what to do.
+    """
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise ConfigError("--shards", f"must be an integer >= 1, got {shards!r}")
+    if processes % shards != 0:
+        raise ConfigError(
+            "--shards",
+            f"{processes} workers cannot form replicas of {shards} shards each: the world is replicas x shards; "
+            f"choose --nproc a multiple of {shards}",
+        )
+    if config.algorithm not in SHARDED_ALGORITHMS:
+        raise ConfigError(
+            "--algorithm",
+            f"--shards runs ShardedDecentralizedDataParallel, which mixes the shards with {list(SHARDED_ALGORITHMS)}, "
+            f"not {config.algorithm}; use --algorithm exact (the default with --shards)",
+        )
+    if config.gradient_tracking:
+        raise ConfigError("--gradient-tracking", "--shards: the sharded wrapper has no trackers on shards yet; drop it")
+    if config.tracking_overlap:
+        raise ConfigError("--tracking-overlap", "--shards: the sharded wrapper has no trackers on shards yet; drop it")
+    if config.optimizer not in (None, *SHARDED_OPTIMIZERS):
+        raise ConfigError(
+            "--optimizer",
+            f"--shards steps {list(SHARDED_OPTIMIZERS)} on the shards, not {config.optimizer}; use --optimizer adamw",
+        )
+    for option, value in (("--average-every", config.average_every), ("--outer-every", config.outer_every)):
+        if value:
+            raise ConfigError(option, "--shards: the sharded wrapper runs exact gossip every step only; drop it")
+    if config.backend == "mpi":
+        raise ConfigError(
+            "--backend", "--shards: FSDP2 needs a torch.distributed process group; use --backend gloo (or nccl)"
+        )
+    return processes // shards
+
+
+def resolve_sharded(config: TrainConfig, shards: int, processes: int) -> tuple[ShardedTrainConfig, list[str]]:
+    """:func:`check_sharded`, then :func:`~gossip.app.train.resolve` for the R replicas.
+
+    Args:
+        config: the config as given.
+        shards: G.
+        processes: N = R G.
+
+    Returns:
+        The resolved :class:`ShardedTrainConfig` (``world_size`` = R) and the notes on the choices made.
+
+    Raises:
+        ConfigError: naming the option at fault.
+    """
+    replicas = check_sharded(config, shards, processes)
+    fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(TrainConfig)}
+    fields["optimizer"] = config.optimizer or SHARDED_DEFAULTS["optimizer"]
+    fields["gradient_tracking"] = False
+    resolved, notes = resolve(ShardedTrainConfig(**fields, shards=shards), replicas)
+    assert isinstance(resolved, ShardedTrainConfig)
+    return resolved, notes
+
+
+def shard_gpt(config: TrainConfig, mesh: Any) -> GPT:
+    """The main job's GPT, sharded by FSDP2 over ``mesh["shard"]``: each block, then the root (embeddings, ln_f).
+
+    Args:
+        config: a resolved config (its ``model`` fields).
+        mesh: the ``("replicate", "shard")`` DeviceMesh.
+
+    Returns:
+        The module, its parameters ``Shard(0)`` DTensors over this rank's replica.
+    """
+    module = GPT(GPTConfig(**config.model))
+    for block in module.blocks:
+        fully_shard(block, mesh=mesh["shard"])
+    # the root too reshards after its forward (FSDP2 keeps a root's parameters unsharded by default): the wrapper
+    # fills and writes back the shards between steps and evaluations, and must find them registered then
+    fully_shard(module, mesh=mesh["shard"], reshard_after_forward=True)
+    return module
+
+
+@torch.no_grad()
+def validation_loss(model: ShardedDecentralizedDataParallel, batches: list, lanes: Lanes) -> float:
+    """Mean loss of the averaged model on the validation batches; replica r evaluates every R-th one. A collective.
+
+    The shards of a replica run the same forwards (FSDP2's all-gathers are collectives of the replica); the sums
+    are then all-reduced over the lane, so every lane, hence every rank, holds the same mean.
+
+    Args:
+        model: the wrapped model.
+        batches: the validation batches (the same on every rank).
+        lanes: this rank's communicators.
+
+    Returns:
+        The mean loss, the same on every rank.
+    """
+    totals = torch.zeros(2, dtype=torch.float64)
+    with model.averaged() as module:
+        module.eval()
+        for x, y in batches[lanes.lane.rank :: lanes.lane.size]:
+            totals[0] += module(x, y)[1].item()
+            totals[1] += 1
+        module.train()
+    lanes.lane.all_reduce(totals, "sum")
+    return float(totals[0] / totals[1])
+
+
+def train_sharded(config: TrainConfig, shards: int) -> RunSummary | None:
+    """Run one worker of the sharded job: ``shards`` ranks per replica, as many replicas as the world holds.
+
+    Args:
+        config: the config as given (resolved here).
+        shards: G, the ranks of one replica.
+
+    Returns:
+        The run's summary on world rank 0, None elsewhere.
+
+    Raises:
+        ConfigError: an option the sharded job cannot run (:func:`check_sharded`).
+        NonFiniteError: the training loss became NaN or Inf (lower ``--lr``).
+    """
+    comm = gossip.init(config.backend, timeout=config.timeout)
+    try:
+        return _train(config, shards, comm)
+    finally:
+        comm.close()
+
+
+def _train(config: TrainConfig, shards: int, comm: Communicator) -> RunSummary | None:
+    torch.set_num_threads(worker_threads(comm.local_size))
+    config, notes = resolve_sharded(config, shards, comm.size)
+    replicas = config.world_size
+    run_dir = prepare_run_dir(config, comm)
+    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    lanes = init_lanes(mesh, timeout=config.timeout)
+    try:
+        return _train_lanes(config, comm, lanes, run_dir, mesh, notes)
+    finally:
+        lanes.lane.close()
+        lanes.shard.close()
+
+
+def _train_lanes(
+    config: ShardedTrainConfig, comm: Communicator, lanes: Lanes, run_dir: Path, mesh: Any, notes: list[str]
+) -> RunSummary | None:
+    replica, shard = lanes.lane.rank, lanes.shard.rank
+    lane_dir = run_dir if shard == 0 else run_dir / f"lane{shard}"
+    lane_dir.mkdir(parents=True, exist_ok=True)
+    if comm.rank == 0:
+        for note in notes:
+            logger.info(note)
+    corpus = load_corpus(config.data, block_size=config.model["block_size"])
+    torch.manual_seed(config.seed)
+    model = ShardedDecentralizedDataParallel(
+        shard_gpt(config, mesh),
+        lanes,
+        build_schedule(config),
+        make_algorithm(config),
+        run_dir=lane_dir,
+        consensus_every=config.eval_every,  # with the evaluation's collectives, never between them
+        seed=config.seed,
+    )
+    optimizer = make_optimizer(config, model.module)
+    scheduler = make_scheduler(config, optimizer)
+    block = config.model["block_size"]
+    replicas = lanes.lane.size
+    batches = ShardedBatches(corpus.train, replica, replicas, config.batch_size, block, config.seed, config.split)
+    held_out = validation_batches(corpus.validation, config.batch_size, block, config.eval_batches)
+    if comm.rank == 0:
+        logger.info(
+            "gossip-train: %d replica(s) x %d shard(s), %s, %s, GPT %s params, corpus %s (%s bytes), run dir %s",
+            lanes.lane.size,
+            lanes.shard.size,
+            describe_mixing(config),
+            config.optimizer,
+            f"{model.module.num_parameters():,}",
+            corpus.source,
+            f"{len(corpus.train):,}",
+            run_dir,
+        )
+    initial_validation = validation_loss(model, held_out, lanes)
+    progress = _progress(config, comm.rank)
+    tokens_per_step = lanes.lane.size * config.batch_size * block
+    started = time.perf_counter()
+    losses: list[float] = []
+    row: dict[str, Any] = {}
+    for step in range(config.steps):
+        losses.append(train_step(model, optimizer, batches.batch(step), scheduler))
+        if not math.isfinite(losses[-1]):
+            raise NonFiniteError(
+                f"rank {comm.rank} (replica {replica}, shard {shard}): training loss is {losses[-1]} at step {step}; "
+                "lower --lr"
+            )
+        row = {"loss": losses[-1], "elapsed_seconds": time.perf_counter() - started}
+        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+            row["val_loss"] = validation_loss(model, held_out, lanes)
+        model.log(**row)
+        if progress is not None:
+            progress.update(1)
+            if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
+                rate = tokens_per_step * (step + 1) / row["elapsed_seconds"]
+                progress.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}", refresh=False)
+    if progress is not None:
+        progress.close()
+    train_seconds = time.perf_counter() - started
+    final_validation = row["val_loss"] if config.steps else initial_validation
+    consensus = model.consensus_distance()
+    sample = _sample(model, config.seed, replica, comm.rank)
+    every_rank = comm.all_gather_object(losses)
+    traffic = model.close()
+    if comm.rank != 0:
+        return None
+    summary = RunSummary(
+        config=config,
+        losses_by_rank=[every_rank[r * config.shards] for r in range(lanes.lane.size)],  # shard 0 of each replica
+        initial_val_loss=initial_validation,
+        final_val_loss=final_validation,
+        consensus_distance=consensus,
+        train_seconds=train_seconds,
+        traffic=traffic or {},
+        sample=sample,
+    )
+    write_outputs(run_dir, summary)
+    return summary
+
+
+def _progress(config: TrainConfig, rank: int) -> Any:
+    if rank != 0:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=config.steps, desc="train", unit="step", mininterval=0.5, dynamic_ncols=True)
+
+
+def _sample(model: ShardedDecentralizedDataParallel, seed: int, replica: int, rank: int) -> str | None:
+    """SAMPLE_BYTES bytes from the averaged model after SAMPLE_PROMPT: replica 0's shards generate together (the
+    same seed, so the same tokens on each); world rank 0 returns them. A collective (``averaged()``)."""
+    with model.averaged() as module:
+        if replica != 0:
+            return None
+        module.eval()
+        generator_state = torch.get_rng_state()
+        torch.manual_seed(seed)
+        tokens = module.generate(encode(SAMPLE_PROMPT)[None], SAMPLE_BYTES, temperature=0.8, top_k=40)
+        torch.set_rng_state(generator_state)
+        module.train()
+        return decode(tokens[0]) if rank == 0 else None
