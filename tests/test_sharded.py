@@ -1,4 +1,8 @@
-"""Gossip between FSDP2-sharded replicas (2 replicas x 2 shards, Gloo on CPU): one 4-process job, its properties."""
+"""Gossip between FSDP2-sharded replicas (2 replicas x 2 shards, Gloo on CPU): one 4-process job, its properties.
+
+The worker (tests/helpers/sharded_worker.py) runs every phase in one launch; rank r is replica r // 2, shard r % 2,
+so ranks j and j + 2 form lane j.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,16 @@ import torch
 from helpers.launch import launch
 
 N = 4
+PAIRS = [(0, 2), (1, 3)]  # the two ranks of each lane: replica 0's and replica 1's
 
 
 @pytest.fixture(scope="module")
 def per_rank(tmp_path_factory) -> list[dict]:
     return launch("sharded_worker.py", tmp_path_factory.mktemp("sharded"), [], backend="gloo", n=N)[0]
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor], atol: float = 1e-6) -> bool:
+    return all(torch.allclose(x, y, rtol=0.0, atol=atol) for x, y in zip(a, b, strict=True))
 
 
 def test_unsharded_wrapper_refuses_dtensor_parameters_by_name(per_rank):
@@ -34,3 +43,49 @@ def test_mixed_parameters_stay_the_same_shard0_dtensors(per_rank):
     for result in per_rank:
         assert result["same_objects"] and result["same_storage"]
         assert result["placements"] == ["(Shard(dim=0),)"] * 4
+
+
+def test_without_gossip_the_replicas_differ_and_each_equals_its_unsharded_twin(per_rank):
+    # FSDP2 over mesh["shard"] only: a replica's shards train as one unsharded model on its shards' batches ...
+    for result in per_rank:
+        assert _close(result["plain"], result["plain_reference"]), result["replica"]
+    # ... and the replicas, on different batches, are never averaged with each other (that would be HSDP, DDP)
+    for left, right in PAIRS:
+        pairs = zip(per_rank[left]["plain"], per_rank[right]["plain"], strict=True)
+        assert not any(torch.allclose(a, b) for a, b in pairs)
+    # the two shards of a replica see the same full parameters
+    assert _close(per_rank[0]["plain"], per_rank[1]["plain"], atol=0.0)
+    assert _close(per_rank[2]["plain"], per_rank[3]["plain"], atol=0.0)
+
+
+def test_exact_gossip_sharded_equals_unsharded_gossip_of_the_same_replicas(per_rank):
+    # x_i <- sum_k W_ik x_k - lr g_i, W = [[.75, .25], [.25, .75]], computed on unsharded replicas in the worker
+    for result in per_rank:
+        run = result["exact"]
+        for step, (full, expected) in enumerate(zip(run["full"], run["expected_full"], strict=True)):
+            assert _close(full, expected), (result["replica"], result["shard"], step)
+    last = [per_rank[r]["exact"]["full"][-1] for r in range(N)]
+    assert not _close(last[0], last[2], atol=1e-3)  # W is not the average: the replicas still differ
+
+
+def test_the_next_forward_sees_the_mixed_values(per_rank):
+    for result in per_rank:
+        run = result["exact"]
+        # each step's forward against the unsharded replica at the same step (step 0: before any mixing)
+        assert _close(run["outputs"], run["expected_outputs"]), (result["replica"], result["shard"])
+        plain, sharded = result["mixed_forward"]  # a plain model loaded with the mixed full state, and the shards
+        assert torch.equal(plain, sharded)
+
+
+def test_fsdp2_runs_the_shards_post_accumulate_grad_hooks(per_rank):
+    # FSDP2 assigns the reduce-scattered gradient to the sharded parameter and then runs its post-accumulate-grad
+    # hooks: the wrapper's backward hooks (skipped-step detection, PowerGossip's progress) see every backward
+    for result in per_rank:
+        assert result["plain_grads_set"]
+        assert result["plain_hooks_fired"] == 4  # one per parameter of the first backward
+        assert result["backward_seen"]
+
+
+def test_a_step_skipped_on_one_replica_still_mixes_and_keeps_the_lanes_in_lockstep(per_rank):
+    # replica 1 ran a backward and cleared its gradients without optimizer.step(): it mixed, then both stepped on
+    assert [result["steps_after_skip"] for result in per_rank] == [5] * N

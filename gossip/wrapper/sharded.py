@@ -19,11 +19,14 @@ whole replica has rank up to G·r; no collective inside a replica, and both ends
 factors and preserve the lane's sum exactly as unsharded. Its result depends on G (a G = 8 run is not a G = 1 run
 with the same rank).
 
-Supported so far: exact gossip and PowerGossip's block mode on the shards (the tests cover exact gossip: sum
-preserved, replicas equal after a complete-graph step, placements and storage kept), ``averaged()`` and the
-consensus distance over lanes. Not yet: gradient or momentum tracking on shards, checkpoints through
-``torch.distributed.checkpoint``, the main job; PowerGossip's progress during backward may not run, since FSDP2
-assigns the reduce-scattered gradient rather than accumulating it (the results do not depend on it).
+Supported so far: exact gossip and PowerGossip's block mode on the shards, ``averaged()`` and the consensus
+distance over lanes (tests/test_sharded.py). Not yet: gradient or momentum tracking on shards, the main job.
+
+The backward hooks of the unsharded wrapper (a skipped update noticed at the next forward, PowerGossip's progress
+during backward) are post-accumulate-grad hooks on the trainable parameters; FSDP2 assigns the reduce-scattered
+gradient to the sharded parameter rather than accumulating it through autograd, and then runs that parameter's
+post-accumulate-grad hooks itself (``torch.distributed.fsdp``'s reduce-scatter, torch 2.13), so they fire once per
+parameter and backward as unsharded; the tests pin it.
 
 What changes against :class:`gossip.DecentralizedDataParallel`, of which this is the sharded mode:
 
