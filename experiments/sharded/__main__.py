@@ -1,0 +1,3 @@
+from experiments.sharded.study import main
+
+main()
