@@ -89,3 +89,29 @@ def test_fsdp2_runs_the_shards_post_accumulate_grad_hooks(per_rank):
 def test_a_step_skipped_on_one_replica_still_mixes_and_keeps_the_lanes_in_lockstep(per_rank):
     # replica 1 ran a backward and cleared its gradients without optimizer.step(): it mixed, then both stepped on
     assert [result["steps_after_skip"] for result in per_rank] == [5] * N
+
+
+def test_powergossip_block_mode_compresses_each_local_shard(per_rank):
+    for result in per_rank:
+        assert result["power_compressed"] == ["0.weight"]  # its 6 x 16 shard; the others travel exactly
+        assert [tuple(p.shape) for p in result["power"][0]["p"]] == [(6, 1)]  # the local rows, rank 1: a block
+        assert [tuple(q.shape) for q in result["power"][0]["q"]] == [(16, 1)]
+
+
+def test_powergossip_on_shards_both_ends_of_an_edge_hold_bit_identical_factors(per_rank):
+    for left, right in PAIRS:
+        for step, (a, b) in enumerate(zip(per_rank[left]["power"], per_rank[right]["power"], strict=True)):
+            assert all(torch.equal(x, y) for x, y in zip(a["p"], b["p"], strict=True)), (left, step)
+            assert all(torch.equal(x, y) for x, y in zip(a["q"], b["q"], strict=True)), (left, step)
+
+
+def test_powergossip_on_shards_moves_both_ends_by_one_difference_and_keeps_the_sum(per_rank):
+    for left, right in PAIRS:
+        for a, b in zip(per_rank[left]["power"], per_rank[right]["power"], strict=True):
+            moved_a = [x - y for x, y in zip(a["after"], a["before"], strict=True)]
+            moved_b = [x - y for x, y in zip(b["after"], b["before"], strict=True)]
+            assert max(m.abs().max() for m in moved_a) > 0.1  # it mixed
+            assert _close(moved_a, [-m for m in moved_b])  # the same decoded difference, opposite signs
+            total_after = [x + y for x, y in zip(a["after"], b["after"], strict=True)]
+            total_before = [x + y for x, y in zip(a["before"], b["before"], strict=True)]
+            assert _close(total_after, total_before)

@@ -172,6 +172,36 @@ def complete_graph_step(mesh: DeviceMesh, lanes: Lanes, result: dict) -> None:
     model.close()
 
 
+def powergossip_blocks(mesh: DeviceMesh, lanes: Lanes, result: dict) -> None:
+    """PowerGossip in block mode on the shards: replicas made different, two steps that only mix."""
+    net = _shard(_net(), mesh["shard"])
+    schedule = topologies.from_matrix(torch.tensor(W).numpy(), name="w")
+    algorithm = gossip.PowerGossip(rank=1)
+    model = ShardedDecentralizedDataParallel(net, lanes, schedule, algorithm)
+    result["power_compressed"] = algorithm.describe()["compressed"]
+    with torch.no_grad():
+        for p in net.parameters():
+            p.to_local().add_(float(lanes.lane.rank))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the steps only mix
+    steps = []
+    for _ in range(2):
+        before = _full(net)
+        model(torch.randn(4, 16)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        (edge,) = algorithm.edges.values()
+        steps.append(
+            {
+                "before": before,
+                "after": _full(net),
+                "p": [t.clone() for t in edge.p],
+                "q": [t.clone() for t in edge.q],
+            }
+        )
+    result["power"] = steps
+    model.close()
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -182,6 +212,7 @@ def main() -> None:
     complete_graph_step(mesh, lanes, result)
     without_gossip(mesh, lanes, result)
     exact_against_unsharded(mesh, lanes, result)
+    powergossip_blocks(mesh, lanes, result)
     lanes.lane.close()
     lanes.shard.close()
     torch.save(result, out_dir / f"rank{dist.get_rank()}.pt")
