@@ -1,0 +1,225 @@
+"""Memory per rank of gossip on sharded replicas against unsharded gossip of the same replicas, in one run.
+
+Two jobs of local Gloo processes, one after the other, each training the same GPT (``gossip.app.gpt``) a few steps
+with exact gossip and AdamW on random bytes:
+
+* ``unsharded``: R ranks, one replica each, :class:`gossip.DecentralizedDataParallel`;
+* ``sharded``: R x G ranks, each replica sharded by FSDP2 (``fully_shard`` over ``mesh["shard"]``) and mixed by
+  :class:`gossip.ShardedDecentralizedDataParallel` (``gossip.init_lanes``).
+
+After the last step (gradients set to None) every rank counts the bytes of the live tensor storages of its process
+(every tensor ``gc`` can reach, each storage once; a DTensor by its local tensor), split into the parameters (a
+sharded rank: the storages of its local shards, FSDP2's padded ones), the optimizer state, and the rest (the
+wrappers' staging and receive buffers, FSDP2's buffers, the batch); and the growth of its peak resident set size
+from just before the model is built (``getrusage``'s ``ru_maxrss``; it includes the transient all-gathered
+parameters and the activations of forward and backward, and the allocator's slack). The launcher prints one row per
+rank and the means per job side by side. With G shards, parameters and optimizer state per rank are expected at
+about 1/G of the unsharded rank's (FSDP2 pads each parameter's dim 0 to a multiple of G).
+
+    python benchmarks/sharded_memory.py --replicas 2 --shards 2 --layers 4 --embd 512 --steps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+MIB = 2**20
+
+
+def _storage_key(tensor: Any) -> tuple[int, int] | None:
+    """(address, bytes) of the storage under ``tensor`` (a DTensor's local tensor), or None for no storage."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    try:
+        storage = local.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    if storage.device.type == "meta" or storage.nbytes() == 0:
+        return None
+    return storage.data_ptr(), storage.nbytes()
+
+
+def storage_bytes(tensors: Any) -> dict[int, int]:
+    """The distinct storages under ``tensors``: address -> bytes."""
+    found: dict[int, int] = {}
+    for tensor in tensors:
+        key = _storage_key(tensor)
+        if key is not None:
+            found[key[0]] = key[1]
+    return found
+
+
+def live_storages() -> dict[int, int]:
+    """Every storage under a tensor ``gc`` tracks in this process: address -> bytes."""
+    import torch
+
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on some module objects reads a deprecated torch attribute
+        warnings.simplefilter("ignore", FutureWarning)
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    return storage_bytes(tensors)
+
+
+def optimizer_tensors(optimizer: Any) -> list[Any]:
+    """The tensors of an optimizer's per-parameter state."""
+    import torch
+
+    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (``/proc/self/statm``)."""
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux reports ``ru_maxrss`` in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of one job: build, train ``args.steps`` steps, count, write ``args.result``."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import gossip
+    import topologies
+    from gossip.app.gpt import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    comm = gossip.init("gloo", timeout=300.0)
+    replicas = comm.size // args.shards if args.mode == "sharded" else comm.size
+    baseline_rss = rss_bytes()
+    torch.manual_seed(0)
+    config = GPTConfig(block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
+    net = GPT(config)
+    schedule = topologies.by_name(gossip.default_schedule(replicas), replicas)
+    lanes = None
+    if args.mode == "sharded":
+        mesh = init_device_mesh("cpu", (replicas, args.shards), mesh_dim_names=("replicate", "shard"))
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh["shard"])
+        fully_shard(net, mesh=mesh["shard"], reshard_after_forward=True)
+        lanes = gossip.init_lanes(mesh, timeout=300.0)
+        model: Any = gossip.ShardedDecentralizedDataParallel(net, lanes, schedule, gossip.ExactGossip())
+        replica = lanes.lane.rank
+    else:
+        model = gossip.DecentralizedDataParallel(net, comm, schedule, gossip.ExactGossip())
+        replica = comm.rank
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(replica)  # the shards of a replica read the same batch
+    for _ in range(args.steps):
+        tokens = torch.randint(0, config.vocab_size, (args.batch, args.block + 1), generator=generator)
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    live = live_storages()
+    parameters = storage_bytes(model.parameters())
+    state = storage_bytes(optimizer_tensors(optimizer))
+    result = {
+        "mode": args.mode,
+        "rank": comm.rank,
+        "replica": replica,
+        "parameter_count": sum(p.numel() for p in net.parameters()),
+        "parameters_bytes": sum(parameters.values()),
+        "optimizer_state_bytes": sum(state.values()),
+        "other_live_bytes": sum(b for address, b in live.items() if address not in parameters and address not in state),
+        "live_bytes": sum(live.values()),
+        "peak_rss_growth_bytes": peak_rss_bytes() - baseline_rss,
+        "final_loss": loss.item(),
+    }
+    model.close()
+    if lanes is not None:
+        lanes.lane.close()
+        lanes.shard.close()
+    comm.close()
+    Path(args.result).write_text(json.dumps(result))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_job(mode: str, ranks: int, args: argparse.Namespace, scratch: Path) -> list[dict[str, Any]]:
+    """Start ``ranks`` workers of ``mode`` on a free loopback port, wait, return their results in rank order."""
+    port = str(_free_port())
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.update({"WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1"})
+    env["MASTER_PORT"] = port
+    passed = ["--shards", str(args.shards), "--layers", str(args.layers), "--embd", str(args.embd)]
+    passed += ["--heads", str(args.heads), "--block", str(args.block), "--batch", str(args.batch)]
+    passed += ["--steps", str(args.steps)]
+    procs = []
+    for rank in range(ranks):
+        result = scratch / f"{mode}_rank{rank}.json"
+        command = [sys.executable, __file__, "--worker", mode, "--result", str(result), *passed]
+        procs.append(subprocess.Popen(command, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+    codes = [proc.wait(timeout=args.timeout) for proc in procs]
+    if any(codes):
+        raise SystemExit(f"{mode}: worker exit codes {codes}")
+    return [json.loads((scratch / f"{mode}_rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+COLUMNS = ("parameters_bytes", "optimizer_state_bytes", "other_live_bytes", "live_bytes", "peak_rss_growth_bytes")
+
+
+def report(unsharded: list[dict[str, Any]], sharded: list[dict[str, Any]], shards: int) -> None:
+    """One row per rank, then the means per job and their ratio (sharded / unsharded)."""
+    header = ["job", "rank", "replica", *[name.removesuffix("_bytes") + " MiB" for name in COLUMNS]]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * 3 + "---:|" * len(COLUMNS))
+    for rows in (unsharded, sharded):
+        for row in rows:
+            cells = [row["mode"], str(row["rank"]), str(row["replica"])]
+            print("| " + " | ".join(cells + [f"{row[name] / MIB:.1f}" for name in COLUMNS]) + " |")
+    means = {}
+    for name, rows in (("unsharded", unsharded), ("sharded", sharded)):
+        means[name] = {column: sum(row[column] for row in rows) / len(rows) for column in COLUMNS}
+        print("| " + " | ".join([f"{name}, mean", "", ""] + [f"{means[name][c] / MIB:.1f}" for c in COLUMNS]) + " |")
+    ratios = [means["sharded"][c] / means["unsharded"][c] for c in COLUMNS]
+    print("| " + " | ".join(["sharded / unsharded", "", ""] + [f"{ratio:.3f}" for ratio in ratios]) + " |")
+    print(f"(1/G = {1 / shards:.3f}; parameters: {unsharded[0]['parameter_count']:,})")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--embd", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--block", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
+    parser.add_argument("--worker", choices=("unsharded", "sharded"), help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        args.mode = args.worker
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        unsharded = run_job("unsharded", args.replicas, args, Path(scratch))
+        sharded = run_job("sharded", args.replicas * args.shards, args, Path(scratch))
+    report(unsharded, sharded, args.shards)
+
+
+if __name__ == "__main__":
+    main()
