@@ -1,15 +1,19 @@
-"""gossip.integrations.hf: the HF Trainer with GossipTrainer on 2 CPU processes under torchrun, and the Accelerate
-recipe of docs/guide/huggingface.md.
+"""gossip.integrations.hf: the HF Trainer with GossipTrainer on 2 CPU processes, and the Accelerate recipe of
+docs/guide/huggingface.md.
 
-tests/helpers/hf_worker.py runs every scenario in one torchrun job (its docstring lists them); each test below pins
-one property of what it recorded. The refusals run in this process, the example (examples/hf_trainer_gossip.py)
-under torchrun. Skipped without transformers and Accelerate (the ``hf`` extra, which the ``test`` extra installs).
+tests/helpers/hf_worker.py runs every scenario in one job started by ``accelerate launch --cpu --num_processes 2``
+(Accelerate's multi-CPU launcher: ``mpirun`` of the MPICH wheel with a one-host hostfile; Accelerate, not torchrun,
+sets up torch.distributed); its docstring lists the scenarios, each test below pins one property of what it
+recorded. The refusals run in this process, the example (examples/hf_trainer_gossip.py) under torchrun. Skipped
+without transformers and Accelerate (the ``hf`` extra, which the ``test`` extra installs with the MPICH wheel).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +21,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from helpers.launch import CPU_ONLY, REPO, _env, python
+from helpers.launch import CPU_ONLY, REPO, _env, mpiexec, python
 
 from gossip.errors import ConfigurationError
 
@@ -27,12 +31,25 @@ STEP = ["forward", "backward", "mix", "update", "start"]  # after the first step
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
+    """The worker's per-rank results under ``accelerate launch --cpu --num_processes 2`` (Accelerate finds the
+    ``mpirun`` it starts the processes with on PATH: the MPICH wheel's, beside this interpreter)."""
     out = tmp_path_factory.mktemp("hf")
-    command = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}",
+    hosts = out / "hosts"
+    hosts.write_text("localhost\n")
+    command = [python(), "-m", "accelerate.commands.launch", "--cpu", f"--num_processes={N}", "--num_machines=1",
+               f"--mpirun_hostfile={hosts}", "--mixed_precision=no", "--dynamo_backend=no",
                str(REPO / "tests" / "helpers" / "hf_worker.py"), str(out)]  # fmt: skip
-    job = subprocess.run(command, cwd=out, env=_env(CPU_ONLY), capture_output=True, text=True, timeout=400)
+    path = os.pathsep.join((str(Path(mpiexec()).parent), os.environ.get("PATH", "")))
+    job = subprocess.run(command, cwd=out, env=_env({**CPU_ONLY, "PATH": path}), capture_output=True, text=True,
+                         timeout=400)  # fmt: skip
     assert job.returncode == 0, job.stdout[-5000:] + job.stderr[-5000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(N)]
+
+
+@pytest.mark.multiprocess
+def test_accelerate_launch_started_both_processes(ranks):
+    assert [r["launch"] for r in ranks] == [{"rank": r, "world_size": N, "distributed_type": "MULTI_CPU"}
+                                            for r in range(N)]  # fmt: skip
 
 
 @pytest.mark.multiprocess
@@ -77,6 +94,29 @@ def test_evaluate_is_the_averaged_models_loss_on_every_rank(ranks):
 
 
 @pytest.mark.multiprocess
+def test_save_model_during_training_writes_the_average_of_the_replicas(ranks):
+    """``save_model()`` after step 2, called on every rank; rank 0 wrote the file, every rank read it back."""
+    replicas = [r["pipeline"]["replica_at_save"] for r in ranks]
+    saved = ranks[0]["pipeline"]["saved"]
+    assert set(saved) <= set(replicas[0]) and "transformer.h.0.attn.c_attn.weight" in saved
+    name = "transformer.h.0.attn.c_attn.weight"
+    assert not torch.allclose(replicas[0][name], replicas[1][name])
+    for name, value in saved.items():
+        average = (replicas[0][name] + replicas[1][name]) / 2
+        assert torch.allclose(value, average, rtol=0, atol=1e-6), name
+        assert torch.equal(ranks[1]["pipeline"]["saved"][name], value)
+
+
+@pytest.mark.multiprocess
+def test_bf16_on_cpu_trains_under_autocast_with_float32_parameters_close_to_float32(ranks):
+    for result in ranks:
+        bf16 = result["bf16"]
+        assert (bf16["dtypes"], bf16["parameters"]) == (["torch.bfloat16"], ["torch.float32"])
+        assert len(bf16["losses"]) == 4
+        assert bf16["losses"] == pytest.approx(result["pipeline"]["losses"], rel=5e-2)
+
+
+@pytest.mark.multiprocess
 def test_gradient_accumulation_is_one_gossip_step_per_optimizer_step(ranks):
     for result in ranks:
         assert result["accumulate"]["gossip_steps"] == 2
@@ -95,10 +135,21 @@ def test_a_checkpoint_holds_the_average_and_each_ranks_state_and_resume_is_bit_i
 def test_the_accelerate_recipe_trains_without_ddp_and_evaluates_one_average(ranks):
     recipes = [r["accelerate"] for r in ranks]
     assert all(recipe["prepared"] == [] for recipe in recipes)  # Accelerate never prepared (wrapped) the model
+    assert not torch.allclose(recipes[0]["replica"], recipes[1]["replica"])  # compressed gossip: replicas differ
     assert recipes[0]["average_loss"] == recipes[1]["average_loss"]
     for recipe in recipes:
         losses = recipe["losses"]
         assert len(losses) == 8 and recipe["average_loss"] < losses[0]
+
+
+@pytest.mark.multiprocess
+def test_the_accelerate_recipe_steps_a_momentum_tracking_optimizer_through_accelerates_wrapper(ranks):
+    """``AcceleratedOptimizer.step()`` calls ``MomentumTrackingAdamW.step(None)``, which refuses a closure: None is
+    none. With ``gradient_accumulation_steps=2``, 8 batches are 4 optimizer steps and 4 gossip steps."""
+    for recipe in ranks:
+        recipe = recipe["accelerate"]
+        assert recipe["optimizer"] == ("AcceleratedOptimizer", "MomentumTrackingAdamW")
+        assert recipe["optimizer_steps"] == recipe["gossip_steps"] == 4
 
 
 @pytest.mark.multiprocess
@@ -120,7 +171,13 @@ def _tiny_trainer(tmp_path, **arguments):
 
 @pytest.mark.parametrize(
     ("arguments", "named"),
-    [({"fp16": True}, "fp16=True"), ({"fsdp": True}, "fsdp"), ({"torch_compile": True}, "torch_compile=True")],
+    [
+        ({"fp16": True}, "fp16=True"),
+        ({"fsdp": True}, "fsdp"),
+        ({"fsdp": True, "fsdp_config": {"min_num_params": 0, "cpu_ram_efficient_loading": False}}, "fsdp"),
+        ({"torch_compile": True}, "torch_compile=True"),
+    ],
+    ids=["fp16", "fsdp", "fsdp-config", "torch-compile"],
 )
 def test_unsupported_settings_are_refused_by_name(tmp_path, arguments, named):
     with pytest.raises(ConfigurationError, match=f"GossipTrainer does not support {named}"):

@@ -1,18 +1,25 @@
-"""Worker for tests/test_integration_hf.py: the HF Trainer with GossipTrainer, under torchrun on 2 CPU processes.
+"""Worker for tests/test_integration_hf.py: the HF Trainer with GossipTrainer on 2 CPU processes (Gloo).
 
-Usage: torchrun --nproc-per-node 2 tests/helpers/hf_worker.py OUT_DIR
+Usage: ``accelerate launch --cpu --num_processes 2 --mpirun_hostfile HOSTS tests/helpers/hf_worker.py OUT_DIR``
+(or ``torchrun --nproc-per-node 2 tests/helpers/hf_worker.py OUT_DIR``)
 
 A tiny randomly initialised GPT-2 (no download) on synthetic token data with an extra dataset column (``note``)
 that its ``forward`` does not take. Each scenario is one ``train()``; the worker writes ``rank<r>.pt``:
 
 * ``pipeline``: the default pipeline, 4 steps, ``evaluate()`` every 2 steps: the trainer's models, the keyword
   arguments the model's forward received, the step events, the parameters before each update, the evaluations,
-  the parameters after ``train()`` and an ``evaluate()`` after it.
+  the training losses, the parameters after ``train()`` and an ``evaluate()`` after it; after step 2, this rank's
+  replica and a ``save_model()`` called on every rank (what rank 0 wrote, read back on every rank).
+* ``bf16``: the pipeline scenario with ``bf16=True`` (``use_cpu=True``): the dtype of ``lm_head``'s output inside
+  the forward, of the parameters, the training losses.
 * ``complete``: exact gossip on the complete graph: the mixed parameters before each update.
 * ``accumulate``: ``gradient_accumulation_steps=2``: gossip steps and forwards.
 * ``resume``: 4 steps with a checkpoint at step 2, then ``train(resume_from_checkpoint=...)`` from it.
 * ``accelerate``: the Accelerate recipe of docs/guide/huggingface.md, run as printed.
 * ``threads``: after each ``train()``, the gossip and Gloo threads compared with those before the first.
+
+tests/test_integration_hf.py runs it under ``accelerate launch --cpu --num_processes 2`` (Accelerate's multi-CPU
+launcher, which starts the processes with ``mpirun``; the MPICH wheel's here); nothing in it depends on the launcher.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 from torch.utils.data import SequentialSampler
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
@@ -62,8 +70,11 @@ class SequentialTrainer(GossipTrainer):
 class Spy(TrainerCallback):
     """Records the trainer's models, the step events and the parameters before each update."""
 
-    def __init__(self):
+    def __init__(self, save_at: int | None = None, save_dir: Path | None = None):
         self.trainer = None
+        self.save_at, self.save_dir = save_at, save_dir
+        self.replica_at_save: dict[str, torch.Tensor] = {}
+        self.dtypes: set[str] = set()
         self.events: list[str] = []
         self.pre_update: list[torch.Tensor] = []
         self.forward_keys: set[str] = set()
@@ -90,9 +101,19 @@ class Spy(TrainerCallback):
             events.append("update")
             self.pre_update.append(flat(model))
 
+        def output(module, args, result):  # Accelerate's autocast forward returns the logits in float32
+            if module.training:
+                self.dtypes.add(str(result.dtype))
+
         model.register_forward_pre_hook(forward, with_kwargs=True)
+        model.lm_head.register_forward_hook(output)
         model.transformer.wpe.weight.register_post_accumulate_grad_hook(lambda _: events.append("backward"))
         trainer._torch_optimizer().register_step_pre_hook(update)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.save_at:  # a collective: every rank calls it, as a user's code would
+            self.replica_at_save = {n: v.detach().clone() for n, v in self.trainer.model.state_dict().items()}
+            self.trainer.save_model(str(self.save_dir))
 
     def on_train_end(self, args, state, control, **kwargs):
         self.gossip_steps, self.global_step = self.trainer.gossip_model.step_count, state.global_step
@@ -105,13 +126,19 @@ def arguments(out: Path, name: str, **overrides) -> TrainingArguments:
     return TrainingArguments(**settings)
 
 
-def train(trainer_class, args: TrainingArguments, resume: str | None = None, **gossip_options):
-    spy = Spy()
+def train(trainer_class, args: TrainingArguments, resume: str | None = None, spy: Spy | None = None,
+          **gossip_options):  # fmt: skip
+    spy = Spy() if spy is None else spy
     trainer = trainer_class(model=tiny_gpt2(), args=args, train_dataset=tokens(32, 1), eval_dataset=tokens(8, 2),
                             callbacks=[spy], **gossip_options)  # fmt: skip
     spy.trainer = trainer
     trainer.train(resume_from_checkpoint=resume)
     return trainer, spy
+
+
+def losses(trainer) -> list[float]:
+    """The training loss of every step (``logging_steps=1``), as the Trainer logged it."""
+    return [row["loss"] for row in trainer.state.log_history if "loss" in row]
 
 
 def complete_wrap(module, comm):
@@ -124,8 +151,12 @@ def accelerate_recipe() -> dict:
     code = re.search(r"<!-- accelerate recipe -->\n```python\n(.*?)```", guide, re.DOTALL).group(1)
     namespace: dict = {"__name__": "recipe"}
     exec(compile(code, "huggingface.md (Accelerate recipe)", "exec"), namespace)
+    model, optimizer = namespace["model"], namespace["optimizer"]
     return {"losses": namespace["losses"], "average_loss": namespace["average_loss"],
-            "prepared": [type(p).__name__ for p in namespace["accelerator"]._models]}  # fmt: skip
+            "prepared": [type(p).__name__ for p in namespace["accelerator"]._models],
+            "optimizer": (type(optimizer).__name__, type(optimizer.optimizer).__name__),
+            "gossip_steps": model.step_count, "optimizer_steps": namespace["optimizer_steps"],
+            "replica": flat(model.module)}  # fmt: skip
 
 
 def main() -> None:
@@ -136,14 +167,23 @@ def main() -> None:
     time.sleep(0.5)
     baseline = gossip_and_gloo_threads()
     threads, result = {}, {}
+    result["launch"] = {"rank": rank, "world_size": dist.get_world_size(),
+                        "distributed_type": args.distributed_state.distributed_type.name}  # fmt: skip
 
-    trainer, spy = train(GossipTrainer, args)
+    saved = out / "pipeline-saved"
+    trainer, spy = train(GossipTrainer, args, spy=Spy(save_at=2, save_dir=saved))
     evaluations = [row["eval_loss"] for row in trainer.state.log_history if "eval_loss" in row]
     result["pipeline"] = {"models": spy.models, "forward_keys": sorted(spy.forward_keys), "events": spy.events,
                           "pre_update": spy.pre_update, "evaluations": evaluations, "final": flat(trainer.model),
                           "after": trainer.evaluate()["eval_loss"], "gossip_steps": spy.gossip_steps,
-                          "global_step": spy.global_step}  # fmt: skip
+                          "global_step": spy.global_step, "losses": losses(trainer),
+                          "replica_at_save": spy.replica_at_save,
+                          "saved": load_file(saved / "model.safetensors")}  # fmt: skip
     threads["pipeline"] = gossip_and_gloo_threads(baseline)
+
+    trainer, spy = train(GossipTrainer, arguments(out, "bf16", bf16=True))
+    result["bf16"] = {"dtypes": sorted(spy.dtypes), "losses": losses(trainer),
+                      "parameters": sorted({str(p.dtype) for p in trainer.model.parameters()})}  # fmt: skip
 
     trainer, spy = train(GossipTrainer, arguments(out, "complete", max_steps=2), gossip_wrap=complete_wrap)
     result["complete"] = {"pre_update": spy.pre_update}
