@@ -1,14 +1,16 @@
-"""Worker for tests/test_integration_lightning.py under an outside launcher: torchrun or ``mpiexec``, Gloo, CPU.
+"""Worker for tests/test_integration_lightning.py under an outside launcher: torchrun, ``mpiexec`` or srun, Gloo, CPU.
 
-Usage: ``torchrun --standalone --nproc-per-node N lightning_launched_worker.py OUT_DIR N`` or
-``mpiexec -n N python lightning_launched_worker.py OUT_DIR N``; on the unified ``lightning.pytorch`` package with
+Usage: ``torchrun --standalone --nproc-per-node N lightning_launched_worker.py OUT_DIR N``,
+``mpiexec -n N python lightning_launched_worker.py OUT_DIR N``, or N processes with the variables ``srun`` gives its
+tasks (tests/test_integration_lightning.py emulates them); on the unified ``lightning.pytorch`` package with
 ``GOSSIP_TEST_LIGHTNING=lightning.pytorch`` (:mod:`helpers.lightning_package`).
 
 Unlike tests/helpers/lightning_worker.py, nothing here sets up torch.distributed: Lightning detects the launcher
-(``TorchElasticEnvironment``, ``MPIEnvironment``), creates the world process group and runs on the processes it was
-given. Each rank writes ``rank<r>.pt``:
+(``TorchElasticEnvironment``, ``MPIEnvironment``, ``SLURMEnvironment``), creates the world process group and runs on
+the processes it was given. Each rank writes ``rank<r>.pt``:
 
-* ``environment``: the cluster environment's class, whether it created the processes itself, world size and rank.
+* ``environment``: the cluster environment's class, whether it created the processes itself, world size, global,
+  local and node rank, the rendezvous port it chose, and torch.distributed's rank.
 * ``package``: the Lightning package asked for, the one ``gossip.integrations.lightning`` chose, the modules of the
   Trainer and of the strategy's base class, and which of the two packages the process has imported.
 * ``fit``: ``Trainer(strategy=GossipStrategy(), devices=N)`` of the default pipeline, 4 steps, validation on the
@@ -64,6 +66,9 @@ def main() -> None:
         "external": cluster.creates_processes_externally,
         "world_size": trainer.world_size,
         "rank": trainer.global_rank,
+        "local_rank": cluster.local_rank(),
+        "node_rank": cluster.node_rank(),
+        "main_port": cluster.main_port,
         "dist_rank": dist.get_rank(),
     }
     package = {"asked": PACKAGE, "chosen": LIGHTNING_PACKAGE, "trainer": type(trainer).__module__,

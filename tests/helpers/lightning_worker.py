@@ -12,8 +12,17 @@ One process per device runs every scenario in turn, each a ``Trainer.fit`` of th
 * ``ring``: exact gossip on a ring, validation every 2 steps on the replicas' average (the same full validation set
   on every rank), the parameters just before each update.
 * ``complete``: exact gossip on the complete graph (W = J): the mixed parameters just before each update.
-* ``refused``: two optimizers (manual optimization): the error every rank raises, and the threads after it.
-* ``accumulate``: ``accumulate_grad_batches=2``: gossip steps, optimizer steps, events.
+* ``local``: ``ring`` with ``evaluate="local"`` and ``average_at_end=True``, then ``trainer.test`` and
+  ``trainer.predict`` of the same Trainer on the validation data (the same on every rank): the validation losses,
+  the parameters each validation ran on and those of the training step before it, the test metrics and the
+  predictions, what the strategy held during test and predict, and the gossip threads then.
+* ``refused``: two optimizers (manual optimization), ``LBFGS``, ``sync_batchnorm=True``: the error every rank
+  raises, and the threads after them.
+* ``accumulate``: ``strategy="gossip"`` (the registered name) with ``accumulate_grad_batches=2``: the strategy's
+  class, gossip steps, events.
+
+Every scenario that validates during ``fit`` (``ring``, ``local``) records the wrapper's step count and the bytes
+its communicator exchanged when each validation starts and ends.
 * ``resume``: 8 steps (one batch per epoch) with a checkpoint at step 4, then ``fit(ckpt_path=...)`` from it.
 * ``threads``: after each fit, the gossip and Gloo threads compared with those before the first.
 """
@@ -37,7 +46,7 @@ import gossip
 import topologies
 from gossip.errors import ConfigurationError
 from gossip.integrations.common import GossipGroup
-from helpers.gloo_threads import gossip_and_gloo_threads
+from helpers.gloo_threads import gossip_and_gloo_threads, thread_names
 from helpers.lightning_package import pl
 
 if TYPE_CHECKING:
@@ -64,6 +73,7 @@ class Regression(pl.LightningModule):
         self.losses: list[float] = []
         self.val_losses: list[float] = []
         self.output_dtypes: set[str] = set()
+        self.held: list[tuple[str, bool, list[str]]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
@@ -89,6 +99,21 @@ class Regression(pl.LightningModule):
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.val_losses.append(F.mse_loss(self(x).float(), y).item())
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.held.append(self._strategy_holds())
+        self.log("test_loss", F.mse_loss(self(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        self.held.append(self._strategy_holds())
+        return self(batch[0])
+
+    def _strategy_holds(self) -> tuple[str, bool, list[str]]:
+        """The strategy's model, whether it holds a gossip group, and this process's gossip threads."""
+        strategy = self.trainer.strategy
+        gossip_threads = sorted(name for name in thread_names() if name.startswith("gossip"))
+        return type(strategy.model).__name__, strategy._group is not None, gossip_threads
 
     def configure_optimizers(self):
         if self.optimizer_kind == "sgd":
@@ -130,15 +155,39 @@ class Spy(pl.Callback):
         self.model_type = ""
         self.ddp_modules = -1
         self.saved: list[tuple[dict, torch.Tensor]] = []
+        self.strategy_type = ""
+        self.trained: torch.Tensor | None = None  # the parameters after the last training step
+        self.validations: list[dict] = []
 
     def on_fit_start(self, trainer, pl_module):
         model = trainer.strategy.model
+        self.strategy_type = type(trainer.strategy).__name__
         self.model_type = type(model).__name__
         self.ddp_modules = sum(isinstance(m, nn.parallel.DistributedDataParallel) for m in model.modules())
         spy(trainer.strategy.wrapper, trainer.optimizers[0], pl_module, self.snapshots)
 
     def on_train_end(self, trainer, pl_module):
         self.gossip_steps = trainer.strategy.wrapper.step_count
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.trained = flat(pl_module)
+
+    @staticmethod
+    def _account(trainer) -> tuple[int, int, int]:
+        wrapper = trainer.strategy.wrapper
+        return wrapper.step_count, sum(wrapper.comm.bytes_sent.values()), sum(wrapper.comm.bytes_received.values())
+
+    def on_validation_start(self, trainer, pl_module):
+        if trainer.state.fn == "fit":
+            self.validations.append({"start": self._account(trainer), "trained": self.trained})
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if trainer.state.fn == "fit" and batch_idx == 0:
+            self.validations[-1]["validated"] = flat(pl_module)
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.state.fn == "fit":
+            self.validations[-1]["end"] = self._account(trainer)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         replica = torch.cat([v.reshape(-1).clone() for v in trainer.strategy.wrapper._replica_views])
@@ -150,6 +199,23 @@ class TwoOptimizers(Regression):
         return [torch.optim.SGD(self.net[0].parameters(), lr=LR), torch.optim.SGD(self.net[2].parameters(), lr=LR)]
 
 
+class WithLBFGS(Regression):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=LR)
+
+
+def refusal(module: Regression, **trainer) -> str:
+    """The error ``fit`` raises, as ``"ConfigurationError: message"``, or ``"accepted"``."""
+    from gossip.integrations.lightning import GossipStrategy
+
+    pl.seed_everything(0, verbose=False)
+    try:
+        fit(module, GossipStrategy(), {"train_dataloaders": train_loader()}, **trainer)
+    except ConfigurationError as error:
+        return f"{type(error).__name__}: {error}"
+    return "accepted"
+
+
 def ring_wrap(module, comm):
     return gossip.DecentralizedDataParallel(module, comm, topologies.ring(comm.size), gossip.ExactGossip())
 
@@ -158,15 +224,16 @@ def complete_wrap(module, comm):
     return gossip.DecentralizedDataParallel(module, comm, topologies.complete(comm.size), gossip.ExactGossip())
 
 
-def fit(module: Regression, strategy: GossipStrategy, loaders: dict, ckpt_path=None, callbacks=(), devices=N,
-        **trainer) -> Spy:  # fmt: skip
+def fit(module: Regression, strategy: GossipStrategy | str, loaders: dict, ckpt_path=None, callbacks=(), devices=N,
+        with_trainer=False, **trainer) -> Spy | tuple[Spy, pl.Trainer]:  # fmt: skip
     watcher = Spy()
     settings = {"max_steps": 4, "num_sanity_val_steps": 0, "enable_checkpointing": False, **trainer}
-    pl.Trainer(
+    run = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, logger=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[watcher, *callbacks], **settings,
-    ).fit(module, ckpt_path=ckpt_path, **loaders)  # fmt: skip
-    return watcher
+    )  # fmt: skip
+    run.fit(module, ckpt_path=ckpt_path, **loaders)
+    return (watcher, run) if with_trainer else watcher
 
 
 def train_loader() -> DataLoader:
@@ -236,26 +303,36 @@ def main() -> None:
     watcher = fit(module, GossipStrategy(wrap=ring_wrap, average_at_end=False),
                   {"train_dataloaders": shard, "val_dataloaders": validation},
                   use_distributed_sampler=False, val_check_interval=2)  # fmt: skip
-    result["ring"] = {"pre_update": watcher.snapshots, "val_losses": module.val_losses, "final": flat(module)}
+    result["ring"] = {"pre_update": watcher.snapshots, "val_losses": module.val_losses, "final": flat(module),
+                      "validations": watcher.validations}  # fmt: skip
     threads["ring"] = gossip_and_gloo_threads(baseline)
+
+    module = fresh(optimizer="sgd")
+    watcher, trainer = fit(module, GossipStrategy(wrap=ring_wrap, evaluate="local"),
+                           {"train_dataloaders": shard, "val_dataloaders": validation}, use_distributed_sampler=False,
+                           val_check_interval=2, with_trainer=True)  # fmt: skip
+    tested = trainer.test(module, validation, verbose=False)
+    predicted = torch.cat(trainer.predict(module, validation))
+    result["local"] = {"val_losses": module.val_losses, "validations": watcher.validations, "tested": tested,
+                       "predicted": predicted, "held": module.held, "final": flat(module)}  # fmt: skip
+    threads["local"] = gossip_and_gloo_threads(baseline)
 
     module = fresh(optimizer="sgd")
     watcher = fit(module, GossipStrategy(wrap=complete_wrap, average_at_end=False),
                   {"train_dataloaders": train_loader()}, max_steps=2)  # fmt: skip
     result["complete"] = {"pre_update": watcher.snapshots}
 
-    pl.seed_everything(0, verbose=False)
-    try:
-        fit(TwoOptimizers(manual=True), GossipStrategy(), {"train_dataloaders": train_loader()})
-        result["refused"] = "accepted"
-    except ConfigurationError as error:
-        result["refused"] = f"{type(error).__name__}: {error}"
+    result["refused"] = {
+        "two optimizers": refusal(TwoOptimizers(manual=True)),
+        "LBFGS": refusal(WithLBFGS()),
+        "sync_batchnorm": refusal(Regression(), sync_batchnorm=True),
+    }
     threads["refused"] = gossip_and_gloo_threads(baseline)
 
     module = fresh()
-    watcher = fit(module, GossipStrategy(), {"train_dataloaders": train_loader()}, max_steps=2,
-                  accumulate_grad_batches=2)  # fmt: skip
-    result["accumulate"] = {"gossip_steps": watcher.gossip_steps, "events": module.events}
+    watcher = fit(module, "gossip", {"train_dataloaders": train_loader()}, max_steps=2, accumulate_grad_batches=2)
+    result["accumulate"] = {"gossip_steps": watcher.gossip_steps, "events": module.events,
+                            "strategy": watcher.strategy_type}  # fmt: skip
 
     # One batch per epoch on each rank, never shuffled: the data of a step depends on nothing that a resume from an
     # epoch's end could change in Lightning's loops (its data order on resume is the same as with DDP).
