@@ -6,6 +6,8 @@ so ranks j and j + 2 form lane j.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from helpers.launch import launch
@@ -115,3 +117,40 @@ def test_powergossip_on_shards_moves_both_ends_by_one_difference_and_keeps_the_s
             total_after = [x + y for x, y in zip(a["after"], b["after"], strict=True)]
             total_before = [x + y for x, y in zip(a["before"], b["before"], strict=True)]
             assert _close(total_after, total_before)
+
+
+def test_resume_from_a_sharded_dcp_checkpoint_is_bit_exact(per_rank):
+    # PowerGossip + AdamW: 2 steps, save, 2 more; a fresh run loads and runs the same 2 steps
+    for result in per_rank:
+        assert result["resumed_at_step"] == 2 and result["progress"] == {"epoch": 3}
+        assert all(torch.equal(a, b) for a, b in zip(result["loaded"], result["saved_at"], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(result["resumed"], result["uninterrupted"], strict=True))
+        assert all(
+            torch.equal(a, b) for a, b in zip(result["resumed_local"], result["uninterrupted_local"], strict=True)
+        )
+        assert not _close(result["uninterrupted"], result["saved_at"], atol=1e-3)  # it trained after the save
+        assert result["directories"] == ["replica0.dcp", "replica1.dcp"]  # one DCP checkpoint per replica
+    assert not _close(per_rank[0]["saved_at"], per_rank[2]["saved_at"], atol=1e-3)  # the replicas differed
+
+
+def test_a_replica_checkpoint_holds_its_sharded_parameters_for_any_dcp_reader(per_rank):
+    import torch.distributed.checkpoint as dcp
+
+    directory = per_rank[0]["checkpoint_dir"]
+    for replica in range(2):
+        path = f"{directory}/replica{replica}.dcp"
+        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        assert tuple(keys["parameters.0.weight"].size) == (12, 16)  # the global shape, from both shards
+        assert tuple(keys["optimizer.state.0.exp_avg"].size) == (12, 16)
+        assert {"lane0.gossip.structure", "lane1.gossip.structure"} <= set(keys)
+        weight = torch.empty(12, 16)  # one process, no process group, the full tensor from the shards
+        with warnings.catch_warnings():  # DCP says it assumes one process: that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"parameters.0.weight": weight}, checkpoint_id=path, no_dist=True)
+        assert torch.equal(weight, per_rank[2 * replica]["saved_at"][0])
+
+
+def test_loading_a_missing_sharded_checkpoint_is_refused_on_every_rank(per_rank):
+    for result in per_rank:
+        assert result["missing"].startswith("CheckpointMismatchError"), result["missing"]
+        assert "no checkpoint directory" in result["missing"] and "save_sharded_dcp" in result["missing"]

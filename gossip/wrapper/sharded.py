@@ -58,7 +58,7 @@ from gossip.algorithms.base import Algorithm
 from gossip.algorithms.buckets import DEFAULT_BUCKET_BYTES, Bucket
 from gossip.backends.base import Communicator
 from gossip.backends.lanes import Lanes
-from gossip.errors import InvalidArgumentError, ShardedLayoutError
+from gossip.errors import ArgumentTypeError, InvalidArgumentError, ShardedLayoutError
 from gossip.wrapper.buffer_average import float_buffers
 from gossip.wrapper.consensus import DEFAULT_SAMPLES, _all_reduce_on, exact_consensus_sq, global_average, reading
 from gossip.wrapper.parallel import DecentralizedDataParallel
@@ -222,12 +222,49 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
         super()._finish_mixing()
         self._staging.write_back()
 
+    #: set by :mod:`gossip.checkpoint.sharded` while it saves or loads (:meth:`checkpointing`)
+    _checkpointing = False
+
+    @contextlib.contextmanager
+    def checkpointing(self) -> Iterator[None]:
+        """For :mod:`gossip.checkpoint.sharded`: lets :meth:`training_state` and :meth:`load_training_state` run."""
+        self._checkpointing = True
+        try:
+            yield
+        finally:
+            self._checkpointing = False
+
+    def _refuse_unsharded_checkpoint(self, operation: str) -> None:
+        if not self._checkpointing:
+            raise ArgumentTypeError(
+                f"rank {self._lanes.world_rank} (replica {self.comm.rank}, shard {self.shard_comm.rank}): "
+                f"{operation} of sharded replicas goes through gossip.checkpoint.sharded.save_sharded_dcp / "
+                "load_sharded_dcp (one DCP checkpoint per replica); save_checkpoint and save_dcp name their files "
+                "by the lane rank, so the shards of one replica would overwrite each other's"
+            )
+
+    def training_state(self) -> dict[str, Any]:
+        """:meth:`DecentralizedDataParallel.training_state`, inside :mod:`gossip.checkpoint.sharded` only.
+
+        Returns:
+            This rank's gossip state (its staging as the buckets).
+
+        Raises:
+            ArgumentTypeError: called by another checkpoint than :func:`gossip.checkpoint.sharded.save_sharded_dcp`.
+        """
+        self._refuse_unsharded_checkpoint("a checkpoint")
+        return super().training_state()
+
     def load_training_state(self, state: dict[str, Any]) -> None:
         """:meth:`DecentralizedDataParallel.load_training_state`, then the restored staging into the shards.
 
         Args:
             state: what :meth:`training_state` returned on this rank (same lane, same shard).
+
+        Raises:
+            ArgumentTypeError: called by another load than :func:`gossip.checkpoint.sharded.load_sharded_dcp`.
         """
+        self._refuse_unsharded_checkpoint("loading a checkpoint")
         super().load_training_state(state)
         self._staging.write_back()
 

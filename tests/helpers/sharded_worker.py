@@ -21,8 +21,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import gossip
+import gossip.checkpoint
 import topologies
 from gossip.backends.lanes import Lanes, init_lanes
+from gossip.checkpoint.sharded import load_sharded_dcp, save_sharded_dcp
 from gossip.wrapper.sharded import ShardedDecentralizedDataParallel
 
 R, G = 2, 2
@@ -202,6 +204,79 @@ def powergossip_blocks(mesh: DeviceMesh, lanes: Lanes, result: dict) -> None:
     model.close()
 
 
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, lanes: Lanes, steps: range) -> None:
+    for step in steps:
+        x, y = _batch(lanes.lane.rank, lanes.shard.rank, step)
+        x = x + 0.01 * torch.randn_like(x)  # the RNG stream is part of the checkpoint too
+        _loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _powergossip_run(mesh: DeviceMesh, lanes: Lanes) -> tuple[ShardedDecentralizedDataParallel, nn.Module, Any]:
+    net = _shard(_net(), mesh["shard"])
+    schedule = topologies.from_matrix(torch.tensor(W).numpy(), name="w")
+    model = ShardedDecentralizedDataParallel(net, lanes, schedule, gossip.PowerGossip(rank=1))
+    return model, net, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def checkpoint_resume(mesh: DeviceMesh, lanes: Lanes, out_dir: Path, result: dict) -> None:
+    """k steps, save (one DCP directory per replica), m more; a fresh run loads and runs the same m."""
+    k, m = 2, 2
+    directory = out_dir / "checkpoints"
+    model, net, optimizer = _powergossip_run(mesh, lanes)
+    _train(model, optimizer, lanes, range(k))
+    result["saved_at"] = _full(net)
+    save_sharded_dcp(directory, model, optimizer, extra={"progress": {"epoch": 3}})
+    _train(model, optimizer, lanes, range(k, k + m))
+    result["uninterrupted"] = _full(net)
+    result["uninterrupted_local"] = [p.to_local().clone() for p in net.parameters()]
+    model.close()
+    model, net, optimizer = _powergossip_run(mesh, lanes)
+    result["missing"] = _refusal(lambda: load_sharded_dcp(out_dir / "nowhere", model, optimizer))
+    progress: dict = {}
+    result["resumed_at_step"] = load_sharded_dcp(directory, model, optimizer, extra={"progress": progress})
+    result["progress"] = progress
+    result["loaded"] = _full(net)
+    _train(model, optimizer, lanes, range(k, k + m))
+    result["resumed"] = _full(net)
+    result["resumed_local"] = [p.to_local().clone() for p in net.parameters()]
+    result["directories"] = sorted(path.name for path in directory.iterdir())
+    result["checkpoint_dir"] = str(directory)
+    model.close()
+
+
+def refusals(mesh: DeviceMesh, lanes: Lanes, out_dir: Path, result: dict) -> None:
+    """What the sharded wrapper, the lanes and the checkpoints refuse, each by its named error (FSDP1, which needs
+    an accelerator to build, is refused in tests/test_sharded_layout.py without a process group)."""
+    refused = result["refused"] = {}
+    ring = topologies.ring(2)
+
+    def wrap(net: nn.Module, schedule: Any = ring, **settings: Any) -> Any:
+        return lambda: ShardedDecentralizedDataParallel(net, lanes, schedule, gossip.ExactGossip(), **settings)
+
+    refused["hsdp"] = _refusal(wrap(_shard(_net(), mesh)))  # the 2-D mesh: FSDP would average across replicas
+    refused["other_group"] = _refusal(wrap(_shard(_net(), mesh["replicate"])))
+    refused["plain"] = _refusal(wrap(_net()))
+    shard = lanes.shard.rank
+    refused["lane_settings"] = _refusal(wrap(_shard(_net(), mesh["shard"]), seed=shard))
+    schedule = ring if shard == 0 else topologies.from_matrix(torch.tensor(W).numpy(), name="w")
+    refused["lane_schedule"] = _refusal(wrap(_shard(_net(), mesh["shard"]), schedule))
+    refused["mesh_1d"] = _refusal(lambda: init_lanes(mesh["shard"]))
+    refused["not_lanes"] = _refusal(
+        lambda: ShardedDecentralizedDataParallel(_shard(_net(), mesh["shard"]), lanes.lane, ring, gossip.ExactGossip())
+    )
+    model = ShardedDecentralizedDataParallel(_shard(_net(), mesh["shard"]), lanes, ring, gossip.ExactGossip())
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    _train(model, optimizer, lanes, range(1))
+    refused["save_checkpoint"] = _refusal(lambda: gossip.checkpoint.save_checkpoint(out_dir / "pt", model, optimizer))
+    refused["save_dcp"] = _refusal(lambda: gossip.checkpoint.save_dcp(out_dir / "dcp", model, optimizer))
+    refused["unsharded_to_sharded_save"] = _refusal(lambda: save_sharded_dcp(out_dir / "x", object(), optimizer))
+    _train(model, optimizer, lanes, range(1, 2))  # still in lockstep after the refusals
+    result["steps_after_refusals"] = model.step_count
+    model.close()
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -213,6 +288,8 @@ def main() -> None:
     without_gossip(mesh, lanes, result)
     exact_against_unsharded(mesh, lanes, result)
     powergossip_blocks(mesh, lanes, result)
+    checkpoint_resume(mesh, lanes, out_dir, result)
+    refusals(mesh, lanes, out_dir, result)
     lanes.lane.close()
     lanes.shard.close()
     torch.save(result, out_dir / f"rank{dist.get_rank()}.pt")
