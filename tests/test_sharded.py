@@ -154,3 +154,36 @@ def test_loading_a_missing_sharded_checkpoint_is_refused_on_every_rank(per_rank)
     for result in per_rank:
         assert result["missing"].startswith("CheckpointMismatchError"), result["missing"]
         assert "no checkpoint directory" in result["missing"] and "save_sharded_dcp" in result["missing"]
+
+
+REFUSALS = {  # what each refusal raises, and what its message must say (what is wrong, what to do)
+    "hsdp": ("ShardedLayoutError", ["2-D mesh", "HSDP", "mesh=mesh['shard']"]),
+    "other_group": ("ShardedLayoutError", ["is sharded over ranks", "mesh=mesh['shard']"]),
+    "plain": ("ShardedLayoutError", ["not sharded", "fully_shard(model, mesh=mesh['shard'])"]),
+    "lane_settings": ("ShardedLayoutError", ["lane 1 uses seed=1", "same schedule, algorithm and settings"]),
+    "lane_schedule": ("ShardedLayoutError", ["lane 1 uses schedule w", "lane 0 uses ring"]),
+    "mesh_1d": ("ShardedLayoutError", ["2-D DeviceMesh", "init_device_mesh"]),
+    "not_lanes": ("InvalidArgumentError", ["gossip.init_lanes(mesh)"]),
+    "save_checkpoint": ("ArgumentTypeError", ["save_sharded_dcp", "overwrite"]),
+    "save_dcp": ("ArgumentTypeError", ["save_sharded_dcp", "overwrite"]),
+    "unsharded_to_sharded_save": ("ArgumentTypeError", ["ShardedDecentralizedDataParallel", "save_dcp"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_each_refusal_names_its_error_where_and_what_to_do(per_rank, case):
+    kind, phrases = REFUSALS[case]
+    for rank, result in enumerate(per_rank):
+        message = result["refused"][case]
+        assert message.startswith(f"{kind}: "), (rank, message)
+        assert all(phrase in message for phrase in phrases), (rank, message)
+        if case in ("hsdp", "other_group", "plain", "mesh_1d"):
+            assert f"rank {rank}:" in message, message
+        if case in ("hsdp", "other_group", "plain"):
+            assert "parameter '0.weight'" in message, message
+        if case.startswith("lane_"):
+            assert f"replica {rank // 2}:" in message
+
+
+def test_the_lanes_stay_in_lockstep_after_the_refusals(per_rank):
+    assert [result["steps_after_refusals"] for result in per_rank] == [2] * N

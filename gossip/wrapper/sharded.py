@@ -19,8 +19,10 @@ whole replica has rank up to G·r; no collective inside a replica, and both ends
 factors and preserve the lane's sum exactly as unsharded. Its result depends on G (a G = 8 run is not a G = 1 run
 with the same rank).
 
-Supported so far: exact gossip and PowerGossip's block mode on the shards, ``averaged()`` and the consensus
-distance over lanes (tests/test_sharded.py). Not yet: gradient or momentum tracking on shards, the main job.
+Supported so far: exact gossip and PowerGossip's block mode on the shards, ``averaged()``, the consensus
+distance over lanes, and checkpoints through ``torch.distributed.checkpoint``, one per replica
+(:mod:`gossip.checkpoint.sharded`; ``save_checkpoint`` and ``save_dcp`` refuse a sharded wrapper); the tests are
+tests/test_sharded.py. Not yet: gradient or momentum tracking on shards (refused), PowerGossip's "global" mode.
 
 The backward hooks of the unsharded wrapper (a skipped update noticed at the next forward, PowerGossip's progress
 during backward) are post-accumulate-grad hooks on the trainable parameters; FSDP2 assigns the reduce-scattered
