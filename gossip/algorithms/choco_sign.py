@@ -43,6 +43,17 @@ Message = tuple[torch.Tensor, ...]
 
 
 @dataclass
+class _Slot:
+    """The kept buffers of one edge's exchange, per bucket: what the message sent decodes to (written by the
+    encode), and the message being received (its parts' shapes are fixed by the bucket's size). Taken by a step's
+    start, given back by its finish, so that a step allocates only the messages it sends."""
+
+    layout: list[int]  # the buckets' sizes the buffers were made for
+    values: list[torch.Tensor]
+    incoming: list[Message]
+
+
+@dataclass
 class _Edge:
     """One step's exchange with one peer: its weight, the messages sent and what they decode to, and the messages
     being received, per bucket."""
@@ -52,6 +63,7 @@ class _Edge:
     outgoing: list[Message]
     sent: list[torch.Tensor]
     incoming: list[Message]
+    slot: _Slot
 
 
 @dataclass
@@ -92,6 +104,7 @@ class ChocoSign(Algorithm):
         self.public: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._codecs: list[SignCodec] = []  # one per bucket, with its work buffers
         self._scratch: list[torch.Tensor] = []  # one per bucket: a residual being coded, or a correction
+        self._slots: list[_Slot] = []  # kept buffers of edges not in flight (_Slot)
 
     def describe(self) -> dict[str, list[str]]:
         """Every tensor travels as a scaled-sign message.
@@ -113,23 +126,35 @@ class ChocoSign(Algorithm):
         if [(t.shape, t.dtype, t.device) for t in self._scratch] != layout:
             self._codecs = [SignCodec(self.chunk, self.levels) for _ in self.buckets]
             self._scratch = [torch.empty_like(b.buffer) for b in self.buckets]
+            self._slots = []
         return self._codecs, self._scratch
+
+    def _slot(self, codecs: list[SignCodec]) -> _Slot:
+        """A free edge's buffers, made (the receive buffers empty until the first message is coded) if none is."""
+        if self._slots:
+            return self._slots.pop()
+        layout = [b.buffer.numel() for b in self.buckets]
+        pairs = zip(codecs, self.buckets, strict=True)
+        values = [codec.values_buffer(b.buffer.numel(), b.buffer.device) for codec, b in pairs]
+        return _Slot(layout, values, [])
 
     def _start_step(self, step: int) -> _Pending:
         edges, sends, recvs = [], [], []
         codecs, scratch = self._work()
         for peer, weight in self.schedule.peers(self.comm.rank, step).in_peers:
             mine, _ = self._copies(peer)
+            slot = self._slot(codecs)
             codes = [
-                codec.encode(torch.sub(b.buffer, m, out=residual))
-                for codec, residual, b, m in zip(codecs, scratch, self.buckets, mine, strict=True)
+                codec.encode(torch.sub(b.buffer, m, out=residual), out=out)
+                for codec, residual, b, m, out in zip(codecs, scratch, self.buckets, mine, slot.values, strict=True)
             ]
             outgoing = [message for message, _ in codes]
-            incoming = [tuple(torch.empty_like(part) for part in message) for message in outgoing]
-            for message, reply in zip(outgoing, incoming, strict=True):
+            if [[p.shape for p in m] for m in slot.incoming] != [[p.shape for p in m] for m in outgoing]:
+                slot.incoming = [tuple(torch.empty_like(part) for part in message) for message in outgoing]
+            for message, reply in zip(outgoing, slot.incoming, strict=True):
                 sends += [(peer, part) for part in message]
                 recvs += [(peer, part) for part in reply]
-            edges.append(_Edge(peer, weight, outgoing, [values for _, values in codes], incoming))
+            edges.append(_Edge(peer, weight, outgoing, [values for _, values in codes], slot.incoming, slot))
         return _Pending(step, edges, self._exchange(sends, recvs, step))
 
     def _finish_step(self, pending: _Pending) -> None:
@@ -144,6 +169,8 @@ class ChocoSign(Algorithm):
                 theirs[index].add_(codecs[index].decode(edge.incoming[index], bucket.buffer.numel()))
                 correction = torch.sub(theirs[index], mine[index], out=scratch[index])
                 bucket.buffer.add_(correction, alpha=self.gamma * edge.weight)
+            if edge.slot.layout == [b.buffer.numel() for b in self.buckets]:
+                self._slots.append(edge.slot)  # free for a later step's edge
 
     def _nonfinite_remedy(self) -> str:
         return "ChocoSign has no 'drop': both ends of an edge must apply the same messages"

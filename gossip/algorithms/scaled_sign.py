@@ -19,9 +19,13 @@ keep both ends of an edge identical). On the CPU the bits are packed by numpy (`
 order: the same bytes as the torch path used on other devices).
 
 How it is computed: a group's sum is the sum of the magnitudes multiplied by its members' 0/1 flags, which is exact,
-and its count a float sum of 0/1; a :class:`SignCodec` keeps these work buffers for one tensor size and reuses them
-call after call, so that a step allocates only the tensors it returns, while
-:func:`encode_signs` and :func:`unpack_signs` make a codec of their own per call.
+and its count a float sum of 0/1. The values come out of one gather from a table of the chunk's signed scales,
+:math:`(-s_0, \dots, -s_{L-1}, s_0, \dots, s_{L-1})`, at the index :math:`L \cdot [r_k \ge 0] + \text{group}_k`:
+for a finite scale, :math:`\pm s` is :math:`s \cdot (\pm 1)` bit for bit (negation and a product with 1 are exact),
+so this is the same value as the scale times the sign, in one pass instead of three. A :class:`SignCodec` keeps its
+work buffers for one tensor size and reuses them call after call, so that a step allocates only the message it
+returns (and the values too unless ``out`` is given), while :func:`encode_signs` and :func:`unpack_signs` make a
+codec of their own per call.
 """
 
 from __future__ import annotations
@@ -149,13 +153,13 @@ class _Work:
     lower: torch.Tensor  # its lower half
     second: torch.Tensor  # the second split's upper halves
     mask: torch.Tensor  # one group's members
-    groups: torch.Tensor  # (chunks, chunk) uint8 group ids
+    groups: torch.Tensor  # (chunks, chunk) uint8 indices into the signed scales: L * (sign bit) + group
     index: torch.Tensor  # the same, int64, for gather
-    sign: torch.Tensor  # (numel,) int8, +1 or -1
+    signed: torch.Tensor  # (chunks, 2 L) float32: the chunk's scales negated, then as they are
     decoded: torch.Tensor  # (chunks, chunk) float32, what decode returns
 
     @classmethod
-    def make(cls, numel: int, chunk: int, dtype: torch.dtype, device: torch.device) -> _Work:
+    def make(cls, numel: int, chunk: int, levels: int, dtype: torch.dtype, device: torch.device) -> _Work:
         chunks = max(1, math.ceil(numel / chunk))
         tail = numel - (chunks - 1) * chunk
         members = torch.full((chunks,), float(chunk), dtype=dtype, device=device)
@@ -167,9 +171,25 @@ class _Work:
         flags = [grid(torch.bool) for _ in range(4)]
         return cls(
             numel, tail, grid(dtype), grid(dtype), members, torch.empty(numel, dtype=torch.bool, device=device),
-            *flags, grid(torch.uint8), grid(torch.long), torch.empty(numel, dtype=torch.int8, device=device),
-            grid(torch.float32),
+            *flags, grid(torch.uint8), grid(torch.long),
+            torch.empty(chunks, 2 * levels, dtype=torch.float32, device=device), grid(torch.float32),
         )  # fmt: skip
+
+    def signed_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        """The table the values are gathered from: ``(-scales, scales)`` side by side, per chunk."""
+        levels = scales.shape[1]
+        signed = (
+            self.signed if self.signed.shape[1] == 2 * levels else self.signed.new_empty(scales.shape[0], 2 * levels)
+        )
+        torch.neg(scales, out=signed[:, :levels])
+        signed[:, levels:].copy_(scales)
+        return signed
+
+    def gather(self, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (chunks, chunk) <- each entry's signed scale, read at :attr:`groups` (the padding's indices set
+        to 0 first, so that a gather never reads outside the table)."""
+        self.groups.view(-1)[self.numel :].zero_()
+        return torch.gather(self.signed_scales(scales), 1, self.index.copy_(self.groups), out=out)
 
 
 def _means(sums: list[torch.Tensor], counts: list[torch.Tensor]) -> torch.Tensor:
@@ -205,23 +225,42 @@ class SignCodec:
     def _buffers(self, numel: int, dtype: torch.dtype, device: torch.device) -> _Work:
         work = self._work
         if work is None or (work.numel, work.magnitudes.dtype, work.magnitudes.device) != (numel, dtype, device):
-            work = self._work = _Work.make(numel, self.chunk, dtype, device)
+            work = self._work = _Work.make(numel, self.chunk, self.levels, dtype, device)
         return work
+
+    def values_buffer(self, numel: int, device: torch.device | None = None) -> torch.Tensor:
+        """A float32 buffer :meth:`encode` can write the values of ``numel`` entries into (its ``out``).
+
+        Args:
+            numel: how many values will be coded.
+            device: where (default the CPU).
+
+        Returns:
+            An uninitialised float32 tensor of ``ceil(numel / chunk) * chunk`` elements (at least one chunk).
+        """
+        return torch.empty(max(1, math.ceil(numel / self.chunk)) * self.chunk, dtype=torch.float32, device=device)
 
     def _masked_sum(self, work: _Work, members: torch.Tensor) -> torch.Tensor:
         """Per chunk, the sum of the magnitudes of ``members``: multiplying by 0/1 is exact, so it is the sum of
         the magnitudes with every other entry set to 0."""
         return torch.mul(work.magnitudes, members.view(torch.uint8), out=work.product).sum(dim=1)
 
-    def encode(self, residual: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    def encode(
+        self, residual: torch.Tensor, out: torch.Tensor | None = None
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
         """The code of a flat tensor and the values it decodes to.
 
         Args:
             residual: the 1-D tensor to compress.
+            out: where to write the values: a contiguous float32 tensor of :meth:`values_buffer`'s size on the
+                residual's device (its first ``numel`` elements are the values); None makes a new one.
 
         Returns:
-            ``(message, values)``, new tensors: the message of :func:`pack_signs` and what :meth:`decode` returns
-                for it, bit for bit (float32), computed without decoding the message.
+            ``(message, values)``: the message of :func:`pack_signs` (new tensors) and what :meth:`decode` returns
+                for it, bit for bit (float32; a view of ``out`` when given), computed without decoding the message.
+
+        Raises:
+            InvalidArgumentError: ``out`` is not a contiguous float32 tensor of that size on that device.
         """
         numel = residual.numel()
         work = self._buffers(numel, residual.dtype, residual.device)
@@ -252,17 +291,30 @@ class SignCodec:
                 sums.append(self._masked_sum(work, torch.logical_and(second, half, out=work.mask)))
             counts = [counts[0] - (seconds - high), seconds - high, counts[1] - high, high]
         scales = _means(sums, counts)
+        # the index into the signed scales: levels * (sign bit) + group, the group's bits read as a binary number
+        index = work.groups.view(-1)[:numel]
+        bit = positive.view(torch.uint8)
         if self.levels == 1:
-            values = scales.expand(-1, self.chunk).contiguous()
+            index.copy_(bit)
+        elif self.levels == 2:
+            torch.mul(bit, 2, out=index).add_(work.upper.view(torch.uint8).view(-1)[:numel])
         else:
-            groups = work.upper.view(torch.uint8) if self.levels == 2 else work.groups
-            if self.levels == 4:
-                torch.mul(work.upper.view(torch.uint8), 2, out=groups).add_(work.second.view(torch.uint8))
-            values = scales.gather(1, work.index.copy_(groups))
-        values = values.view(-1)[:numel]
-        sign = torch.mul(positive.view(torch.int8), 2, out=work.sign).sub_(1)
+            torch.mul(work.upper.view(torch.uint8), 2, out=work.groups).add_(work.second.view(torch.uint8))
+            index.add_(bit, alpha=4)
+        grid = self._values_grid(out, numel, residual.device) if out is not None else None
+        values = work.gather(scales, grid if grid is not None else torch.empty_like(work.decoded))
         message.insert(1, scales)
-        return tuple(message), values.mul_(sign)
+        return tuple(message), values.view(-1)[:numel]
+
+    def _values_grid(self, out: torch.Tensor, numel: int, device: torch.device) -> torch.Tensor:
+        """``out`` as the (chunks, chunk) grid the values are gathered into, or a named error."""
+        size = max(1, math.ceil(numel / self.chunk)) * self.chunk
+        if out.dtype != torch.float32 or out.numel() != size or not out.is_contiguous() or out.device != device:
+            raise InvalidArgumentError(
+                f"SignCodec.encode: out must be a contiguous float32 tensor of {size} elements on {device} (see "
+                f"values_buffer), got {out.dtype} of {out.numel()} elements on {out.device}"
+            )
+        return out.view(-1, self.chunk)
 
     def decode(self, message: tuple[torch.Tensor, ...], numel: int) -> torch.Tensor:
         """The values a message encodes: ``scale * (+1 or -1)``, ``numel`` of them, float32.
@@ -277,16 +329,13 @@ class SignCodec:
         """
         signs, scales, *splits = message
         work = self._buffers(numel, scales.dtype, scales.device)
-        if not splits:
-            decoded = work.decoded.copy_(scales.expand(-1, self.chunk))
-        else:  # group g splits into 2g (bit clear) and 2g + 1 (bit set)
-            groups = work.groups.view(-1)
-            groups[:numel].copy_(unpack_bits(splits[0], numel).view(torch.uint8))
-            for plane in splits[1:]:
-                groups[:numel].mul_(2).add_(unpack_bits(plane, numel).view(torch.uint8))
-            decoded = torch.gather(scales, 1, work.index.copy_(work.groups), out=work.decoded)
-        sign = torch.mul(unpack_bits(signs, numel).view(torch.int8), 2, out=work.sign).sub_(1)
-        return decoded.view(-1)[:numel].mul_(sign)
+        # the index into the signed scales: the sign bit, then each split's bit (group g splits into 2g, bit
+        # clear, and 2g + 1, bit set), read as a binary number: levels * (sign bit) + group
+        index = work.groups.view(-1)[:numel]
+        index.copy_(unpack_bits(signs, numel).view(torch.uint8))
+        for plane in splits:
+            index.mul_(2).add_(unpack_bits(plane, numel).view(torch.uint8))
+        return work.gather(scales, work.decoded).view(-1)[:numel]
 
 
 def encode_signs(residual: torch.Tensor, chunk: int, levels: int = 1) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from gossip.algorithms.base import Algorithm
-from gossip.algorithms.buckets import Bucket, gradients_into
+from gossip.algorithms.buckets import Bucket
 from gossip.algorithms.choco_sign import ChocoSign
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.powergossip import PowerGossip
@@ -210,6 +210,10 @@ class GradientTracker:
         self.previous = [torch.zeros_like(bucket.buffer) for bucket in buckets]
         self._fresh = [torch.zeros_like(bucket.buffer) for bucket in buckets]
         self._parameters = parameters
+        # each parameter's views of the trackers and of the two gradient buffers, made once: g^t is read into
+        # _fresh, and _correct swaps _fresh and previous instead of copying one into the other
+        self._tracker_views = self._views([tracker.buffer for tracker in self.trackers])
+        self._fresh_views, self._previous_views = self._views(self._fresh), self._views(self.previous)
         self.mixing = TrackerMixing(nonfinite=algorithm.nonfinite) if mixing is None else mixing
         algorithm.setup_part(self.mixing, schedule, self.trackers)
         self.overlap = bool(overlap)
@@ -218,6 +222,11 @@ class GradientTracker:
         self._blocking: Any = None  # the adapt-then-combine exchange, while a wait on it was interrupted
         self._option = option if option is True or isinstance(option, str) else None
         self._corrected_at = -1  # the step whose correction y += g^t - g^{t-1} was applied
+
+    def _views(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each parameter's view of ``buffers`` (laid out like the trackers), in the parameters' order."""
+        return [tracker.view(entry, buffer) for tracker, buffer in zip(self.trackers, buffers, strict=True)
+                for entry in tracker.entries]  # fmt: skip
 
     @property
     def remakeable(self) -> bool:
@@ -289,11 +298,20 @@ class GradientTracker:
             self._mixing_before = None
 
     def _correct(self, step: int) -> None:
-        """y_i += g_i^t - g_i^{t-1}; g^{t-1} <- g^t; recorded as step ``step``'s correction."""
+        """y_i += g_i^t - g_i^{t-1}; g^{t-1} <- g^t (the two buffers swap); recorded as step ``step``'s correction."""
         for tracker, previous, fresh in zip(self.trackers, self.previous, self._fresh, strict=True):
             tracker.buffer.add_(fresh).sub_(previous)
-            previous.copy_(fresh)
+        self.previous, self._fresh = self._fresh, self.previous
+        self._previous_views, self._fresh_views = self._fresh_views, self._previous_views
         self._corrected_at = step
+
+    def _read_gradients(self) -> None:
+        """g^t <- each parameter's ``.grad`` (a missing one counts as 0), into the fresh buffers."""
+        for parameter, view in zip(self._parameters, self._fresh_views, strict=True):
+            if parameter.grad is None:
+                view.zero_()
+            else:
+                view.copy_(parameter.grad)
 
     def track(self, step: int) -> None:
         """Step ``step``: the tracker update, then ``.grad`` <- y_i.
@@ -312,7 +330,7 @@ class GradientTracker:
         correct = has_gradient and self._corrected_at != step
         with torch.no_grad():
             if correct:
-                gradients_into(self.trackers, parameters, self._fresh)  # g^t (a missing .grad counts as 0)
+                self._read_gradients()  # g^t (a missing .grad counts as 0)
             if self.overlap:
                 self.start(step)  # posted already unless this step had no start (then blocking)
                 self.mixing.finish(self._pending)  # a wait interrupted here is resumed by the next call
@@ -328,15 +346,11 @@ class GradientTracker:
                 self._blocking = None
             if not has_gradient:
                 return
-            position = 0
-            for tracker in self.trackers:
-                for entry in tracker.entries:
-                    parameter = parameters[position]
-                    position += 1
-                    if parameter.grad is None:
-                        parameter.grad = tracker.view(entry).clone()
-                    else:
-                        parameter.grad.copy_(tracker.view(entry))
+            for parameter, view in zip(parameters, self._tracker_views, strict=True):
+                if parameter.grad is None:
+                    parameter.grad = view.clone()
+                else:
+                    parameter.grad.copy_(view)
 
     def state_dict(self) -> dict[str, Any]:
         """Copies of the trackers y_i and of the previous gradients g_i^{t-1}, for a checkpoint.
