@@ -118,9 +118,22 @@ def test_bf16_on_cpu_trains_under_autocast_with_float32_parameters_close_to_floa
 
 @pytest.mark.multiprocess
 def test_gradient_accumulation_is_one_gossip_step_per_optimizer_step(ranks):
+    """With ``optimizer_cls_and_kwargs``: the optimizer is created after wrapping, of the class asked for."""
     for result in ranks:
+        assert result["accumulate"]["optimizer"] == "SGD"
         assert result["accumulate"]["gossip_steps"] == 2
         assert result["accumulate"]["events"][:8] == ["start", *["forward", "backward"] * 2, "mix", "update", "start"]
+
+
+@pytest.mark.multiprocess
+def test_local_evaluation_is_of_the_replicas_not_of_their_average(ranks):
+    """``gossip_evaluate="local"``: each rank evaluates its shard of the evaluation set with its own replica, the
+    Trainer gathers the losses (one metric on every rank); after ``train()`` the model is the average of those
+    replicas, whose loss differs."""
+    local = [r["accumulate"]["evaluations"] for r in ranks]
+    after = [r["accumulate"]["after"] for r in ranks]
+    assert len(local[0]) == 1 and local[0] == local[1] and after[0] == after[1]
+    assert local[0][0] != pytest.approx(after[0], rel=1e-5)
 
 
 @pytest.mark.multiprocess

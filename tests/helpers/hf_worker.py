@@ -13,7 +13,9 @@ that its ``forward`` does not take. Each scenario is one ``train()``; the worker
 * ``bf16``: the pipeline scenario with ``bf16=True`` (``use_cpu=True``): the dtype of ``lm_head``'s output inside
   the forward, of the parameters, the training losses.
 * ``complete``: exact gossip on the complete graph: the mixed parameters before each update.
-* ``accumulate``: ``gradient_accumulation_steps=2``: gossip steps and forwards.
+* ``accumulate``: ``gradient_accumulation_steps=2``, ``optimizer_cls_and_kwargs`` (SGD) and
+  ``gossip_evaluate="local"`` with ``evaluate()`` at the last step: gossip steps, forwards, the optimizer's class,
+  that evaluation and an ``evaluate()`` after ``train()``.
 * ``resume``: 4 steps with a checkpoint at step 2, then ``train(resume_from_checkpoint=...)`` from it.
 * ``accelerate``: the Accelerate recipe of docs/guide/huggingface.md, run as printed.
 * ``threads``: after each ``train()``, the gossip and Gloo threads compared with those before the first.
@@ -141,6 +143,11 @@ def losses(trainer) -> list[float]:
     return [row["loss"] for row in trainer.state.log_history if "loss" in row]
 
 
+def eval_losses(trainer) -> list[float]:
+    """The loss of every evaluation during ``train()``, as the Trainer logged it."""
+    return [row["eval_loss"] for row in trainer.state.log_history if "eval_loss" in row]
+
+
 def complete_wrap(module, comm):
     return gossip.DecentralizedDataParallel(module, comm, topologies.complete(comm.size), gossip.ExactGossip())
 
@@ -172,7 +179,7 @@ def main() -> None:
 
     saved = out / "pipeline-saved"
     trainer, spy = train(GossipTrainer, args, spy=Spy(save_at=2, save_dir=saved))
-    evaluations = [row["eval_loss"] for row in trainer.state.log_history if "eval_loss" in row]
+    evaluations = eval_losses(trainer)
     result["pipeline"] = {"models": spy.models, "forward_keys": sorted(spy.forward_keys), "events": spy.events,
                           "pre_update": spy.pre_update, "evaluations": evaluations, "final": flat(trainer.model),
                           "after": trainer.evaluate()["eval_loss"], "gossip_steps": spy.gossip_steps,
@@ -188,8 +195,14 @@ def main() -> None:
     trainer, spy = train(GossipTrainer, arguments(out, "complete", max_steps=2), gossip_wrap=complete_wrap)
     result["complete"] = {"pre_update": spy.pre_update}
 
-    trainer, spy = train(GossipTrainer, arguments(out, "accumulate", max_steps=2, gradient_accumulation_steps=2))
-    result["accumulate"] = {"gossip_steps": spy.gossip_steps, "events": spy.events}
+    accumulate = arguments(out, "accumulate", max_steps=2, gradient_accumulation_steps=2, eval_strategy="steps",
+                           eval_steps=2)  # fmt: skip
+    trainer, spy = train(GossipTrainer, accumulate, gossip_evaluate="local",
+                         optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))  # fmt: skip
+    result["accumulate"] = {"gossip_steps": spy.gossip_steps, "events": spy.events,
+                            "optimizer": type(trainer._torch_optimizer()).__name__,
+                            "evaluations": eval_losses(trainer),
+                            "after": trainer.evaluate()["eval_loss"]}  # fmt: skip
 
     saving = {"save_strategy": "steps", "save_steps": 2}
     trainer, _ = train(SequentialTrainer, arguments(out, "resume", **saving))
