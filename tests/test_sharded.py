@@ -187,3 +187,29 @@ def test_each_refusal_names_its_error_where_and_what_to_do(per_rank, case):
 
 def test_the_lanes_stay_in_lockstep_after_the_refusals(per_rank):
     assert [result["steps_after_refusals"] for result in per_rank] == [2] * N
+
+
+def test_gradient_tracking_on_shards_equals_unsharded_tracking_of_the_same_replicas(per_rank):
+    # y_i <- sum_k W_ik (y_k + g_k - g_k^prev), x_i <- sum_k W_ik x_k - lr y_i, on unsharded replicas in the worker
+    for result in per_rank:
+        run = result["tracking"]
+        for step in range(3):
+            assert _close(run["tracker"][step], run["expected_tracker"][step]), (result["replica"], step)
+            assert _close(run["full"][step], run["expected_full"][step]), (result["replica"], step)
+
+
+def test_gradient_tracking_on_shards_keeps_the_sum_of_trackers_equal_to_the_sum_of_gradients(per_rank):
+    for left, right in PAIRS:
+        a, b = per_rank[left]["tracking"], per_rank[right]["tracking"]
+        for step in range(3):
+            trackers = [x + y for x, y in zip(a["tracker"][step], b["tracker"][step], strict=True)]
+            gradients = [x + y for x, y in zip(a["gradients"][step], b["gradients"][step], strict=True)]
+            assert _close(trackers, gradients), step
+        assert not _close(a["tracker"][2], b["tracker"][2], atol=1e-4)  # W is not the average: y_i differ
+
+
+def test_momentum_tracking_is_refused_on_shards_naming_the_optimizer(per_rank):
+    for rank, result in enumerate(per_rank):
+        message = result["momentum_refusal"]
+        assert message.startswith(f"InvalidArgumentError: rank {rank} "), message
+        assert "MomentumTrackingAdamW" in message and "torch.optim.AdamW" in message

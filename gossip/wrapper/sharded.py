@@ -22,7 +22,11 @@ with the same rank).
 Supported so far: exact gossip and PowerGossip's block mode on the shards, ``averaged()``, the consensus
 distance over lanes, and checkpoints through ``torch.distributed.checkpoint``, one per replica
 (:mod:`gossip.checkpoint.sharded`; ``save_checkpoint`` and ``save_dcp`` refuse a sharded wrapper); the tests are
-tests/test_sharded.py. Not yet: gradient or momentum tracking on shards (refused), PowerGossip's "global" mode.
+tests/test_sharded.py. Gradient tracking (``gradient_tracking=True``, as for the unsharded wrapper) tracks each
+lane's rows: the trackers are laid out like the staging, read the local shard of each FSDP2 gradient and write
+:math:`y_{i,j}` back into it, so that :math:`\sum_i y_{i,j} = \sum_i g_{i,j}` lane by lane, hence for the whole
+replicas. Not yet: momentum tracking (a momentum-tracking optimizer such as ``optim.MomentumTrackingAdamW`` is
+refused at its first step) and PowerGossip's "global" mode.
 
 The backward hooks of the unsharded wrapper (a skipped update noticed at the next forward, PowerGossip's progress
 during backward) are post-accumulate-grad hooks on the trainable parameters; FSDP2 assigns the reduce-scattered
@@ -42,7 +46,7 @@ What changes against :class:`gossip.DecentralizedDataParallel`, of which this is
 * ``averaged()`` writes the average of each lane into the shards for the block and restores them exactly on exit
   (the module then holds the average as DTensors: evaluate it, or save it with torch.distributed.checkpoint);
 * the consensus distances sum each lane's squares over the shard group: :math:`\Xi^2 = \sum_j \Xi_j^2`;
-* gradient tracking and momentum tracking are refused (not on shards yet).
+* momentum tracking is refused (not on shards yet).
 """
 
 from __future__ import annotations
@@ -67,6 +71,34 @@ from gossip.wrapper.parallel import DecentralizedDataParallel
 from gossip.wrapper.replicas import check_replicas, first_difference
 from gossip.wrapper.shard_layout import Staging, check_sharded_module, local_shards
 from topologies import Schedule
+
+
+class _LocalGradient:
+    """A DTensor parameter seen through its local shard: ``.grad`` is the local shard of its gradient.
+
+    What the gradient tracker (:class:`gossip.wrapper.tracking.GradientTracker`) reads and writes in place of the
+    parameter: its buffers are laid out like the staging, i.e. like the local shards, and FSDP2's gradient of a
+    ``Shard(d)`` parameter is a DTensor of the same placement whose local tensor holds this rank's rows.
+    """
+
+    __slots__ = ("parameter",)
+
+    def __init__(self, parameter: torch.Tensor):
+        self.parameter = parameter
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        grad = self.parameter.grad
+        return None if grad is None else grad.to_local()
+
+    @grad.setter
+    def grad(self, local: torch.Tensor) -> None:
+        from torch.distributed.tensor import DTensor
+
+        parameter = self.parameter
+        parameter.grad = DTensor.from_local(
+            local, parameter.device_mesh, parameter.placements, shape=parameter.shape, stride=parameter.stride()
+        )
 
 
 class _SummedOverLanes:
@@ -138,12 +170,17 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
         consensus_every: sample the consensus distance every this many steps (0: off).
         consensus_samples: coordinates sampled per lane.
         seed: the seed of the sampled coordinates.
+        gradient_tracking: as for the unsharded wrapper (``True``, ``"exact"``, ``"powergossip"`` or an algorithm
+            object), on the local shards of the gradients; the same on every rank.
+        tracking_overlap: as for the unsharded wrapper (the combine-then-adapt tracker).
 
     Raises:
         ShardedLayoutError: the model is not sharded by FSDP2 over exactly this replica (or is FSDP1, or HSDP),
             or the lanes disagree.
         InvalidArgumentError: ``lanes`` is not a :class:`gossip.backends.lanes.Lanes`.
         ReplicaMismatchError: the replicas of a lane disagree (as for the unsharded wrapper).
+
+    At the first optimizer step, a momentum-tracking optimizer is refused (InvalidArgumentError).
     """
 
     _shards_replicas = True
@@ -161,6 +198,8 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
         consensus_every: int = 10,
         consensus_samples: int = DEFAULT_SAMPLES,
         seed: int = 0,
+        gradient_tracking: bool | str | Algorithm = False,
+        tracking_overlap: bool = False,
     ):
         if not isinstance(lanes, Lanes):
             raise InvalidArgumentError(
@@ -180,7 +219,11 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
             consensus_every=consensus_every,
             consensus_samples=consensus_samples,
             seed=seed,
+            gradient_tracking=gradient_tracking,
+            tracking_overlap=tracking_overlap,
         )
+        if self.tracker is not None:  # the tracker reads and writes the local shards of the gradients
+            self.tracker._parameters = [_LocalGradient(p) for p in self._parameters_in_order]
         self.shard_comm = lanes.shard
         self._sampler = _SummedOverLanes(self._sampler, lanes.shard)
 
@@ -193,6 +236,17 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
         signature = check_replicas(module, comm, schedule, algorithm, settings)
         check_lanes(self._lanes.shard, signature, comm.rank)
         return signature
+
+    def _check_optimizer(self, optimizer: torch.optim.Optimizer, source: Any, computes_gradients: bool) -> None:
+        """Refuse a momentum-tracking optimizer (not on shards yet), then the parent's checks."""
+        if source is not None:
+            raise InvalidArgumentError(
+                f"rank {self._lanes.world_rank} (replica {self.comm.rank}, shard {self._lanes.shard.rank}): step "
+                f"{self.step_count}: {type(optimizer).__name__} tracks its first moment through the gradient "
+                "trackers, which the sharded wrapper does not support yet; use an optimizer that steps on .grad "
+                "(e.g. torch.optim.AdamW), with gradient_tracking=True for the trackers"
+            )
+        super()._check_optimizer(optimizer, source, computes_gradients)
 
     def _make_buckets(self, module: nn.Module, bucket_bytes: int) -> list[Bucket]:
         """Staging buckets laid out like the local shards; the parameters keep FSDP2's storage."""

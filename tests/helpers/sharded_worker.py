@@ -26,6 +26,7 @@ import topologies
 from gossip.backends.lanes import Lanes, init_lanes
 from gossip.checkpoint.sharded import load_sharded_dcp, save_sharded_dcp
 from gossip.wrapper.sharded import ShardedDecentralizedDataParallel
+from optim import MomentumTrackingAdamW
 
 R, G = 2, 2
 #: a mixing matrix of two replicas that is not the average, so that "equals unsharded gossip" is not "averages"
@@ -277,6 +278,57 @@ def refusals(mesh: DeviceMesh, lanes: Lanes, out_dir: Path, result: dict) -> Non
     model.close()
 
 
+def tracking_against_unsharded(mesh: DeviceMesh, lanes: Lanes, result: dict) -> None:
+    """Gradient tracking on the shards against R unsharded replicas with trackers, mixed by W here."""
+    r, j = lanes.lane.rank, lanes.shard.rank
+    net = _net()
+    references = [copy.deepcopy(net) for _ in range(R)]
+    _shard(net, mesh["shard"])
+    schedule = topologies.from_matrix(torch.tensor(W).numpy(), name="w")
+    model = ShardedDecentralizedDataParallel(net, lanes, schedule, gossip.ExactGossip(), gradient_tracking=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    shapes = [p.shape for p in references[0].parameters()]
+    trackers = [[torch.zeros(shape) for shape in shapes] for _ in range(R)]
+    previous = [[torch.zeros(shape) for shape in shapes] for _ in range(R)]
+    run: dict[str, list] = {"full": [], "expected_full": [], "tracker": [], "expected_tracker": [], "gradients": []}
+    for step in range(3):
+        x, y = _batch(r, j, step)
+        _loss(model(x), y).backward()
+        optimizer.step()
+        run["tracker"].append([p.grad.full_tensor().clone() for p in net.parameters()])  # y_i: what it stepped on
+        optimizer.zero_grad()
+        # the reference: y_i <- sum_k W_ik (y_k + g_k - g_k^prev); x_i <- sum_k W_ik x_k - lr y_i
+        gradients = []
+        for i, reference in enumerate(references):
+            _reference_gradient(reference, i, step)
+            gradients.append([p.grad.clone() for p in reference.parameters()])
+        corrected = [
+            [t + g - q for t, g, q in zip(trackers[i], gradients[i], previous[i], strict=True)] for i in range(R)
+        ]
+        trackers = [[sum(W[i][k] * corrected[k][n] for k in range(R)) for n in range(len(shapes))] for i in range(R)]
+        previous = gradients
+        before = [[p.detach().clone() for p in reference.parameters()] for reference in references]
+        with torch.no_grad():
+            for i, reference in enumerate(references):
+                for n, p in enumerate(reference.parameters()):
+                    p.copy_(sum(W[i][k] * before[k][n] for k in range(R)) - LR * trackers[i][n])
+        run["full"].append(_full(net))
+        run["expected_full"].append([p.detach().clone() for p in references[r].parameters()])
+        run["expected_tracker"].append(trackers[r])
+        run["gradients"].append(gradients[r])
+    result["tracking"] = run
+    model.close()
+    # a momentum-tracking optimizer: not on shards yet, refused at its first step on every rank
+    model = ShardedDecentralizedDataParallel(
+        _shard(_net(), mesh["shard"]), lanes, schedule, gossip.ExactGossip(), gradient_tracking=True
+    )
+    optimizer = MomentumTrackingAdamW(model.parameters(), lr=LR)
+    x, y = _batch(r, j, 0)
+    _loss(model(x), y).backward()
+    result["momentum_refusal"] = _refusal(optimizer.step)
+    model.close()
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -287,6 +339,7 @@ def main() -> None:
     complete_graph_step(mesh, lanes, result)
     without_gossip(mesh, lanes, result)
     exact_against_unsharded(mesh, lanes, result)
+    tracking_against_unsharded(mesh, lanes, result)
     powergossip_blocks(mesh, lanes, result)
     checkpoint_resume(mesh, lanes, out_dir, result)
     refusals(mesh, lanes, out_dir, result)
