@@ -83,8 +83,8 @@ def test_what_the_sharded_job_cannot_run_is_an_argparse_error_naming_the_option(
 
 
 def test_check_sharded_counts_the_replicas_and_names_the_option():
-    assert check_sharded(TrainConfig(algorithm="exact"), 2, 8) == 4
+    assert check_sharded(TrainConfig(algorithm="exact", shards=2), 8) == 4
     with pytest.raises(ConfigError, match="--backend"):
-        check_sharded(TrainConfig(algorithm="exact", backend="mpi"), 2, 4)
+        check_sharded(TrainConfig(algorithm="exact", backend="mpi", shards=2), 4)
     with pytest.raises(ConfigError, match="--shards"):
-        check_sharded(TrainConfig(algorithm="exact"), 0, 4)
+        check_sharded(TrainConfig(algorithm="exact", shards=0), 4)

@@ -283,6 +283,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         out=args.out,
         eval_every=args.eval_every,
         log_every=args.log_every,
+        shards=args.shards,
     )
 
 
@@ -295,7 +296,7 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace, world_s
         from gossip.app.train_sharded import resolve_sharded
 
         try:
-            resolve_sharded(config_from(args), args.shards, world_size)
+            resolve_sharded(config_from(args), world_size)
         except ConfigError as err:
             parser.error(f"argument {err}")
     elif world_size is not None:
@@ -368,10 +369,6 @@ def run_worker(args: argparse.Namespace) -> int:
             from gossip.app.train_elastic import train_elastic
 
             summary = train_elastic(config_from(args), dict(args.kill), dict(args.restart), args.save_replicas)
-        elif args.shards is not None:
-            from gossip.app.train_sharded import train_sharded
-
-            summary = train_sharded(config_from(args), args.shards)
         else:
             summary = train(config_from(args))
     except Exception as err:

@@ -166,6 +166,8 @@ class TrainConfig:
         eval_every: evaluate the averaged model every this many steps.
         eval_batches: validation batches per evaluation.
         log_every: steps between progress updates.
+        shards: the ranks FSDP2 shards each replica over (``--shards``: :mod:`gossip.app.train_sharded`, whose
+            ``world_size`` is then the number of replicas); None: one process per replica.
         world_size: the number of workers (set by :func:`resolve`).
         model: the :class:`~gossip.app.gpt.GPTConfig` fields.
     """
@@ -204,6 +206,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 8
     log_every: int = 10
+    shards: int | None = None
     world_size: int | None = None
     model: dict[str, Any] = dataclasses.field(default_factory=lambda: dataclasses.asdict(GPTConfig()))
 
@@ -653,6 +656,8 @@ def _progress(config: TrainConfig, rank: int) -> Any:
 def train(config: TrainConfig) -> RunSummary | None:
     """Run one worker of the job described by ``config``.
 
+    With ``config.shards`` set, this is a worker of the sharded job (:func:`gossip.app.train_sharded.train_sharded`).
+
     Args:
         config: the config (resolved here for the world size).
 
@@ -663,6 +668,10 @@ def train(config: TrainConfig) -> RunSummary | None:
         ConfigError: an option cannot work for this run.
         NonFiniteError: the training loss became NaN or Inf (lower ``--lr``).
     """
+    if config.shards is not None:
+        from gossip.app.train_sharded import train_sharded
+
+        return train_sharded(config)
     comm = gossip.init(config.backend, timeout=config.timeout)
     try:
         return _train(config, comm)

@@ -68,26 +68,11 @@ SHARDED_OPTIMIZERS = ("adamw",)
 SHARDED_DEFAULTS = {"algorithm": "exact", "optimizer": "adamw", "gradient_tracking": False}
 
 
-@dataclasses.dataclass
-class ShardedTrainConfig(TrainConfig):
-    """:class:`~gossip.app.train.TrainConfig` and the number of shards of each replica.
-
-    ``world_size`` (set by :func:`resolve_sharded`) is the number of *replicas* R, the schedule's n; the job runs
-    R x ``shards`` processes.
-
-    Attributes:
-        shards: the ranks FSDP2 shards each replica over (G, ``--shards``).
-    """
-
-    shards: int = 2
-
-
-def check_sharded(config: TrainConfig, shards: int, processes: int) -> int:
+def check_sharded(config: TrainConfig, processes: int) -> int:
     """Refuse what the sharded job cannot run, naming the option; return the number of replicas.
 
     Args:
-        config: the config as given (before :func:`~gossip.app.train.resolve`).
-        shards: ``--shards``, G.
+        config: the config as given (before :func:`~gossip.app.train.resolve`), ``shards`` (G) set.
         processes: the number of worker processes, N.
 
     Returns:
@@ -97,6 +82,7 @@ def check_sharded(config: TrainConfig, shards: int, processes: int) -> int:
         ConfigError: naming ``--shards``, ``--algorithm``, ``--optimizer``, ``--gradient-tracking``,
             ``--tracking-overlap``, ``--average-every``, ``--outer-every`` or ``--backend``, and what to do.
     """
+    shards = config.shards
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
         raise ConfigError("--shards", f"must be an integer >= 1, got {shards!r}")
     if processes % shards != 0:
@@ -130,27 +116,23 @@ def check_sharded(config: TrainConfig, shards: int, processes: int) -> int:
     return processes // shards
 
 
-def resolve_sharded(config: TrainConfig, shards: int, processes: int) -> tuple[ShardedTrainConfig, list[str]]:
-    """:func:`check_sharded`, then :func:`~gossip.app.train.resolve` for the R replicas.
+def resolve_sharded(config: TrainConfig, processes: int) -> tuple[TrainConfig, list[str]]:
+    """:func:`check_sharded`, then :func:`~gossip.app.train.resolve` for the R replicas, with the sharded defaults.
 
     Args:
-        config: the config as given.
-        shards: G.
+        config: the config as given, ``shards`` set.
         processes: N = R G.
 
     Returns:
-        The resolved :class:`ShardedTrainConfig` (``world_size`` = R) and the notes on the choices made.
+        The resolved copy (``world_size`` = R; AdamW and no trackers where unset) and the notes on the choices made.
 
     Raises:
         ConfigError: naming the option at fault.
     """
-    replicas = check_sharded(config, shards, processes)
-    fields = {field.name: getattr(config, field.name) for field in dataclasses.fields(TrainConfig)}
-    fields["optimizer"] = config.optimizer or SHARDED_DEFAULTS["optimizer"]
-    fields["gradient_tracking"] = False
-    resolved, notes = resolve(ShardedTrainConfig(**fields, shards=shards), replicas)
-    assert isinstance(resolved, ShardedTrainConfig)
-    return resolved, notes
+    replicas = check_sharded(config, processes)
+    given = dataclasses.replace(config, optimizer=config.optimizer or SHARDED_DEFAULTS["optimizer"])
+    given.gradient_tracking = False
+    return resolve(given, replicas)
 
 
 def shard_gpt(config: TrainConfig, mesh: Any) -> GPT:
@@ -198,12 +180,11 @@ def validation_loss(model: ShardedDecentralizedDataParallel, batches: list, lane
     return float(totals[0] / totals[1])
 
 
-def train_sharded(config: TrainConfig, shards: int) -> RunSummary | None:
-    """Run one worker of the sharded job: ``shards`` ranks per replica, as many replicas as the world holds.
+def train_sharded(config: TrainConfig) -> RunSummary | None:
+    """Run one worker of the sharded job: ``config.shards`` ranks per replica, as many replicas as the world holds.
 
     Args:
-        config: the config as given (resolved here).
-        shards: G, the ranks of one replica.
+        config: the config as given (resolved here), ``shards`` set.
 
     Returns:
         The run's summary on world rank 0, None elsewhere.
@@ -214,15 +195,15 @@ def train_sharded(config: TrainConfig, shards: int) -> RunSummary | None:
     """
     comm = gossip.init(config.backend, timeout=config.timeout)
     try:
-        return _train(config, shards, comm)
+        return _train(config, comm)
     finally:
         comm.close()
 
 
-def _train(config: TrainConfig, shards: int, comm: Communicator) -> RunSummary | None:
+def _train(config: TrainConfig, comm: Communicator) -> RunSummary | None:
     torch.set_num_threads(worker_threads(comm.local_size))
-    config, notes = resolve_sharded(config, shards, comm.size)
-    replicas = config.world_size
+    config, notes = resolve_sharded(config, comm.size)
+    replicas, shards = config.world_size, config.shards
     run_dir = prepare_run_dir(config, comm)
     mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
     lanes = init_lanes(mesh, timeout=config.timeout)
@@ -234,7 +215,7 @@ def _train(config: TrainConfig, shards: int, comm: Communicator) -> RunSummary |
 
 
 def _train_lanes(
-    config: ShardedTrainConfig, comm: Communicator, lanes: Lanes, run_dir: Path, mesh: Any, notes: list[str]
+    config: TrainConfig, comm: Communicator, lanes: Lanes, run_dir: Path, mesh: Any, notes: list[str]
 ) -> RunSummary | None:
     replica, shard = lanes.lane.rank, lanes.shard.rank
     lane_dir = run_dir if shard == 0 else run_dir / f"lane{shard}"
