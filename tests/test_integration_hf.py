@@ -94,6 +94,19 @@ def test_evaluate_is_the_averaged_models_loss_on_every_rank(ranks):
 
 
 @pytest.mark.multiprocess
+def test_evaluate_and_save_model_during_training_never_start_an_exchange(ranks):
+    """From the end of steps 2 and 4 to the end of the evaluation after each (with step 2's ``save_model()`` in
+    between), the wrapper's step count and its communicator's exchanged bytes stay put."""
+    for result in ranks:
+        accounts = result["pipeline"]["accounts"]
+        evaluated = [i for i, (when, *_) in enumerate(accounts) if when == "evaluated"]
+        assert [accounts[i][1] for i in evaluated] == [2, 4], accounts
+        for i in evaluated:
+            assert accounts[i - 1][0] == "step end" and accounts[i - 1][1:] == accounts[i][1:], accounts
+            assert accounts[i][2] > 0
+
+
+@pytest.mark.multiprocess
 def test_save_model_during_training_writes_the_average_of_the_replicas(ranks):
     """``save_model()`` after step 2, called on every rank; rank 0 wrote the file, every rank read it back."""
     replicas = [r["pipeline"]["replica_at_save"] for r in ranks]

@@ -9,7 +9,8 @@ that its ``forward`` does not take. Each scenario is one ``train()``; the worker
 * ``pipeline``: the default pipeline, 4 steps, ``evaluate()`` every 2 steps: the trainer's models, the keyword
   arguments the model's forward received, the step events, the parameters before each update, the evaluations,
   the training losses, the parameters after ``train()`` and an ``evaluate()`` after it; after step 2, this rank's
-  replica and a ``save_model()`` called on every rank (what rank 0 wrote, read back on every rank).
+  replica and a ``save_model()`` called on every rank (what rank 0 wrote, read back on every rank); the wrapper's
+  step count and exchanged bytes at the end of each step and after each evaluation.
 * ``bf16``: the pipeline scenario with ``bf16=True`` (``use_cpu=True``): the dtype of ``lm_head``'s output inside
   the forward, of the parameters, the training losses.
 * ``complete``: exact gossip on the complete graph: the mixed parameters before each update.
@@ -83,6 +84,12 @@ class Spy(TrainerCallback):
         self.models: tuple[str, str, int] | None = None
         self.gossip_steps = -1
         self.global_step = -1
+        self.accounts: list[tuple[str, int, int, int]] = []  # (when, step count, bytes sent, bytes received)
+
+    def _account(self, when: str) -> None:
+        wrapper = self.trainer.gossip_model
+        sent, received = sum(wrapper.comm.bytes_sent.values()), sum(wrapper.comm.bytes_received.values())
+        self.accounts.append((when, wrapper.step_count, sent, received))
 
     def on_train_begin(self, args, state, control, **kwargs):
         trainer, model = self.trainer, self.trainer.model
@@ -113,9 +120,14 @@ class Spy(TrainerCallback):
         trainer._torch_optimizer().register_step_pre_hook(update)
 
     def on_step_end(self, args, state, control, **kwargs):
+        self._account("step end")  # the Trainer evaluates after this hook
         if state.global_step == self.save_at:  # a collective: every rank calls it, as a user's code would
             self.replica_at_save = {n: v.detach().clone() for n, v in self.trainer.model.state_dict().items()}
             self.trainer.save_model(str(self.save_dir))
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self.trainer.gossip_model is not None:
+            self._account("evaluated")
 
     def on_train_end(self, args, state, control, **kwargs):
         self.gossip_steps, self.global_step = self.trainer.gossip_model.step_count, state.global_step
@@ -184,7 +196,7 @@ def main() -> None:
                           "pre_update": spy.pre_update, "evaluations": evaluations, "final": flat(trainer.model),
                           "after": trainer.evaluate()["eval_loss"], "gossip_steps": spy.gossip_steps,
                           "global_step": spy.global_step, "losses": losses(trainer),
-                          "replica_at_save": spy.replica_at_save,
+                          "replica_at_save": spy.replica_at_save, "accounts": spy.accounts,
                           "saved": load_file(saved / "model.safetensors")}  # fmt: skip
     threads["pipeline"] = gossip_and_gloo_threads(baseline)
 
