@@ -1,7 +1,8 @@
 """Gossip between FSDP2-sharded replicas (2 replicas x 2 shards, Gloo on CPU): one 4-process job, its properties.
 
 The worker (tests/helpers/sharded_worker.py) runs every phase in one launch; rank r is replica r // 2, shard r % 2,
-so ranks j and j + 2 form lane j.
+so ranks j and j + 2 form lane j. Its model, Linear(16, 11) - Tanh - Linear(11, 1), is sharded unevenly: 6 + 5
+rows, and a 1-row layer whose second shard is empty.
 """
 
 from __future__ import annotations
@@ -79,6 +80,16 @@ def test_the_next_forward_sees_the_mixed_values(per_rank):
         assert torch.equal(plain, sharded)
 
 
+def test_averaged_holds_the_mean_of_the_replicas_and_restores_each_replica_exactly(per_rank):
+    for left, right in PAIRS:
+        replicas = per_rank[left]["exact"]["full"][-1], per_rank[right]["exact"]["full"][-1]
+        mean = [(a + b) / 2 for a, b in zip(*replicas, strict=True)]
+        for rank in (left, right):
+            assert _close(per_rank[rank]["averaged"], mean)
+            after, own = per_rank[rank]["after_averaged"], per_rank[rank]["exact"]["full"][-1]
+            assert all(torch.equal(a, b) for a, b in zip(after, own, strict=True))
+
+
 def test_fsdp2_runs_the_shards_post_accumulate_grad_hooks(per_rank):
     # FSDP2 assigns the reduce-scattered gradient to the sharded parameter and then runs its post-accumulate-grad
     # hooks: the wrapper's backward hooks (skipped-step detection, PowerGossip's progress) see every backward
@@ -95,8 +106,9 @@ def test_a_step_skipped_on_one_replica_still_mixes_and_keeps_the_lanes_in_lockst
 
 def test_powergossip_block_mode_compresses_each_local_shard(per_rank):
     for result in per_rank:
-        assert result["power_compressed"] == ["0.weight"]  # its 6 x 16 shard; the others travel exactly
-        assert [tuple(p.shape) for p in result["power"][0]["p"]] == [(6, 1)]  # the local rows, rank 1: a block
+        assert result["power_compressed"] == ["0.weight"]  # its 6 x 16 or 5 x 16 shard; the others travel exactly
+        rows = 6 if result["shard"] == 0 else 5  # the local rows of 11, rank 1: a block of its own
+        assert [tuple(p.shape) for p in result["power"][0]["p"]] == [(rows, 1)]
         assert [tuple(q.shape) for q in result["power"][0]["q"]] == [(16, 1)]
 
 
@@ -120,7 +132,7 @@ def test_powergossip_on_shards_moves_both_ends_by_one_difference_and_keeps_the_s
 
 
 def test_resume_from_a_sharded_dcp_checkpoint_is_bit_exact(per_rank):
-    # PowerGossip + AdamW: 2 steps, save, 2 more; a fresh run loads and runs the same 2 steps
+    # PowerGossip, gradient tracking, AdamW: 2 steps, save, 2 more; a fresh run loads and runs the same 2 steps
     for result in per_rank:
         assert result["resumed_at_step"] == 2 and result["progress"] == {"epoch": 3}
         assert all(torch.equal(a, b) for a, b in zip(result["loaded"], result["saved_at"], strict=True))
@@ -140,10 +152,10 @@ def test_a_replica_checkpoint_holds_its_sharded_parameters_for_any_dcp_reader(pe
     for replica in range(2):
         path = f"{directory}/replica{replica}.dcp"
         keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        assert tuple(keys["parameters.0.weight"].size) == (12, 16)  # the global shape, from both shards
-        assert tuple(keys["optimizer.state.0.exp_avg"].size) == (12, 16)
+        assert tuple(keys["parameters.0.weight"].size) == (11, 16)  # the global shape, from both shards
+        assert tuple(keys["optimizer.state.0.exp_avg"].size) == (11, 16)
         assert {"lane0.gossip.structure", "lane1.gossip.structure"} <= set(keys)
-        weight = torch.empty(12, 16)  # one process, no process group, the full tensor from the shards
+        weight = torch.empty(11, 16)  # one process, no process group, the full tensor from the shards
         with warnings.catch_warnings():  # DCP says it assumes one process: that is the point
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({"parameters.0.weight": weight}, checkpoint_id=path, no_dist=True)

@@ -35,8 +35,10 @@ LR = 0.1
 
 
 def _net() -> nn.Sequential:
+    """11 rows split 6 + 5 over the two shards (FSDP2 pads the second), and a 1-row layer whose second shard is
+    empty: the uneven layouts FSDP2 makes."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 4))
+    return nn.Sequential(nn.Linear(16, 11), nn.Tanh(), nn.Linear(11, 1))
 
 
 def _shard(net: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -47,7 +49,7 @@ def _shard(net: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 def _batch(replica: int, shard: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 * step + 10 * replica + shard)
-    return torch.randn(4, 16, generator=generator), torch.randn(4, 4, generator=generator)
+    return torch.randn(4, 16, generator=generator), torch.randn(4, 1, generator=generator)
 
 
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -128,6 +130,9 @@ def exact_against_unsharded(mesh: DeviceMesh, lanes: Lanes, result: dict) -> Non
                     p.copy_(sum(W[i][k] * before[k][n] for k in range(R)) - LR * p.grad)
         full.append(_full(net))
         expected_full.append([p.detach().clone() for p in references[r].parameters()])
+    with model.averaged():  # between two steps, the next exchange in flight
+        result["averaged"] = _full(net)
+    result["after_averaged"] = _full(net)
     plain = _net()
     plain.load_state_dict({name: p.full_tensor() for name, p in net.named_parameters()})
     x, _ = _batch(r, j, 3)
@@ -217,12 +222,14 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, lanes: Lanes, ste
 def _powergossip_run(mesh: DeviceMesh, lanes: Lanes) -> tuple[ShardedDecentralizedDataParallel, nn.Module, Any]:
     net = _shard(_net(), mesh["shard"])
     schedule = topologies.from_matrix(torch.tensor(W).numpy(), name="w")
-    model = ShardedDecentralizedDataParallel(net, lanes, schedule, gossip.PowerGossip(rank=1))
+    algorithm = gossip.PowerGossip(rank=1)
+    model = ShardedDecentralizedDataParallel(net, lanes, schedule, algorithm, gradient_tracking=True)
     return model, net, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
 def checkpoint_resume(mesh: DeviceMesh, lanes: Lanes, out_dir: Path, result: dict) -> None:
-    """k steps, save (one DCP directory per replica), m more; a fresh run loads and runs the same m."""
+    """k steps, save (one DCP directory per replica), m more; a fresh run loads and runs the same m (PowerGossip's
+    factors, the gradient trackers, AdamW's moments and the RNG streams are all part of the state)."""
     k, m = 2, 2
     directory = out_dir / "checkpoints"
     model, net, optimizer = _powergossip_run(mesh, lanes)
