@@ -67,7 +67,7 @@ def test_manual_optimization_follows_the_same_trajectory(ranks):
 @pytest.mark.multiprocess
 def test_bf16_mixed_trains_under_autocast_close_to_float32(ranks):
     for result in ranks:
-        assert result["bf16"]["dtypes"] == ["torch.bfloat16"]
+        assert (result["bf16"]["dtypes"], result["bf16"]["parameters"]) == (["torch.bfloat16"], ["torch.float32"])
         assert result["bf16"]["losses"] == pytest.approx(result["pipeline"]["losses"], rel=5e-2, abs=1e-2)
 
 

@@ -8,7 +8,8 @@ One process per device runs every scenario in turn, each a ``Trainer.fit`` of th
 * ``pipeline``: the default pipeline with ``MomentumTrackingAdamW`` (which refuses a closure), 4 steps; the
   strategy's model, the step events (start, forward, backward, mix, update), the losses, the parameters.
 * ``plain``: the same pipeline, seeds, data and steps in a plain loop (no Lightning): its events, losses, parameters.
-* ``manual``: ``pipeline`` with manual optimization; ``bf16``: ``pipeline`` under ``precision="bf16-mixed"``.
+* ``manual``: ``pipeline`` with manual optimization; ``bf16``: ``pipeline`` under ``precision="bf16-mixed"`` (the
+  outputs' and the parameters' dtypes).
 * ``ring``: exact gossip on a ring, validation every 2 steps on the replicas' average (the same full validation set
   on every rank), the parameters just before each update.
 * ``complete``: exact gossip on the complete graph (W = J): the mixed parameters just before each update.
@@ -295,7 +296,8 @@ def main() -> None:
 
     module = fresh()
     fit(module, GossipStrategy(), {"train_dataloaders": train_loader()}, precision="bf16-mixed")
-    result["bf16"] = {"losses": module.losses, "dtypes": sorted(module.output_dtypes)}
+    result["bf16"] = {"losses": module.losses, "dtypes": sorted(module.output_dtypes),
+                      "parameters": sorted({str(p.dtype) for p in module.parameters()})}  # fmt: skip
 
     module = fresh(optimizer="sgd")
     shard = DataLoader(Subset(dataset(), range(rank, 64, N)), batch_size=BATCH)
