@@ -225,3 +225,10 @@ def test_momentum_tracking_is_refused_on_shards_naming_the_optimizer(per_rank):
         message = result["momentum_refusal"]
         assert message.startswith(f"InvalidArgumentError: rank {rank} "), message
         assert "MomentumTrackingAdamW" in message and "torch.optim.AdamW" in message
+
+
+def test_a_frozen_sharded_parameter_starts_from_replica_0s_values(per_rank):
+    for result in per_rank:
+        assert result["frozen_placement"] == "(Shard(dim=0),)"
+        assert torch.equal(result["frozen_after"], per_rank[0]["frozen_before"])
+    assert not torch.equal(per_rank[2]["frozen_before"], per_rank[0]["frozen_before"])  # replica 1's differed

@@ -69,7 +69,7 @@ from gossip.wrapper.buffer_average import float_buffers
 from gossip.wrapper.consensus import DEFAULT_SAMPLES, _all_reduce_on, exact_consensus_sq, global_average, reading
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from gossip.wrapper.replicas import check_replicas, first_difference
-from gossip.wrapper.shard_layout import Staging, check_sharded_module, local_shards
+from gossip.wrapper.shard_layout import Staging, check_sharded_module, is_dtensor, local_shards
 from topologies import Schedule
 
 
@@ -255,8 +255,22 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
         return self._staging.buckets
 
     def _broadcast_initial(self) -> None:
-        """Replica 0's shards (the lane's rank 0), frozen parameters and buffers, to every replica of the lane."""
-        super()._broadcast_initial()
+        """Replica 0's shards (the lane's rank 0), frozen parameters and buffers, to every replica of the lane.
+
+        As :func:`gossip.wrapper.replicas.broadcast_from_rank0`, on the local shards: the staging (then written into
+        the trainable shards), the local shard of each frozen DTensor parameter (FSDP2 shards those too) and the
+        buffers (FSDP2 leaves them whole on every rank).
+        """
+        frozen = [p for _, p in self.module.named_parameters() if not p.requires_grad]
+        buffers = [b for _, b in self.module.named_buffers()]
+        for bucket in self.buckets:
+            self.comm.broadcast(bucket.buffer, 0)
+        with torch.no_grad():
+            for tensor in [*(p.to_local() if is_dtensor(p) else p for p in frozen), *buffers]:
+                contiguous = tensor if tensor.is_contiguous() else tensor.contiguous()
+                self.comm.broadcast(contiguous, 0)
+                if contiguous is not tensor:
+                    tensor.copy_(contiguous)
         self._staging.write_back()
 
     def _address(self, parameter: torch.Tensor) -> int:

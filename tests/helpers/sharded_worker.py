@@ -336,6 +336,21 @@ def tracking_against_unsharded(mesh: DeviceMesh, lanes: Lanes, result: dict) -> 
     model.close()
 
 
+def frozen_parameters(mesh: DeviceMesh, lanes: Lanes, result: dict) -> None:
+    """A frozen parameter (sharded by FSDP2 too) starts from replica 0's values, as DDP's, and is never mixed."""
+    net = _net()
+    net[0].bias.requires_grad_(False)
+    _shard(net, mesh["shard"])
+    with torch.no_grad():  # the replicas differ in every parameter before wrapping
+        for p in net.parameters():
+            p.to_local().add_(float(lanes.lane.rank))
+    result["frozen_before"] = net[0].bias.full_tensor().clone()
+    model = ShardedDecentralizedDataParallel(net, lanes, topologies.ring(2), gossip.ExactGossip())
+    result["frozen_after"] = net[0].bias.full_tensor().clone()
+    result["frozen_placement"] = str(net[0].bias.placements)
+    model.close()
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -345,6 +360,7 @@ def main() -> None:
     result: dict[str, Any] = {"replica": lanes.lane.rank, "shard": lanes.shard.rank}
     complete_graph_step(mesh, lanes, result)
     without_gossip(mesh, lanes, result)
+    frozen_parameters(mesh, lanes, result)
     exact_against_unsharded(mesh, lanes, result)
     tracking_against_unsharded(mesh, lanes, result)
     powergossip_blocks(mesh, lanes, result)
