@@ -46,6 +46,8 @@ What changes against :class:`gossip.DecentralizedDataParallel`, of which this is
 * ``averaged()`` writes the average of each lane into the shards for the block and restores them exactly on exit
   (the module then holds the average as DTensors: evaluate it, or save it with torch.distributed.checkpoint);
 * the consensus distances sum each lane's squares over the shard group: :math:`\Xi^2 = \sum_j \Xi_j^2`;
+* frozen parameters (DTensors as well) start from replica 0's local shards, broadcast over each lane;
+* checkpoints are one DCP directory per replica (:func:`gossip.checkpoint.sharded.save_sharded_dcp`);
 * momentum tracking is refused (not on shards yet).
 """
 
