@@ -232,3 +232,10 @@ def test_a_frozen_sharded_parameter_starts_from_replica_0s_values(per_rank):
         assert result["frozen_placement"] == "(Shard(dim=0),)"
         assert torch.equal(result["frozen_after"], per_rank[0]["frozen_before"])
     assert not torch.equal(per_rank[2]["frozen_before"], per_rank[0]["frozen_before"])  # replica 1's differed
+
+
+def test_loading_another_runs_sharded_checkpoint_is_refused_naming_the_difference(per_rank):
+    for result in per_rank:
+        assert result["other_run"].startswith("CheckpointMismatchError"), result["other_run"]
+        assert result["other_run"].count("rank 0") == 1 and "(replica 0, shard 0)" in result["other_run"]
+        assert "this run uses algorithm" in result["other_run"] and "'rank': 2" in result["other_run"]

@@ -340,7 +340,9 @@ def load_sharded_dcp(
         message = mismatch(path, state, model, extra)
         if message is None and state["shard"] != model.shard_comm.rank:
             message = f"{where}: {path} holds shard {state['shard']}'s state under this shard's lane"
-        problem = None if message is None else ("mismatch", f"{where}: {message}")
+        problem = (
+            None if message is None else ("mismatch", f"{where}: {message.removeprefix(f'rank {model.comm.rank}: ')}")
+        )
     step = None if state is None else int(state["training"]["step"])
     gathered = _everyone(model, (problem, step))
     raise_gathered_load([p for p, _ in gathered])

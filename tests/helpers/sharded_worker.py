@@ -219,10 +219,12 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, lanes: Lanes, ste
         optimizer.zero_grad()
 
 
-def _powergossip_run(mesh: DeviceMesh, lanes: Lanes) -> tuple[ShardedDecentralizedDataParallel, nn.Module, Any]:
+def _powergossip_run(
+    mesh: DeviceMesh, lanes: Lanes, rank: int = 1
+) -> tuple[ShardedDecentralizedDataParallel, nn.Module, Any]:
     net = _shard(_net(), mesh["shard"])
     schedule = topologies.from_matrix(torch.tensor(W).numpy(), name="w")
-    algorithm = gossip.PowerGossip(rank=1)
+    algorithm = gossip.PowerGossip(rank=rank)
     model = ShardedDecentralizedDataParallel(net, lanes, schedule, algorithm, gradient_tracking=True)
     return model, net, torch.optim.AdamW(model.parameters(), lr=0.01)
 
@@ -250,6 +252,10 @@ def checkpoint_resume(mesh: DeviceMesh, lanes: Lanes, out_dir: Path, result: dic
     result["resumed"] = _full(net)
     result["resumed_local"] = [p.to_local().clone() for p in net.parameters()]
     result["directories"] = sorted(path.name for path in directory.iterdir())
+    model.close()
+    model, net, optimizer = _powergossip_run(mesh, lanes, rank=2)  # another run: PowerGossip of rank 2
+    result["other_run"] = _refusal(lambda: load_sharded_dcp(directory, model, optimizer, extra={"progress": {}}))
+    model.close()
     result["checkpoint_dir"] = str(directory)
     model.close()
 
