@@ -199,7 +199,7 @@ class MomentumTrackingAdamW(Optimizer):
         if not self.second_moment_every or not state["samples"]:
             return local
         shared = state["shared"] / (1 - (beta2**self.second_moment_every) ** state["samples"])
-        return torch.maximum(shared, local / group["workers"])
+        return torch.maximum(shared, local.div_(group["workers"]), out=shared)  # both are new: written in place
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -225,7 +225,8 @@ class MomentumTrackingAdamW(Optimizer):
                 continue
             for p, state in zip(params, states, strict=True):
                 first = p.grad / (1 - beta1 ** state["step"])
-                denominator = torch.maximum(self.second_moment(group, state), first.square()).sqrt_()
+                second = self.second_moment(group, state)  # a new tensor, so the maximum is written into it
+                denominator = torch.maximum(second, first.square(), out=second).sqrt_()
                 p.mul_(1 - lr * group["weight_decay"])
                 p.addcdiv_(first, denominator.add_(group["eps"]), value=-lr)
         return loss

@@ -90,6 +90,16 @@ def _slot(module: nn.Module, name: str) -> tuple[dict[str, Any], str]:
     return module.get_submodule(owner)._parameters, key
 
 
+def _same_entries(now: dict[str, Any], held: tuple[tuple[str, Any], ...]) -> bool:
+    """Whether the dict ``now`` holds the entries ``held``: the same keys in the same order, the same objects."""
+    if len(now) != len(held):
+        return False
+    for (key, value), (held_key, held_value) in zip(now.items(), held, strict=True):
+        if key != held_key or value is not held_value:
+            return False
+    return True
+
+
 class _BackwardSeen:
     """Post-accumulate-grad hook: notes that a backward ran since the last optimizer step, and lets the algorithm
     make progress on the step's exchange (:meth:`gossip.Algorithm.progress`) while it wants to (holds a weak ref)."""
@@ -303,12 +313,12 @@ class DecentralizedDataParallel(nn.Module):
         _warn_if_average_drifts(schedule, algorithm, comm.rank)
         # Every parameter as wrapped: (name, object, storage address, requires_grad), checked at every step.
         self._bound = [(name, p, self._address(p), p.requires_grad) for name, p in module.named_parameters()]
-        # The same as (owning module's parameter dict, key, object, address, requires_grad), and every module's
-        # parameter and child dicts with what they held: the check before the mixing reads these directly instead
-        # of walking the module tree again (see _check_bound_parameters).
+        # The same as (owning module's parameter dict, key, object, address, requires_grad), and every module with
+        # the entries of its parameter and child dicts: the checks of every step read these directly instead of
+        # walking the module tree (see _check_bound_parameters).
         self._bound_slots = [(*_slot(module, name), p, address, requires_grad)
                              for name, p, address, requires_grad in self._bound]  # fmt: skip
-        self._bound_tree = [(m._parameters, len(m._parameters), m._modules, tuple(m._modules.values()))
+        self._bound_tree = [(m, tuple(m._parameters.items()), tuple(m._modules.items()))
                             for m in module.modules()]  # fmt: skip
         self._step = StepState()  # the phase of step t: the only place its legal moves are decided
         self._averaging = False  # inside averaged()
@@ -683,29 +693,22 @@ class DecentralizedDataParallel(nn.Module):
             )
 
     def _check_bound_parameters(self) -> None:
-        """Before the mixing, what :meth:`_check_parameters` checks at the step's start, read from the dicts it was
-        built from: every module still has the same children and as many parameter entries, and every parameter is
-        still the object in its module's dict, in its bucket, with the same ``requires_grad``. Any change found
-        runs the full check, which names it. No walk of the module tree: a few dict reads per module."""
-        for parameters, count, children, held in self._bound_tree:
-            if len(parameters) != count or len(children) != len(held):
+        """What :meth:`_check_parameters` checks, read from the dicts ``named_parameters()`` is built from: every
+        module of the wrapped tree still holds the same entries in its parameter and child dicts (the same keys, in
+        the same order, the same objects), so the walk would name the same parameters in the same order; and every
+        parameter is still in its bucket, with the same ``requires_grad``. Any change found runs the full check,
+        which names it. No walk of the module tree: one pass over each module's two dicts."""
+        for module, parameters, children in self._bound_tree:
+            if not (_same_entries(module._parameters, parameters) and _same_entries(module._modules, children)):
                 self._check_parameters()
                 return
-            for child, was in zip(children.values(), held, strict=True):
-                if child is not was:
-                    self._check_parameters()
-                    return
-        for parameters, key, bound, address, requires_grad in self._bound_slots:
-            if (
-                parameters.get(key) is not bound
-                or bound.requires_grad != requires_grad
-                or (requires_grad and self._address(bound) != address)
-            ):
+        for _, _, bound, address, requires_grad in self._bound_slots:
+            if bound.requires_grad != requires_grad or (requires_grad and self._address(bound) != address):
                 self._check_parameters()
                 return
 
     def _start(self) -> None:
-        self._check_parameters()
+        self._check_bound_parameters()
         # The algorithm state before start(t) is what a checkpoint taken during step t must hold (see checkpoint);
         # an algorithm whose start changes no state (start_keeps_state) is read when the checkpoint asks instead.
         if not self.algorithm.start_keeps_state:
