@@ -1,0 +1,251 @@
+"""Why the default's gap to DDP grows with n: arms that replace one part of the default pipeline by its exact version.
+
+Each arm is the default pipeline (:class:`experiments.scale.config.EngineConfig`'s defaults, i.e.
+:class:`gossip.Pipeline`) with one part changed, at a fixed per-worker batch, paired with DDP on the same seed (the
+same initial model and tokens). The parts:
+
+* the parameters' mixing: PowerGossip rank 4 x 2 in float16 -> exact gossip over the same schedule (``exact-params``)
+  or PowerGossip at a higher rank (``pg-rank16``);
+* the trackers: ChocoSign (scaled signs) -> exact trackers (``exact-trackers``);
+* the second moment: the mean gradient sampled every 64 steps and gossiped -> the exact mean every step
+  (``exact-v``);
+* all three exact (``all-exact``): momentum tracking on the one-peer hypercube with nothing compressed;
+* step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
+* the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
+
+Run: ``python -m experiments.scale.ablation --workers 16 --steps 300`` (results to ``results/ablation/``, one
+run at a time; a run already in its ``summary.csv`` is skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import optim
+from experiments.scale.config import EngineConfig
+from experiments.scale.engine import Engine
+from experiments.scale.study import EVAL_BATCH, EVAL_BATCHES, RESULTS, done_runs
+from experiments.shared import append_rows
+from gossip.app.corpus import load_corpus, validation_batches
+
+OUT = RESULTS / "ablation"
+#: arm name -> the fields that differ from the default pipeline.
+ARMS: dict[str, dict[str, object]] = {
+    "ddp": {"params": "ddp", "trackers": "", "optimizer": "adamw"},
+    "pipeline": {},
+    "exact-params": {"params": "exact"},
+    "pg-rank16": {"rank": 16},
+    "exact-trackers": {"trackers": "exact"},
+    "exact-v": {"mean_gradient": "allreduce", "second_moment_every": 1},
+    "all-exact": {"params": "exact", "trackers": "exact", "mean_gradient": "allreduce", "second_moment_every": 1},
+    "all-exact-exponential": {
+        "params": "exact",
+        "trackers": "exact",
+        "mean_gradient": "allreduce",
+        "second_moment_every": 1,
+        "schedule": "one_peer_exponential",
+    },
+    "sm16": {"second_moment_every": 16},
+    "sign-gamma0.5": {"sign_gamma": 0.5},
+    "beta1-0.95": {"beta1": 0.95},
+    "cap4": {},
+    "exact-params-cap4": {"params": "exact"},
+}
+#: arms that run :class:`CappedMomentumTrackingAdamW` with this cap.
+CAPS = {"cap4": 4.0, "exact-params-cap4": 4.0}
+
+
+def config(arm: str, workers: int, batch: int, steps: int) -> EngineConfig:
+    """The arm's configuration, named ``n{n}-b{b}-s{steps}-{arm}`` (the DDP twin: arm ``ddp``).
+
+    Args:
+        arm: a key of :data:`ARMS`.
+        workers: n.
+        batch: sequences per worker.
+        steps: steps (the lr schedule's length).
+
+    Returns:
+        The configuration.
+    """
+    fields = ARMS[arm]
+    return EngineConfig(name=f"n{workers}-b{batch}-s{steps}-{arm}", workers=workers, batch=batch, steps=steps,
+                        **fields)  # fmt: skip
+
+
+class CappedMomentumTrackingAdamW(optim.MomentumTrackingAdamW):
+    r"""MomentumTrackingAdamW whose step may reach ``cap`` x lr per coordinate: the denominator is
+    :math:`\sqrt{\max(\hat v, \hat z^2 / c^2)}` instead of :math:`\sqrt{\max(\hat v, \hat z^2)}` (c = 1 is the
+    library's). An experiment arm, per-tensor loop only (the engine's CPU path)."""
+
+    def __init__(self, *args: object, cap: float, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.cap = float(cap)
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        """The library's update with the capped floor (class docstring).
+
+        Args:
+            closure: unsupported (None).
+        """
+        if not self._prepared:
+            self.prepare_momentum()
+        self._prepared = False
+        for group, params, states, _ in self._with_gradients():
+            beta1, lr = group["betas"][0], group["lr"]
+            for p, state in zip(params, states, strict=True):
+                first = p.grad / (1 - beta1 ** state["step"])
+                floor = first.square().div_(self.cap**2)
+                denominator = torch.maximum(self.second_moment(group, state), floor).sqrt_()
+                p.mul_(1 - lr * group["weight_decay"])
+                p.addcdiv_(first, denominator.add_(group["eps"]), value=-lr)
+
+
+@torch.no_grad()
+def diagnose(engine: Engine, sample: int = 1 << 20) -> dict[str, float]:
+    r"""Where each worker's step stands against its denominator, after ``engine.step`` (``.grad`` holds z_i).
+
+    For momentum tracking: with :math:`\hat z_i` the bias-corrected tracker and :math:`\hat v_i` the second moment
+    that divides it (``MomentumTrackingAdamW.second_moment``), ``clipped`` is the fraction of coordinates where the
+    floor :math:`\hat z_i^2 > \hat v_i` sets the step (a sign step of lr), ``noise_ratio`` the median over
+    coordinates of :math:`|\hat z_i - \bar{\hat z}| / \sqrt{\hat v_i}` (the tracker's disagreement in units of
+    the denominator), ``signal_ratio`` the median of :math:`|\bar{\hat z}| / \sqrt{\hat v_i}`, and
+    ``floor_active`` the fraction where the floor :math:`v_i / n` exceeds the mean gradient's sample.
+    Quantiles over a random subsample of ``sample`` coordinates. Empty for other optimizers.
+
+    Args:
+        engine: the engine.
+        sample: coordinates sampled for the medians.
+
+    Returns:
+        The four fractions / medians.
+    """
+    opt = engine.optimizer
+    if not isinstance(opt, optim.MomentumTrackingAdamW):
+        return {}
+    firsts, seconds, floors = [], [], []
+    for group, params, states, _ in opt._with_gradients():
+        beta1, beta2 = group["betas"]
+        for p, st in zip(params, states, strict=True):
+            first = p.grad / (1 - beta1 ** st["step"])
+            second = opt.second_moment(group, st)
+            local = st["v"] / (1 - beta2 ** st["step"]) / group["workers"]
+            firsts.append(first.reshape(first.shape[0], -1))
+            seconds.append(second.reshape(first.shape[0], -1))
+            floors.append((local >= second).reshape(first.shape[0], -1))
+    first, second, floor = torch.cat(firsts, 1), torch.cat(seconds, 1), torch.cat(floors, 1)
+    root = second.sqrt().clamp_min(1e-30)
+    noise = ((first - first.mean(0)) / root).abs().flatten()
+    signal = (first.mean(0).abs() / root).flatten()
+    pick = torch.randint(noise.numel(), (min(sample, noise.numel()),), generator=torch.Generator().manual_seed(0))
+    return {
+        "clipped": float((first.square() > second).float().mean()),
+        "noise_ratio": float(noise[pick].median()),
+        "signal_ratio": float(signal[pick].median()),
+        "floor_active": float(floor.float().mean()) if opt.second_moment_every else 1.0,
+    }
+
+
+def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: float = 1.0) -> dict:
+    """:func:`experiments.scale.study.run` on the CPU with :func:`diagnose` in each record (``diagnostics.csv``).
+
+    Args:
+        config: the configuration (its ``seed`` is replaced).
+        seed: the seed.
+        record_every: steps between two records.
+        out: the results folder (``steps.csv``, ``summary.csv``, ``diagnostics.csv``).
+        cap: the step cap of :class:`CappedMomentumTrackingAdamW` (1: the library's optimizer).
+
+    Returns:
+        The summary row.
+
+    Raises:
+        FloatingPointError: the training loss is not finite.
+    """
+    config = config.replace(seed=seed, warmup=min(config.warmup, config.steps // 2))
+    corpus = load_corpus(None, block_size=config.block_size)
+    held_out = validation_batches(corpus.validation, EVAL_BATCH, config.block_size, EVAL_BATCHES)
+    engine = Engine(config, corpus.train, "cpu", "batched")
+    if cap != 1.0:
+        old = engine.optimizer
+        engine.optimizer = CappedMomentumTrackingAdamW(
+            old.param_groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8,
+            second_moment_every=config.second_moment_every, cap=cap,
+        )  # fmt: skip
+    started, losses, rows, diagnostics = time.perf_counter(), [], [], []
+    for step in range(config.steps):
+        losses.append(engine.step(step).mean())
+        if (step + 1) % record_every == 0 or step + 1 == config.steps:
+            block = float(torch.stack(losses).mean())
+            if not math.isfinite(block):
+                raise FloatingPointError(f"{config.name} seed {seed}: training loss {block} at step {step}")
+            head = {"config": config.name, "seed": seed, "workers": config.workers, "batch": config.batch,
+                    "schedule": engine.schedule.name, "step": step + 1}  # fmt: skip
+            rows.append(
+                {
+                    **head,
+                    "train_loss": block,
+                    **engine.evaluate(held_out),
+                    "bytes_per_worker": engine.bytes_per_worker(),
+                    "seconds": time.perf_counter() - started,
+                }
+            )
+            diagnostics.append({**head, **diagnose(engine)})
+            losses = []
+    append_rows(out / "steps.csv", rows)
+    if len(diagnostics[-1]) > 6:
+        append_rows(out / "diagnostics.csv", diagnostics)
+    last = rows[-1]
+    summary = {key: last[key] for key in ("config", "seed", "workers", "batch", "schedule", "step")}
+    summary |= {
+        "final_avg_val_loss": last["avg_val_loss"],
+        "final_local_val_loss": last["local_val_loss"],
+        "final_consensus": last["consensus"],
+        "bytes_per_worker_per_step": last["bytes_per_worker"] / config.steps,
+        "seconds_per_step": last["seconds"] / config.steps,
+        "device": "cpu",
+        "grad_mode": "batched",
+    }
+    append_rows(out / "summary.csv", [summary])
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[16])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--record-every", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    done = done_runs(args.out / "summary.csv")
+    for n in args.workers:
+        for arm in args.arms:
+            for seed in args.seeds:
+                cfg = config(arm, n, args.batch, args.steps)
+                if (cfg.name, seed) in done:
+                    continue
+                cap = float(CAPS.get(arm, 1.0))
+                print(run(cfg, seed, args.record_every, args.out, cap), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
