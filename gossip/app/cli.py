@@ -370,7 +370,13 @@ def run_worker(args: argparse.Namespace) -> int:
 
             summary = train_elastic(config_from(args), dict(args.kill), dict(args.restart), args.save_replicas)
         else:
-            summary = train(config_from(args))
+            config = config_from(args)
+            if config.shards is not None:
+                from gossip.app.train_sharded import train_sharded
+
+                summary = train_sharded(config)
+            else:
+                summary = train(config)
     except Exception as err:
         message = f"rank {rank}: {type(err).__name__}: {err}"
         traceback.print_exc()

@@ -656,7 +656,8 @@ def _progress(config: TrainConfig, rank: int) -> Any:
 def train(config: TrainConfig) -> RunSummary | None:
     """Run one worker of the job described by ``config``.
 
-    With ``config.shards`` set, this is a worker of the sharded job (:func:`gossip.app.train_sharded.train_sharded`).
+    A job with ``config.shards`` set runs :func:`gossip.app.train_sharded.train_sharded` instead (the command line
+    picks it).
 
     Args:
         config: the config (resolved here for the world size).
@@ -669,9 +670,7 @@ def train(config: TrainConfig) -> RunSummary | None:
         NonFiniteError: the training loss became NaN or Inf (lower ``--lr``).
     """
     if config.shards is not None:
-        from gossip.app.train_sharded import train_sharded
-
-        return train_sharded(config)
+        raise ConfigError("--shards", "train() runs unsharded replicas; train_sharded(config) runs shards")
     comm = gossip.init(config.backend, timeout=config.timeout)
     try:
         return _train(config, comm)

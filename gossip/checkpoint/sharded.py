@@ -251,7 +251,11 @@ def _read(model: ShardedDecentralizedDataParallel, path: Path, trusted: bool) ->
         if isinstance(item, TensorStorageMetadata) and key.startswith(f"{lane}.")
     }
     if f"{lane}.{_STRUCTURE}" not in plain:
-        raise ValueError(f"{path} holds no state of shard {model.shard_comm.rank} ({lane}.{_STRUCTURE})")
+        raise CheckpointMismatchError(
+            f"rank {model._lanes.world_rank}: {path} holds no state of shard {model.shard_comm.rank} "
+            f"({lane}.{_STRUCTURE}): it was saved with fewer shards per replica; resume with the --shards it was "
+            "saved with"
+        )
     dcp.load(plain, checkpoint_id=path, process_group=_group(model))
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):

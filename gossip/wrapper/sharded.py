@@ -299,7 +299,11 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
 
     @contextlib.contextmanager
     def checkpointing(self) -> Iterator[None]:
-        """For :mod:`gossip.checkpoint.sharded`: lets :meth:`training_state` and :meth:`load_training_state` run."""
+        """For :mod:`gossip.checkpoint.sharded`: lets :meth:`training_state` and :meth:`load_training_state` run.
+
+        Yields:
+            Nothing; inside the block the two methods are allowed.
+        """
         self._checkpointing = True
         try:
             yield
