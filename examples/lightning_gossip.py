@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import gossip
 from gossip.integrations.lightning import GossipStrategy
 
 
@@ -46,7 +45,8 @@ class Regression(pl.LightningModule):
         self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
 
     def configure_optimizers(self):
-        return gossip.Pipeline().optimizer(self.parameters(), lr=self.lr)  # or any torch.optim optimizer
+        # as written for DDP: GossipStrategy makes this AdamW the pipeline's optim.MomentumTrackingAdamW
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 def data(samples: int, seed: int) -> TensorDataset:

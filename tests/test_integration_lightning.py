@@ -58,6 +58,32 @@ def test_the_lightning_run_has_the_plain_loops_losses(ranks):
 
 
 @pytest.mark.multiprocess
+def test_a_module_written_for_ddp_trains_the_default_pipeline_when_only_the_strategy_changes(ranks):
+    for result in ranks:
+        adamw = result["one_line"]["adamw"]
+        assert adamw["optimizer"] == "MomentumTrackingAdamW"
+        assert (adamw["losses"], adamw["events"]) == (result["pipeline"]["losses"], result["pipeline"]["events"])
+        assert torch.equal(adamw["final"], result["pipeline"]["final"])
+
+
+@pytest.mark.multiprocess
+def test_the_lr_scheduler_of_the_replaced_adamw_schedules_the_pipeline_optimizer_without_a_warning(ranks):
+    for result in ranks:
+        scheduled = result["one_line"]["adamw-scheduled"]
+        assert scheduled["optimizer"] == "MomentumTrackingAdamW"
+        assert scheduled["lrs"] == pytest.approx([3e-2 * 0.5**step for step in range(4)], rel=1e-12)
+        assert scheduled["warnings"] == []
+
+
+@pytest.mark.multiprocess
+def test_momentum_tracking_false_keeps_the_returned_adamw(ranks):
+    for result in ranks:
+        kept = result["one_line"]["kept"]
+        assert kept["optimizer"] == "AdamW"
+        assert kept["losses"] != result["one_line"]["adamw"]["losses"]
+
+
+@pytest.mark.multiprocess
 def test_manual_optimization_follows_the_same_trajectory(ranks):
     for result in ranks:
         assert result["manual"]["losses"] == pytest.approx(result["pipeline"]["losses"], rel=1e-6, abs=1e-7)
@@ -344,3 +370,52 @@ def test_settings_it_cannot_take_are_refused_by_name_when_the_strategy_is_built(
         arguments = {**arguments, "pipeline": Pipeline()}
     with pytest.raises(getattr(errors, error), match=named):
         GossipStrategy(**arguments)
+
+
+def _adamw_like(kind: str, **settings) -> torch.optim.Optimizer:
+    return getattr(torch.optim, kind)(torch.nn.Linear(3, 2).parameters(), lr=0.1, **settings)
+
+
+def test_adopting_adamw_keeps_its_param_group_dicts_and_hyper_parameters():
+    from gossip import Pipeline
+    from gossip.integrations.lightning import adopt_adam
+
+    adamw = _adamw_like("AdamW", betas=(0.8, 0.9), eps=1e-6, weight_decay=0.2)
+    adopted = adopt_adam(adamw, Pipeline(second_moment_every=16))
+    assert type(adopted).__name__ == "MomentumTrackingAdamW" and adopted.second_moment_every == 16
+    assert all(a is b for a, b in zip(adopted.param_groups, adamw.param_groups, strict=True))
+    group = adopted.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (0.1, (0.8, 0.9), 1e-6, 0.2)
+
+
+@pytest.mark.parametrize(
+    ("kind", "settings", "named"),
+    [
+        ("Adam", {"weight_decay": 0.1}, "weight_decay \\(Adam's L2 term\\)"),
+        ("AdamW", {"amsgrad": True}, "amsgrad"),
+        ("AdamW", {"maximize": True}, "maximize"),
+    ],
+    ids=["adam-l2", "amsgrad", "maximize"],
+)
+def test_an_adam_without_a_momentum_tracking_counterpart_is_kept_with_a_warning_naming_why(kind, settings, named):
+    from gossip import Pipeline
+    from gossip.errors import GossipWarning
+    from gossip.integrations.lightning import adopt_adam
+
+    optimizer = _adamw_like(kind, **settings)
+    with pytest.warns(GossipWarning, match=f"{kind} with {named}.* trains as returned"):
+        assert adopt_adam(optimizer, Pipeline()) is optimizer
+
+
+def test_other_optimizers_and_a_stepped_adamw_are_returned_as_they_are():
+    from gossip import Pipeline
+    from gossip.integrations.lightning import adopt_adam
+
+    sgd, adam = _adamw_like("SGD"), _adamw_like("Adam")
+    assert adopt_adam(sgd, Pipeline()) is sgd
+    assert type(adopt_adam(adam, Pipeline())).__name__ == "MomentumTrackingAdamW"  # Adam without decay is AdamW
+    stepped = _adamw_like("AdamW")
+    for p in stepped.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    stepped.step()
+    assert adopt_adam(stepped, Pipeline()) is stepped  # its moments would be lost

@@ -30,11 +30,13 @@ package's strategies.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import shutil
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -110,13 +112,73 @@ class _ClosureFirst:
         return result
 
 
+def adopt_adam(optimizer: torch.optim.Optimizer, pipeline: Pipeline, schedulers: list[Any] = ()) -> Any:
+    """The pipeline's :class:`optim.MomentumTrackingAdamW` in place of a fresh AdamW (or weight-decay-free Adam).
+
+    The new optimizer takes over the same param-group dicts (learning rates, betas, eps, decoupled weight decay and
+    anything a scheduler keeps there), so an LR scheduler built on ``optimizer`` steps it once re-pointed, which this
+    does for ``schedulers`` (Lightning's ``LRSchedulerConfig`` list). Adam's ``weight_decay`` is an L2 term, not
+    AdamW's decoupled decay, and AMSGrad, ``maximize`` and capturable or fused kernels have no counterpart: such an
+    optimizer is kept, with a :class:`~gossip.errors.GossipWarning` saying why. Any other optimizer is returned as is.
+
+    Args:
+        optimizer: what ``configure_optimizers`` returned, before its first step.
+        pipeline: the pipeline whose ``second_moment_every`` the new optimizer samples with.
+        schedulers: Lightning's scheduler configs (``.scheduler.optimizer`` is re-pointed where it is ``optimizer``).
+
+    Returns:
+        The new optimizer, or ``optimizer``.
+    """
+    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam) or optimizer.state:
+        return optimizer
+    groups = optimizer.param_groups
+    unsupported = {key for group in groups for key in ("amsgrad", "maximize", "capturable", "fused") if group.get(key)}
+    if type(optimizer) is torch.optim.Adam and any(group["weight_decay"] for group in groups):
+        unsupported.add("weight_decay (Adam's L2 term)")
+    if unsupported:
+        warnings.warn(
+            f"GossipStrategy: {type(optimizer).__name__} with {', '.join(sorted(unsupported))} has no "
+            "momentum-tracking counterpart, so it trains as returned, with the pipeline's trackers but not its "
+            "optimizer; return torch.optim.AdamW without them (or gossip.Pipeline().optimizer(...)) for the "
+            "default pipeline",
+            GossipWarning,
+            stacklevel=2,
+        )
+        return optimizer
+    first = groups[0]
+    adopted = pipeline.optimizer(groups, first["lr"], first["betas"], first["weight_decay"], first["eps"])
+    repointed = False
+    for config in schedulers:
+        if getattr(config.scheduler, "optimizer", None) is optimizer:
+            config.scheduler.optimizer, repointed = adopted, True
+    if repointed:
+        _count_steps_for_schedulers(adopted)
+    return adopted
+
+
+def _count_steps_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer``'s steps as torch's LR schedulers do on the optimizer they are built on (``_opt_called``),
+    so that a re-pointed scheduler sees its steps and does not warn that the optimizer was replaced."""
+    owner, step = weakref.ref(optimizer), type(optimizer).step  # no reference cycle through the bound method
+
+    @functools.wraps(step)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        stepped = owner()
+        stepped._opt_called = True
+        return step(stepped, *args, **kwargs)
+
+    counted._wrapped_by_lr_sched = True
+    optimizer.step = counted
+
+
 class GossipStrategy(DDPStrategy):
     """Lightning's strategy for gossip data parallelism: one replica per process, mixed with its peers, no DDP.
 
     ``Trainer(strategy=GossipStrategy(), accelerator=..., devices=N)``; the module docstring says what changes from
     DDP. The LightningModule's ``configure_optimizers`` returns one optimizer over ``self.parameters()`` (it is
-    created after wrapping); the default pipeline's own is ``gossip.Pipeline().optimizer(self.parameters(), lr)``
-    (``optim.MomentumTrackingAdamW``), and any ``torch.optim`` optimizer works.
+    created after wrapping); a ``torch.optim.AdamW`` becomes the default pipeline's ``optim.MomentumTrackingAdamW``
+    (``momentum_tracking``), so a module written for DDP trains the whole pipeline, and any other ``torch.optim``
+    optimizer works as returned.
 
     Args:
         pipeline: the default pipeline's settings (None: ``gossip.Pipeline()``).
@@ -138,6 +200,10 @@ class GossipStrategy(DDPStrategy):
         process_group_backend: the world process group's backend, as for ``DDPStrategy``.
         timeout: the world process group's timeout, as for ``DDPStrategy``.
         start_method: ``"popen"`` (the script is run again per device), ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        momentum_tracking: with the pipeline (no ``wrap``), a ``torch.optim.AdamW`` (or an ``Adam`` without weight
+            decay) returned by ``configure_optimizers`` becomes the pipeline's ``optim.MomentumTrackingAdamW`` over
+            the same param groups and hyper-parameters, its LR schedulers included (:func:`adopt_adam`); False
+            keeps the optimizer as returned.
     """
 
     strategy_name = "gossip"
@@ -160,6 +226,7 @@ class GossipStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: str = "popen",
+        momentum_tracking: bool = True,
     ):
         super().__init__(
             accelerator=accelerator,
@@ -172,6 +239,8 @@ class GossipStrategy(DDPStrategy):
             start_method=start_method,
         )
         self._wrap = choose_wrap(pipeline, wrap, wrapper_kwargs, "GossipStrategy")
+        # the pipeline whose optimizer an Adam(W) becomes; None when wrap builds the wrapper or the user opts out
+        self._adopt = (Pipeline() if pipeline is None else pipeline) if wrap is None and momentum_tracking else None
         self._evaluate = check_evaluate(evaluate, "GossipStrategy(evaluate=...)")
         self._average_at_end = bool(average_at_end)
         self._gossip_backend, self._gossip_timeout = gossip_backend, gossip_timeout
@@ -219,6 +288,18 @@ class GossipStrategy(DDPStrategy):
         """
         self._group = GossipGroup(self._gossip_backend, self._gossip_timeout)
         self.model = self._wrap(self.model, self._group.comm)
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Lightning's ``configure_optimizers``; then an Adam(W) becomes the pipeline's (``momentum_tracking``).
+
+        Args:
+            trainer: the Trainer.
+        """
+        super().setup_optimizers(trainer)
+        if self._adopt is not None and len(self.optimizers) == 1:
+            adopted = adopt_adam(self.optimizers[0], self._adopt, self.lr_scheduler_configs)
+            if adopted is not self.optimizers[0]:
+                self.optimizers = [adopted]
 
     def _check_optimizers(self) -> None:
         if len(self.optimizers) != 1:

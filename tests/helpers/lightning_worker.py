@@ -8,6 +8,9 @@ One process per device runs every scenario in turn, each a ``Trainer.fit`` of th
 * ``pipeline``: the default pipeline with ``MomentumTrackingAdamW`` (which refuses a closure), 4 steps; the
   strategy's model, the step events (start, forward, backward, mix, update), the losses, the parameters.
 * ``plain``: the same pipeline, seeds, data and steps in a plain loop (no Lightning): its events, losses, parameters.
+* ``one_line``: the module returning ``torch.optim.AdamW`` (with the pipeline optimizer's hyper-parameters), the
+  strategy the only change: the optimizer Lightning steps, losses, events, parameters; the same with an LR
+  scheduler halving lr each step (the lr of each update); and with ``momentum_tracking=False``.
 * ``manual``: ``pipeline`` with manual optimization; ``bf16``: ``pipeline`` under ``precision="bf16-mixed"`` (the
   outputs' and the parameters' dtypes).
 * ``ring``: exact gossip on a ring, validation every 2 steps on the replicas' average (the same full validation set
@@ -33,6 +36,7 @@ from __future__ import annotations
 import collections
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,7 +67,8 @@ def dataset(seed: int = 0) -> TensorDataset:
 
 
 class Regression(pl.LightningModule):
-    """A small MLP; records its step events and losses. ``optimizer``: "pipeline" or "sgd"."""
+    """A small MLP; records its step events and losses. ``optimizer``: "pipeline", "sgd", "adamw" (torch's, with the
+    pipeline optimizer's hyper-parameters) or "adamw-scheduled" (with an LR scheduler halving lr every step)."""
 
     def __init__(self, optimizer: str = "pipeline", manual: bool = False):
         super().__init__()
@@ -119,6 +124,12 @@ class Regression(pl.LightningModule):
     def configure_optimizers(self):
         if self.optimizer_kind == "sgd":
             return torch.optim.SGD(self.parameters(), lr=LR)
+        if self.optimizer_kind.startswith("adamw"):  # what a LightningModule written for DDP returns
+            adamw = torch.optim.AdamW(self.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+            if self.optimizer_kind == "adamw":
+                return adamw
+            halving = torch.optim.lr_scheduler.LambdaLR(adamw, lambda step: 0.5**step)
+            return {"optimizer": adamw, "lr_scheduler": {"scheduler": halving, "interval": "step"}}
         return gossip.Pipeline().optimizer(self.parameters(), lr=LR)
 
 
@@ -159,10 +170,14 @@ class Spy(pl.Callback):
         self.strategy_type = ""
         self.trained: torch.Tensor | None = None  # the parameters after the last training step
         self.validations: list[dict] = []
+        self.optimizer_type = ""
+        self.lrs: list[float] = []  # the learning rate of each update
 
     def on_fit_start(self, trainer, pl_module):
         model = trainer.strategy.model
         self.strategy_type = type(trainer.strategy).__name__
+        self.optimizer_type = type(trainer.optimizers[0]).__name__
+        trainer.optimizers[0].register_step_pre_hook(lambda opt, *_: self.lrs.append(opt.param_groups[0]["lr"]))
         self.model_type = type(model).__name__
         self.ddp_modules = sum(isinstance(m, nn.parallel.DistributedDataParallel) for m in model.modules())
         spy(trainer.strategy.wrapper, trainer.optimizers[0], pl_module, self.snapshots)
@@ -289,6 +304,19 @@ def main() -> None:
                           "gossip_steps": watcher.gossip_steps}  # fmt: skip
     threads["pipeline"] = gossip_and_gloo_threads(baseline)
     result["plain"] = plain_loop(4)
+
+    one_line = {}  # a module written for DDP, the strategy the only change
+    for kind, strategy in (("adamw", GossipStrategy(average_at_end=False)),
+                           ("adamw-scheduled", GossipStrategy(average_at_end=False)),
+                           ("kept", GossipStrategy(average_at_end=False, momentum_tracking=False))):  # fmt: skip
+        module = fresh(optimizer="adamw" if kind == "kept" else kind)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            watcher = fit(module, strategy, {"train_dataloaders": train_loader()})
+        one_line[kind] = {"optimizer": watcher.optimizer_type, "losses": module.losses, "final": flat(module),
+                          "events": module.events, "lrs": watcher.lrs,
+                          "warnings": [str(w.message) for w in caught if "optimizer" in str(w.message)]}  # fmt: skip
+    result["one_line"] = one_line
 
     module = fresh(manual=True)
     fit(module, GossipStrategy(average_at_end=False), {"train_dataloaders": train_loader()})
