@@ -62,6 +62,9 @@ def main() -> None:
     if trainer.is_world_process_zero():
         steps = trainer.state.global_step
         print(f"{training.world_size} processes, {steps} steps: eval loss {before:.4f} -> {after:.4f}")
+    if torch.distributed.is_initialized():  # Accelerate's world group: its threads end before the interpreter's
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

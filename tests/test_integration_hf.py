@@ -1,11 +1,12 @@
 """gossip.integrations.hf: the HF Trainer with GossipTrainer on 2 CPU processes, and the Accelerate recipe of
 docs/guide/huggingface.md.
 
-tests/helpers/hf_worker.py runs every scenario in one job started by ``accelerate launch --cpu --num_processes 2``
-(Accelerate's multi-CPU launcher: ``mpirun`` of the MPICH wheel with a one-host hostfile; Accelerate, not torchrun,
-sets up torch.distributed); its docstring lists the scenarios, each test below pins one property of what it
-recorded. The refusals run in this process, the example (examples/hf_trainer_gossip.py) under torchrun. Skipped
-without transformers and Accelerate (the ``hf`` extra, which the ``test`` extra installs with the MPICH wheel).
+tests/helpers/hf_worker.py runs every scenario in one job, started twice: by ``torchrun --nproc-per-node 2`` and by
+``accelerate launch --cpu --num_processes 2`` (Accelerate's multi-CPU launcher: ``mpirun`` of the MPICH wheel with
+a one-host hostfile); its docstring lists the scenarios, each test below pins one property of what it recorded,
+under both launchers. The refusals run in this process, the example (examples/hf_trainer_gossip.py) under
+torchrun. Skipped without transformers and Accelerate (the ``hf`` extra, which the ``test`` extra installs with
+the MPICH wheel).
 """
 
 from __future__ import annotations
@@ -29,25 +30,30 @@ N = 2
 STEP = ["forward", "backward", "mix", "update", "start"]  # after the first step's start, each step is this
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    """The worker's per-rank results under ``accelerate launch --cpu --num_processes 2`` (Accelerate finds the
-    ``mpirun`` it starts the processes with on PATH: the MPICH wheel's, beside this interpreter)."""
-    out = tmp_path_factory.mktemp("hf")
-    hosts = out / "hosts"
-    hosts.write_text("localhost\n")
-    command = [python(), "-m", "accelerate.commands.launch", "--cpu", f"--num_processes={N}", "--num_machines=1",
-               f"--mpirun_hostfile={hosts}", "--mixed_precision=no", "--dynamo_backend=no",
-               str(REPO / "tests" / "helpers" / "hf_worker.py"), str(out)]  # fmt: skip
-    path = os.pathsep.join((str(Path(mpiexec()).parent), os.environ.get("PATH", "")))
-    job = subprocess.run(command, cwd=out, env=_env({**CPU_ONLY, "PATH": path}), capture_output=True, text=True,
-                         timeout=400)  # fmt: skip
+@pytest.fixture(scope="module", params=["torchrun", "accelerate"])
+def ranks(request, tmp_path_factory):
+    """The worker's per-rank results under ``torchrun --nproc-per-node 2`` and under ``accelerate launch --cpu
+    --num_processes 2`` (Accelerate finds the ``mpirun`` it starts the processes with on PATH: the MPICH wheel's,
+    beside this interpreter); every test below holds under both."""
+    out = tmp_path_factory.mktemp(f"hf-{request.param}")
+    worker = str(REPO / "tests" / "helpers" / "hf_worker.py")
+    if request.param == "torchrun":
+        command = [python(), "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={N}", worker, str(out)]
+        env = CPU_ONLY
+    else:
+        hosts = out / "hosts"
+        hosts.write_text("localhost\n")
+        command = [python(), "-m", "accelerate.commands.launch", "--cpu", f"--num_processes={N}", "--num_machines=1",
+                   f"--mpirun_hostfile={hosts}", "--mixed_precision=no", "--dynamo_backend=no", worker,
+                   str(out)]  # fmt: skip
+        env = {**CPU_ONLY, "PATH": os.pathsep.join((str(Path(mpiexec()).parent), os.environ.get("PATH", "")))}
+    job = subprocess.run(command, cwd=out, env=_env(env), capture_output=True, text=True, timeout=400)
     assert job.returncode == 0, job.stdout[-5000:] + job.stderr[-5000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(N)]
 
 
 @pytest.mark.multiprocess
-def test_accelerate_launch_started_both_processes(ranks):
+def test_the_launcher_started_both_processes_as_accelerates_multi_cpu(ranks):
     assert [r["launch"] for r in ranks] == [{"rank": r, "world_size": N, "distributed_type": "MULTI_CPU"}
                                             for r in range(N)]  # fmt: skip
 
@@ -136,6 +142,16 @@ def test_gradient_accumulation_is_one_gossip_step_per_optimizer_step(ranks):
         assert result["accumulate"]["optimizer"] == "SGD"
         assert result["accumulate"]["gossip_steps"] == 2
         assert result["accumulate"]["events"][:8] == ["start", *["forward", "backward"] * 2, "mix", "update", "start"]
+
+
+@pytest.mark.multiprocess
+def test_gradient_accumulation_with_the_pipeline_optimizer_is_one_momentum_step_per_optimizer_step(ranks):
+    for result in ranks:
+        accumulate = result["accumulate_pipeline"]
+        assert (accumulate["optimizer"], accumulate["gossip_steps"], accumulate["tracking_step"]) == (
+            "MomentumTrackingAdamW", 2, 2
+        )
+        assert accumulate["events"][:8] == ["start", *["forward", "backward"] * 2, "mix", "update", "start"]
 
 
 @pytest.mark.multiprocess

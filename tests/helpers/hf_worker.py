@@ -17,12 +17,15 @@ that its ``forward`` does not take. Each scenario is one ``train()``; the worker
 * ``accumulate``: ``gradient_accumulation_steps=2``, ``optimizer_cls_and_kwargs`` (SGD) and
   ``gossip_evaluate="local"`` with ``evaluate()`` at the last step: gossip steps, forwards, the optimizer's class,
   that evaluation and an ``evaluate()`` after ``train()``.
+* ``accumulate_pipeline``: ``gradient_accumulation_steps=2`` with the trainer's own optimizer (the pipeline's): gossip
+  steps, forwards, the optimizer's class, its tracking step count.
 * ``resume``: 4 steps with a checkpoint at step 2, then ``train(resume_from_checkpoint=...)`` from it.
 * ``accelerate``: the Accelerate recipe of docs/guide/huggingface.md, run as printed.
 * ``threads``: after each ``train()``, the gossip and Gloo threads compared with those before the first.
 
-tests/test_integration_hf.py runs it under ``accelerate launch --cpu --num_processes 2`` (Accelerate's multi-CPU
-launcher, which starts the processes with ``mpirun``; the MPICH wheel's here); nothing in it depends on the launcher.
+tests/test_integration_hf.py runs it under ``torchrun --nproc-per-node 2`` and under ``accelerate launch --cpu
+--num_processes 2`` (Accelerate's multi-CPU launcher, which starts the processes with ``mpirun``; the MPICH wheel's
+here); nothing in it depends on the launcher.
 """
 
 from __future__ import annotations
@@ -215,6 +218,13 @@ def main() -> None:
                             "optimizer": type(trainer._torch_optimizer()).__name__,
                             "evaluations": eval_losses(trainer),
                             "after": trainer.evaluate()["eval_loss"]}  # fmt: skip
+
+    trainer, spy = train(GossipTrainer, arguments(out, "accumulate_pipeline", max_steps=2,
+                                                  gradient_accumulation_steps=2))  # fmt: skip
+    optimizer = trainer._torch_optimizer()
+    result["accumulate_pipeline"] = {"gossip_steps": spy.gossip_steps, "events": spy.events,
+                                     "optimizer": type(optimizer).__name__,
+                                     "tracking_step": optimizer.param_groups[0]["tracking_step"]}  # fmt: skip
 
     saving = {"save_strategy": "steps", "save_steps": 2}
     trainer, _ = train(SequentialTrainer, arguments(out, "resume", **saving))
