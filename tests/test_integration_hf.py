@@ -149,7 +149,9 @@ def test_gradient_accumulation_with_the_pipeline_optimizer_is_one_momentum_step_
     for result in ranks:
         accumulate = result["accumulate_pipeline"]
         assert (accumulate["optimizer"], accumulate["gossip_steps"], accumulate["tracking_step"]) == (
-            "MomentumTrackingAdamW", 2, 2
+            "MomentumTrackingAdamW",
+            2,
+            2,
         )
         assert accumulate["events"][:8] == ["start", *["forward", "backward"] * 2, "mix", "update", "start"]
 
