@@ -187,6 +187,14 @@ def test_sync_batchnorm_is_refused_by_name_on_every_rank(ranks):
 
 
 @pytest.mark.multiprocess
+def test_a_grad_scaler_16_mixed_precision_is_refused_by_name_on_every_rank(ranks):
+    for rank, result in enumerate(ranks):
+        refused = result["refused"]["GradScaler"]
+        assert refused.startswith(f"ConfigurationError: rank {rank}: GossipStrategy: precision='16-mixed'"), refused
+        assert "bf16-mixed" in refused
+
+
+@pytest.mark.multiprocess
 def test_gradient_accumulation_is_one_gossip_step_per_optimizer_step(ranks):
     """Run with ``strategy="gossip"``, the name ``import gossip.integrations.lightning`` registers."""
     for result in ranks:

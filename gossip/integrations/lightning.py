@@ -18,7 +18,7 @@ no collective of gossip's during training. Launchers, data sharding, logging and
 * **Teardown** averages the replicas into every rank's module (``average_at_end``), closes the wrapper, the
   communicator and its group: no thread of the run is left, and after ``fit`` every rank holds one model.
 
-Refused by name: several optimizers, ``LBFGS``, ``sync_batchnorm=True``.
+Refused by name: several optimizers, ``LBFGS``, ``sync_batchnorm=True``, a GradScaler (``precision="16-mixed"``).
 
 Built on one Lightning package, :data:`LIGHTNING_PACKAGE`, chosen when this module is imported: the unified
 ``lightning.pytorch`` when it is imported already and ``pytorch_lightning`` is not (``import lightning.pytorch as
@@ -267,7 +267,8 @@ class GossipStrategy(DDPStrategy):
             trainer: the Trainer.
 
         Raises:
-            ConfigurationError: ``sync_batchnorm=True``, several optimizers, or ``LBFGS``.
+            ConfigurationError: ``sync_batchnorm=True``, a GradScaler (``precision="16-mixed"`` on GPUs), several
+                optimizers, or ``LBFGS``.
         """
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync is not None:
@@ -275,6 +276,12 @@ class GossipStrategy(DDPStrategy):
                 f"{self._where()}: Trainer(sync_batchnorm=True) all-reduces the batch statistics in every forward, "
                 "a collective inside the step that gossip exists to avoid; drop sync_batchnorm (the BatchNorm "
                 "buffers stay per rank, or pass wrapper_kwargs={'buffers': 'average'})"
+            )
+        if fitting and getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ConfigurationError(
+                f"{self._where()}: precision='16-mixed' steps through a GradScaler, which skips the optimizer step "
+                "on a rank whose gradients overflow while its peers step, and gossip's ranks must step together; "
+                "use precision='bf16-mixed' (no loss scaling) or '32-true'"
             )
         self._failed = False
         super().setup(trainer)

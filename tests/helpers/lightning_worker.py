@@ -20,8 +20,8 @@ One process per device runs every scenario in turn, each a ``Trainer.fit`` of th
   ``trainer.predict`` of the same Trainer on the validation data (the same on every rank): the validation losses,
   the parameters each validation ran on and those of the training step before it, the test metrics and the
   predictions, what the strategy held during test and predict, and the gossip threads then.
-* ``refused``: two optimizers (manual optimization), ``LBFGS``, ``sync_batchnorm=True``: the error every rank
-  raises, and the threads after them.
+* ``refused``: two optimizers (manual optimization), ``LBFGS``, ``sync_batchnorm=True``, a GradScaler: the error
+  every rank raises, and the threads after them.
 * ``accumulate``: ``strategy="gossip"`` (the registered name) with ``accumulate_grad_batches=2``: the strategy's
   class, gossip steps, events.
 
@@ -53,6 +53,8 @@ from gossip.errors import ConfigurationError
 from gossip.integrations.common import GossipGroup
 from helpers.gloo_threads import gossip_and_gloo_threads, thread_names
 from helpers.lightning_package import pl
+
+MixedPrecision = pl.plugins.precision.MixedPrecision
 
 if TYPE_CHECKING:
     from gossip.integrations.lightning import GossipStrategy
@@ -356,6 +358,8 @@ def main() -> None:
         "two optimizers": refusal(TwoOptimizers(manual=True)),
         "LBFGS": refusal(WithLBFGS()),
         "sync_batchnorm": refusal(Regression(), sync_batchnorm=True),
+        # what precision="16-mixed" builds on a GPU (on the CPU Lightning turns it into bf16-mixed, no scaler)
+        "GradScaler": refusal(Regression(), plugins=[MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]),
     }
     threads["refused"] = gossip_and_gloo_threads(baseline)
 
