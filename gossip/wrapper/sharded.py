@@ -25,8 +25,11 @@ distance over lanes, and checkpoints through ``torch.distributed.checkpoint``, o
 tests/test_sharded.py. Gradient tracking (``gradient_tracking=True``, as for the unsharded wrapper) tracks each
 lane's rows: the trackers are laid out like the staging, read the local shard of each FSDP2 gradient and write
 :math:`y_{i,j}` back into it, so that :math:`\sum_i y_{i,j} = \sum_i g_{i,j}` lane by lane, hence for the whole
-replicas. Not yet: momentum tracking (a momentum-tracking optimizer such as ``optim.MomentumTrackingAdamW`` is
-refused at its first step) and PowerGossip's "global" mode.
+replicas. Momentum tracking works the same way: a momentum-tracking optimizer (``optim.MomentumTrackingAdamW``)
+steps on FSDP2's DTensors, its first moment goes through those trackers, and the mean gradient's sample for its
+second moment (``mean_gradient``) is formed from the local shards and averaged lane by lane, so each rank holds its
+shard of the mean gradient of the whole replicas, handed to the optimizer as DTensors. Not yet: PowerGossip's
+"global" mode.
 
 The backward hooks of the unsharded wrapper (a skipped update noticed at the next forward, PowerGossip's progress
 during backward) are post-accumulate-grad hooks on the trainable parameters; FSDP2 assigns the reduce-scattered
@@ -47,15 +50,14 @@ What changes against :class:`gossip.DecentralizedDataParallel`, of which this is
   (the module then holds the average as DTensors: evaluate it, or save it with torch.distributed.checkpoint);
 * the consensus distances sum each lane's squares over the shard group: :math:`\Xi^2 = \sum_j \Xi_j^2`;
 * frozen parameters (DTensors as well) start from replica 0's local shards, broadcast over each lane;
-* checkpoints are one DCP directory per replica (:func:`gossip.checkpoint.sharded.save_sharded_dcp`);
-* momentum tracking is refused (not on shards yet).
+* checkpoints are one DCP directory per replica (:func:`gossip.checkpoint.sharded.save_sharded_dcp`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,12 +97,35 @@ class _LocalGradient:
 
     @grad.setter
     def grad(self, local: torch.Tensor) -> None:
+        self.parameter.grad = self.lift(local)
+
+    def lift(self, local: torch.Tensor) -> torch.Tensor:
+        """The DTensor sharded like the parameter whose local shard is ``local`` (no copy)."""
         from torch.distributed.tensor import DTensor
 
         parameter = self.parameter
-        parameter.grad = DTensor.from_local(
+        return DTensor.from_local(
             local, parameter.device_mesh, parameter.placements, shape=parameter.shape, stride=parameter.stride()
         )
+
+
+class _OnShards:
+    """A momentum-tracking optimizer as the wrapper's mean-gradient sampler sees it on shards.
+
+    The sampler reads the local shards of the gradients (through :class:`_LocalGradient`) and averages them over the
+    lane; each rank's sample is then its shard of the mean gradient of the whole replicas, which this hands to the
+    optimizer as DTensors sharded like the parameters, keyed by the parameters (the optimizer's state is FSDP2's
+    DTensors). Everything else is the optimizer's.
+    """
+
+    def __init__(self, source: Any):
+        self._source = source
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)
+
+    def take_mean_gradient(self, means: Mapping[_LocalGradient, torch.Tensor], workers: int) -> None:
+        self._source.take_mean_gradient({local.parameter: local.lift(v) for local, v in means.items()}, workers)
 
 
 class _SummedOverLanes:
@@ -175,14 +200,14 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
         gradient_tracking: as for the unsharded wrapper (``True``, ``"exact"``, ``"powergossip"`` or an algorithm
             object), on the local shards of the gradients; the same on every rank.
         tracking_overlap: as for the unsharded wrapper (the combine-then-adapt tracker).
+        mean_gradient: with gradient tracking, how a momentum-tracking optimizer's sample of the mean gradient is
+            averaged: ``"gossip"`` over the schedule, lane by lane, or ``"allreduce"`` over the lane.
 
     Raises:
         ShardedLayoutError: the model is not sharded by FSDP2 over exactly this replica (or is FSDP1, or HSDP),
             or the lanes disagree.
         InvalidArgumentError: ``lanes`` is not a :class:`gossip.backends.lanes.Lanes`.
         ReplicaMismatchError: the replicas of a lane disagree (as for the unsharded wrapper).
-
-    At the first optimizer step, a momentum-tracking optimizer is refused (InvalidArgumentError).
     """
 
     _shards_replicas = True
@@ -202,6 +227,7 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
         seed: int = 0,
         gradient_tracking: bool | str | Algorithm = False,
         tracking_overlap: bool = False,
+        mean_gradient: str = "gossip",
     ):
         if not isinstance(lanes, Lanes):
             raise InvalidArgumentError(
@@ -223,9 +249,14 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
             seed=seed,
             gradient_tracking=gradient_tracking,
             tracking_overlap=tracking_overlap,
+            mean_gradient=mean_gradient,
         )
-        if self.tracker is not None:  # the tracker reads and writes the local shards of the gradients
-            self.tracker._parameters = [_LocalGradient(p) for p in self._parameters_in_order]
+        # the tracker and the mean gradient's sampler read (and the tracker writes) the local shards of the gradients
+        local = [_LocalGradient(p) for p in self._parameters_in_order]
+        if self.tracker is not None:
+            self.tracker._parameters = local
+        if self._mean_gradient is not None:
+            self._mean_gradient.parameters = local
         self.shard_comm = lanes.shard
         self._sampler = _SummedOverLanes(self._sampler, lanes.shard)
 
@@ -239,16 +270,9 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
         check_lanes(self._lanes.shard, signature, comm.rank)
         return signature
 
-    def _check_optimizer(self, optimizer: torch.optim.Optimizer, source: Any, computes_gradients: bool) -> None:
-        """Refuse a momentum-tracking optimizer (not on shards yet), then the parent's checks."""
-        if source is not None:
-            raise InvalidArgumentError(
-                f"rank {self._lanes.world_rank} (replica {self.comm.rank}, shard {self._lanes.shard.rank}): step "
-                f"{self.step_count}: {type(optimizer).__name__} tracks its first moment through the gradient "
-                "trackers, which the sharded wrapper does not support yet; use an optimizer that steps on .grad "
-                "(e.g. torch.optim.AdamW), with gradient_tracking=True for the trackers"
-            )
-        super()._check_optimizer(optimizer, source, computes_gradients)
+    def _finish_tracking(self, momentum: Any) -> None:
+        """The parent's; a momentum-tracking optimizer gets its mean gradient as DTensors (:class:`_OnShards`)."""
+        super()._finish_tracking(None if momentum is None else _OnShards(momentum))
 
     def _make_buckets(self, module: nn.Module, bucket_bytes: int) -> list[Bucket]:
         """Staging buckets laid out like the local shards; the parameters keep FSDP2's storage."""

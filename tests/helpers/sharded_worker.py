@@ -260,6 +260,34 @@ def checkpoint_resume(mesh: DeviceMesh, lanes: Lanes, out_dir: Path, result: dic
     model.close()
 
 
+def _pipeline_run(mesh: DeviceMesh, lanes: Lanes) -> tuple[ShardedDecentralizedDataParallel, nn.Module, Any]:
+    """The default pipeline's parts on the shards: PowerGossip, sign trackers, momentum tracking."""
+    net = _shard(_net(), mesh["shard"])
+    schedule = topologies.from_matrix(torch.tensor(W).numpy(), name="w")
+    model = ShardedDecentralizedDataParallel(net, lanes, schedule, gossip.PowerGossip(rank=1), gradient_tracking="sign")
+    return model, net, _momentum_optimizer(model.parameters())
+
+
+def pipeline_resume(mesh: DeviceMesh, lanes: Lanes, out_dir: Path, result: dict) -> None:
+    """3 steps of the pipeline's parts, save while the mean gradient's sample is 1 hop short of exact, 3 more; a
+    fresh run loads and runs the same 3 (the sample in progress, the trackers' public copies, the momentum
+    optimizer's h, v and u are all part of the state)."""
+    k, m = 3, 3
+    directory = out_dir / "pipeline-checkpoints"
+    model, net, optimizer = _pipeline_run(mesh, lanes)
+    _train(model, optimizer, lanes, range(k))
+    save_sharded_dcp(directory, model, optimizer)
+    _train(model, optimizer, lanes, range(k, k + m))
+    uninterrupted, samples = _full(net), optimizer.state[next(iter(net.parameters()))]["samples"]
+    model.close()
+    model, net, optimizer = _pipeline_run(mesh, lanes)
+    resumed_at = load_sharded_dcp(directory, model, optimizer)
+    _train(model, optimizer, lanes, range(k, k + m))
+    result["pipeline_resume"] = {"uninterrupted": uninterrupted, "resumed": _full(net), "resumed_at": resumed_at,
+                                 "samples": samples, "trackers": type(model.tracker.mixing).__name__}  # fmt: skip
+    model.close()
+
+
 def refusals(mesh: DeviceMesh, lanes: Lanes, out_dir: Path, result: dict) -> None:
     """What the sharded wrapper, the lanes and the checkpoints refuse, each by its named error (FSDP1, which needs
     an accelerator to build, is refused in tests/test_sharded_layout.py without a process group)."""
@@ -331,14 +359,51 @@ def tracking_against_unsharded(mesh: DeviceMesh, lanes: Lanes, result: dict) -> 
         run["gradients"].append(gradients[r])
     result["tracking"] = run
     model.close()
-    # a momentum-tracking optimizer: not on shards yet, refused at its first step on every rank
-    model = ShardedDecentralizedDataParallel(
-        _shard(_net(), mesh["shard"]), lanes, schedule, gossip.ExactGossip(), gradient_tracking=True
-    )
-    optimizer = MomentumTrackingAdamW(model.parameters(), lr=LR)
-    x, y = _batch(r, j, 0)
-    _loss(model(x), y).backward()
-    result["momentum_refusal"] = _refusal(optimizer.step)
+    model.close()
+
+
+MOMENTUM_STEPS, SAMPLE_EVERY = 8, 4  # W averages inexactly: a sample takes inexact_hops(2) = 4 hops
+
+
+def _momentum_optimizer(params: Any) -> MomentumTrackingAdamW:
+    return MomentumTrackingAdamW(params, lr=0.01, betas=(0.9, 0.95), second_moment_every=SAMPLE_EVERY)
+
+
+def _unsharded_momentum_tracking(comm: gossip.Communicator, schedule: Any) -> list[list[torch.Tensor]]:
+    """Replica ``comm.rank`` unsharded, under the library's own wrapper (one simulated rank a replica): the
+    parameters after each step."""
+    net = _net()
+    model = gossip.DecentralizedDataParallel(net, comm, schedule, gossip.ExactGossip(), gradient_tracking="exact")
+    optimizer = _momentum_optimizer(model.parameters())
+    trajectory = []
+    for step in range(MOMENTUM_STEPS):
+        batches = [_batch(comm.rank, j, step) for j in range(G)]
+        (sum(_loss(model(x), y) for x, y in batches) / G).backward()  # the replica's gradient, as FSDP2 forms it
+        optimizer.step()
+        optimizer.zero_grad()
+        trajectory.append([p.detach().clone() for p in net.parameters()])
+    model.close()
+    return trajectory
+
+
+def momentum_against_unsharded(mesh: DeviceMesh, lanes: Lanes, result: dict) -> None:
+    """Momentum tracking (MomentumTrackingAdamW, exact trackers, the mean gradient gossiped) on the shards against
+    R unsharded replicas under the library's unsharded wrapper, the same W, on the simulator in this process."""
+    r, j = lanes.lane.rank, lanes.shard.rank
+    schedule = topologies.from_matrix(torch.tensor(W).numpy(), name="w")
+    net = _shard(_net(), mesh["shard"])
+    model = ShardedDecentralizedDataParallel(net, lanes, schedule, gossip.ExactGossip(), gradient_tracking="exact")
+    optimizer = _momentum_optimizer(model.parameters())
+    run: dict[str, list] = {"full": [], "samples": []}
+    for step in range(MOMENTUM_STEPS):
+        x, y = _batch(r, j, step)
+        _loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        run["full"].append(_full(net))
+        run["samples"].append(optimizer.state[next(iter(net.parameters()))]["samples"])
+    run["expected_full"] = gossip.simulate(R, _unsharded_momentum_tracking, schedule)[r]
+    result["momentum"] = run
     model.close()
 
 
@@ -369,8 +434,10 @@ def main() -> None:
     frozen_parameters(mesh, lanes, result)
     exact_against_unsharded(mesh, lanes, result)
     tracking_against_unsharded(mesh, lanes, result)
+    momentum_against_unsharded(mesh, lanes, result)
     powergossip_blocks(mesh, lanes, result)
     checkpoint_resume(mesh, lanes, out_dir, result)
+    pipeline_resume(mesh, lanes, out_dir, result)
     refusals(mesh, lanes, out_dir, result)
     lanes.lane.close()
     lanes.shard.close()
