@@ -1,10 +1,11 @@
 """The main job on sharded replicas, ``gossip-train --nproc 4 --shards 2``: one 4-worker run (2 replicas x 2 FSDP2
-shards, Gloo on CPU) and the flag combinations it refuses by name before any worker starts."""
+shards, Gloo on CPU, the default pipeline) and the flag combinations it refuses by name before any worker starts."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -34,12 +35,16 @@ def lane_losses(run_dir: Path, lane: int, replica: int) -> list[float]:
 
 
 @pytest.mark.multiprocess
-def test_the_sharded_job_trains_two_replicas_with_exact_gossip(sharded_run):
+def test_the_sharded_job_trains_two_replicas_with_the_default_pipeline(sharded_run):
     result, run_dir = sharded_run
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "2 replica(s) x 2 shard(s), exact on one_peer_hypercube, adamw" in result.stdout
+    described = re.search(r"2 replica\(s\) x 2 shard\(s\), (.*), momentum-tracking-adamw,", result.stdout)
+    assert described is not None, result.stdout
+    assert described.group(1).startswith("powergossip on one_peer_hypercube") and "sign trackers" in described.group(1)
     config = json.loads((run_dir / "config.json").read_text())
-    assert (config["shards"], config["world_size"], config["algorithm"]) == (2, 2, "exact")
+    assert (config["shards"], config["world_size"], config["algorithm"], config["gradient_tracking"]) == (
+        2, 2, "powergossip", "sign"
+    )  # fmt: skip
     rows = metrics_rows(run_dir)
     assert [int(row["step"]) for row in rows] == list(range(STEPS))
     losses = [float(row["mean_loss"]) for row in rows]
@@ -65,10 +70,10 @@ def test_the_shards_of_a_replica_train_on_the_same_batch_and_the_replicas_on_the
     ("flags", "named"),
     [
         (["--nproc", "3", "--shards", "2"], "--shards"),
-        (["--nproc", "4", "--shards", "2", "--algorithm", "powergossip"], "--algorithm"),
         (["--nproc", "4", "--shards", "2", "--algorithm", "ddp"], "--algorithm"),
-        (["--nproc", "4", "--shards", "2", "--gradient-tracking"], "--gradient-tracking"),
-        (["--nproc", "4", "--shards", "2", "--optimizer", "momentum-tracking-adamw"], "--optimizer"),
+        (["--nproc", "4", "--shards", "2", "--algorithm", "diloco"], "--algorithm"),
+        (["--nproc", "4", "--shards", "2", "--tracking-overlap"], "--tracking-overlap"),
+        (["--nproc", "4", "--shards", "2", "--optimizer", "sgd"], "--optimizer"),
         (["--nproc", "4", "--shards", "2", "--average-every", "5"], "--average-every"),
         (["--nproc", "4", "--shards", "2", "--outer-every", "5"], "--outer-every"),
         (["--nproc", "4", "--shards", "2", "--elastic"], "--shards"),

@@ -2,14 +2,16 @@
 
 Every run is ``gossip-train --batch-size B --steps T --eval-every E --seed S --out <work>/<method>-s<seed>`` plus
 the method's options, one after another: ``sharded`` is R replicas x 2 FSDP2 shards (``--nproc 2R --shards 2``:
-exact gossip and AdamW, the sharded job's defaults), ``unsharded`` the same R replicas one process each with the
-same mixing and optimizer asked for by name. The script reads each run's ``result.json`` and ``metrics.csv`` and
-writes ``<results>/<csv>``: one row per method and seed (final training loss, validation loss of the averaged
-model, consensus distance, bytes per worker per step, training seconds) and, for the sharded rows, the largest
-gap to the unsharded run of the same seed over every step's mean training loss and every evaluation. It prints
-the mean and spread over seeds per method. Runs whose ``result.json`` exists are read, not rerun.
+the default pipeline, PowerGossip in block mode), ``unsharded`` the same R replicas one process each (the default
+pipeline); ``sharded-exact`` and ``unsharded-exact`` the same with exact gossip and AdamW, no trackers. The
+script reads each run's ``result.json`` and ``metrics.csv`` and writes ``<results>/<csv>``: one row per method
+and seed (final training loss, validation loss of the averaged model, consensus distance, bytes per worker per
+step, training seconds) and, for the sharded rows, the largest gap to its unsharded twin of the same seed over
+every step's mean training loss and every evaluation. It prints the mean and spread over seeds per method. Runs
+whose ``result.json`` exists are read, not rerun.
 
-    python -m experiments.sharded --replicas 2 --steps 300 --seeds 0 1 2
+    python -m experiments.sharded --replicas 2 --steps 300 --seeds 0 1 2            # both pairs
+    python -m experiments.sharded --methods sharded --csv pipeline.csv                 # the default pipeline only
 """
 
 from __future__ import annotations
@@ -26,13 +28,17 @@ from experiments.shared import write_csv
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHARDS = 2
-#: method name -> the gossip-train options that select it, given R replicas
+_EXACT = ("--algorithm", "exact", "--optimizer", "adamw", "--no-gradient-tracking")
+#: method name -> the gossip-train options that select it, given R replicas; each sharded method has an unsharded
+#: twin of the same options (its name without "sharded-" / with "unsharded")
 METHODS = {
+    "unsharded": lambda replicas: ("--nproc", str(replicas)),  # the default pipeline
     "sharded": lambda replicas: ("--nproc", str(replicas * SHARDS), "--shards", str(SHARDS)),
-    "unsharded": lambda replicas: (
-        "--nproc", str(replicas), "--algorithm", "exact", "--optimizer", "adamw", "--no-gradient-tracking",
-    ),
-}  # fmt: skip
+    "unsharded-exact": lambda replicas: ("--nproc", str(replicas), *_EXACT),
+    "sharded-exact": lambda replicas: ("--nproc", str(replicas * SHARDS), "--shards", str(SHARDS), *_EXACT),
+}
+#: each sharded method's unsharded twin
+TWINS = {"sharded": "unsharded", "sharded-exact": "unsharded-exact"}
 COLUMNS = (
     "final_train_loss",
     "final_val_loss",
@@ -86,15 +92,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, default=Path("runs/sharded"), help="run directories")
     parser.add_argument("--csv", default="sharded_vs_unsharded.csv", help="file name under results/")
     args = parser.parse_args(argv)
+    parser.add_argument("--methods", nargs="+", default=list(TWINS), choices=list(TWINS), help="sharded methods")
+    args = parser.parse_args(argv)
     rows = []
-    for seed in args.seeds:
-        unsharded = run_once("unsharded", seed, args)
-        sharded = run_once("sharded", seed, args)
-        rows += [row_of("unsharded", seed, unsharded, None), row_of("sharded", seed, sharded, unsharded)]
+    for sharded_method in args.methods:
+        twin = TWINS[sharded_method]
+        for seed in args.seeds:
+            unsharded = run_once(twin, seed, args)
+            sharded = run_once(sharded_method, seed, args)
+            rows += [row_of(twin, seed, unsharded, None), row_of(sharded_method, seed, sharded, unsharded)]
     write_csv(RESULTS / args.csv, rows)
-    for method in METHODS:
+    for method in dict.fromkeys(row["method"] for row in rows):
         values = [float(row["final_val_loss"]) for row in rows if row["method"] == method]
         spread = statistics.stdev(values) if len(values) > 1 else 0.0
-        print(f"{method:10s} final_val_loss {statistics.mean(values):.4f} ± {spread:.4f}")
-    gaps = [float(row["max_train_loss_gap"]) for row in rows if row["method"] == "sharded"]
-    print(f"largest gap sharded - unsharded over every step's training loss: {max(gaps):.3g}")
+        print(f"{method:16s} final_val_loss {statistics.mean(values):.4f} ± {spread:.4f}")
+    for sharded_method in args.methods:
+        gaps = [float(row["max_train_loss_gap"]) for row in rows if row["method"] == sharded_method]
+        twin = TWINS[sharded_method]
+        print(f"largest gap {sharded_method} - {twin} over every step's training loss: {max(gaps):.3g}")

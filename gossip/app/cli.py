@@ -404,10 +404,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if any(item == "--shards" or item.startswith("--shards=") for item in argv):
-        from gossip.app.train_sharded import SHARDED_DEFAULTS
-
-        parser.set_defaults(**SHARDED_DEFAULTS)  # what the sharded wrapper runs, unless asked otherwise
     args = parser.parse_args(argv)
     if args.shards is not None and args.elastic:
         parser.error("argument --shards: not with --elastic (the sharded replicas have no elastic membership yet)")

@@ -9,15 +9,19 @@ over the same W(t) of the R replicas in every lane (docs/design.md B.1, with :ma
 
 .. math::  x_{i,j}^{t+1} = \sum_k W_{ik}(t)\, x_{k,j}^{t} \;-\; \eta_t\, d_{i,j}^{t}
 
-Exact gossip is an element-wise weighted sum, so this is, term by term, the unsharded job of R workers: the data
-are split over the R replicas as the unsharded job splits them over R workers (the G shards of a replica read the
-same batch, :class:`gossip.app.corpus.ShardedBatches` with the replica index), the model and the schedule are those
-of R workers, and the averaged model is evaluated on the same validation batches (each replica a share, its shards
+By default this is the job's default pipeline on the shards: PowerGossip in block mode (its rank per local shard
+of a matrix, so the mixing of a replica has rank up to G times that), the first moments tracked by sign-compressed
+trackers of the local shards, and ``optim.MomentumTrackingAdamW`` on FSDP2's DTensors with the mean gradient's
+second moment gossiped lane by lane. With ``--algorithm exact`` the mixing is an element-wise weighted sum, so the
+job is, term by term, the unsharded job of R workers with the same options: the data are split over the R replicas
+as the unsharded job splits them over R workers (the G shards of a replica read the same batch,
+:class:`gossip.app.corpus.ShardedBatches` with the replica index), the model and the schedule are those of R
+workers, and the averaged model is evaluated on the same validation batches (each replica a share, its shards
 together). The loss, the learning rate and the evaluation are those of :mod:`gossip.app.train`.
 
 What the sharded wrapper does not run is refused by name before any process group starts
-(:func:`check_sharded`): another algorithm than exact gossip, gradient or momentum tracking, a periodic average or
-an outer step, ``--elastic``, MPI, and a world size that ``--shards`` does not divide.
+(:func:`check_sharded`): DDP, DiLoCo and the other algorithms, the combine-then-adapt trackers, a periodic average
+or an outer step, ``--elastic``, MPI, and a world size that ``--shards`` does not divide.
 
 Outputs: rank 0 writes the run directory as the unsharded job does (``config.json`` with ``shards``,
 ``metrics.csv`` with one loss per replica averaged, the plots). Lane 0's ranks write ``metrics_rank<r>.jsonl``
@@ -27,7 +31,6 @@ is summed over the shard group; bytes are per rank, i.e. one shard's.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -43,6 +46,7 @@ from gossip.app.corpus import ShardedBatches, decode, encode, load_corpus, valid
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.app.run_dir import RunSummary, describe_mixing, prepare_run_dir, write_outputs
 from gossip.app.train import (
+    MOMENTUM_TRACKING,
     SAMPLE_BYTES,
     SAMPLE_PROMPT,
     TrainConfig,
@@ -51,6 +55,7 @@ from gossip.app.train import (
     make_optimizer,
     make_scheduler,
     resolve,
+    tracking_option,
     train_step,
     worker_threads,
 )
@@ -60,12 +65,10 @@ from gossip.errors import ConfigError, NonFiniteError
 from gossip.wrapper.sharded import ShardedDecentralizedDataParallel
 
 logger = logging.getLogger(__name__)
-#: the algorithms the sharded wrapper runs (ShardedDecentralizedDataParallel's tested mode)
-SHARDED_ALGORITHMS = ("exact",)
-#: the local optimizers the sharded job runs on FSDP2's DTensor shards (no trackers: the wrapper refuses them)
-SHARDED_OPTIMIZERS = ("adamw",)
-#: what ``--shards`` changes in the parser's defaults: exact gossip and AdamW, without trackers
-SHARDED_DEFAULTS = {"algorithm": "exact", "optimizer": "adamw", "gradient_tracking": False}
+#: the algorithms the sharded wrapper runs on the shards (PowerGossip in block mode: its rank per local shard)
+SHARDED_ALGORITHMS = ("exact", "powergossip")
+#: the local optimizers the sharded job runs on FSDP2's DTensor shards
+SHARDED_OPTIMIZERS = ("adamw", MOMENTUM_TRACKING)
 
 
 def check_sharded(config: TrainConfig, processes: int) -> int:
@@ -79,8 +82,8 @@ def check_sharded(config: TrainConfig, processes: int) -> int:
         R = N / G.
 
     Raises:
-        ConfigError: naming ``--shards``, ``--algorithm``, ``--optimizer``, ``--gradient-tracking``,
-            ``--tracking-overlap``, ``--average-every``, ``--outer-every`` or ``--backend``, and what to do.
+        ConfigError: naming ``--shards``, ``--algorithm``, ``--optimizer``, ``--tracking-overlap``,
+            ``--average-every``, ``--outer-every`` or ``--backend``, and what to do.
     """
     shards = config.shards
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
@@ -91,24 +94,22 @@ def check_sharded(config: TrainConfig, processes: int) -> int:
             f"{processes} workers cannot form replicas of {shards} shards each: the world is replicas x shards; "
             f"choose --nproc a multiple of {shards}",
         )
-    if config.algorithm not in SHARDED_ALGORITHMS:
+    if config.algorithm not in (None, *SHARDED_ALGORITHMS):
         raise ConfigError(
             "--algorithm",
             f"--shards runs ShardedDecentralizedDataParallel, which mixes the shards with {list(SHARDED_ALGORITHMS)}, "
-            f"not {config.algorithm}; use --algorithm exact (the default with --shards)",
+            f"not {config.algorithm}",
         )
-    if config.gradient_tracking:
-        raise ConfigError("--gradient-tracking", "--shards: the sharded wrapper has no trackers on shards yet; drop it")
     if config.tracking_overlap:
-        raise ConfigError("--tracking-overlap", "--shards: the sharded wrapper has no trackers on shards yet; drop it")
+        raise ConfigError("--tracking-overlap", "--shards runs the trackers adapt-then-combine (the default); drop it")
     if config.optimizer not in (None, *SHARDED_OPTIMIZERS):
         raise ConfigError(
             "--optimizer",
-            f"--shards steps {list(SHARDED_OPTIMIZERS)} on the shards, not {config.optimizer}; use --optimizer adamw",
+            f"--shards steps {list(SHARDED_OPTIMIZERS)} on the shards, not {config.optimizer}",
         )
     for option, value in (("--average-every", config.average_every), ("--outer-every", config.outer_every)):
         if value:
-            raise ConfigError(option, "--shards: the sharded wrapper runs exact gossip every step only; drop it")
+            raise ConfigError(option, "--shards: the sharded wrapper mixes every step, without an average; drop it")
     if config.backend == "mpi":
         raise ConfigError(
             "--backend", "--shards: FSDP2 needs a torch.distributed process group; use --backend gloo (or nccl)"
@@ -117,22 +118,20 @@ def check_sharded(config: TrainConfig, processes: int) -> int:
 
 
 def resolve_sharded(config: TrainConfig, processes: int) -> tuple[TrainConfig, list[str]]:
-    """:func:`check_sharded`, then :func:`~gossip.app.train.resolve` for the R replicas, with the sharded defaults.
+    """:func:`check_sharded`, then :func:`~gossip.app.train.resolve` for the R replicas (the job's defaults: the
+    default pipeline, its PowerGossip in block mode).
 
     Args:
         config: the config as given, ``shards`` set.
         processes: N = R G.
 
     Returns:
-        The resolved copy (``world_size`` = R; AdamW and no trackers where unset) and the notes on the choices made.
+        The resolved copy (``world_size`` = R) and the notes on the choices made.
 
     Raises:
         ConfigError: naming the option at fault.
     """
-    replicas = check_sharded(config, processes)
-    given = dataclasses.replace(config, optimizer=config.optimizer or SHARDED_DEFAULTS["optimizer"])
-    given.gradient_tracking = False
-    return resolve(given, replicas)
+    return resolve(config, check_sharded(config, processes))
 
 
 def shard_gpt(config: TrainConfig, mesh: Any) -> GPT:
@@ -230,6 +229,8 @@ def _train_lanes(
         lanes,
         build_schedule(config),
         make_algorithm(config),
+        gradient_tracking=tracking_option(config),
+        mean_gradient=config.mean_gradient,
         run_dir=lane_dir,
         consensus_every=config.eval_every,  # with the evaluation's collectives, never between them
         seed=config.seed,
