@@ -1,7 +1,8 @@
 """Memory per rank of gossip on sharded replicas against unsharded gossip of the same replicas, in one run.
 
 Up to three jobs of local Gloo processes, one after the other, each training the same GPT (``gossip.app.gpt``) a
-few steps with AdamW on random bytes:
+few steps on random bytes, mixed as ``--mixing`` says (the default pipeline: PowerGossip, sign trackers,
+``optim.MomentumTrackingAdamW``; or exact gossip and AdamW):
 
 * ``unsharded``: R ranks, one replica each, :class:`gossip.DecentralizedDataParallel`;
 * ``sharded``: R x G ranks, each replica built on the meta device, sharded by FSDP2 (``fully_shard`` over
@@ -21,6 +22,7 @@ With G shards, parameters and optimizer state per rank are expected at about 1/G
 pads each parameter's dim 0 to a multiple of G).
 
     python benchmarks/sharded_memory.py --replicas 2 --shards 2 --layers 4 --embd 512 --steps 8
+    python benchmarks/sharded_memory.py --mixing exact          # exact gossip and AdamW
 """
 
 from __future__ import annotations
@@ -143,13 +145,20 @@ def worker(args: argparse.Namespace) -> None:
         model: Any = net  # fsdp-only: FSDP2 alone, the replicas never mix (what the wrapper adds is the difference)
         if args.mode == "sharded":
             lanes = gossip.init_lanes(mesh, timeout=300.0)
-            model = gossip.ShardedDecentralizedDataParallel(net, lanes, schedule, gossip.ExactGossip())
+            algorithm, tracking = mixing(args)
+            model = gossip.ShardedDecentralizedDataParallel(net, lanes, schedule, algorithm, **tracking)
     else:
         net = GPT(config)
-        model = gossip.DecentralizedDataParallel(net, comm, schedule, gossip.ExactGossip())
+        algorithm, tracking = mixing(args)
+        model = gossip.DecentralizedDataParallel(net, comm, schedule, algorithm, **tracking)
         replica = comm.rank
     wrapped_peak = peak_rss_bytes()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    pipeline = args.mixing == "pipeline" and args.mode != "fsdp-only"
+    optimizer = (
+        gossip.Pipeline().optimizer(model.parameters(), lr=1e-4)
+        if pipeline
+        else torch.optim.AdamW(model.parameters(), lr=1e-4)
+    )
     step_peaks = []
     generator = torch.Generator().manual_seed(replica)  # the shards of a replica read the same batch
     for _ in range(args.steps):
@@ -199,7 +208,7 @@ def run_job(mode: str, ranks: int, args: argparse.Namespace, scratch: Path) -> l
     env["MASTER_PORT"] = port
     passed = ["--shards", str(args.shards), "--layers", str(args.layers), "--embd", str(args.embd)]
     passed += ["--heads", str(args.heads), "--block", str(args.block), "--batch", str(args.batch)]
-    passed += ["--steps", str(args.steps)]
+    passed += ["--steps", str(args.steps), "--mixing", args.mixing]
     procs = []
     for rank in range(ranks):
         result = scratch / f"{mode}_rank{rank}.json"
@@ -242,6 +251,17 @@ def report(jobs: dict[str, list[dict[str, Any]]], shards: int) -> None:
         print(f"after each step: {after} MiB")
 
 
+def mixing(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The wrapper's algorithm (and trackers): exact gossip, or the default pipeline's PowerGossip and sign trackers
+    (its optimizer, ``optim.MomentumTrackingAdamW``, then replaces AdamW)."""
+    import gossip
+
+    if args.mixing == "exact":
+        return gossip.ExactGossip(), {}
+    pipeline = gossip.Pipeline()
+    return pipeline.algorithm(), {"gradient_tracking": pipeline.tracking()}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=2)
@@ -252,6 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--mixing", choices=("exact", "pipeline"), default="pipeline",
+                        help="exact gossip with AdamW, or the default pipeline (PowerGossip, sign trackers, "
+                        "MomentumTrackingAdamW); fsdp-only always runs AdamW alone")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
     parser.add_argument("--jobs", nargs="+", choices=JOBS, default=list(JOBS), help="which jobs, in this order")
     parser.add_argument("--worker", choices=JOBS, help=argparse.SUPPRESS)

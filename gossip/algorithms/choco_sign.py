@@ -102,7 +102,7 @@ class ChocoSign(Algorithm):
         self.gamma, self.chunk, self.levels = float(gamma), chunk, check_levels("ChocoSign", levels)
         #: peer -> (this rank's buffers as the peer knows them, the peer's as this rank knows them), per bucket
         self.public: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self._codecs: list[SignCodec] = []  # one per bucket, with its work buffers
+        self._codecs: list[SignCodec] = []  # per bucket: one codec, shared, whose work buffers hold one block
         self._scratch: list[torch.Tensor] = []  # one per bucket: a residual being coded, or a correction
         self._slots: list[_Slot] = []  # kept buffers of edges not in flight (_Slot)
 
@@ -124,7 +124,8 @@ class ChocoSign(Algorithm):
         """The buckets' codecs and scratch buffers, made at the first step and again if the buckets change."""
         layout = [(b.buffer.shape, b.buffer.dtype, b.buffer.device) for b in self.buckets]
         if [(t.shape, t.dtype, t.device) for t in self._scratch] != layout:
-            self._codecs = [SignCodec(self.chunk, self.levels) for _ in self.buckets]
+            codec = SignCodec(self.chunk, self.levels)  # one for every bucket: its buffers hold one block
+            self._codecs = [codec] * len(self.buckets)
             self._scratch = [torch.empty_like(b.buffer) for b in self.buckets]
             self._slots = []
         return self._codecs, self._scratch
@@ -166,7 +167,7 @@ class ChocoSign(Algorithm):
             mine, theirs = self._copies(edge.peer)
             for index, bucket in enumerate(self.buckets):
                 mine[index].add_(edge.sent[index])
-                theirs[index].add_(codecs[index].decode(edge.incoming[index], bucket.buffer.numel()))
+                codecs[index].decode_add_(edge.incoming[index], bucket.buffer.numel(), theirs[index])
                 correction = torch.sub(theirs[index], mine[index], out=scratch[index])
                 bucket.buffer.add_(correction, alpha=self.gamma * edge.weight)
             if edge.slot.layout == [b.buffer.numel() for b in self.buckets]:

@@ -39,6 +39,7 @@ import torch
 from gossip.errors import InvalidArgumentError
 
 __all__ = [
+    "DEFAULT_BLOCK",
     "LEVELS",
     "SignCodec",
     "check_levels",
@@ -55,6 +56,9 @@ __all__ = [
 LEVELS = (1, 2, 4)
 
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+#: The most values a :class:`SignCodec` codes at once: its work buffers hold about 26 bytes a value of one block.
+DEFAULT_BLOCK = 1 << 20
 
 
 def check_levels(owner: str, levels: int) -> int:
@@ -175,6 +179,18 @@ class _Work:
             torch.empty(chunks, 2 * levels, dtype=torch.float32, device=device), grid(torch.float32),
         )  # fmt: skip
 
+    def leading(self, numel: int, chunk: int, members: torch.Tensor) -> _Work:
+        """These buffers' leading rows as the work of ``numel`` <= :attr:`numel` values (``members`` its counts);
+        the magnitudes' padding past ``numel`` is zeroed, as a work made for ``numel`` has it."""
+        chunks = members.numel()
+        rows = slice(0, chunks)
+        self.magnitudes.view(-1)[numel : chunks * chunk].zero_()
+        return _Work(
+            numel, numel - (chunks - 1) * chunk, self.magnitudes[rows], self.product[rows], members,
+            self.positive[:numel], self.upper[rows], self.lower[rows], self.second[rows], self.mask[rows],
+            self.groups[rows], self.index[rows], self.signed[rows], self.decoded[rows],
+        )  # fmt: skip
+
     def signed_scales(self, scales: torch.Tensor) -> torch.Tensor:
         """The table the values are gathered from: ``(-scales, scales)`` side by side, per chunk."""
         levels = scales.shape[1]
@@ -204,29 +220,54 @@ def _count(flags: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
 
 
 class SignCodec:
-    """The scaled-sign code (module docstring) of flat tensors of one size, with work buffers reused across calls.
+    """The scaled-sign code (module docstring) of flat tensors, with work buffers reused across calls.
 
-    Make one per tensor that is coded every step (:class:`gossip.ChocoSign` keeps one per bucket): the buffers are
-    made at the first call and again when the size, dtype or device changes, so a step allocates only what it
-    returns. Not safe to share between threads.
+    Make one for the tensors coded every step (:class:`gossip.ChocoSign` keeps one for all its buckets): the buffers
+    are made at the first call and again when a larger size, another dtype or another device comes, and a smaller
+    tensor uses their leading rows, so a step allocates only what it returns. A tensor longer than ``block`` values
+    is coded ``block`` values at a time (a whole number of chunks, so whole bytes of every bit plane): every chunk's
+    code depends on its own values only, so the message and the values are those of one pass, bit for bit, while
+    the work buffers (about 26 bytes a value) hold one block, not the tensor. Not safe to share between threads.
 
     Args:
         chunk: values per scale (a multiple of 8).
         levels: magnitudes per chunk, 1, 2 or 4.
+        block: the most values coded at once (rounded down to whole chunks, at least one).
 
     Raises:
         InvalidArgumentError: ``levels`` is not 1, 2 or 4.
     """
 
-    def __init__(self, chunk: int, levels: int = 1):
+    def __init__(self, chunk: int, levels: int = 1, block: int = DEFAULT_BLOCK):
         self.chunk, self.levels = chunk, check_levels("pack_signs", levels)
-        self._work: _Work | None = None
+        self.block = max(1, block // chunk) * chunk
+        self._works: dict[tuple[torch.dtype, torch.device], _Work] = {}  # the largest size coded so far
+        self._members: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}  # per smaller size
 
     def _buffers(self, numel: int, dtype: torch.dtype, device: torch.device) -> _Work:
-        work = self._work
-        if work is None or (work.numel, work.magnitudes.dtype, work.magnitudes.device) != (numel, dtype, device):
-            work = self._work = _Work.make(numel, self.chunk, self.levels, dtype, device)
-        return work
+        """Work buffers for ``numel`` values: the largest size's, whose leading rows serve any smaller size."""
+        work = self._works.get((dtype, device))
+        if work is None or work.numel < numel:
+            work = self._works[dtype, device] = _Work.make(numel, self.chunk, self.levels, dtype, device)
+        if work.numel == numel:
+            return work
+        members = self._members.get((numel, dtype, device))
+        if members is None:
+            chunks = max(1, math.ceil(numel / self.chunk))
+            members = torch.full((chunks,), float(self.chunk), dtype=dtype, device=device)
+            members[-1] = numel - (chunks - 1) * self.chunk
+            self._members[numel, dtype, device] = members
+        return work.leading(numel, self.chunk, members)
+
+    def _blocks(self, numel: int) -> list[tuple[int, int]]:
+        """``[(start, stop), ...]`` of the blocks of a tensor of ``numel`` values (one when it fits one)."""
+        return [(start, min(start + self.block, numel)) for start in range(0, max(numel, 1), self.block)]
+
+    def _part(self, message: tuple[torch.Tensor, ...], start: int, stop: int) -> tuple[torch.Tensor, ...]:
+        """The message of values ``start:stop`` (whole chunks from ``start``) within a whole tensor's message."""
+        signs, scales, *planes = message
+        chunks, size = slice(start // self.chunk, -(-stop // self.chunk)), slice(start // 8, -(-stop // 8))
+        return (signs[size], scales[chunks], *(plane[size] for plane in planes))
 
     def values_buffer(self, numel: int, device: torch.device | None = None) -> torch.Tensor:
         """A float32 buffer :meth:`encode` can write the values of ``numel`` entries into (its ``out``).
@@ -248,7 +289,7 @@ class SignCodec:
     def encode(
         self, residual: torch.Tensor, out: torch.Tensor | None = None
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """The code of a flat tensor and the values it decodes to.
+        """The code of a flat tensor and the values it decodes to, ``block`` values at a time.
 
         Args:
             residual: the 1-D tensor to compress.
@@ -262,6 +303,22 @@ class SignCodec:
         Raises:
             InvalidArgumentError: ``out`` is not a contiguous float32 tensor of that size on that device.
         """
+        numel = residual.numel()
+        if numel <= self.block:
+            return self._encode_block(residual, out)
+        grid = self._values_grid(out, numel, residual.device) if out is not None else None
+        values = (grid if grid is not None else self.values_buffer(numel, residual.device)).view(-1)
+        parts = []
+        for start, stop in self._blocks(numel):
+            chunked = start + -(-(stop - start) // self.chunk) * self.chunk
+            parts.append(self._encode_block(residual[start:stop], out=values[start:chunked])[0])
+        message = tuple(torch.cat(pieces) for pieces in zip(*parts, strict=True))
+        return message, values[:numel]
+
+    def _encode_block(
+        self, residual: torch.Tensor, out: torch.Tensor | None = None
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """:meth:`encode` of one block, in one pass (``out`` as for :meth:`encode`)."""
         numel = residual.numel()
         work = self._buffers(numel, residual.dtype, residual.device)
         magnitudes, tail = work.magnitudes, work.tail
@@ -325,8 +382,33 @@ class SignCodec:
 
         Returns:
             A 1-D float32 tensor on the message's device, identical on every rank given the same message; a
-                buffer of this codec, overwritten by its next :meth:`decode`.
+                buffer of this codec, overwritten by its next :meth:`decode` (a new tensor beyond one block).
         """
+        if numel <= self.block:
+            return self._decode_block(message, numel)
+        values = torch.empty(numel, dtype=torch.float32, device=message[1].device)
+        for start, stop in self._blocks(numel):
+            values[start:stop] = self._decode_block(self._part(message, start, stop), stop - start)
+        return values
+
+    def decode_add_(self, message: tuple[torch.Tensor, ...], numel: int, target: torch.Tensor) -> torch.Tensor:
+        """``target += decode(message)``, ``block`` values at a time (no buffer of the whole tensor's values).
+
+        Args:
+            message: what :meth:`encode` returned for ``numel`` values.
+            numel: how many values were coded.
+            target: a 1-D tensor of ``numel`` values, added to in place (in its own dtype, as ``add_`` does).
+
+        Returns:
+            ``target``.
+        """
+        for start, stop in self._blocks(numel):
+            part = message if (start, stop) == (0, numel) else self._part(message, start, stop)
+            target[start:stop].add_(self._decode_block(part, stop - start))
+        return target
+
+    def _decode_block(self, message: tuple[torch.Tensor, ...], numel: int) -> torch.Tensor:
+        """:meth:`decode` of one block, into this codec's buffer."""
         signs, scales, *splits = message
         work = self._buffers(numel, scales.dtype, scales.device)
         # the index into the signed scales: the sign bit, then each split's bit (group g splits into 2g, bit
