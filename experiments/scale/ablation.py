@@ -9,7 +9,13 @@ same initial model and tokens). The parts:
 * the trackers: ChocoSign (scaled signs) -> exact trackers (``exact-trackers``);
 * the second moment: the mean gradient sampled every 64 steps and gossiped -> the exact mean every step
   (``exact-v``);
-* all three exact (``all-exact``): momentum tracking on the one-peer hypercube with nothing compressed;
+* all three exact (``all-exact``): momentum tracking on the one-peer hypercube with nothing compressed; with it, the
+  z^2 floor removed (``all-exact-uncapped``), every floor removed (``all-exact-shared-only``), and an oracle whose
+  workers step on the exact mean first moment (``oracle-direction``: no tracker disagreement at all);
+* the parameters and the trackers exact, the second moment still the gossiped sample (``exact-params-trackers``);
+* a second moment that needs no sample: the tracked first moment squared plus each rank's gradient variance over n
+  (:class:`LocalMomentMomentumTrackingAdamW`; ``local-moment``, and with exact mixing
+  ``exact-params-trackers-local-moment``);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 
@@ -35,6 +41,7 @@ from experiments.shared import append_rows
 from gossip.app.corpus import load_corpus, validation_batches
 
 OUT = RESULTS / "ablation"
+_ALL_EXACT = {"params": "exact", "trackers": "exact", "mean_gradient": "allreduce", "second_moment_every": 1}
 #: arm name -> the fields that differ from the default pipeline.
 ARMS: dict[str, dict[str, object]] = {
     "ddp": {"params": "ddp", "trackers": "", "optimizer": "adamw"},
@@ -43,7 +50,7 @@ ARMS: dict[str, dict[str, object]] = {
     "pg-rank16": {"rank": 16},
     "exact-trackers": {"trackers": "exact"},
     "exact-v": {"mean_gradient": "allreduce", "second_moment_every": 1},
-    "all-exact": {"params": "exact", "trackers": "exact", "mean_gradient": "allreduce", "second_moment_every": 1},
+    "all-exact": _ALL_EXACT,
     "all-exact-exponential": {
         "params": "exact",
         "trackers": "exact",
@@ -56,9 +63,15 @@ ARMS: dict[str, dict[str, object]] = {
     "beta1-0.95": {"beta1": 0.95},
     "cap4": {},
     "exact-params-cap4": {"params": "exact"},
+    "all-exact-uncapped": _ALL_EXACT,
+    "all-exact-shared-only": _ALL_EXACT,
+    "oracle-direction": _ALL_EXACT,
+    "exact-params-trackers": {"params": "exact", "trackers": "exact"},
+    "local-moment": {"second_moment_every": 0},
+    "exact-params-trackers-local-moment": {"params": "exact", "trackers": "exact", "second_moment_every": 0},
 }
-#: arms that run :class:`CappedMomentumTrackingAdamW` with this cap.
-CAPS = {"cap4": 4.0, "exact-params-cap4": 4.0}
+#: arms that run :class:`CappedMomentumTrackingAdamW` with this cap (1e9: no z^2 floor).
+CAPS = {"cap4": 4.0, "exact-params-cap4": 4.0, "all-exact-uncapped": 1e9}
 
 
 def config(arm: str, workers: int, batch: int, steps: int) -> EngineConfig:
@@ -105,6 +118,73 @@ class CappedMomentumTrackingAdamW(optim.MomentumTrackingAdamW):
                 denominator = torch.maximum(self.second_moment(group, state), floor).sqrt_()
                 p.mul_(1 - lr * group["weight_decay"])
                 p.addcdiv_(first, denominator.add_(group["eps"]), value=-lr)
+
+
+class SharedOnlyMomentumTrackingAdamW(optim.MomentumTrackingAdamW):
+    r"""MomentumTrackingAdamW dividing by the mean gradient's second moment alone, :math:`\sqrt{\hat u}`: neither
+    the floor :math:`v_i / n` nor :math:`\hat z^2` (each rank's own), so every rank divides by the same
+    denominator. An experiment arm, per-tensor loop only."""
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        """The update with the shared denominator (class docstring).
+
+        Args:
+            closure: unsupported (None).
+        """
+        if not self._prepared:
+            self.prepare_momentum()
+        self._prepared = False
+        for group, params, states, _ in self._with_gradients():
+            (beta1, beta2), lr = group["betas"], group["lr"]
+            for p, state in zip(params, states, strict=True):
+                first = p.grad / (1 - beta1 ** state["step"])
+                if state["samples"]:
+                    second = state["shared"] / (1 - (beta2**self.second_moment_every) ** state["samples"])
+                else:
+                    second = state["v"] / (1 - beta2 ** state["step"])
+                p.mul_(1 - lr * group["weight_decay"])
+                p.addcdiv_(first, second.sqrt().add_(group["eps"]), value=-lr)
+
+
+class LocalMomentMomentumTrackingAdamW(optim.MomentumTrackingAdamW):
+    r"""MomentumTrackingAdamW whose denominator needs no sample of the mean gradient: with :math:`\hat z` the
+    tracked first moment (the mean gradient's, up to the trackers' disagreement) and :math:`\hat h_i, \hat v_i` the
+    rank's own first and second moments,
+
+    .. math::  \hat s_i = \hat z^2 + \max(\hat v_i - \hat h_i^2, 0) / n \approx E[\bar g]^2 + \sigma^2 / (n b),
+
+    DDP's :math:`E[\bar g^2]`: the square of the mean plus each rank's gradient variance over n. An experiment arm,
+    per-tensor loop only."""
+
+    @torch.no_grad()
+    def step(self, closure: object = None) -> None:
+        """The update with the local estimate (class docstring).
+
+        Args:
+            closure: unsupported (None).
+        """
+        if not self._prepared:
+            self.prepare_momentum()
+        self._prepared = False
+        for group, params, states, _ in self._with_gradients():
+            (beta1, beta2), lr, n = group["betas"], group["lr"], group["n"]
+            for p, state in zip(params, states, strict=True):
+                first = p.grad / (1 - beta1 ** state["step"])
+                own = state["h"] / (1 - beta1 ** state["step"])
+                variance = (state["v"] / (1 - beta2 ** state["step"])).sub_(own.square_()).clamp_min_(0)
+                second = variance.div_(n).addcmul_(first, first)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.addcdiv_(first, second.sqrt_().add_(group["eps"]), value=-lr)
+
+
+class OracleDirectionEngine(Engine):
+    """An oracle, not an algorithm: every worker steps on the exact mean of the workers' first moments (what the
+    trackers estimate), so that the workers differ only by the mixing of their parameters."""
+
+    def _track(self, plan: object) -> None:
+        grad = self.replicas.grad
+        grad.copy_(grad.mean(dim=0, keepdim=True).expand_as(grad))
 
 
 @torch.no_grad()
@@ -171,7 +251,21 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
     config = config.replace(seed=seed, warmup=min(config.warmup, config.steps // 2))
     corpus = load_corpus(None, block_size=config.block_size)
     held_out = validation_batches(corpus.validation, EVAL_BATCH, config.block_size, EVAL_BATCHES)
-    engine = Engine(config, corpus.train, "cpu", "batched")
+    arm = config.name.split("-", 3)[-1]
+    engine = (OracleDirectionEngine if arm == "oracle-direction" else Engine)(config, corpus.train, "cpu", "batched")
+    if arm.endswith("local-moment"):
+        old = engine.optimizer
+        engine.optimizer = LocalMomentMomentumTrackingAdamW(
+            old.param_groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8, second_moment_every=0
+        )
+        for group in engine.optimizer.param_groups:
+            group["n"] = config.workers
+    if arm == "all-exact-shared-only":
+        old = engine.optimizer
+        engine.optimizer = SharedOnlyMomentumTrackingAdamW(
+            old.param_groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8,
+            second_moment_every=config.second_moment_every,
+        )  # fmt: skip
     if cap != 1.0:
         old = engine.optimizer
         engine.optimizer = CappedMomentumTrackingAdamW(
