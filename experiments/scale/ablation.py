@@ -91,18 +91,26 @@ def config(arm: str, workers: int, batch: int, steps: int) -> EngineConfig:
                         **fields)  # fmt: skip
 
 
-class CappedMomentumTrackingAdamW(optim.MomentumTrackingAdamW):
-    r"""MomentumTrackingAdamW whose step may reach ``cap`` x lr per coordinate: the denominator is
-    :math:`\sqrt{\max(\hat v, \hat z^2 / c^2)}` instead of :math:`\sqrt{\max(\hat v, \hat z^2)}` (c = 1 is the
-    library's). An experiment arm, per-tensor loop only (the engine's CPU path)."""
+class _ArmOptimizer(optim.MomentumTrackingAdamW):
+    """The library's update with another denominator (:meth:`denominator`): the experiment arms' optimizers,
+    per-tensor loop only (the engine's CPU path)."""
 
-    def __init__(self, *args: object, cap: float, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
-        self.cap = float(cap)
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        """The square of the step's denominator for one parameter (a new tensor).
+
+        Args:
+            group: the parameter's group.
+            state: its state.
+            first: the bias-corrected first moment it steps on.
+
+        Returns:
+            What the step divides by, before the square root and eps.
+        """
+        raise NotImplementedError
 
     @torch.no_grad()
     def step(self, closure: object = None) -> None:
-        """The library's update with the capped floor (class docstring).
+        """The library's update with :meth:`denominator`.
 
         Args:
             closure: unsupported (None).
@@ -114,68 +122,54 @@ class CappedMomentumTrackingAdamW(optim.MomentumTrackingAdamW):
             beta1, lr = group["betas"][0], group["lr"]
             for p, state in zip(params, states, strict=True):
                 first = p.grad / (1 - beta1 ** state["step"])
-                floor = first.square().div_(self.cap**2)
-                denominator = torch.maximum(self.second_moment(group, state), floor).sqrt_()
+                denominator = self.denominator(group, state, first).sqrt_()
                 p.mul_(1 - lr * group["weight_decay"])
                 p.addcdiv_(first, denominator.add_(group["eps"]), value=-lr)
 
 
-class SharedOnlyMomentumTrackingAdamW(optim.MomentumTrackingAdamW):
+class CappedMomentumTrackingAdamW(_ArmOptimizer):
+    r"""MomentumTrackingAdamW whose step may reach ``cap`` x lr per coordinate: the denominator is
+    :math:`\sqrt{\max(\hat v, \hat z^2 / c^2)}` instead of :math:`\sqrt{\max(\hat v, \hat z^2)}` (c = 1 is the
+    library's)."""
+
+    def __init__(self, *args: object, cap: float, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.cap = float(cap)
+
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        r""":math:`\max(\hat v, \hat z^2 / c^2)` (class docstring)."""
+        return torch.maximum(self.second_moment(group, state), first.square().div_(self.cap**2))
+
+
+class SharedOnlyMomentumTrackingAdamW(_ArmOptimizer):
     r"""MomentumTrackingAdamW dividing by the mean gradient's second moment alone, :math:`\sqrt{\hat u}`: neither
     the floor :math:`v_i / n` nor :math:`\hat z^2` (each rank's own), so every rank divides by the same
-    denominator. An experiment arm, per-tensor loop only."""
+    denominator."""
 
-    @torch.no_grad()
-    def step(self, closure: object = None) -> None:
-        """The update with the shared denominator (class docstring).
-
-        Args:
-            closure: unsupported (None).
-        """
-        if not self._prepared:
-            self.prepare_momentum()
-        self._prepared = False
-        for group, params, states, _ in self._with_gradients():
-            (beta1, beta2), lr = group["betas"], group["lr"]
-            for p, state in zip(params, states, strict=True):
-                first = p.grad / (1 - beta1 ** state["step"])
-                if state["samples"]:
-                    second = state["shared"] / (1 - (beta2**self.second_moment_every) ** state["samples"])
-                else:
-                    second = state["v"] / (1 - beta2 ** state["step"])
-                p.mul_(1 - lr * group["weight_decay"])
-                p.addcdiv_(first, second.sqrt().add_(group["eps"]), value=-lr)
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        r""":math:`\hat u`, or the rank's own :math:`\hat v_i` before the first sample (class docstring)."""
+        beta2 = group["betas"][1]
+        if state["samples"]:
+            return state["shared"] / (1 - (beta2**self.second_moment_every) ** state["samples"])
+        return state["v"] / (1 - beta2 ** state["step"])
 
 
-class LocalMomentMomentumTrackingAdamW(optim.MomentumTrackingAdamW):
+class LocalMomentMomentumTrackingAdamW(_ArmOptimizer):
     r"""MomentumTrackingAdamW whose denominator needs no sample of the mean gradient: with :math:`\hat z` the
     tracked first moment (the mean gradient's, up to the trackers' disagreement) and :math:`\hat h_i, \hat v_i` the
     rank's own first and second moments,
 
     .. math::  \hat s_i = \hat z^2 + \max(\hat v_i - \hat h_i^2, 0) / n \approx E[\bar g]^2 + \sigma^2 / (n b),
 
-    DDP's :math:`E[\bar g^2]`: the square of the mean plus each rank's gradient variance over n. An experiment arm,
-    per-tensor loop only."""
+    DDP's :math:`E[\bar g^2]`: the square of the mean plus each rank's gradient variance over n (the group's
+    ``n``)."""
 
-    @torch.no_grad()
-    def step(self, closure: object = None) -> None:
-        """The update with the local estimate (class docstring).
-
-        Args:
-            closure: unsupported (None).
-        """
-        if not self._prepared:
-            self.prepare_momentum()
-        self._prepared = False
-        for group, params, states, _ in self._with_gradients():
-            (beta1, beta2), lr, n = group["betas"], group["lr"], group["n"]
-            for p, state in zip(params, states, strict=True):
-                first = p.grad / (1 - beta1 ** state["step"])
-                own = state["h"] / (1 - beta1 ** state["step"])
-                variance = (state["v"] / (1 - beta2 ** state["step"])).sub_(own.square_()).clamp_min_(0)
-                second = variance.div_(n).addcmul_(first, first)
-                p.mul_(1 - lr * group["weight_decay"])
-                p.addcdiv_(first, second.sqrt_().add_(group["eps"]), value=-lr)
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        r""":math:`\hat s_i` (class docstring)."""
+        (beta1, beta2), step = group["betas"], state["step"]
+        own = state["h"] / (1 - beta1**step)
+        variance = (state["v"] / (1 - beta2**step)).sub_(own.square_()).clamp_min_(0)
+        return variance.div_(group["n"]).addcmul_(first, first)
 
 
 class OracleDirectionEngine(Engine):
