@@ -57,7 +57,7 @@ LEVELS = (1, 2, 4)
 
 _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
-#: The most values a :class:`SignCodec` codes at once: its work buffers hold about 26 bytes a value of one block.
+#: The most values a :class:`SignCodec` codes at once: its work buffers are those of one block of this many values.
 DEFAULT_BLOCK = 1 << 20
 
 
@@ -227,7 +227,8 @@ class SignCodec:
     tensor uses their leading rows, so a step allocates only what it returns. A tensor longer than ``block`` values
     is coded ``block`` values at a time (a whole number of chunks, so whole bytes of every bit plane): every chunk's
     code depends on its own values only, so the message and the values are those of one pass, bit for bit, while
-    the work buffers (about 26 bytes a value) hold one block, not the tensor. Not safe to share between threads.
+    the work buffers (a float32 and an int64 grid among them) hold one block, not the tensor. Not safe to share
+    between threads.
 
     Args:
         chunk: values per scale (a multiple of 8).

@@ -118,8 +118,9 @@ def check_sharded(config: TrainConfig, processes: int) -> int:
 
 
 def resolve_sharded(config: TrainConfig, processes: int) -> tuple[TrainConfig, list[str]]:
-    """:func:`check_sharded`, then :func:`~gossip.app.train.resolve` for the R replicas (the job's defaults: the
-    default pipeline, its PowerGossip in block mode).
+    """:func:`check_sharded`, then :func:`~gossip.app.train.resolve` for the R replicas.
+
+    The job's defaults apply: the default pipeline, its PowerGossip in block mode.
 
     Args:
         config: the config as given, ``shards`` set.

@@ -369,10 +369,11 @@ def _momentum_optimizer(params: Any) -> MomentumTrackingAdamW:
     return MomentumTrackingAdamW(params, lr=0.01, betas=(0.9, 0.95), second_moment_every=SAMPLE_EVERY)
 
 
-def _unsharded_momentum_tracking(comm: gossip.Communicator, schedule: Any) -> list[list[torch.Tensor]]:
-    """Replica ``comm.rank`` unsharded, under the library's own wrapper (one simulated rank a replica): the
-    parameters after each step."""
-    net = _net()
+def _unsharded_momentum_tracking(comm: gossip.Communicator, schedule: Any, nets: list[nn.Module]) -> list[Any]:
+    """Replica ``comm.rank`` unsharded, under the library's own wrapper (one simulated rank a replica, ``nets`` built
+    before the simulated ranks' threads start: seeding torch's one generator from two threads at once would mix
+    their draws): the parameters after each step."""
+    net = nets[comm.rank]
     model = gossip.DecentralizedDataParallel(net, comm, schedule, gossip.ExactGossip(), gradient_tracking="exact")
     optimizer = _momentum_optimizer(model.parameters())
     trajectory = []
@@ -402,7 +403,7 @@ def momentum_against_unsharded(mesh: DeviceMesh, lanes: Lanes, result: dict) -> 
         optimizer.zero_grad()
         run["full"].append(_full(net))
         run["samples"].append(optimizer.state[next(iter(net.parameters()))]["samples"])
-    run["expected_full"] = gossip.simulate(R, _unsharded_momentum_tracking, schedule)[r]
+    run["expected_full"] = gossip.simulate(R, _unsharded_momentum_tracking, schedule, [_net() for _ in range(R)])[r]
     result["momentum"] = run
     model.close()
 
