@@ -13,6 +13,7 @@ same initial model and tokens). The parts:
   z^2 floor removed (``all-exact-uncapped``), every floor removed (``all-exact-shared-only``), and an oracle whose
   workers step on the exact mean first moment (``oracle-direction``: no tracker disagreement at all);
 * the parameters and the trackers exact, the second moment still the gossiped sample (``exact-params-trackers``);
+  the parameters and the second moment exact, the trackers still signs (``exact-params-v``);
 * a second moment that needs no sample: the tracked first moment squared plus each rank's gradient variance over n
   (:class:`LocalMomentMomentumTrackingAdamW`; ``local-moment``, and with exact mixing
   ``exact-params-trackers-local-moment``);
@@ -67,6 +68,7 @@ ARMS: dict[str, dict[str, object]] = {
     "all-exact-shared-only": _ALL_EXACT,
     "oracle-direction": _ALL_EXACT,
     "exact-params-trackers": {"params": "exact", "trackers": "exact"},
+    "exact-params-v": {"params": "exact", "mean_gradient": "allreduce", "second_moment_every": 1},
     "local-moment": {"second_moment_every": 0},
     "exact-params-trackers-local-moment": {"params": "exact", "trackers": "exact", "second_moment_every": 0},
 }
