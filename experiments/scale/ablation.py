@@ -13,7 +13,9 @@ same initial model and tokens). The parts:
   z^2 floor removed (``all-exact-uncapped``), every floor removed (``all-exact-shared-only``), and an oracle whose
   workers step on the exact mean first moment (``oracle-direction``: no tracker disagreement at all);
 * the parameters and the trackers exact, the second moment still the gossiped sample (``exact-params-trackers``);
-  the parameters and the second moment exact, the trackers still signs (``exact-params-v``);
+  the parameters and the second moment exact, the trackers still signs (``exact-params-v``); exact parameters
+  with a sample every 16 steps (``exact-params-sm16``); PowerGossip at rank 16 with the exact second moment
+  (``pg-rank16-exact-v``);
 * a second moment that needs no sample: the tracked first moment squared plus each rank's gradient variance over n
   (:class:`LocalMomentMomentumTrackingAdamW`; ``local-moment``, and with exact mixing
   ``exact-params-trackers-local-moment``);
@@ -69,6 +71,8 @@ ARMS: dict[str, dict[str, object]] = {
     "oracle-direction": _ALL_EXACT,
     "exact-params-trackers": {"params": "exact", "trackers": "exact"},
     "exact-params-v": {"params": "exact", "mean_gradient": "allreduce", "second_moment_every": 1},
+    "exact-params-sm16": {"params": "exact", "second_moment_every": 16},
+    "pg-rank16-exact-v": {"rank": 16, "mean_gradient": "allreduce", "second_moment_every": 1},
     "local-moment": {"second_moment_every": 0},
     "exact-params-trackers-local-moment": {"params": "exact", "trackers": "exact", "second_moment_every": 0},
 }
