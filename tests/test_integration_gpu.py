@@ -9,39 +9,31 @@ to check the test itself without a GPU.
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
 import torch
 
 pytest.importorskip("pytorch_lightning")
 pytest.importorskip("transformers")
 
-from helpers.launch import REPO, _env, python
+from helpers.launch import TEST_DEVICE, device_job
 
-DEVICE = os.environ.get("GOSSIP_TEST_DEVICE", "cuda")
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(TEST_DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("device-integrations") / "results.pt"
-    command = [python(), str(REPO / "tests" / "helpers" / "device_integrations_worker.py"), DEVICE, str(out)]
-    job = subprocess.run(command, cwd=out.parent, env=_env({}), capture_output=True, text=True, timeout=300)
-    assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+    return device_job("device_integrations_worker.py", tmp_path_factory.mktemp("device-integrations"))
 
 
 @pytest.mark.parametrize("integration", ["lightning", "hf"])
 def test_each_integration_trains_the_default_pipeline_on_the_device_with_gossip_on_its_backend(runs, integration):
     run = runs[integration]
-    backend = "nccl" if DEVICE == "cuda" else "gloo"
+    backend = "nccl" if TEST_DEVICE == "cuda" else "gloo"
     assert (run["parameters"], run["optimizer"], run["backend"], run["wrapper"]) == (
-        [DEVICE],
+        [TEST_DEVICE],
         "MomentumTrackingAdamW",
         backend,
         "DecentralizedDataParallel",

@@ -8,32 +8,24 @@ test itself without a GPU.
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
 import torch
-from helpers.launch import REPO, _env, python
+from helpers.launch import TEST_DEVICE, device_job
 
-DEVICE = os.environ.get("GOSSIP_TEST_DEVICE", "cuda")
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(TEST_DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded-device") / "result.pt"
-    command = [python(), str(REPO / "tests" / "helpers" / "sharded_device_worker.py"), DEVICE, str(out)]
-    job = subprocess.run(command, cwd=out.parent, env=_env({}), capture_output=True, text=True, timeout=300)
-    assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+    return device_job("sharded_device_worker.py", tmp_path_factory.mktemp("sharded-device"))
 
 
 def test_the_shards_live_on_the_device_and_the_lanes_on_its_backend(run):
-    assert run["parameters"] == [DEVICE]
-    assert run["lane"] == ("nccl" if DEVICE == "cuda" else "gloo")
+    assert run["parameters"] == [TEST_DEVICE]
+    assert run["lane"] == ("nccl" if TEST_DEVICE == "cuda" else "gloo")
     assert run["placements"] == ["(Shard(dim=0),)"]
 
 

@@ -178,3 +178,17 @@ def metrics_rows(run_dir: Path) -> list[dict[str, str]]:
     """The rows of a main-job run directory's metrics.csv, as strings."""
     with open(run_dir / "metrics.csv", newline="") as file:
         return list(csv.DictReader(file))
+
+
+#: the device of the one-GPU tests that run a worker of their own: ``GOSSIP_TEST_DEVICE`` (``cpu`` checks them
+#: without a GPU), else ``cuda``
+TEST_DEVICE = os.environ.get("GOSSIP_TEST_DEVICE", "cuda")
+
+
+def device_job(script: str, folder: Path) -> Any:
+    """``python tests/helpers/<script> TEST_DEVICE OUT`` in ``folder``, asserting it exits 0; what it saved to OUT."""
+    out = folder / "results.pt"
+    command = [python(), str(REPO / "tests" / "helpers" / script), TEST_DEVICE, str(out)]
+    job = subprocess.run(command, cwd=folder, env=_env({}), capture_output=True, text=True, timeout=300)
+    assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
+    return torch.load(out, weights_only=False)
