@@ -38,7 +38,7 @@ import torch
 
 import optim
 from experiments.scale.config import EngineConfig
-from experiments.scale.engine import Engine
+from experiments.scale.engine import Engine, MeanGradient
 from experiments.scale.study import EVAL_BATCH, EVAL_BATCHES, RESULTS, done_runs
 from experiments.shared import append_rows
 from gossip.app.corpus import load_corpus, validation_batches
@@ -75,6 +75,11 @@ ARMS: dict[str, dict[str, object]] = {
     "pg-rank16-exact-v": {"rank": 16, "mean_gradient": "allreduce", "second_moment_every": 1},
     "local-moment": {"second_moment_every": 0},
     "exact-params-trackers-local-moment": {"params": "exact", "trackers": "exact", "second_moment_every": 0},
+    "window-v": {},
+    "exact-params-window-v": {"params": "exact"},
+    "pg-rank16-window-v": {"rank": 16},
+    "momentum-v": {},
+    "pg-rank16-momentum-v": {"rank": 16},
 }
 #: arms that run :class:`CappedMomentumTrackingAdamW` with this cap (1e9: no z^2 floor).
 CAPS = {"cap4": 4.0, "exact-params-cap4": 4.0, "all-exact-uncapped": 1e9}
@@ -178,6 +183,66 @@ class LocalMomentMomentumTrackingAdamW(_ArmOptimizer):
         return variance.div_(group["n"]).addcmul_(first, first)
 
 
+class WindowMomentumTrackingAdamW(_ArmOptimizer):
+    r"""MomentumTrackingAdamW whose denominator splits DDP's :math:`E[\bar g^2] = (1 - 1/n)\,\mu^2 + E[g_i^2]/n`
+    (independent ranks, :math:`\mu` the expected gradient): the rank's own :math:`\hat v_i / n` for the second
+    term, and for :math:`\mu^2` the shared u of samples that are each the mean gradient averaged over the K steps
+    since the previous sample (:class:`WindowMeanGradient`): :math:`\hat v = (1 - 1/n)\,\hat u + \hat v_i / n`."""
+
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        r""":math:`\max(\hat v, \hat z^2)` (class docstring)."""
+        beta2, n = group["betas"][1], group["n"]
+        local = state["v"] / (1 - beta2 ** state["step"])
+        if state["samples"]:
+            shared = state["shared"] / (1 - (beta2**self.second_moment_every) ** state["samples"])
+            local = local.div_(n).add_(shared, alpha=1 - 1 / n)
+        return torch.maximum(local, first.square())
+
+
+class WindowMeanGradient(MeanGradient):
+    """The gossiped sample of :class:`experiments.scale.engine.MeanGradient` taken of the mean of each row's
+    gradients over the steps since the previous sample (this step's included) instead of this step's alone."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.window = torch.zeros_like(self.replicas.grad)
+        self.count = 0
+
+    def take(self, optimizer: optim.MomentumTrackingAdamW, step: int, plan: object) -> int:
+        """Accumulate this step's gradients, then :meth:`MeanGradient.take` on the window's mean when due."""
+        grad = self.replicas.grad
+        self.window.add_(grad)
+        self.count += 1
+        if not optimizer.mean_gradient_due():
+            return super().take(optimizer, step, plan)
+        kept = grad.clone()
+        grad.copy_(self.window).div_(self.count)
+        sent = super().take(optimizer, step, plan)
+        grad.copy_(kept)
+        self.window.zero_()
+        self.count = 0
+        return sent
+
+
+class MomentumMeanGradient(MeanGradient):
+    """The gossiped sample of :class:`experiments.scale.engine.MeanGradient` taken of each row's bias-corrected
+    first moment :math:`h_i / (1 - \beta_1^{t})` before this step's update (its gradient at step 0) instead of its
+    gradient: an exponential window of past gradients."""
+
+    def take(self, optimizer: optim.MomentumTrackingAdamW, step: int, plan: object) -> int:
+        """:meth:`MeanGradient.take` with the first moments in place of the gradients on the due steps."""
+        if not optimizer.mean_gradient_due() or step == 0:
+            return super().take(optimizer, step, plan)
+        kept = self.replicas.grad.clone()
+        beta1 = optimizer.param_groups[0]["betas"][0]
+        for name, p in self.replicas.views.items():
+            state = optimizer.state[p]
+            self.replicas.grad_views[name].copy_(state["h"]).div_(1 - beta1 ** state["step"])
+        sent = super().take(optimizer, step, plan)
+        self.replicas.grad.copy_(kept)
+        return sent
+
+
 class OracleDirectionEngine(Engine):
     """An oracle, not an algorithm: every worker steps on the exact mean of the workers' first moments (what the
     trackers estimate), so that the workers differ only by the mixing of their parameters."""
@@ -260,6 +325,16 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
         )
         for group in engine.optimizer.param_groups:
             group["n"] = config.workers
+    if arm.endswith("window-v") or arm.endswith("momentum-v"):
+        old = engine.optimizer
+        engine.optimizer = WindowMomentumTrackingAdamW(
+            old.param_groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8,
+            second_moment_every=config.second_moment_every,
+        )  # fmt: skip
+        for group in engine.optimizer.param_groups:
+            group["n"] = config.workers
+        sampler = WindowMeanGradient if arm.endswith("window-v") else MomentumMeanGradient
+        engine.mean_gradient = sampler(config.mean_gradient, engine.schedule, engine.replicas)
     if arm == "all-exact-shared-only":
         old = engine.optimizer
         engine.optimizer = SharedOnlyMomentumTrackingAdamW(
