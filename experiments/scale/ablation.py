@@ -80,6 +80,14 @@ ARMS: dict[str, dict[str, object]] = {
     "pg-rank16-window-v": {"rank": 16},
     "momentum-v": {},
     "pg-rank16-momentum-v": {"rank": 16},
+    "momentum-v-w": {},
+    "exact-params-momentum-v-w": {"params": "exact"},
+    "pg-rank16-momentum-v-w": {"rank": 16},
+    "exact-params-w": {"params": "exact"},
+    "exact-params-window-v-ar64-w": {"params": "exact", "mean_gradient": "allreduce"},
+    "exact-params-window-v-ar8-w": {"params": "exact", "mean_gradient": "allreduce", "second_moment_every": 8},
+    "exact-params-window-v-w": {"params": "exact"},
+    "window-v-w": {},
 }
 #: arms that run :class:`CappedMomentumTrackingAdamW` with this cap (1e9: no z^2 floor).
 CAPS = {"cap4": 4.0, "exact-params-cap4": 4.0, "all-exact-uncapped": 1e9}
@@ -189,13 +197,47 @@ class WindowMomentumTrackingAdamW(_ArmOptimizer):
     term, and for :math:`\mu^2` the shared u of samples that are each the mean gradient averaged over the K steps
     since the previous sample (:class:`WindowMeanGradient`): :math:`\hat v = (1 - 1/n)\,\hat u + \hat v_i / n`."""
 
+    weighted = False  # weight each sample by the steps it stands for: the first 1, the others K
+
+    def take_mean_gradient(self, means: dict, workers: int) -> None:
+        """u <- beta2^L u + (1 - beta2^L) mean^2, L = 1 for the first sample and K after it when :attr:`weighted`."""
+        if not self.weighted:
+            return super().take_mean_gradient(means, workers)
+        for group in self.param_groups:
+            group["workers"] = int(workers)
+            for p in group["params"]:
+                if p in means:
+                    state = self._state(p)
+                    steps = 1 if not state["samples"] else self.second_moment_every
+                    rate = group["betas"][1] ** steps
+                    state["shared"].mul_(rate).addcmul_(means[p], means[p], value=1 - rate)
+                    state["samples"] += 1
+                    state["covered"] = state.get("covered", 0) + steps
+
     def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
         r""":math:`\max(\hat v, \hat z^2)` (class docstring)."""
         beta2, n = group["betas"][1], group["n"]
         local = state["v"] / (1 - beta2 ** state["step"])
         if state["samples"]:
-            shared = state["shared"] / (1 - (beta2**self.second_moment_every) ** state["samples"])
+            covered = state.get("covered", self.second_moment_every * state["samples"])
+            shared = state["shared"] / (1 - beta2**covered)
             local = local.div_(n).add_(shared, alpha=1 - 1 / n)
+        return torch.maximum(local, first.square())
+
+
+class WeightedMomentumTrackingAdamW(WindowMomentumTrackingAdamW):
+    r"""The library's denominator, :math:`\max(\hat u, \hat v_i / n, \hat z^2)`, with the samples weighted by the
+    steps they stand for (:class:`WindowMomentumTrackingAdamW`'s ``weighted``)."""
+
+    weighted = True
+
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        r""":math:`\max(\hat u, \hat v_i / n, \hat z^2)`."""
+        beta2, n = group["betas"][1], group["n"]
+        local = state["v"] / (1 - beta2 ** state["step"])
+        if state["samples"]:
+            shared = state["shared"] / (1 - beta2 ** state["covered"])
+            local = torch.maximum(local.div_(n), shared)
         return torch.maximum(local, first.square())
 
 
@@ -325,7 +367,7 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
         )
         for group in engine.optimizer.param_groups:
             group["n"] = config.workers
-    if arm.endswith("window-v") or arm.endswith("momentum-v"):
+    if "window-v" in arm or "momentum-v" in arm:
         old = engine.optimizer
         engine.optimizer = WindowMomentumTrackingAdamW(
             old.param_groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8,
@@ -333,8 +375,17 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
         )  # fmt: skip
         for group in engine.optimizer.param_groups:
             group["n"] = config.workers
-        sampler = WindowMeanGradient if arm.endswith("window-v") else MomentumMeanGradient
+        engine.optimizer.weighted = arm.endswith("-w")
+        sampler = WindowMeanGradient if "window-v" in arm else MomentumMeanGradient
         engine.mean_gradient = sampler(config.mean_gradient, engine.schedule, engine.replicas)
+    if arm == "exact-params-w":
+        old = engine.optimizer
+        engine.optimizer = WeightedMomentumTrackingAdamW(
+            old.param_groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8,
+            second_moment_every=config.second_moment_every,
+        )  # fmt: skip
+        for group in engine.optimizer.param_groups:
+            group["n"] = config.workers
     if arm == "all-exact-shared-only":
         old = engine.optimizer
         engine.optimizer = SharedOnlyMomentumTrackingAdamW(
