@@ -91,8 +91,93 @@ class MeanGradientMixing(TrackerMixing):
     name = "mean-gradient"
 
 
+class GradientWindow:
+    """Each parameter's gradients summed over the steps since the window was last emptied, in the buckets' layout.
+
+    What a sample of the mean gradient is taken of (module docstring): :meth:`add` at every step, :meth:`average` on
+    the due step turns the sums into means in place, :meth:`clear` empties it after the sample is handed over.
+
+    Args:
+        buckets: the wrapper's parameter buckets (the sums take their layout).
+        parameters: the trainable parameters, in the order of the buckets' entries.
+    """
+
+    def __init__(self, buckets: list[Bucket], parameters: list[Any]):
+        self.buckets, self.parameters = buckets, parameters
+        self.sums: list[Bucket] | None = None  # allocated at the first add
+        self.steps = 0  # steps summed since the window was emptied
+        self.sampled: list[int] = []  # positions of the parameters that had a gradient in one of them
+
+    def allocate(self) -> list[Bucket]:
+        """The sums' buckets, made (zero) at the first call.
+
+        Returns:
+            One bucket per parameter bucket, laid out like it.
+        """
+        if self.sums is None:
+            self.sums = [Bucket(torch.zeros_like(bucket.buffer), bucket.entries) for bucket in self.buckets]
+        return self.sums
+
+    def add(self) -> None:
+        """Add this step's gradients (nothing for a parameter without one)."""
+        added = gradients_into(self.buckets, self.parameters, [b.buffer for b in self.allocate()], accumulate=True)
+        had = set(self.sampled) | {index for index, p in enumerate(self.parameters) if p in added}
+        self.sampled, self.steps = sorted(had), self.steps + 1
+
+    def average(self) -> None:
+        """Divide the sums by the steps summed: each rank's mean gradient over the window."""
+        for bucket in self.allocate():
+            bucket.buffer.div_(max(self.steps, 1))
+
+    def views(self) -> dict[Any, torch.Tensor]:
+        """The sums (or means), keyed by the parameters that had a gradient in the window.
+
+        Returns:
+            Views of the buffers, one per sampled parameter.
+        """
+        views = [bucket.view(entry) for bucket in self.allocate() for entry in bucket.entries]
+        return {self.parameters[i]: views[i] for i in self.sampled}
+
+    def clear(self) -> None:
+        """Empty the window."""
+        for bucket in self.sums or []:
+            bucket.buffer.zero_()
+        self.steps, self.sampled = 0, []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sums so far, for a checkpoint.
+
+        Returns:
+            ``{"steps", "sampled", "sums"}``; ``sums`` is None before the first step.
+        """
+        sums = None if self.sums is None else [b.buffer.detach().clone() for b in self.sums]
+        return {"steps": self.steps, "sampled": list(self.sampled), "sums": sums}
+
+    def load_state_dict(self, state: dict[str, Any], rank: int) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Args:
+            state: the saved state.
+            rank: this rank, for the message.
+
+        Raises:
+            CheckpointMismatchError: the saved sums do not have this run's bucket layout.
+        """
+        saved: Sequence[torch.Tensor] | None = state.get("sums")
+        if saved is not None:
+            sums = self.allocate()
+            if [(t.shape, t.dtype) for t in saved] != [(b.buffer.shape, b.buffer.dtype) for b in sums]:
+                raise CheckpointMismatchError(
+                    f"rank {rank}: the saved samples of the mean gradient do not have this run's bucket layout"
+                )
+            for bucket, value in zip(sums, saved, strict=True):
+                bucket.buffer.copy_(value)
+        self.steps, self.sampled = int(state["steps"]), list(state["sampled"])
+
+
 class AllReducedMeanGradient:
-    """``mean_gradient="allreduce"``: at each due step, one all-reduce of the gradients (module docstring).
+    """``mean_gradient="allreduce"``: at each due step, one all-reduce of the window's mean gradients (module
+    docstring).
 
     Args:
         algorithm: the wrapper's bound algorithm (its communicator; its step account books the all-reduce).
@@ -103,10 +188,21 @@ class AllReducedMeanGradient:
     gossips = False
 
     def __init__(self, algorithm: Algorithm, buckets: list[Bucket], parameters: list[torch.Tensor]):
-        self.algorithm, self.buckets, self.parameters = algorithm, buckets, parameters
+        self.algorithm = algorithm
+        self.window = GradientWindow(buckets, parameters)
+
+    @property
+    def parameters(self) -> list[Any]:
+        """What the window reads ``.grad`` of, in the order of the buckets' entries (the sharded wrapper sets its
+        local shards' views)."""
+        return self.window.parameters
+
+    @parameters.setter
+    def parameters(self, parameters: list[Any]) -> None:
+        self.window.parameters = parameters
 
     def rebind(self, algorithm: Algorithm, schedule: Schedule) -> None:
-        """Use a new member set's algorithm (elastic runs).
+        """Use a new member set's algorithm (elastic runs); the window's own gradients are kept.
 
         Args:
             algorithm: the new, bound algorithm.
@@ -122,7 +218,8 @@ class AllReducedMeanGradient:
         """
 
     def take(self, source: MeanGradientTaker, step: int, sample: bool = True) -> None:
-        """If the optimizer's sample is due (and ``sample``): all-reduce the gradients and hand it their mean.
+        """Add this step's gradients to the window; if the optimizer's sample is due (and ``sample``): all-reduce the
+        window's means and hand the optimizer their mean over the ranks.
 
         A collective, posted as part of the step (``in_step``: an elastic communicator refuses it during a membership
         change). Every rank asks the same optimizer kind, so every rank joins.
@@ -131,38 +228,44 @@ class AllReducedMeanGradient:
             source: the optimizer.
             step: the step.
             sample: False skips this step's sample even when it is due (an elastic step whose sample a change
-                interrupted).
+                interrupted); the window then runs on to the next.
         """
+        window = self.window
+        window.add()
         if not (sample and source.mean_gradient_due()):
             return
-        flats = [torch.zeros_like(bucket.buffer) for bucket in self.buckets]
-        means = gradients_into(self.buckets, self.parameters, flats)  # averaged in place below
-        handles = [self.algorithm._all_reduce(flat, "avg", in_step=True) for flat in flats]
+        window.average()
+        handles = [self.algorithm._all_reduce(b.buffer, "avg", in_step=True) for b in window.allocate()]
         for handle in handles:
             self.algorithm._wait(handle)
-        source.take_mean_gradient(means, self.algorithm.comm.size)
+        source.take_mean_gradient(window.views(), self.algorithm.comm.size)
+        window.clear()
 
     def drain(self) -> None:
         """Nothing outlives a step."""
 
     def state_dict(self) -> dict[str, Any]:
-        """No state between steps.
+        """The window, for a checkpoint.
 
         Returns:
-            An empty dict.
+            :meth:`GradientWindow.state_dict`'s.
         """
-        return {}
+        return self.window.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Nothing to restore.
+        """Restore what :meth:`state_dict` returned.
 
         Args:
-            state: what :meth:`state_dict` returned.
+            state: the saved state.
         """
+        self.window.load_state_dict(state, self.algorithm.comm.rank)
 
 
 class GossipedMeanGradient:
     """``mean_gradient="gossip"``: the sample averaged by gossip over the schedule, then applied (module docstring).
+
+    The window's sums are the sample's buffers: between a sample's hand-over and the next due step they sum the
+    rank's gradients, from the due step on they are mixed, so the window costs no memory beyond the sample.
 
     Args:
         algorithm: the wrapper's bound algorithm; the samples' exchanges book into its step account.
@@ -174,16 +277,25 @@ class GossipedMeanGradient:
     gossips = True
 
     def __init__(self, algorithm: Algorithm, schedule: Schedule, buckets: list[Bucket], parameters: list[Any]):
-        self.buckets, self.parameters = buckets, parameters
-        self.samples: list[Bucket] | None = None  # allocated at the first sample
+        self.window = GradientWindow(buckets, parameters)
         self.remaining = 0  # hops left of the sample in progress (0: none in progress)
         self.begin_at = 0  # the first step the sample in progress may hop at
-        self._sampled: list[int] = []  # positions of the parameters that had a gradient when the sample was taken
         self._pending: Any = None  # the hop in flight
         self.rebind(algorithm, schedule)
 
+    @property
+    def parameters(self) -> list[Any]:
+        """What the window reads ``.grad`` of, in the order of the buckets' entries (the sharded wrapper sets its
+        local shards' views)."""
+        return self.window.parameters
+
+    @parameters.setter
+    def parameters(self, parameters: list[Any]) -> None:
+        self.window.parameters = parameters
+
     def rebind(self, algorithm: Algorithm, schedule: Schedule) -> None:
-        """Mix over a new schedule and algorithm (construction, elastic member sets); a sample in progress is dropped.
+        """Mix over a new schedule and algorithm (construction, elastic member sets); a sample in progress is dropped
+        and the window emptied.
 
         Args:
             algorithm: the bound algorithm whose step account the hops book into.
@@ -198,8 +310,9 @@ class GossipedMeanGradient:
         period = schedule.period or 1
         self.longest_wait = max(self._first_hop_after(s) - s for s in range(period)) if self._starts else 1
         self.mixing = MeanGradientMixing(nonfinite=algorithm.nonfinite)
-        if self.samples is not None:
-            algorithm.setup_part(self.mixing, schedule, self.samples)
+        self.window.clear()
+        if self.window.sums is not None:
+            algorithm.setup_part(self.mixing, schedule, self.window.sums)
 
     def _first_hop_after(self, step: int) -> int:
         t = step + 1
@@ -217,14 +330,16 @@ class GossipedMeanGradient:
             self._pending = self.mixing.start(step)
 
     def take(self, source: MeanGradientTaker, step: int, sample: bool = True) -> None:
-        """At the optimizer step: finish this step's hop, then sample the gradients if the optimizer's sample is due.
+        """At the optimizer step: finish this step's hop, add the gradients to the window when no sample is in
+        progress, then turn the window into a sample if the optimizer's is due.
 
-        The hop that makes the sample exact hands its mean over (:meth:`MeanGradientTaker.take_mean_gradient`).
+        The hop that makes the sample exact hands its mean over (:meth:`MeanGradientTaker.take_mean_gradient`) and
+        empties the window for the next.
 
         Args:
             source: the optimizer.
             step: the step, the same on every rank.
-            sample: False skips a new sample this step even when it is due.
+            sample: False skips a new sample this step even when it is due (the window runs on).
 
         Raises:
             InvalidArgumentError: a sample is due while the previous one is still being averaged (the optimizer's
@@ -236,9 +351,8 @@ class GossipedMeanGradient:
             self.remaining -= 1
             if not self.remaining:
                 self._hand_over(source)
-        if not (sample and source.mean_gradient_due()):
-            return
-        if self.remaining:
+        due = sample and source.mean_gradient_due()
+        if self.remaining and due:
             needed = self.hops + self.longest_wait - 1
             raise InvalidArgumentError(
                 f"step {step}: rank {self.algorithm.comm.rank}: the optimizer samples the mean gradient again while "
@@ -246,19 +360,21 @@ class GossipedMeanGradient:
                 f"'{self.schedule.name}'; raise its second_moment_every to at least {needed}, or pass "
                 "mean_gradient='allreduce' to the wrapper"
             )
-        if self.samples is None:
-            self.samples = [Bucket(torch.zeros_like(bucket.buffer), bucket.entries) for bucket in self.buckets]
-            self.algorithm.setup_part(self.mixing, self.schedule, self.samples)
-        taken = gradients_into(self.buckets, self.parameters, [sample.buffer for sample in self.samples])
-        self._sampled = [index for index, p in enumerate(self.parameters) if p in taken]
+        if self.remaining:
+            return
+        if self.window.sums is None:
+            self.algorithm.setup_part(self.mixing, self.schedule, self.window.allocate())
+        self.window.add()
+        if not due:
+            return
+        self.window.average()
         self.remaining, self.begin_at = self.hops, self._first_hop_after(step)
         if not self.remaining:  # one rank: its gradient is the mean
             self._hand_over(source)
 
     def _hand_over(self, source: MeanGradientTaker) -> None:
-        assert self.samples is not None
-        views = [sample.view(entry) for sample in self.samples for entry in sample.entries]
-        source.take_mean_gradient({self.parameters[i]: views[i] for i in self._sampled}, self.algorithm.comm.size)
+        source.take_mean_gradient(self.window.views(), self.algorithm.comm.size)
+        self.window.clear()
 
     def drain(self) -> None:
         """Complete a hop in flight and drop its result (``close()``, a checkpoint being loaded)."""
@@ -267,18 +383,12 @@ class GossipedMeanGradient:
             self.mixing.finish(pending)
 
     def state_dict(self) -> dict[str, Any]:
-        """The sample in progress, for a checkpoint (a hop in flight is posted again by the resumed run).
+        """The window or the sample in progress, for a checkpoint (a hop in flight is posted again by the resumed run).
 
         Returns:
-            ``{"remaining", "begin_at", "sampled", "samples"}``; ``samples`` is None before the first.
+            ``{"remaining", "begin_at", "window"}`` (:meth:`GradientWindow.state_dict`).
         """
-        samples = None if self.samples is None else [s.buffer.detach().clone() for s in self.samples]
-        return {
-            "remaining": self.remaining,
-            "begin_at": self.begin_at,
-            "sampled": list(self._sampled),
-            "samples": samples,
-        }
+        return {"remaining": self.remaining, "begin_at": self.begin_at, "window": self.window.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
@@ -290,19 +400,16 @@ class GossipedMeanGradient:
             CheckpointMismatchError: the saved samples do not have this run's bucket layout.
         """
         self.drain()
-        saved: Sequence[torch.Tensor] | None = state.get("samples")
-        if saved is not None:
-            if self.samples is None:
-                self.samples = [Bucket(torch.zeros_like(bucket.buffer), bucket.entries) for bucket in self.buckets]
-                self.algorithm.setup_part(self.mixing, self.schedule, self.samples)
-            if [(t.shape, t.dtype) for t in saved] != [(s.buffer.shape, s.buffer.dtype) for s in self.samples]:
-                raise CheckpointMismatchError(
-                    f"rank {self.algorithm.comm.rank}: the saved samples of the mean gradient do not have this run's "
-                    "bucket layout"
-                )
-            for sample, value in zip(self.samples, saved, strict=True):
-                sample.buffer.copy_(value)
-        self.remaining, self.begin_at, self._sampled = int(state["remaining"]), int(state["begin_at"]), state["sampled"]
+        if "window" not in state:
+            raise CheckpointMismatchError(
+                f"rank {self.algorithm.comm.rank}: the saved sample of the mean gradient has no window (a checkpoint "
+                "of an earlier version); resume it with that version"
+            )
+        had = self.window.sums is not None
+        self.window.load_state_dict(state["window"], self.algorithm.comm.rank)
+        if not had and self.window.sums is not None:
+            self.algorithm.setup_part(self.mixing, self.schedule, self.window.sums)
+        self.remaining, self.begin_at = int(state["remaining"]), int(state["begin_at"])
 
 
 def make_mean_gradient(
