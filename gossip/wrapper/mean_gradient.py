@@ -3,26 +3,34 @@ r"""The mean gradient a momentum-tracking optimizer samples for its second momen
 A :class:`~gossip.wrapper.momentum.MomentumSource` (:class:`optim.MomentumTrackingAdamW` with
 ``second_moment_every`` = K > 0) divides its steps by the second moment of the *mean* gradient
 :math:`\bar g = \frac1n \sum_j g_j`, sampled every K steps (``optim/momentum_tracking.py`` says why: each rank's own
-:math:`E[g_i^2] = \bar g^2 + \sigma^2` is n times too noisy). The wrapper's ``mean_gradient`` chooses how the sample
-is formed:
+:math:`E[g_i^2] = \bar g^2 + \sigma^2` is n times too noisy). What is sampled is a window's mean: every rank sums its
+gradients over the steps since its previous sample was handed over (:class:`GradientWindow`), and on the due step s
+divides the sum by the steps summed, L:
 
-* ``"gossip"`` (:class:`GossipedMeanGradient`, the default): no collective. At the due step s every rank copies its
-  gradient into a sample :math:`a_i \leftarrow g_i^s`; from the next step t at which the schedule averages exactly
-  (:func:`topologies.exact_averaging_starts`: every step of the one-peer hypercube, the first of each period of a
-  Base-(k+1) graph) the samples are mixed over the schedule's own W(t), one step at a time,
+.. math::  w_i = \frac1L \sum_{t = s-L+1}^{s} g_i^t, \qquad \bar w = \frac1n \sum_j w_j ,
+
+whose square has the noise of n L gradients instead of n (a parameter without a gradient at a step adds nothing
+that step). The wrapper's ``mean_gradient`` chooses how :math:`\bar w` is formed:
+
+* ``"gossip"`` (:class:`GossipedMeanGradient`, the default): no collective. The window is summed in the sample's own
+  buffer :math:`a_i` while no sample is in progress; at the due step :math:`a_i \leftarrow w_i`, and from the next
+  step t at which the schedule averages exactly (:func:`topologies.exact_averaging_starts`: every step of the
+  one-peer hypercube, the first of each period of a Base-(k+1) graph) the samples are mixed over the schedule's own
+  W(t), one step at a time,
 
   .. math::  a_i \leftarrow \sum_j W_{ij}(t)\, a_j ,
 
   their exchange posted with the parameters' (it runs during forward and backward) and mixed at the optimizer
   step, summed in rank order. After h hops, :math:`W(t+h-1) \cdots W(t) = J`, so every rank holds
-  :math:`\bar g^s` exactly up to rounding, and hands it to the optimizer then (h steps late: log2 n for the
-  hypercube, against the 1/(1 - beta2) steps over which the second moment averages). Bytes per rank: h model-sized
-  messages per sample, h/K of a model per step. A schedule that never averages exactly (a ring, random matchings)
-  mixes for :func:`inexact_hops` steps instead: random matchings halve the expected squared disagreement each step
-  (Boyd, Ghosh, Prabhakar & Shah 2006), so after :math:`\lceil\log_2 n\rceil + 3` of them what is left is
-  :math:`2^{-3}` of one rank's gradient noise divided by n.
-* ``"allreduce"`` (:class:`AllReducedMeanGradient`): one all-reduce of the gradients at the due step, applied at
-  once; :math:`2 (n-1)/n` of a model per rank and sample, and a barrier over every rank.
+  :math:`\bar w` exactly up to rounding, and hands it to the optimizer then (h steps late: log2 n for the
+  hypercube, against the 1/(1 - beta2) steps over which the second moment averages); the buffer then sums the next
+  window, from that step on. Bytes per rank: h model-sized messages per sample, h/K of a model per step. A schedule
+  that never averages exactly (a ring, random matchings) mixes for :func:`inexact_hops` steps instead: random
+  matchings halve the expected squared disagreement each step (Boyd, Ghosh, Prabhakar & Shah 2006), so after
+  :math:`\lceil\log_2 n\rceil + 3` of them what is left is :math:`2^{-3}` of one rank's gradient noise divided by n.
+* ``"allreduce"`` (:class:`AllReducedMeanGradient`): the window summed in a buffer of its own every step, and one
+  all-reduce of its means at the due step, applied at once; :math:`2 (n-1)/n` of a model per rank and sample, and a
+  barrier over every rank.
 
 A sample due while the previous one is still being averaged is refused by name: the optimizer's
 ``second_moment_every`` must be at least the hops plus the longest wait for an exact start, less one (the hops alone
