@@ -308,6 +308,25 @@ def test_resume_is_bit_identical(tmp_path):
         assert torch.equal(result["resumed"], result["uninterrupted"]), f"rank {rank}"
 
 
+def test_resume_mid_window_is_bit_identical_with_the_all_reduced_sample(tmp_path):
+    """Saved at step 3 with a sample due every 4 steps: the all-reduce's window holds steps 1 and 2, which the
+    resumed run must sum on with steps 3 and 4, or its second sample (and then every step) differs."""
+    results = gossip.simulate(
+        N,
+        lambda comm: checkpoint_resume(
+            comm,
+            tmp_path / f"r{comm.rank}",
+            gossip.PowerGossip,
+            optimizer_factory=lambda parameters: momentum_tracking_adamw(parameters, every=4),
+            gradient_tracking=True,
+            mean_gradient="allreduce",
+        ),
+    )
+    for rank, result in enumerate(results):
+        assert result["resumed_at"] == 3
+        assert torch.equal(result["resumed"], result["uninterrupted"]), f"rank {rank}"
+
+
 def _mismatched_optimizers(comm, plain_rank: int | None, every_on_rank_2: int) -> str:
     model = wrap(comm, make_mlp(comm.rank), gradient_tracking=True)
     every = every_on_rank_2 if comm.rank == 2 else 4
