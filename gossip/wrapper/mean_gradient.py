@@ -183,7 +183,23 @@ class GradientWindow:
         self.steps, self.sampled = int(state["steps"]), list(state["sampled"])
 
 
-class AllReducedMeanGradient:
+class _WindowedSampler:
+    """What both samplers share: a :class:`GradientWindow` and the parameters it reads."""
+
+    window: GradientWindow
+
+    @property
+    def parameters(self) -> list[Any]:
+        """What the window reads ``.grad`` of, in the order of the buckets' entries (the sharded wrapper sets its
+        local shards' views)."""
+        return self.window.parameters
+
+    @parameters.setter
+    def parameters(self, parameters: list[Any]) -> None:
+        self.window.parameters = parameters
+
+
+class AllReducedMeanGradient(_WindowedSampler):
     """``mean_gradient="allreduce"``: at each due step, one all-reduce of the window's mean gradients (module
     docstring).
 
@@ -198,16 +214,6 @@ class AllReducedMeanGradient:
     def __init__(self, algorithm: Algorithm, buckets: list[Bucket], parameters: list[torch.Tensor]):
         self.algorithm = algorithm
         self.window = GradientWindow(buckets, parameters)
-
-    @property
-    def parameters(self) -> list[Any]:
-        """What the window reads ``.grad`` of, in the order of the buckets' entries (the sharded wrapper sets its
-        local shards' views)."""
-        return self.window.parameters
-
-    @parameters.setter
-    def parameters(self, parameters: list[Any]) -> None:
-        self.window.parameters = parameters
 
     def rebind(self, algorithm: Algorithm, schedule: Schedule) -> None:
         """Use a new member set's algorithm (elastic runs); the window's own gradients are kept.
@@ -269,7 +275,7 @@ class AllReducedMeanGradient:
         self.window.load_state_dict(state, self.algorithm.comm.rank)
 
 
-class GossipedMeanGradient:
+class GossipedMeanGradient(_WindowedSampler):
     """``mean_gradient="gossip"``: the sample averaged by gossip over the schedule, then applied (module docstring).
 
     The window's sums are the sample's buffers: between a sample's hand-over and the next due step they sum the
@@ -290,16 +296,6 @@ class GossipedMeanGradient:
         self.begin_at = 0  # the first step the sample in progress may hop at
         self._pending: Any = None  # the hop in flight
         self.rebind(algorithm, schedule)
-
-    @property
-    def parameters(self) -> list[Any]:
-        """What the window reads ``.grad`` of, in the order of the buckets' entries (the sharded wrapper sets its
-        local shards' views)."""
-        return self.window.parameters
-
-    @parameters.setter
-    def parameters(self, parameters: list[Any]) -> None:
-        self.window.parameters = parameters
 
     def rebind(self, algorithm: Algorithm, schedule: Schedule) -> None:
         """Mix over a new schedule and algorithm (construction, elastic member sets); a sample in progress is dropped
