@@ -22,34 +22,24 @@ on rank i, with :math:`g_i` the rank's gradient, in three phases:
               \frac{\hat z}{\sqrt{\max(\hat v, \hat z^2)} + \epsilon}
 
 The second moment :math:`\hat v`. With ``second_moment_every = 0`` it is the rank's own,
-:math:`v_i / (1-\beta_2^t)`. With K > 0 it is the **mean gradient's**, sampled: on every K-th step, counted from
-the first (t = 0, K, 2K, ...), the wrapper hands :meth:`~MomentumTrackingAdamW.take_mean_gradient` the mean over
-the ranks of each rank's gradients *averaged over the steps since its previous sample* (its window,
-``gossip/wrapper/mean_gradient.py``), :math:`\bar w`. A sample stands for the steps since the previous one, 1 for
-the first and K after it, and is weighted so,
+:math:`v_i / (1-\beta_2^t)`. With K > 0 it is the **mean gradient's**: on every K-th step, counted from the first
+(t = 0, K, 2K, ...), the wrapper all-reduces the ranks' gradients and hands their mean :math:`\bar g` to
+:meth:`~MomentumTrackingAdamW.take_mean_gradient`, which advances :math:`u \leftarrow \beta_2^K u + (1-\beta_2^K)\,
+\bar g^2` (the same time constant in steps as :math:`v_i`); then
 
-.. math::  u \leftarrow \beta_2^{L} u + (1-\beta_2^{L})\,\bar w^2, \qquad L = 1 \text{ for the first sample, } K
-           \text{ after it}
+.. math::  \hat v = \max\Big(\frac{u}{1-\beta_2^{K s}},\; \frac{v_i}{n\,(1-\beta_2^t)}\Big)
 
-(the time constant of :math:`v_i` in steps: the first step's large gradient is outweighed by the next sample as
-one step against K); then, after s samples over n ranks,
+after s samples over n ranks (the rank's own before the first sample). Why both halves: every rank then divides the
+mean first moment by the mean gradient's second moment, DDP's step, where each rank's own
+:math:`E[g_i^2] = g^2 + \sigma^2` exceeds DDP's :math:`g^2 + \sigma^2/n` in the noisy coordinates; momentum tracking
+with each rank's own second moment shrinks those steps below per-worker AdamW's, and a shared second moment on
+each rank's own first moment lets the replicas drift apart (experiments/learning_per_step/README.md, "Momentum
+tracking with the mean gradient's second moment").
 
-.. math::  \hat v = \max\Big(\frac{u}{1-\beta_2^{1 + K (s-1)}},\; \frac{v_i}{n\,(1-\beta_2^t)}\Big)
-
-(the rank's own before the first sample). Why the mean gradient's: every rank then divides the mean first moment by
-DDP's second moment, where each rank's own :math:`E[g_i^2] = \mu^2 + \sigma^2` exceeds DDP's
-:math:`E[\bar g^2] = \mu^2 + \sigma^2/n` in the noisy coordinates; momentum tracking with each rank's own second
-moment shrinks those steps below per-worker AdamW's, and a shared second moment on each rank's own first moment lets
-the replicas drift apart (experiments/learning_per_step/README.md, "Momentum tracking with the mean gradient's
-second moment"). Why a window: :math:`\bar w^2` estimates :math:`\mu^2` with the noise of n L gradients
-(:math:`\sigma^2 / (n L)` for L steps) where one step's :math:`\bar g^2` is a one-degree-of-freedom draw per
-coordinate, so a few samples pin the coordinates where the mean gradient is signal. Where it is noise, the sample
-falls below the floor :math:`v_i / n`, which is the mean gradient's second moment of independent noise
-:math:`\sigma^2 / n` (experiments/scale/README.md measures the parts).
-
-Why the :math:`\hat z^2` floor. A tracker carries the other ranks' first moments into coordinates this rank's
-batches never touch (embedding rows), where :math:`v_i \approx 0`; :math:`\max(\cdot, \hat z^2)` keeps every
-coordinate's step within lr.
+Why the floors. A tracker carries the other ranks' first moments into coordinates this rank's batches never touch
+(embedding rows), where :math:`v_i \approx 0`; :math:`\max(\cdot, \hat z^2)` keeps every coordinate's step within
+lr. A coordinate whose mean gradient is 0 at the last sample would be divided by ~0 until the next one; the floor
+:math:`v_i/n` is the mean gradient's second moment where the ranks' gradients are independent noise.
 
 Without the wrapper (or without its gradient tracking), :math:`z_i = h_i`, and with ``second_moment_every = 0`` the
 update is AdamW's wherever AdamW's :math:`\hat m^2 \le \hat v` (elsewhere the floor shortens the step to lr).
@@ -149,12 +139,12 @@ class MomentumTrackingAdamW(Optimizer):
 
     @torch.no_grad()
     def take_mean_gradient(self, means: Mapping[Tensor, Tensor], workers: int) -> None:
-        """Advance the mean gradient's second moment u with one sample (module docstring).
+        """Advance the mean gradient's second moment u with one sample.
 
         Args:
-            means: the mean over the ranks of each parameter's gradients over the steps since the previous sample,
-                keyed by the parameter (a parameter left out is not sampled).
-            workers: n, the number of ranks the mean is over.
+            means: the mean over the ranks of each parameter's gradient, keyed by the parameter (a parameter left
+                out is not sampled).
+            workers: n, the number of ranks the mean is over (the floor divides by it).
 
         Raises:
             ValueError: ``second_moment_every`` is 0, or ``workers`` < 1.
@@ -165,16 +155,12 @@ class MomentumTrackingAdamW(Optimizer):
             raise ValueError(f"MomentumTrackingAdamW: workers must be >= 1, got {workers}")
         for group in self.param_groups:
             group["workers"] = int(workers)
+            rate = group["betas"][1] ** self.second_moment_every
             for p in group["params"]:
                 if p in means:
                     state = self._state(p)
-                    rate = group["betas"][1] ** (self.second_moment_every if state["samples"] else 1)
                     state["shared"].mul_(rate).addcmul_(means[p], means[p], value=1 - rate)
                     state["samples"] += 1
-
-    def _shared_correction(self, beta2: float, samples: int) -> float:
-        """u's bias correction after ``samples`` samples: 1 - beta2^(1 + K (samples - 1))."""
-        return 1 - beta2 ** (1 + self.second_moment_every * (samples - 1))
 
     @torch.no_grad()
     def prepare_momentum(self) -> None:
@@ -212,7 +198,7 @@ class MomentumTrackingAdamW(Optimizer):
         local = state["v"] / (1 - beta2 ** state["step"])
         if not self.second_moment_every or not state["samples"]:
             return local
-        shared = state["shared"] / self._shared_correction(beta2, state["samples"])
+        shared = state["shared"] / (1 - (beta2**self.second_moment_every) ** state["samples"])
         return torch.maximum(shared, local.div_(group["workers"]), out=shared)  # both are new: written in place
 
     @torch.no_grad()
@@ -253,9 +239,9 @@ class MomentumTrackingAdamW(Optimizer):
         second = list(torch._foreach_div([st["v"] for st in states], [1 - beta2 ** st["step"] for st in states]))
         sampled = [i for i, st in enumerate(states) if self.second_moment_every and st["samples"]]
         if sampled:
+            rate = beta2**self.second_moment_every
             shared = torch._foreach_div(
-                [states[i]["shared"] for i in sampled],
-                [self._shared_correction(beta2, states[i]["samples"]) for i in sampled],
+                [states[i]["shared"] for i in sampled], [1 - rate ** states[i]["samples"] for i in sampled]
             )
             floors = torch._foreach_div([second[i] for i in sampled], group["workers"])
             for i, value in zip(sampled, torch._foreach_maximum(shared, floors), strict=True):

@@ -8,7 +8,7 @@ same initial model and tokens). The parts:
   or PowerGossip at a higher rank (``pg-rank16``);
 * the trackers: ChocoSign (scaled signs) -> exact trackers (``exact-trackers``);
 * the second moment: the mean gradient sampled every 64 steps and gossiped -> the exact mean every step
-  (``exact-v``), or the same sample all-reduced at once (``ar64``, with exact parameters ``exact-params-ar64``);
+  (``exact-v``);
 * all three exact (``all-exact``): momentum tracking on the one-peer hypercube with nothing compressed; with it, the
   z^2 floor removed (``all-exact-uncapped``), every floor removed (``all-exact-shared-only``), and an oracle whose
   workers step on the exact mean first moment (``oracle-direction``: no tracker disagreement at all);
@@ -23,9 +23,7 @@ same initial model and tokens). The parts:
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 
 Run: ``python -m experiments.scale.ablation --workers 16 --steps 300`` (results to ``results/ablation/``, one
-run at a time; a run already in its ``summary.csv`` is skipped). The library's sample changed after the runs of
-``results/ablation/`` (one step's gradient then, a window's mean now): runs of the current code go to another
-``--out`` (``results/ablation_window/``).
+run at a time; a run already in its ``summary.csv`` is skipped).
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ import torch
 
 import optim
 from experiments.scale.config import EngineConfig
-from experiments.scale.engine import Engine
+from experiments.scale.engine import Engine, MeanGradient
 from experiments.scale.study import EVAL_BATCH, EVAL_BATCHES, RESULTS, done_runs
 from experiments.shared import append_rows
 from gossip.app.corpus import load_corpus, validation_batches
@@ -77,8 +75,19 @@ ARMS: dict[str, dict[str, object]] = {
     "pg-rank16-exact-v": {"rank": 16, "mean_gradient": "allreduce", "second_moment_every": 1},
     "local-moment": {"second_moment_every": 0},
     "exact-params-trackers-local-moment": {"params": "exact", "trackers": "exact", "second_moment_every": 0},
-    "ar64": {"mean_gradient": "allreduce"},
-    "exact-params-ar64": {"params": "exact", "mean_gradient": "allreduce"},
+    "window-v": {},
+    "exact-params-window-v": {"params": "exact"},
+    "pg-rank16-window-v": {"rank": 16},
+    "momentum-v": {},
+    "pg-rank16-momentum-v": {"rank": 16},
+    "momentum-v-w": {},
+    "exact-params-momentum-v-w": {"params": "exact"},
+    "pg-rank16-momentum-v-w": {"rank": 16},
+    "exact-params-w": {"params": "exact"},
+    "exact-params-window-v-ar64-w": {"params": "exact", "mean_gradient": "allreduce"},
+    "exact-params-window-v-ar8-w": {"params": "exact", "mean_gradient": "allreduce", "second_moment_every": 8},
+    "exact-params-window-v-w": {"params": "exact"},
+    "window-v-w": {},
 }
 #: arms that run :class:`CappedMomentumTrackingAdamW` with this cap (1e9: no z^2 floor).
 CAPS = {"cap4": 4.0, "exact-params-cap4": 4.0, "all-exact-uncapped": 1e9}
@@ -182,6 +191,100 @@ class LocalMomentMomentumTrackingAdamW(_ArmOptimizer):
         return variance.div_(group["n"]).addcmul_(first, first)
 
 
+class WindowMomentumTrackingAdamW(_ArmOptimizer):
+    r"""MomentumTrackingAdamW whose denominator splits DDP's :math:`E[\bar g^2] = (1 - 1/n)\,\mu^2 + E[g_i^2]/n`
+    (independent ranks, :math:`\mu` the expected gradient): the rank's own :math:`\hat v_i / n` for the second
+    term, and for :math:`\mu^2` the shared u of samples that are each the mean gradient averaged over the K steps
+    since the previous sample (:class:`WindowMeanGradient`): :math:`\hat v = (1 - 1/n)\,\hat u + \hat v_i / n`."""
+
+    weighted = False  # weight each sample by the steps it stands for: the first 1, the others K
+
+    def take_mean_gradient(self, means: dict, workers: int) -> None:
+        """u <- beta2^L u + (1 - beta2^L) mean^2, L = 1 for the first sample and K after it when :attr:`weighted`."""
+        if not self.weighted:
+            return super().take_mean_gradient(means, workers)
+        for group in self.param_groups:
+            group["workers"] = int(workers)
+            for p in group["params"]:
+                if p in means:
+                    state = self._state(p)
+                    steps = 1 if not state["samples"] else self.second_moment_every
+                    rate = group["betas"][1] ** steps
+                    state["shared"].mul_(rate).addcmul_(means[p], means[p], value=1 - rate)
+                    state["samples"] += 1
+                    state["covered"] = state.get("covered", 0) + steps
+
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        r""":math:`\max(\hat v, \hat z^2)` (class docstring)."""
+        beta2, n = group["betas"][1], group["n"]
+        local = state["v"] / (1 - beta2 ** state["step"])
+        if state["samples"]:
+            covered = state.get("covered", self.second_moment_every * state["samples"])
+            shared = state["shared"] / (1 - beta2**covered)
+            local = local.div_(n).add_(shared, alpha=1 - 1 / n)
+        return torch.maximum(local, first.square())
+
+
+class WeightedMomentumTrackingAdamW(WindowMomentumTrackingAdamW):
+    r"""The library's denominator, :math:`\max(\hat u, \hat v_i / n, \hat z^2)`, with the samples weighted by the
+    steps they stand for (:class:`WindowMomentumTrackingAdamW`'s ``weighted``)."""
+
+    weighted = True
+
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        r""":math:`\max(\hat u, \hat v_i / n, \hat z^2)`."""
+        beta2, n = group["betas"][1], group["n"]
+        local = state["v"] / (1 - beta2 ** state["step"])
+        if state["samples"]:
+            shared = state["shared"] / (1 - beta2 ** state["covered"])
+            local = torch.maximum(local.div_(n), shared)
+        return torch.maximum(local, first.square())
+
+
+class WindowMeanGradient(MeanGradient):
+    """The gossiped sample of :class:`experiments.scale.engine.MeanGradient` taken of the mean of each row's
+    gradients over the steps since the previous sample (this step's included) instead of this step's alone."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.window = torch.zeros_like(self.replicas.grad)
+        self.count = 0
+
+    def take(self, optimizer: optim.MomentumTrackingAdamW, step: int, plan: object) -> int:
+        """Accumulate this step's gradients, then :meth:`MeanGradient.take` on the window's mean when due."""
+        grad = self.replicas.grad
+        self.window.add_(grad)
+        self.count += 1
+        if not optimizer.mean_gradient_due():
+            return super().take(optimizer, step, plan)
+        kept = grad.clone()
+        grad.copy_(self.window).div_(self.count)
+        sent = super().take(optimizer, step, plan)
+        grad.copy_(kept)
+        self.window.zero_()
+        self.count = 0
+        return sent
+
+
+class MomentumMeanGradient(MeanGradient):
+    """The gossiped sample of :class:`experiments.scale.engine.MeanGradient` taken of each row's bias-corrected
+    first moment :math:`h_i / (1 - \beta_1^{t})` before this step's update (its gradient at step 0) instead of its
+    gradient: an exponential window of past gradients."""
+
+    def take(self, optimizer: optim.MomentumTrackingAdamW, step: int, plan: object) -> int:
+        """:meth:`MeanGradient.take` with the first moments in place of the gradients on the due steps."""
+        if not optimizer.mean_gradient_due() or step == 0:
+            return super().take(optimizer, step, plan)
+        kept = self.replicas.grad.clone()
+        beta1 = optimizer.param_groups[0]["betas"][0]
+        for name, p in self.replicas.views.items():
+            state = optimizer.state[p]
+            self.replicas.grad_views[name].copy_(state["h"]).div_(1 - beta1 ** state["step"])
+        sent = super().take(optimizer, step, plan)
+        self.replicas.grad.copy_(kept)
+        return sent
+
+
 class OracleDirectionEngine(Engine):
     """An oracle, not an algorithm: every worker steps on the exact mean of the workers' first moments (what the
     trackers estimate), so that the workers differ only by the mixing of their parameters."""
@@ -262,6 +365,25 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
         engine.optimizer = LocalMomentMomentumTrackingAdamW(
             old.param_groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8, second_moment_every=0
         )
+        for group in engine.optimizer.param_groups:
+            group["n"] = config.workers
+    if "window-v" in arm or "momentum-v" in arm:
+        old = engine.optimizer
+        engine.optimizer = WindowMomentumTrackingAdamW(
+            old.param_groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8,
+            second_moment_every=config.second_moment_every,
+        )  # fmt: skip
+        for group in engine.optimizer.param_groups:
+            group["n"] = config.workers
+        engine.optimizer.weighted = arm.endswith("-w")
+        sampler = WindowMeanGradient if "window-v" in arm else MomentumMeanGradient
+        engine.mean_gradient = sampler(config.mean_gradient, engine.schedule, engine.replicas)
+    if arm == "exact-params-w":
+        old = engine.optimizer
+        engine.optimizer = WeightedMomentumTrackingAdamW(
+            old.param_groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8,
+            second_moment_every=config.second_moment_every,
+        )  # fmt: skip
         for group in engine.optimizer.param_groups:
             group["n"] = config.workers
     if arm == "all-exact-shared-only":

@@ -8,8 +8,8 @@ step of :class:`gossip.DecentralizedDataParallel` on all rows at once, in its or
 2. the parameters' mixing of x_t (:func:`experiments.scale.mixing.exact_gossip_` or
    :class:`~experiments.scale.powergossip.BatchedPowerGossip`), which the library overlaps with step 1;
 3. with momentum tracking: the mean gradient's sample (a hop of the one in progress, handed to the optimizer when
-   it is exact; the gradients summed into the window; a new sample of the window's means on the due steps) and the
-   optimizer's ``prepare_momentum`` (the first moment into ``.grad``);
+   it is exact; a new sample on the due steps) and the optimizer's ``prepare_momentum`` (the first moment into
+   ``.grad``);
 4. with trackers: y <- mix(y + g - g_prev) (adapt-then-combine, ``gossip.wrapper.tracking``), exactly
    (:func:`~experiments.scale.mixing.rank_order_sum_`) or by :class:`~experiments.scale.sign.BatchedChocoSign`,
    written into ``.grad``;
@@ -50,12 +50,11 @@ from gossip.wrapper.tracking import require_doubly_stochastic
 class MeanGradient:
     """The mean gradient a momentum-tracking optimizer samples: gossiped along the schedule or all-reduced.
 
-    Both follow :mod:`gossip.wrapper.mean_gradient`: every row sums its gradients in a window (for ``"gossip"`` only
-    while no sample is in progress, in the sample's own buffer) and on a due step divides the sums by the steps
-    summed. ``"gossip"`` (:class:`gossip.wrapper.mean_gradient.GossipedMeanGradient`): from the next step at which
-    the schedule averages exactly (:func:`topologies.exact_averaging_starts`) the window's means are mixed over W(t)
-    in rank order, one step at a time, and handed to the optimizer after the schedule's hops (``inexact_hops(n)``
-    steps on a schedule that never averages exactly). ``"allreduce"`` hands over their rank-order mean at once.
+    ``"gossip"`` follows :class:`gossip.wrapper.mean_gradient.GossipedMeanGradient`: at a due step every row copies
+    its gradient into the sample; from the next step at which the schedule averages exactly
+    (:func:`topologies.exact_averaging_starts`) the samples are mixed over W(t) in rank order, one step at a time,
+    and handed to the optimizer after the schedule's hops (``inexact_hops(n)`` steps on a schedule that never
+    averages exactly). ``"allreduce"`` hands over the rank-order mean at once.
 
     Args:
         how: ``"gossip"`` or ``"allreduce"``.
@@ -68,8 +67,7 @@ class MeanGradient:
         starts = topologies.exact_averaging_starts(schedule)
         self.hops = max(starts.values()) if starts else inexact_hops(schedule.n)
         self._starts = set(starts) if starts else None
-        self.window = torch.zeros_like(replicas.grad)  # the sums, then the sample in progress
-        self.steps = 0  # steps summed in the window
+        self.samples: Tensor | None = None
         self.remaining = self.begin_at = 0
 
     def _first_hop_after(self, step: int) -> int:
@@ -81,11 +79,9 @@ class MeanGradient:
     def _hand_over(self, optimizer: optim.MomentumTrackingAdamW, means: Tensor) -> None:
         views = self.replicas.views_of(means)
         optimizer.take_mean_gradient({p: views[name] for name, p in self.replicas.views.items()}, self.schedule.n)
-        self.window.zero_()
-        self.steps = 0
 
     def take(self, optimizer: optim.MomentumTrackingAdamW, step: int, plan: StepPlan) -> int:
-        """Step ``step``'s part: a hop of the sample in progress, the window's sum, then a new sample if one is due.
+        """Step ``step``'s part: a hop of the sample in progress, then a new sample if one is due.
 
         Args:
             optimizer: the optimizer (its ``mean_gradient_due`` and ``take_mean_gradient``).
@@ -100,31 +96,25 @@ class MeanGradient:
         """
         grad, n = self.replicas.grad, self.schedule.n
         row_bytes = grad.shape[1] * grad.element_size()
-        due, sent = optimizer.mean_gradient_due(), 0
+        sent = 0
         if self.how == "allreduce":
-            self.window.add_(grad)
-            self.steps += 1
-            if due:
-                self._hand_over(optimizer, mean_in_rank_order(self.window.div_(self.steps)))
+            if optimizer.mean_gradient_due():
+                self._hand_over(optimizer, mean_in_rank_order(grad))
                 sent = int(2 * (n - 1) / n * row_bytes * n)
             return sent
         if self.remaining and step >= self.begin_at:
-            rank_order_sum_(self.window, plan)
+            rank_order_sum_(self.samples, plan)
             sent = sum(len(nodes) for nodes in plan.active) * row_bytes
             self.remaining -= 1
             if not self.remaining:
-                self._hand_over(optimizer, self.window)
-        if self.remaining:
-            if due:
+                self._hand_over(optimizer, self.samples)
+        if optimizer.mean_gradient_due():
+            if self.remaining:
                 raise ValueError(f"step {step}: a mean-gradient sample is due while the last one needs more hops")
-            return sent
-        self.window.add_(grad)
-        self.steps += 1
-        if due:
-            self.window.div_(self.steps)
+            self.samples = grad.clone()
             self.remaining, self.begin_at = self.hops, self._first_hop_after(step)
             if not self.remaining:
-                self._hand_over(optimizer, self.window)
+                self._hand_over(optimizer, self.samples)
         return sent
 
 

@@ -68,18 +68,14 @@ class Bucket:
 
 
 def gradients_into(
-    buckets: Sequence[Bucket],
-    parameters: Sequence[torch.Tensor],
-    targets: Sequence[torch.Tensor],
-    accumulate: bool = False,
+    buckets: Sequence[Bucket], parameters: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]
 ) -> dict[torch.Tensor, torch.Tensor]:
-    """Copy (or add) each parameter's ``.grad`` into ``targets``, zeros (nothing) for a parameter without one.
+    """Copy each parameter's ``.grad`` into ``targets``, zeros for a parameter without one.
 
     Args:
         buckets: the parameters' buckets.
         parameters: the parameters, in the order of the buckets' entries.
         targets: one flat buffer per bucket, laid out like it (see :meth:`Bucket.view`).
-        accumulate: add the gradients to what ``targets`` hold instead of overwriting it.
 
     Returns:
         The views of ``targets`` holding the gradients, keyed by the parameters that have one.
@@ -91,11 +87,7 @@ def gradients_into(
             position += 1
             view = bucket.view(entry, target)
             if parameter.grad is None:
-                if not accumulate:
-                    view.zero_()
-            elif accumulate:
-                view.add_(parameter.grad)
-                views[parameter] = view
+                view.zero_()
             else:
                 view.copy_(parameter.grad)
                 views[parameter] = view

@@ -59,7 +59,7 @@ from gossip.wrapper.consensus import (
     global_average,
     reading,
 )
-from gossip.wrapper.mean_gradient import MEAN_GRADIENT_SOURCES, make_mean_gradient
+from gossip.wrapper.mean_gradient import MEAN_GRADIENT_SOURCES, GossipedMeanGradient, make_mean_gradient
 from gossip.wrapper.metrics import StepMetrics
 from gossip.wrapper.momentum import MomentumSource, momentum_source, optimizer_kind
 from gossip.wrapper.peer_agreement import PeerAgreement
@@ -935,7 +935,7 @@ class DecentralizedDataParallel(nn.Module):
         }
         if self.tracker is not None:
             state["tracker"] = self.tracker.state_dict()
-        if self._mean_gradient is not None:
+        if isinstance(self._mean_gradient, GossipedMeanGradient):
             state["mean_gradient"] = self._mean_gradient.state_dict()
         in_flight = self.algorithm.in_flight_state()  # an exchange kept across steps (waited for, not applied)
         if in_flight:
@@ -971,7 +971,7 @@ class DecentralizedDataParallel(nn.Module):
         if self.tracker is not None:
             self.tracker.load_state_dict(state["tracker"])
         self._agreement.drain()
-        if self._mean_gradient is not None and "mean_gradient" in state:
+        if isinstance(self._mean_gradient, GossipedMeanGradient) and "mean_gradient" in state:
             self._mean_gradient.load_state_dict(state["mean_gradient"])
         self.step_count = int(state["step"])
         self._last_step_end = math.nan
