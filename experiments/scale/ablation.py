@@ -339,6 +339,18 @@ def diagnose(engine: Engine, sample: int = 1 << 20) -> dict[str, float]:
     }
 
 
+def _swap_optimizer(engine: Engine, kind: type, **changes: object) -> optim.MomentumTrackingAdamW:
+    """Replace the engine's optimizer by ``kind`` over the same param groups and the configuration's settings
+    (``changes`` override them); every group learns n as ``group["n"]``. Returns the new optimizer."""
+    config = engine.config
+    settings = {"lr": config.lr, "betas": (config.beta1, config.beta2), "eps": 1e-8}
+    settings |= {"second_moment_every": config.second_moment_every, **changes}
+    engine.optimizer = kind(engine.optimizer.param_groups, **settings)
+    for group in engine.optimizer.param_groups:
+        group["n"] = config.workers
+    return engine.optimizer
+
+
 def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: float = 1.0) -> dict:
     """:func:`experiments.scale.study.run` on the CPU with :func:`diagnose` in each record (``diagnostics.csv``).
 
@@ -361,43 +373,17 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
     arm = config.name.split("-", 3)[-1]
     engine = (OracleDirectionEngine if arm == "oracle-direction" else Engine)(config, corpus.train, "cpu", "batched")
     if arm.endswith("local-moment"):
-        old = engine.optimizer
-        engine.optimizer = LocalMomentMomentumTrackingAdamW(
-            old.param_groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8, second_moment_every=0
-        )
-        for group in engine.optimizer.param_groups:
-            group["n"] = config.workers
+        _swap_optimizer(engine, LocalMomentMomentumTrackingAdamW, second_moment_every=0)
     if "window-v" in arm or "momentum-v" in arm:
-        old = engine.optimizer
-        engine.optimizer = WindowMomentumTrackingAdamW(
-            old.param_groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8,
-            second_moment_every=config.second_moment_every,
-        )  # fmt: skip
-        for group in engine.optimizer.param_groups:
-            group["n"] = config.workers
-        engine.optimizer.weighted = arm.endswith("-w")
+        _swap_optimizer(engine, WindowMomentumTrackingAdamW).weighted = arm.endswith("-w")
         sampler = WindowMeanGradient if "window-v" in arm else MomentumMeanGradient
         engine.mean_gradient = sampler(config.mean_gradient, engine.schedule, engine.replicas)
     if arm == "exact-params-w":
-        old = engine.optimizer
-        engine.optimizer = WeightedMomentumTrackingAdamW(
-            old.param_groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8,
-            second_moment_every=config.second_moment_every,
-        )  # fmt: skip
-        for group in engine.optimizer.param_groups:
-            group["n"] = config.workers
+        _swap_optimizer(engine, WeightedMomentumTrackingAdamW)
     if arm == "all-exact-shared-only":
-        old = engine.optimizer
-        engine.optimizer = SharedOnlyMomentumTrackingAdamW(
-            old.param_groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8,
-            second_moment_every=config.second_moment_every,
-        )  # fmt: skip
+        _swap_optimizer(engine, SharedOnlyMomentumTrackingAdamW)
     if cap != 1.0:
-        old = engine.optimizer
-        engine.optimizer = CappedMomentumTrackingAdamW(
-            old.param_groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=1e-8,
-            second_moment_every=config.second_moment_every, cap=cap,
-        )  # fmt: skip
+        _swap_optimizer(engine, CappedMomentumTrackingAdamW, cap=cap)
     started, losses, rows, diagnostics = time.perf_counter(), [], [], []
     for step in range(config.steps):
         losses.append(engine.step(step).mean())
