@@ -212,16 +212,19 @@ class WindowMomentumTrackingAdamW(_ArmOptimizer):
                     rate = group["betas"][1] ** steps
                     state["shared"].mul_(rate).addcmul_(means[p], means[p], value=1 - rate)
                     state["samples"] += 1
-                    state["covered"] = state.get("covered", 0) + steps
+
+    def shared(self, group: dict, state: dict) -> torch.Tensor:
+        """u bias-corrected over the steps its samples stand for: 1 + K (s - 1) when :attr:`weighted`, else K s."""
+        samples, every = state["samples"], self.second_moment_every
+        covered = 1 + every * (samples - 1) if self.weighted else every * samples
+        return state["shared"] / (1 - group["betas"][1] ** covered)
 
     def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
         r""":math:`\max(\hat v, \hat z^2)` (class docstring)."""
         beta2, n = group["betas"][1], group["n"]
         local = state["v"] / (1 - beta2 ** state["step"])
         if state["samples"]:
-            covered = state.get("covered", self.second_moment_every * state["samples"])
-            shared = state["shared"] / (1 - beta2**covered)
-            local = local.div_(n).add_(shared, alpha=1 - 1 / n)
+            local = local.div_(n).add_(self.shared(group, state), alpha=1 - 1 / n)
         return torch.maximum(local, first.square())
 
 
@@ -236,8 +239,7 @@ class WeightedMomentumTrackingAdamW(WindowMomentumTrackingAdamW):
         beta2, n = group["betas"][1], group["n"]
         local = state["v"] / (1 - beta2 ** state["step"])
         if state["samples"]:
-            shared = state["shared"] / (1 - beta2 ** state["covered"])
-            local = torch.maximum(local.div_(n), shared)
+            local = torch.maximum(local.div_(n), self.shared(group, state))
         return torch.maximum(local, first.square())
 
 
