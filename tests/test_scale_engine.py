@@ -274,3 +274,18 @@ def test_the_report_pairs_each_arm_with_its_ddp_twin():
         1.5,
     )
     assert only["gap"] == pytest.approx(0.1) and only["bytes_per_step_over_ddp"] == pytest.approx(0.1)
+
+
+def test_the_report_tells_a_missing_ddp_curve_from_one_never_reached():
+    from experiments.scale.report import equivalent_step_text, gaps
+
+    summary = [
+        {"config": f"n16-b4-{arm}", "seed": 0, "workers": 16, "batch": 4, "step": 30, "final_avg_val_loss": loss,
+         "final_local_val_loss": loss, "final_consensus": 0.1, "bytes_per_worker_per_step": 1.0}
+        for arm, loss in (("ddp", 1.5), ("pipeline", 1.2))
+    ]  # fmt: skip
+    curve = [{"config": "n16-b4-ddp", "seed": 0, "step": s, "avg_val_loss": v} for s, v in ((10, 2), (20, 1.5))]
+    (below,) = gaps(summary, curve)  # the arm ends below anything DDP's curve reaches
+    (missing,) = gaps(summary, [])
+    assert below["ddp_equivalent_step"] is None and missing["ddp_equivalent_step"] is None
+    assert (equivalent_step_text(below), equivalent_step_text(missing)) == ("ends below DDP", "no DDP curve")

@@ -4,8 +4,9 @@ For every run in ``summary.csv`` with a DDP twin (same workers, batch and seed: 
 :func:`gaps` gives the paired gap of the final averaged-model validation loss, arm - DDP, and the DDP-equivalent
 steps: the first recorded step at which DDP's averaged validation loss is at or below the arm's final one
 (``steps.csv``, every ``record_every`` steps), so that the arm's steps over it bounds from below the steps ratio the
-arm needs to reach DDP's final loss on the same schedule (``None`` when DDP's curve never gets that high: the arm
-ends below DDP). :func:`plot` draws the averaged model's validation loss against steps, one panel per (n, batch).
+arm needs to reach DDP's final loss on the same schedule (``None`` when DDP's curve never gets that high, the arm
+ending below DDP, or when ``steps.csv`` has no curve of the twin: ``ddp_curve_points`` tells which). :func:`plot`
+draws the averaged model's validation loss against steps, one panel per (n, batch).
 
 Run: ``python -m experiments.scale.report`` (reads and writes ``experiments/scale/results/``).
 """
@@ -56,9 +57,25 @@ def gaps(summary: list[dict], steps: list[dict]) -> list[dict]:
             "ddp_final_avg_val_loss": twin["final_avg_val_loss"], "gap": final - twin["final_avg_val_loss"],
             "local_minus_avg": row["final_local_val_loss"] - final, "final_consensus": row["final_consensus"],
             "ddp_equivalent_step": reached, "steps_ratio_at_least": row["step"] / reached if reached else None,
+            "ddp_curve_points": len(curve),
             "bytes_per_step_over_ddp": row["bytes_per_worker_per_step"] / twin["bytes_per_worker_per_step"],
         })  # fmt: skip
     return sorted(out, key=lambda r: (r["workers"], r["batch"], r["arm"], r["seed"]))
+
+
+def equivalent_step_text(row: dict) -> str:
+    """A :func:`gaps` row's DDP-equivalent step as the table prints it.
+
+    Args:
+        row: the row.
+
+    Returns:
+        The step, ``"ends below DDP"`` when DDP's curve never reaches the arm's final loss, or ``"no DDP curve"``
+            when ``steps.csv`` has none for the twin (its rows are not committed: the run writes them again).
+    """
+    if row["ddp_equivalent_step"] is not None:
+        return str(row["ddp_equivalent_step"])
+    return "ends below DDP" if row["ddp_curve_points"] else "no DDP curve"
 
 
 def mean_spread(values: list[float]) -> str:
@@ -76,7 +93,8 @@ def mean_spread(values: list[float]) -> str:
 
 
 def plot(steps: list[dict], path: Path) -> Path:
-    """The averaged model's validation loss against steps, one panel per (workers, batch), seed 0.
+    """The averaged model's validation loss against steps, one panel per (workers, batch): each run's lowest seed
+    that ``steps.csv`` has (seed 0 when the sweeps' runs are all there), named in the legend.
 
     Args:
         steps: ``steps.csv``'s rows.
@@ -91,10 +109,13 @@ def plot(steps: list[dict], path: Path) -> Path:
     for ax, (n, b) in zip(axes[0], panels, strict=True):
         runs = sorted({r["config"] for r in steps if int(r["workers"]) == n and int(r["batch"]) == b})
         for config in runs:
-            rows = [r for r in steps if r["config"] == config and r["seed"] == 0]
-            rows.sort(key=lambda r: r["step"])
-            ax.plot([r["step"] for r in rows], [r["avg_val_loss"] for r in rows], label=_arm(config), lw=1.2)
-        ax.set(title=f"n = {n}, {b} sequences a worker (seed 0)", xlabel="step", ylabel="val. loss, averaged model")
+            seed = min(int(r["seed"]) for r in steps if r["config"] == config)
+            rows = sorted(
+                (r for r in steps if r["config"] == config and int(r["seed"]) == seed), key=lambda r: r["step"]
+            )
+            label = f"{_arm(config)} (seed {seed})"
+            ax.plot([r["step"] for r in rows], [r["avg_val_loss"] for r in rows], label=label, lw=1.2)
+        ax.set(title=f"n = {n}, {b} sequences a worker", xlabel="step", ylabel="val. loss, averaged model")
         ax.set_ylim(top=2.6)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -122,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         groups.setdefault((row["workers"], row["batch"], row["arm"]), []).append(row)
     for (n, b, arm), group in groups.items():
-        equivalent = " / ".join(str(r["ddp_equivalent_step"]) for r in group)
+        equivalent = " / ".join(equivalent_step_text(r) for r in group)
         consensus = " / ".join(f"{r['final_consensus']:.2f}" for r in group)
         print(f"| {n} × {b} | {arm} | {mean_spread([r['gap'] for r in group])} | {equivalent} | {consensus} | "
               f"{group[0]['bytes_per_step_over_ddp']:.3f} |")  # fmt: skip
