@@ -93,8 +93,8 @@ def mean_spread(values: list[float]) -> str:
 
 
 def plot(steps: list[dict], path: Path) -> Path:
-    """The averaged model's validation loss against steps, one panel per (workers, batch): each run's lowest seed
-    that ``steps.csv`` has (seed 0 when the sweeps' runs are all there), named in the legend.
+    """The averaged model's validation loss against steps, one panel per (workers, batch): every run and seed that
+    ``steps.csv`` has, one colour per arm and one line style per seed.
 
     Args:
         steps: ``steps.csv``'s rows.
@@ -104,21 +104,24 @@ def plot(steps: list[dict], path: Path) -> Path:
         ``path``.
     """
     plt = pyplot()
+    styles = ("-", "--", ":", "-.")
     panels = sorted({(int(r["workers"]), int(r["batch"])) for r in steps})
+    arms = sorted({_arm(r["config"]) for r in steps})
+    colours = {arm: f"C{i}" for i, arm in enumerate(arms)}
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False)
     for ax, (n, b) in zip(axes[0], panels, strict=True):
-        runs = sorted({r["config"] for r in steps if int(r["workers"]) == n and int(r["batch"]) == b})
-        for config in runs:
-            seed = min(int(r["seed"]) for r in steps if r["config"] == config)
+        runs = sorted({(r["config"], int(r["seed"])) for r in steps if int(r["workers"]) == n and int(r["batch"]) == b})
+        for config, seed in runs:
             rows = sorted(
                 (r for r in steps if r["config"] == config and int(r["seed"]) == seed), key=lambda r: r["step"]
             )
-            label = f"{_arm(config)} (seed {seed})"
-            ax.plot([r["step"] for r in rows], [r["avg_val_loss"] for r in rows], label=label, lw=1.2)
+            arm = _arm(config)
+            ax.plot([r["step"] for r in rows], [r["avg_val_loss"] for r in rows], label=f"{arm}, seed {seed}",
+                    color=colours[arm], linestyle=styles[seed % len(styles)], lw=1.1)  # fmt: skip
         ax.set(title=f"n = {n}, {b} sequences a worker", xlabel="step", ylabel="val. loss, averaged model")
         ax.set_ylim(top=2.6)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     return save_figure(fig, path)
 
 
