@@ -27,6 +27,21 @@ def _arm(config: str) -> str:
     return config.split("-", 2)[2]
 
 
+def curves(steps: list[dict]) -> dict[tuple, list[dict]]:
+    """``steps.csv``'s rows per run, in step order.
+
+    Args:
+        steps: ``steps.csv``'s rows.
+
+    Returns:
+        ``{(config, seed): rows}``.
+    """
+    runs: dict[tuple, list[dict]] = {}
+    for row in sorted(steps, key=lambda r: r["step"]):
+        runs.setdefault((row["config"], row["seed"]), []).append(row)
+    return runs
+
+
 def gaps(summary: list[dict], steps: list[dict]) -> list[dict]:
     """One row per (workers, batch, arm, seed) that has a DDP twin.
 
@@ -39,9 +54,7 @@ def gaps(summary: list[dict], steps: list[dict]) -> list[dict]:
             ``steps_ratio_at_least`` (the arm's steps over it), the final consensus distance and bytes per step.
     """
     ddp = {(r["workers"], r["batch"], r["seed"]): r for r in summary if _arm(r["config"]) == "ddp"}
-    curves: dict[tuple, list[dict]] = {}
-    for row in steps:
-        curves.setdefault((row["config"], row["seed"]), []).append(row)
+    runs = curves(steps)
     out = []
     for row in summary:
         key = (row["workers"], row["batch"], row["seed"])
@@ -49,7 +62,7 @@ def gaps(summary: list[dict], steps: list[dict]) -> list[dict]:
             continue
         twin = ddp[key]
         final = row["final_avg_val_loss"]
-        curve = sorted(curves.get((twin["config"], twin["seed"]), []), key=lambda r: r["step"])
+        curve = runs.get((twin["config"], twin["seed"]), [])
         reached = next((int(r["step"]) for r in curve if r["avg_val_loss"] <= final), None)
         out.append({
             "workers": int(row["workers"]), "batch": int(row["batch"]), "arm": _arm(row["config"]),
@@ -109,15 +122,14 @@ def plot(steps: list[dict], path: Path) -> Path:
     arms = sorted({_arm(r["config"]) for r in steps})
     colours = {arm: f"C{i}" for i, arm in enumerate(arms)}
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False)
+    runs = curves(steps)
     for ax, (n, b) in zip(axes[0], panels, strict=True):
-        runs = sorted({(r["config"], int(r["seed"])) for r in steps if int(r["workers"]) == n and int(r["batch"]) == b})
-        for config, seed in runs:
-            rows = sorted(
-                (r for r in steps if r["config"] == config and int(r["seed"]) == seed), key=lambda r: r["step"]
-            )
+        for (config, seed), rows in sorted(runs.items()):
+            if (int(rows[0]["workers"]), int(rows[0]["batch"])) != (n, b):
+                continue
             arm = _arm(config)
-            ax.plot([r["step"] for r in rows], [r["avg_val_loss"] for r in rows], label=f"{arm}, seed {seed}",
-                    color=colours[arm], linestyle=styles[seed % len(styles)], lw=1.1)  # fmt: skip
+            ax.plot([r["step"] for r in rows], [r["avg_val_loss"] for r in rows], label=f"{arm}, seed {int(seed)}",
+                    color=colours[arm], linestyle=styles[int(seed) % len(styles)], lw=1.1)  # fmt: skip
         ax.set(title=f"n = {n}, {b} sequences a worker", xlabel="step", ylabel="val. loss, averaged model")
         ax.set_ylim(top=2.6)
         ax.grid(alpha=0.3)
