@@ -74,6 +74,21 @@ def test_the_mean_gradient_is_gossiped_by_default_and_applies_to_momentum_tracki
     assert caught.value.option == "--mean-gradient"
 
 
+def test_the_sample_travels_in_bfloat16_by_default_and_the_dtype_applies_to_a_gossiped_sample_only():
+    assert resolved([]).mean_gradient_dtype == "bfloat16"
+    assert resolved(["--mean-gradient-dtype", "float32"]).mean_gradient_dtype == "float32"
+    for argv, named in (
+        (["--mean-gradient", "allreduce", "--mean-gradient-dtype", "float16"], "--mean-gradient allreduce"),
+        (["--outer-every", "10", "--mean-gradient-dtype", "float16"], "--optimizer adamw"),
+    ):
+        with pytest.raises(ConfigError, match=f"applies to a gossiped sample .* only, not .*{named}") as caught:
+            resolved(argv)
+        assert caught.value.option == "--mean-gradient-dtype"
+    with pytest.raises(ConfigError, match="unknown 'int8'") as caught:
+        resolve(TrainConfig(mean_gradient_dtype="int8"), 2)
+    assert caught.value.option == "--mean-gradient-dtype"
+
+
 def test_ddp_refuses_gradient_tracking():
     with pytest.raises(ConfigError, match="--gradient-tracking") as caught:
         resolve(TrainConfig(algorithm="ddp", gradient_tracking=True), 2)
@@ -109,10 +124,10 @@ def test_momentum_tracking_is_an_optimizer_that_needs_the_trackers():
         resolve(TrainConfig(optimizer="momentum-tracking-adamw", algorithm="ddp"), 2)
 
 
-def momentum_run(parent: Path, mean_gradient: str) -> tuple[subprocess.CompletedProcess, Path]:
+def momentum_run(parent: Path, mean_gradient: str, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
     args = ["--nproc", "2", "--steps", str(STEPS), "--algorithm", "exact", "--average-every", "0"]
     args += ["--gradient-tracking", "--optimizer", "momentum-tracking-adamw", "--second-moment-every", "4"]
-    args += ["--mean-gradient", mean_gradient, "--batch-size", "4", "--eval-every", str(STEPS)]
+    args += ["--mean-gradient", mean_gradient, "--batch-size", "4", "--eval-every", str(STEPS), *extra]
     return main_job_run(parent, args)
 
 
@@ -130,12 +145,17 @@ def test_a_momentum_tracking_run_all_reduces_the_gradients_every_k_steps(tmp_pat
 
 
 @pytest.mark.multiprocess
-def test_a_momentum_tracking_run_gossips_each_sample_one_hop_to_the_next_steps_peer_and_no_collective(tmp_path):
-    rows = completed_rows(*momentum_run(tmp_path, "gossip"), STEPS)
+@pytest.mark.parametrize(("dtype", "bytes_per_value"), [(None, 2), ("float32", 4)])
+def test_a_momentum_tracking_run_gossips_each_sample_one_hop_to_the_next_steps_peer_and_no_collective(
+    tmp_path, dtype, bytes_per_value
+):
+    extra = () if dtype is None else ("--mean-gradient-dtype", dtype)
+    rows = completed_rows(*momentum_run(tmp_path, "gossip", *extra), STEPS)
     # the samples of steps 0 and 4 are averaged by one hop each (2 ranks: log2 2), at steps 1 and 5: one more model
-    # to that step's peer, nothing all-reduced; the optimizers compared at step 1
+    # to that step's peer (in bfloat16 by default), nothing all-reduced; the optimizers compared at step 1
     model_bytes = 4 * GPT(GPTConfig()).num_parameters()
+    hop = model_bytes // 4 * bytes_per_value
     compared = comparison_bytes("one_peer_hypercube", 2, 0, STEPS)
-    expected = [2 * model_bytes + (model_bytes if step % 4 == 1 else 0) + compared[step] for step in range(STEPS)]
+    expected = [2 * model_bytes + (hop if step % 4 == 1 else 0) + compared[step] for step in range(STEPS)]
     assert [int(row["bytes_sent"]) for row in rows] == expected
     assert all(math.isfinite(float(row["loss"])) for row in rows)

@@ -8,6 +8,7 @@ test_gradient_tracking_powergossip.py ("momentum" cases)."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import pytest
 import torch
@@ -162,9 +163,9 @@ def test_the_overlapped_tracker_carries_the_first_moments_too():
         assert all(torch.equal(row["g"], row["h"]) for row in rows)
 
 
-def _sampled_second_moment(comm, mean_gradient: str, schedule: str, steps: int) -> dict:
-    """``steps`` steps at lr 0 (the model stays put); step 0's gradient, and after each step the optimizer's sample
-    count and u."""
+def _sampled_second_moment(comm, mean_gradient: str, schedule: str, steps: int, dtype: torch.dtype | None) -> dict:
+    """``steps`` steps at lr 0 (the model stays put); step 0's gradient, after each step the optimizer's sample
+    count, and at the end u and the mean it was handed (flat, in the parameters' order)."""
     model = gossip.DecentralizedDataParallel(
         make_mlp(comm.rank),
         comm,
@@ -172,8 +173,17 @@ def _sampled_second_moment(comm, mean_gradient: str, schedule: str, steps: int) 
         gossip.ExactGossip(),
         gradient_tracking=True,
         mean_gradient=mean_gradient,
+        mean_gradient_dtype=dtype,
     )
     optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=0.0, betas=BETAS, second_moment_every=16)
+    handed: list[torch.Tensor] = []
+    take = optimizer.take_mean_gradient
+
+    def recording(means, workers):
+        handed.append(torch.cat([means[p].reshape(-1) for p in model.parameters()]).clone())
+        take(means, workers)
+
+    optimizer.take_mean_gradient = recording
     first = next(iter(model.parameters()))
     samples = []
     for step in range(steps):
@@ -186,22 +196,38 @@ def _sampled_second_moment(comm, mean_gradient: str, schedule: str, steps: int) 
     shared = torch.cat([optimizer.state[p]["shared"].reshape(-1) for p in model.parameters()]).clone()
     workers = optimizer.param_groups[0]["workers"]
     model.close()
-    return {"gradient": gradient, "shared": shared, "workers": workers, "samples": samples}
+    return {"gradient": gradient, "shared": shared, "workers": workers, "samples": samples, "handed": handed}
+
+
+def _rounded_gossip(gradients: list[torch.Tensor], schedule: topologies.Schedule, hops: range, dtype: torch.dtype):
+    """A reference of the gossiped sample in ``dtype``: before each hop every rank rounds its sample to ``dtype``,
+    then sums the weighted rounded samples of itself and its in-peers in float32, in rank order."""
+    samples = [g.clone() for g in gradients]
+    for t in hops:
+        rounded = [a.to(dtype).float() for a in samples]
+        for rank in range(len(samples)):
+            view = schedule.peers(rank, t)
+            own = 1.0 - sum(weight for _, weight in view.in_peers)
+            total = torch.zeros_like(samples[rank])
+            for peer, weight in sorted([(rank, own), *view.in_peers]):
+                total.add_(rounded[peer], alpha=weight)
+            samples[rank] = total
+    return samples
 
 
 @pytest.mark.parametrize(
-    ("mean_gradient", "schedule", "n", "arrives_at"),
+    ("mean_gradient", "schedule", "n", "arrives_at", "dtype"),
     [
-        ("allreduce", "one_peer_hypercube", 4, 0),  # all-reduced at the step it is due
-        ("gossip", "one_peer_hypercube", 4, 2),  # hops at steps 1 and 2 (log2 4)
-        ("gossip", "base_graph", 6, 6),  # hops from the next period's first step, 3, over its 4 steps
+        ("allreduce", "one_peer_hypercube", 4, 0, None),  # all-reduced at the step it is due
+        ("gossip", "one_peer_hypercube", 4, 2, torch.float32),  # hops at steps 1 and 2 (log2 4)
+        ("gossip", "base_graph", 6, 6, torch.float32),  # hops from the next period's first step, 3, over its 4 steps
     ],
 )
-def test_the_sample_is_the_mean_gradient_of_all_ranks(mean_gradient, schedule, n, arrives_at):
+def test_the_sample_is_the_mean_gradient_of_all_ranks(mean_gradient, schedule, n, arrives_at, dtype):
     """Step 0's sample reaches every rank's second moment as (1 - beta2^K) mean(g)^2: at once by an all-reduce, after
     the schedule's exact hops by gossip; the same on every rank (bit for bit where the rows of W(t) pair ranks
     alike: the all-reduce and the hypercube)."""
-    results = gossip.simulate(n, _sampled_second_moment, mean_gradient, schedule, arrives_at + 2)
+    results = gossip.simulate(n, _sampled_second_moment, mean_gradient, schedule, arrives_at + 2, dtype)
     mean = torch.stack([r["gradient"] for r in results]).double().mean(0)
     expected = ((1 - BETAS[1] ** 16) * mean.square()).float()
     for rank, result in enumerate(results):
@@ -210,6 +236,37 @@ def test_the_sample_is_the_mean_gradient_of_all_ranks(mean_gradient, schedule, n
         torch.testing.assert_close(result["shared"], expected, rtol=1e-5, atol=1e-12)
         if schedule == "one_peer_hypercube":
             assert torch.equal(result["shared"], results[0]["shared"]), f"rank {rank}"
+
+
+@pytest.mark.parametrize(
+    ("schedule", "n", "hops"), [("one_peer_hypercube", 8, range(1, 4)), ("base_graph", 6, range(3, 7))]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_sample_sent_in_half_precision_is_the_mean_of_the_rounded_hops_on_every_rank(schedule, n, hops, dtype):
+    """With the hops in a half-precision dtype (bfloat16 is the default) every rank is handed what rounding each
+    hop's sample to it and summing in float32 in rank order gives, bit for bit -- on the hypercube the same on
+    every rank -- and that is the exact mean up to one rounding a hop of the largest gradient."""
+    results = gossip.simulate(n, _sampled_second_moment, "gossip", schedule, hops[-1] + 1, dtype)
+    gradients = [r["gradient"] for r in results]
+    reference = _rounded_gossip(gradients, topologies.by_name(schedule, n), hops, dtype)
+    exact = torch.stack(gradients).double().mean(0)
+    info = torch.finfo(dtype)  # a rounding moves a value by at most half its spacing: eps/2 relative, or subnormal
+    largest = torch.stack(gradients).abs().amax(0).double()
+    bound = len(hops) * (info.eps / 2) * (largest + info.smallest_normal) * 1.01
+    for rank, result in enumerate(results):
+        (handed,) = result["handed"]
+        assert torch.equal(handed, reference[rank]), f"rank {rank}"
+        assert ((handed.double() - exact).abs() <= bound).all(), f"rank {rank}"
+        assert not torch.equal(handed, exact.float())  # the rounding shows
+        if schedule == "one_peer_hypercube":
+            assert torch.equal(handed, results[0]["handed"][0]), f"rank {rank}"
+
+
+def test_the_sample_travels_in_bfloat16_by_default():
+    assert inspect.signature(gossip.DecentralizedDataParallel).parameters["mean_gradient_dtype"].default is (
+        torch.bfloat16
+    )
+    assert gossip.Pipeline().mean_gradient_dtype is torch.bfloat16
 
 
 def _bytes_per_step(comm, mean_gradient: str) -> list[dict]:
@@ -233,14 +290,15 @@ def test_a_step_that_all_reduces_its_sample_costs_one_more_all_reduce_of_the_gra
 
 def test_a_gossiped_sample_costs_one_model_to_one_peer_per_hop_and_no_collective():
     """every 2 steps on the one-peer hypercube of 4 (2 hops a sample): from step 1 on every step carries one hop,
-    one more model to the step's peer; nothing is all-reduced."""
+    one more model to the step's peer, in bfloat16 (half a float32 model); nothing is all-reduced."""
     per_rank = gossip.simulate(N, _bytes_per_step, "gossip")
     for rows in per_rank:
         sent = [row["bytes_sent"] for row in rows]
         model_bytes = rows[0]["x"].numel() * 4
+        hop = model_bytes // 2
         assert sent[0] == 2 * model_bytes
-        assert sent[1] == sent[2] == 3 * model_bytes + MESSAGE_BYTES  # the optimizers compared at steps 1, 2
-        assert sent[3:] == [3 * model_bytes] * 3
+        assert sent[1] == sent[2] == 2 * model_bytes + hop + MESSAGE_BYTES  # the optimizers compared at steps 1, 2
+        assert sent[3:] == [2 * model_bytes + hop] * 3
 
 
 def test_a_sample_due_before_the_last_one_is_averaged_is_refused_by_name():

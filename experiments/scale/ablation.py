@@ -379,7 +379,7 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
     if "window-v" in arm or "momentum-v" in arm:
         _swap_optimizer(engine, WindowMomentumTrackingAdamW).weighted = arm.endswith("-w")
         sampler = WindowMeanGradient if "window-v" in arm else MomentumMeanGradient
-        engine.mean_gradient = sampler(config.mean_gradient, engine.schedule, engine.replicas)
+        engine.mean_gradient = sampler(config.mean_gradient, engine.schedule, engine.replicas, config.sample_dtype())
     if arm == "exact-params-w":
         _swap_optimizer(engine, WeightedMomentumTrackingAdamW)
     if arm == "all-exact-shared-only":

@@ -54,6 +54,8 @@ class EngineConfig:
         optimizer: ``"adamw"`` or ``"momentum-tracking"``.
         second_moment_every: MomentumTrackingAdamW's steps between two samples of the mean gradient.
         mean_gradient: ``"gossip"`` or ``"allreduce"``.
+        mean_gradient_dtype: the dtype the gossiped sample travels in, ``"bfloat16"``, ``"float16"`` or ``""`` (the
+            gradients').
         schedule: a :func:`topologies.by_name` name; ``""`` is :func:`gossip.default_schedule`.
         beta1: Adam's beta1.
         beta2: Adam's beta2.
@@ -83,6 +85,7 @@ class EngineConfig:
     optimizer: str = "momentum-tracking"
     second_moment_every: int = 64
     mean_gradient: str = "gossip"
+    mean_gradient_dtype: str = "bfloat16"
     schedule: str = ""
     beta1: float = 0.9
     beta2: float = 0.95
@@ -120,6 +123,14 @@ class EngineConfig:
         """
         dtype = getattr(torch, self.message_dtype) if self.message_dtype else None
         return gossip.PowerGossip(self.rank, self.iterations, self.gamma, message_dtype=dtype)
+
+    def sample_dtype(self) -> torch.dtype | None:
+        """The wrapper's ``mean_gradient_dtype``.
+
+        Returns:
+            The torch dtype, or None for the gradients' own.
+        """
+        return getattr(torch, self.mean_gradient_dtype) if self.mean_gradient_dtype else None
 
     def tracking(self) -> bool | str | gossip.ChocoSign:
         """The wrapper's ``gradient_tracking``.

@@ -53,17 +53,21 @@ class MeanGradient:
     ``"gossip"`` follows :class:`gossip.wrapper.mean_gradient.GossipedMeanGradient`: at a due step every row copies
     its gradient into the sample; from the next step at which the schedule averages exactly
     (:func:`topologies.exact_averaging_starts`) the samples are mixed over W(t) in rank order, one step at a time,
-    and handed to the optimizer after the schedule's hops (``inexact_hops(n)`` steps on a schedule that never
-    averages exactly). ``"allreduce"`` hands over the rank-order mean at once.
+    each hop's samples first rounded to ``wire_dtype`` (the library's message precision), and handed to the optimizer
+    after the schedule's hops (``inexact_hops(n)`` steps on a schedule that never averages exactly). ``"allreduce"``
+    hands over the rank-order mean at once.
 
     Args:
         how: ``"gossip"`` or ``"allreduce"``.
         schedule: the schedule.
         replicas: the replicas (their layout).
+        wire_dtype: the dtype the gossiped samples travel in; None: the gradients'.
     """
 
-    def __init__(self, how: str, schedule: topologies.Schedule, replicas: Replicas):
-        self.how, self.schedule, self.replicas = how, schedule, replicas
+    def __init__(
+        self, how: str, schedule: topologies.Schedule, replicas: Replicas, wire_dtype: torch.dtype | None = None
+    ):
+        self.how, self.schedule, self.replicas, self.wire_dtype = how, schedule, replicas, wire_dtype
         starts = topologies.exact_averaging_starts(schedule)
         self.hops = max(starts.values()) if starts else inexact_hops(schedule.n)
         self._starts = set(starts) if starts else None
@@ -103,8 +107,13 @@ class MeanGradient:
                 sent = int(2 * (n - 1) / n * row_bytes * n)
             return sent
         if self.remaining and step >= self.begin_at:
+            assert self.samples is not None
+            hop_bytes = row_bytes
+            if self.wire_dtype is not None and self.wire_dtype != self.samples.dtype:
+                self.samples.copy_(self.samples.to(self.wire_dtype))
+                hop_bytes = grad.shape[1] * self.wire_dtype.itemsize
             rank_order_sum_(self.samples, plan)
-            sent = sum(len(nodes) for nodes in plan.active) * row_bytes
+            sent = sum(len(nodes) for nodes in plan.active) * hop_bytes
             self.remaining -= 1
             if not self.remaining:
                 self._hand_over(optimizer, self.samples)
@@ -159,7 +168,7 @@ class Engine:
             self.optimizer = optim.MomentumTrackingAdamW(groups, **adam, second_moment_every=config.second_moment_every)
         else:
             self.optimizer = optim.AccumAdamW(groups, **adam, accum_iter=1)
-        self.mean_gradient = MeanGradient(config.mean_gradient, self.schedule, self.replicas)
+        self.mean_gradient = MeanGradient(config.mean_gradient, self.schedule, self.replicas, config.sample_dtype())
         self.lr_schedule = TrainConfig(lr=config.lr, steps=config.steps, warmup_steps=config.warmup)
         self.bytes_sent = 0  # payload bytes, summed over the ranks
 

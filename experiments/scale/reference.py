@@ -37,6 +37,7 @@ def _wrap(config: EngineConfig, module: torch.nn.Module, comm: gossip.Communicat
             message_dtype=getattr(torch, config.message_dtype) if config.message_dtype else None,
             second_moment_every=config.second_moment_every,
             mean_gradient=config.mean_gradient,
+            mean_gradient_dtype=config.sample_dtype(),
             schedule=config.schedule or None,
         )
         return pipeline.wrap(module, comm, **adam, weight_decay=config.weight_decay, seed=config.seed)
@@ -49,6 +50,7 @@ def _wrap(config: EngineConfig, module: torch.nn.Module, comm: gossip.Communicat
         seed=config.seed,
         gradient_tracking=config.tracking(),
         mean_gradient=config.mean_gradient,
+        mean_gradient_dtype=config.sample_dtype(),
     )
     groups = optim.param_groups(module, config.weight_decay)
     if config.optimizer == "momentum-tracking":

@@ -55,10 +55,15 @@ class ExactGossip(Algorithm):
             self._receive_buffers.append([torch.empty_like(bucket.buffer) for bucket in self.buckets])
         return self._receive_buffers[:count]
 
+    def _outgoing(self) -> list[torch.Tensor]:
+        """What this rank sends of each bucket: the bucket's buffer itself."""
+        return [bucket.buffer for bucket in self.buckets]
+
     def _start_step(self, step: int) -> _Pending:
         view = self.schedule.peers(self.comm.rank, step)
         received = self._buffers(len(view.in_peers))
-        sends = [(peer, bucket.buffer) for peer, _ in view.out_peers for bucket in self.buckets]
+        outgoing = self._outgoing()
+        sends = [(peer, message) for peer, _ in view.out_peers for message in outgoing]
         recvs = [
             (peer, buffer) for (peer, _), buffers in zip(view.in_peers, received, strict=True) for buffer in buffers
         ]

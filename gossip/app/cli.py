@@ -226,6 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"or allreduce (at once; a collective over every worker); default: {DEFAULTS.mean_gradient} "
         "(allreduce with --elastic)",
     )
+    training.add_argument(
+        "--mean-gradient-dtype",
+        choices=MESSAGE_DTYPES,
+        default=None,
+        help="momentum-tracking-adamw with --mean-gradient gossip: the dtype each hop of the sample travels in "
+        "(float32: the gradients'; both ends of a hop round alike, so every worker gets the same mean); default: "
+        f"{DEFAULTS.mean_gradient_dtype}",
+    )
     training.add_argument("--steps", type=positive(int), default=defaults.steps, help="optimizer steps")
     training.add_argument("--batch-size", type=positive(int), default=defaults.batch_size, help="per worker")
     training.add_argument("--lr", type=positive(float), default=defaults.lr, help="peak learning rate")
@@ -265,6 +273,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         accum_iter=args.accum_iter,
         second_moment_every=args.second_moment_every,
         mean_gradient=args.mean_gradient,
+        mean_gradient_dtype=args.mean_gradient_dtype,
         algorithm=args.algorithm,
         rank=args.rank,
         power_iterations=args.power_iterations,

@@ -90,6 +90,7 @@ class MixingDefaults:
         gradient_tracking: how the trackers are mixed (with ``optimizer``).
         second_moment_every: the steps between two samples of the mean gradient's second moment.
         mean_gradient: how the sample is averaged.
+        mean_gradient_dtype: the dtype a gossiped sample travels in.
         lr: the peak learning rate.
     """
 
@@ -105,6 +106,7 @@ class MixingDefaults:
     gradient_tracking: str = PIPELINE.trackers
     second_moment_every: int = PIPELINE.second_moment_every
     mean_gradient: str = PIPELINE.mean_gradient
+    mean_gradient_dtype: str = str(PIPELINE.mean_gradient_dtype).removeprefix("torch.")
     lr: float = 3e-3
 
 
@@ -132,6 +134,8 @@ class TrainConfig:
             moment (0: each rank's own second moment).
         mean_gradient: how that sample is averaged: ``"gossip"`` over the schedule or ``"allreduce"`` (None:
             :data:`DEFAULTS`'; the wrapper's ``mean_gradient``).
+        mean_gradient_dtype: the dtype a gossiped sample travels in, one of :data:`MESSAGE_DTYPES` (None:
+            :data:`DEFAULTS`'; float32: the gradients' own; the wrapper's ``mean_gradient_dtype``).
         algorithm: the mixing algorithm (see :data:`ALGORITHM_CHOICES`).
         rank: PowerGossip's rank.
         power_iterations: PowerGossip's power iterations per step (None: :data:`DEFAULTS`').
@@ -181,6 +185,7 @@ class TrainConfig:
     accum_iter: int | None = None
     second_moment_every: int = DEFAULTS.second_moment_every
     mean_gradient: str | None = None
+    mean_gradient_dtype: str | None = None
     algorithm: str = DEFAULTS.algorithm
     rank: int = DEFAULTS.rank
     power_iterations: int | None = None
@@ -326,7 +331,7 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
 
 
 def _resolve_pipeline(config: TrainConfig, resolved: TrainConfig) -> None:
-    """``optimizer``, ``gradient_tracking`` and ``mean_gradient`` where unset (:class:`MixingDefaults`).
+    """``optimizer``, ``gradient_tracking``, ``mean_gradient`` and its dtype where unset (:class:`MixingDefaults`).
 
     The default pipeline (momentum tracking with :data:`DEFAULTS`' trackers) for exact gossip and PowerGossip run
     without an outer step or a periodic average and without ``--no-gradient-tracking``; AdamW without trackers
@@ -337,7 +342,8 @@ def _resolve_pipeline(config: TrainConfig, resolved: TrainConfig) -> None:
         resolved: its copy being resolved, changed in place.
 
     Raises:
-        ConfigError: ``--mean-gradient`` given without the momentum-tracking optimizer, or unknown.
+        ConfigError: ``--mean-gradient`` given without the momentum-tracking optimizer, or unknown; or
+            ``--mean-gradient-dtype`` unknown, or given for a sample that is not gossiped.
     """
     pipeline = (
         config.algorithm in HYBRID_ALGORITHMS
@@ -360,6 +366,32 @@ def _resolve_pipeline(config: TrainConfig, resolved: TrainConfig) -> None:
             )
     else:
         resolved.mean_gradient = DEFAULTS.mean_gradient
+    if config.mean_gradient_dtype is None:
+        resolved.mean_gradient_dtype = DEFAULTS.mean_gradient_dtype
+        return
+    if config.mean_gradient_dtype not in MESSAGE_DTYPES:
+        raise ConfigError(
+            "--mean-gradient-dtype", f"unknown {config.mean_gradient_dtype!r}; choose one of {list(MESSAGE_DTYPES)}"
+        )
+    if resolved.optimizer != MOMENTUM_TRACKING or resolved.mean_gradient != "gossip":
+        raise ConfigError(
+            "--mean-gradient-dtype",
+            f"applies to a gossiped sample (--optimizer {MOMENTUM_TRACKING} --mean-gradient gossip) only, not "
+            f"--optimizer {resolved.optimizer} --mean-gradient {resolved.mean_gradient}",
+        )
+
+
+def sample_dtype(config: TrainConfig) -> torch.dtype | None:
+    """The wrapper's ``mean_gradient_dtype`` for a resolved config.
+
+    Args:
+        config: the resolved config.
+
+    Returns:
+        The dtype ``--mean-gradient-dtype`` names; None for float32 (the gradients' own).
+    """
+    name = config.mean_gradient_dtype or DEFAULTS.mean_gradient_dtype
+    return None if name == "float32" else getattr(torch, name)
 
 
 def _check_mixing_options(config: TrainConfig) -> None:
@@ -551,6 +583,7 @@ def make_model(config: TrainConfig, comm: Communicator, run_dir: Path) -> Replic
         gradient_tracking=tracking_option(config),
         tracking_overlap=config.tracking_overlap,
         mean_gradient=config.mean_gradient,
+        mean_gradient_dtype=sample_dtype(config),
     )
 
 

@@ -55,6 +55,7 @@ from gossip.app.train import (
     make_optimizer,
     make_scheduler,
     resolve,
+    sample_dtype,
     tracking_option,
     train_step,
     worker_threads,
@@ -232,6 +233,7 @@ def _train_lanes(
         make_algorithm(config),
         gradient_tracking=tracking_option(config),
         mean_gradient=config.mean_gradient,
+        mean_gradient_dtype=sample_dtype(config),
         run_dir=lane_dir,
         consensus_every=config.eval_every,  # with the evaluation's collectives, never between them
         seed=config.seed,

@@ -24,6 +24,16 @@ is formed:
 * ``"allreduce"`` (:class:`AllReducedMeanGradient`): one all-reduce of the gradients at the due step, applied at
   once; :math:`2 (n-1)/n` of a model per rank and sample, and a barrier over every rank.
 
+Message precision (``wire_dtype``, the wrapper's ``mean_gradient_dtype``; torch.bfloat16 by default): the gossiped
+samples travel in that dtype. Before each hop every rank rounds its own sample to it, in place, sends the rounded
+copy, and sums :math:`\sum_j W_{ij}(t)\, \mathrm{rd}(a_j)` in float32 in rank order, its own rounded term included,
+so the two ends of a hypercube edge still hold the same values bit for bit and every rank ends with the same mean.
+Each hop rounds each value by at most half a unit in the last place, :math:`2^{-9}` of its magnitude for bfloat16
+(normal numbers), so after h hops the mean is exact to a relative :math:`h \cdot 2^{-9}` of the largest term, its
+square to twice that: the second moment divides the step by its square root, which the rounding moves by at most
+about :math:`h \cdot 2^{-9}`. bfloat16 keeps float32's range, so no gradient underflows or overflows where float32's
+would not; the samples' bytes halve.
+
 A sample due while the previous one is still being averaged is refused by name: the optimizer's
 ``second_moment_every`` must be at least the hops plus the longest wait for an exact start, less one (the hops alone
 for the hypercube). Ranks whose optimizers differ never reach a hop that only one end posts: the step's comparison
@@ -47,6 +57,8 @@ from topologies import Schedule, exact_averaging_starts
 
 #: The values of the wrapper's ``mean_gradient``.
 MEAN_GRADIENT_SOURCES = ("gossip", "allreduce")
+#: The values of the wrapper's ``mean_gradient_dtype`` (None: the gradients' own).
+MEAN_GRADIENT_DTYPES = (None, torch.bfloat16, torch.float16, torch.float32)
 
 
 class MeanGradientTaker(Protocol):
@@ -86,9 +98,43 @@ def inexact_hops(n: int) -> int:
 
 
 class MeanGradientMixing(TrackerMixing):
-    """Exact mixing of the samples, a_i <- sum_j W_ij(t) a_j, summed in rank order (as the trackers')."""
+    """Exact mixing of the samples, a_i <- sum_j W_ij(t) a_j, summed in rank order (as the trackers').
+
+    With a ``wire_dtype`` narrower than the samples' (module docstring, "Message precision"), each hop first rounds
+    this rank's sample to it in place, sends the rounded copy, receives the peers' in that dtype and sums every term,
+    its own included, in the samples' dtype: both ends of an edge then add the same values in the same order.
+
+    Args:
+        nonfinite: what a NaN or Inf received from a peer does: ``"raise"`` or ``"drop"``.
+        wire_dtype: the dtype the samples travel in; None: their own.
+    """
 
     name = "mean-gradient"
+
+    def __init__(self, *, nonfinite: str = "raise", wire_dtype: torch.dtype | None = None):
+        super().__init__(nonfinite=nonfinite)
+        self.wire_dtype = wire_dtype
+        self._wire: list[torch.Tensor] = []
+
+    def _narrows(self) -> bool:
+        return self.wire_dtype is not None and self.wire_dtype != self.buckets[0].buffer.dtype
+
+    def _buffers(self, count: int) -> list[list[torch.Tensor]]:
+        if not self._narrows():
+            return super()._buffers(count)
+        while len(self._receive_buffers) < count:
+            self._receive_buffers.append([torch.empty_like(b.buffer, dtype=self.wire_dtype) for b in self.buckets])
+        return self._receive_buffers[:count]
+
+    def _outgoing(self) -> list[torch.Tensor]:
+        """This rank's samples rounded to ``wire_dtype``, in place too, so its own term is what its peers receive."""
+        if not self._narrows():
+            return super()._outgoing()
+        if not self._wire:
+            self._wire = [torch.empty_like(bucket.buffer, dtype=self.wire_dtype) for bucket in self.buckets]
+        for bucket, wire in zip(self.buckets, self._wire, strict=True):
+            bucket.buffer.copy_(wire.copy_(bucket.buffer))
+        return self._wire
 
 
 class AllReducedMeanGradient:
@@ -169,12 +215,20 @@ class GossipedMeanGradient:
         schedule: the wrapper's schedule, whose W(t) mixes the samples.
         buckets: the wrapper's parameter buckets (the samples take their layout).
         parameters: the trainable parameters, in the order of the buckets' entries.
+        wire_dtype: the dtype the samples travel in (module docstring, "Message precision"); None: the gradients'.
     """
 
     gossips = True
 
-    def __init__(self, algorithm: Algorithm, schedule: Schedule, buckets: list[Bucket], parameters: list[Any]):
-        self.buckets, self.parameters = buckets, parameters
+    def __init__(
+        self,
+        algorithm: Algorithm,
+        schedule: Schedule,
+        buckets: list[Bucket],
+        parameters: list[Any],
+        wire_dtype: torch.dtype | None = None,
+    ):
+        self.buckets, self.parameters, self.wire_dtype = buckets, parameters, wire_dtype
         self.samples: list[Bucket] | None = None  # allocated at the first sample
         self.remaining = 0  # hops left of the sample in progress (0: none in progress)
         self.begin_at = 0  # the first step the sample in progress may hop at
@@ -197,7 +251,7 @@ class GossipedMeanGradient:
         self._starts = set(starts) if starts else None  # None: any phase
         period = schedule.period or 1
         self.longest_wait = max(self._first_hop_after(s) - s for s in range(period)) if self._starts else 1
-        self.mixing = MeanGradientMixing(nonfinite=algorithm.nonfinite)
+        self.mixing = MeanGradientMixing(nonfinite=algorithm.nonfinite, wire_dtype=self.wire_dtype)
         if self.samples is not None:
             algorithm.setup_part(self.mixing, schedule, self.samples)
 
@@ -306,7 +360,12 @@ class GossipedMeanGradient:
 
 
 def make_mean_gradient(
-    option: str, algorithm: Algorithm, schedule: Schedule, buckets: list[Bucket], parameters: list[torch.Tensor]
+    option: str,
+    algorithm: Algorithm,
+    schedule: Schedule,
+    buckets: list[Bucket],
+    parameters: list[torch.Tensor],
+    wire_dtype: torch.dtype | None = None,
 ) -> AllReducedMeanGradient | GossipedMeanGradient:
     """The sampler for the wrapper's ``mean_gradient`` option.
 
@@ -316,6 +375,7 @@ def make_mean_gradient(
         schedule: the wrapper's schedule.
         buckets: the wrapper's parameter buckets.
         parameters: the trainable parameters, in the order of the buckets' entries.
+        wire_dtype: the dtype a gossiped sample travels in (None: the gradients'); the all-reduce ignores it.
 
     Returns:
         The sampler.
@@ -324,7 +384,7 @@ def make_mean_gradient(
         InvalidArgumentError: ``option`` is not one of :data:`MEAN_GRADIENT_SOURCES`.
     """
     if option == "gossip":
-        return GossipedMeanGradient(algorithm, schedule, buckets, parameters)
+        return GossipedMeanGradient(algorithm, schedule, buckets, parameters, wire_dtype)
     if option == "allreduce":
         return AllReducedMeanGradient(algorithm, buckets, parameters)
     raise InvalidArgumentError(f"mean_gradient must be one of {MEAN_GRADIENT_SOURCES}, got {option!r}")

@@ -59,7 +59,12 @@ from gossip.wrapper.consensus import (
     global_average,
     reading,
 )
-from gossip.wrapper.mean_gradient import MEAN_GRADIENT_SOURCES, GossipedMeanGradient, make_mean_gradient
+from gossip.wrapper.mean_gradient import (
+    MEAN_GRADIENT_DTYPES,
+    MEAN_GRADIENT_SOURCES,
+    GossipedMeanGradient,
+    make_mean_gradient,
+)
 from gossip.wrapper.metrics import StepMetrics
 from gossip.wrapper.momentum import MomentumSource, momentum_source, optimizer_kind
 from gossip.wrapper.peer_agreement import PeerAgreement
@@ -231,6 +236,10 @@ class DecentralizedDataParallel(nn.Module):
             steps, one hop a step beside the parameters' exchange, exact after the schedule's finite-time window
             (log2 n steps of the hypercube), and hands it over then; ``"allreduce"`` all-reduces the gradients at the
             step it is due (a collective over every rank). Equal on every rank.
+        mean_gradient_dtype: the dtype the gossiped sample's hops travel in (``torch.bfloat16``, the default, or
+            ``torch.float16``, ``torch.float32``; None: the gradients'). Each rank rounds its own sample to it before
+            a hop and sums in the gradients' dtype, so the ends of an edge still agree bit for bit
+            (:mod:`gossip.wrapper.mean_gradient`, "Message precision"). Equal on every rank.
 
     Raises:
         ArgumentTypeError: ``module`` already contains a wrapper.
@@ -257,6 +266,7 @@ class DecentralizedDataParallel(nn.Module):
         gradient_tracking: bool | str | Algorithm = False,
         tracking_overlap: bool = False,
         mean_gradient: str = "gossip",
+        mean_gradient_dtype: torch.dtype | None = torch.bfloat16,
     ):
         super().__init__()
         if any(isinstance(inner, DecentralizedDataParallel) for inner in module.modules()):
@@ -279,6 +289,11 @@ class DecentralizedDataParallel(nn.Module):
             raise InvalidArgumentError(
                 f"rank {comm.rank}: mean_gradient must be one of {MEAN_GRADIENT_SOURCES}, got {mean_gradient!r}"
             )
+        if mean_gradient_dtype not in MEAN_GRADIENT_DTYPES:
+            raise InvalidArgumentError(
+                f"rank {comm.rank}: mean_gradient_dtype must be None or one of torch.bfloat16, torch.float16 and "
+                f"torch.float32, got {mean_gradient_dtype!r}"
+            )
         if consensus_every < 0:
             raise InvalidArgumentError(
                 f"rank {comm.rank}: consensus_every must be >= 0 (0 = off), got {consensus_every}"
@@ -297,6 +312,7 @@ class DecentralizedDataParallel(nn.Module):
             "gradient_tracking": tracking_setting(gradient_tracking),
             "tracking_overlap": bool(tracking_overlap),
             "mean_gradient": mean_gradient,
+            "mean_gradient_dtype": str(mean_gradient_dtype),
         }
         self.signature = self._check_run(module, comm, schedule, algorithm, settings)
         if gradient_tracking:
@@ -348,7 +364,9 @@ class DecentralizedDataParallel(nn.Module):
             )
         #: how a momentum-tracking optimizer's sample of the mean gradient is formed (gossip.wrapper.mean_gradient)
         self._mean_gradient = (
-            make_mean_gradient(mean_gradient, algorithm, schedule, self.buckets, self._parameters_in_order)
+            make_mean_gradient(
+                mean_gradient, algorithm, schedule, self.buckets, self._parameters_in_order, mean_gradient_dtype
+            )
             if gradient_tracking
             else None
         )

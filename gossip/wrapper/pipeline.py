@@ -10,7 +10,7 @@ r"""The default pipeline in one call: pure gossip that learns like DDP, no colle
 * the trackers: the wrapper's gradient tracking mixes each rank's first moment (momentum tracking, Takezawa et al.,
   TMLR 2023) by :class:`gossip.ChocoSign`, CHOCO-Gossip with scaled-sign messages of 3 bits a value;
 * the optimizer: :class:`optim.MomentumTrackingAdamW`, dividing by the mean gradient's second moment sampled every
-  64 steps and averaged by gossip over the schedule (``mean_gradient="gossip"``,
+  64 steps and averaged by gossip over the schedule, its hops in bfloat16 (``mean_gradient="gossip"``,
   :mod:`gossip.wrapper.mean_gradient`), with decoupled weight decay on matrices only
   (:func:`optim.param_groups`).
 
@@ -36,7 +36,7 @@ from gossip.algorithms.choco_sign import ChocoSign
 from gossip.algorithms.powergossip import PowerGossip
 from gossip.backends.base import Communicator
 from gossip.errors import InvalidArgumentError
-from gossip.wrapper.mean_gradient import MEAN_GRADIENT_SOURCES
+from gossip.wrapper.mean_gradient import MEAN_GRADIENT_DTYPES, MEAN_GRADIENT_SOURCES
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from gossip.wrapper.tracking import TRACKER_MIXINGS
 
@@ -66,6 +66,7 @@ class Pipeline:
             ``"powergossip"`` (the wrapper's ``gradient_tracking``).
         second_moment_every: steps between two samples of the mean gradient's second moment.
         mean_gradient: how the sample is averaged: ``"gossip"`` over the schedule, or ``"allreduce"``.
+        mean_gradient_dtype: the dtype the gossiped sample travels in (None: the gradients').
         schedule: the schedule's name (:func:`topologies.by_name`); None picks :func:`default_schedule`.
     """
 
@@ -75,6 +76,7 @@ class Pipeline:
     trackers: str = "sign"
     second_moment_every: int = 64
     mean_gradient: str = "gossip"
+    mean_gradient_dtype: torch.dtype | None = torch.bfloat16
     schedule: str | None = None
 
     def __post_init__(self) -> None:
@@ -83,6 +85,11 @@ class Pipeline:
         if self.mean_gradient not in MEAN_GRADIENT_SOURCES:
             raise InvalidArgumentError(
                 f"Pipeline: mean_gradient must be one of {MEAN_GRADIENT_SOURCES}, got {self.mean_gradient!r}"
+            )
+        if self.mean_gradient_dtype not in MEAN_GRADIENT_DTYPES:
+            raise InvalidArgumentError(
+                "Pipeline: mean_gradient_dtype must be None or one of torch.bfloat16, torch.float16 and torch.float32, "
+                f"got {self.mean_gradient_dtype!r}"
             )
 
     def build_schedule(self, n: int) -> topologies.Schedule:
@@ -130,6 +137,7 @@ class Pipeline:
             self.algorithm(),
             gradient_tracking=self.tracking(),
             mean_gradient=self.mean_gradient,
+            mean_gradient_dtype=self.mean_gradient_dtype,
             **wrapper,
         )
 

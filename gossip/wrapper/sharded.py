@@ -202,6 +202,7 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
         tracking_overlap: as for the unsharded wrapper (the combine-then-adapt tracker).
         mean_gradient: with gradient tracking, how a momentum-tracking optimizer's sample of the mean gradient is
             averaged: ``"gossip"`` over the schedule, lane by lane, or ``"allreduce"`` over the lane.
+        mean_gradient_dtype: the dtype the gossiped sample's hops travel in, as for the unsharded wrapper.
 
     Raises:
         ShardedLayoutError: the model is not sharded by FSDP2 over exactly this replica (or is FSDP1, or HSDP),
@@ -228,6 +229,7 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
         gradient_tracking: bool | str | Algorithm = False,
         tracking_overlap: bool = False,
         mean_gradient: str = "gossip",
+        mean_gradient_dtype: torch.dtype | None = torch.bfloat16,
     ):
         if not isinstance(lanes, Lanes):
             raise InvalidArgumentError(
@@ -250,6 +252,7 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
             gradient_tracking=gradient_tracking,
             tracking_overlap=tracking_overlap,
             mean_gradient=mean_gradient,
+            mean_gradient_dtype=mean_gradient_dtype,
         )
         # the tracker and the mean gradient's sampler read (and the tracker writes) the local shards of the gradients
         local = [_LocalGradient(p) for p in self._parameters_in_order]
