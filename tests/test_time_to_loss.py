@@ -144,6 +144,19 @@ def test_every_method_trains_with_the_seed_it_is_given(method):
     assert argv[argv.index("--seed") + 1] == "2"
 
 
+def test_the_default_and_its_float32_sample_twin_differ_only_in_the_samples_dtype():
+    from gossip.app.cli import build_parser, config_from
+    from gossip.app.train import resolve
+
+    def resolved(method: str) -> dict:
+        argv = METHODS[method].argv(300, 8, "out", 0)[3:]
+        return vars(resolve(config_from(build_parser().parse_args(argv)), 8)[0])
+
+    default, twin = resolved("pg4-it2-fp16-mtsign-gossipv-adamw"), resolved("pg4-it2-fp16-mtsign-gossipv32-adamw")
+    assert (default["mean_gradient_dtype"], twin["mean_gradient_dtype"]) == ("bfloat16", "float32")
+    assert {key for key in default if default[key] != twin[key]} == {"mean_gradient_dtype"}
+
+
 def test_finished_runs_read_the_seed_from_the_name_and_seed_0_from_runs_named_before_seeds(tmp_path):
     for name in ("20261122-100000-1gbit-r0-ddp", "20261122-110000-100mbit-r1-s2-pg4-it2-adamw", "notes"):
         (tmp_path / name).mkdir()

@@ -148,17 +148,27 @@ def _hybrid_average(local_steps: int, delay: int = 0) -> Method:
 
 
 def _momentum_tracking(
-    name: str, label: str, *algorithm: str, trackers: str = "exact", every: int = 32, mean_gradient: str = "allreduce"
+    name: str,
+    label: str,
+    *algorithm: str,
+    trackers: str = "exact",
+    every: int = 32,
+    mean_gradient: str = "allreduce",
+    sample_dtype: str = "",
 ) -> Method:
     """``algorithm`` for the parameters, gradient trackers carrying the optimizer's first moment, mixed exactly or
     by ``trackers`` (``--gradient-tracking``: ``sign`` for ``gossip.ChocoSign``'s scaled signs), and the mean
     gradient's second moment sampled every ``every`` steps (``optim.MomentumTrackingAdamW``; the learning-per-step
     study's ``*-mt-sharedv32`` and ``*-mtsign4-c256-sharedv64``), averaged as ``mean_gradient`` says (an all-reduce
-    until issue 59, gossip in the main job's defaults since)."""
+    until issue 59, gossip in the main job's defaults since), a gossiped sample's hops in ``sample_dtype`` (``""``:
+    the main job's default)."""
     options = [*algorithm, "--gradient-tracking", trackers, "--optimizer", "momentum-tracking-adamw"]
     label += f", {'exact' if trackers == 'exact' else trackers + '-compressed'} momentum trackers, the mean"
     label += f" gradient's second moment every {every} steps by {mean_gradient}"
     options += ["--second-moment-every", str(every), "--mean-gradient", mean_gradient]
+    if sample_dtype:
+        label += f" in {sample_dtype}"
+        options += ["--mean-gradient-dtype", sample_dtype]
     return Method(name, label, _gossip_train(*options))
 
 
@@ -272,6 +282,16 @@ METHODS = {
             trackers="sign",
             every=64,
             mean_gradient="gossip",
+        ),
+        # the same with the sample's hops in float32, the default before the hops travelled in bfloat16
+        _momentum_tracking(
+            "pg4-it2-fp16-mtsign-gossipv32-adamw",
+            "PowerGossip r=4, 2 iterations, float16 messages",
+            *powergossip(4, 2, "float16"),
+            trackers="sign",
+            every=64,
+            mean_gradient="gossip",
+            sample_dtype="float32",
         ),
         Method("decentdp", "decent-dp 0.2.3, one-peer-exp", _decent_dp("one-peer-exp")),
         Method("decentdp-aer", "decent-dp 0.2.3, alternating-exp-ring", _decent_dp("alternating-exp-ring")),
