@@ -29,7 +29,7 @@ import topologies
 from gossip.algorithms.exact import ExactGossip
 from gossip.algorithms.powergossip import PowerGossip
 from gossip.checkpoint import load_checkpoint
-from gossip.errors import GossipError, NonFiniteError, NonFiniteWarning
+from gossip.errors import GossipError, InvalidArgumentError, NonFiniteError, NonFiniteWarning
 from gossip.wrapper.parallel import AverageDriftWarning, DecentralizedDataParallel, MixingOnlyStepWarning
 from gossip.wrapper.peer_agreement import MESSAGE_BYTES
 from gossip.wrapper.replicas import ReplicaMismatchError
@@ -377,6 +377,38 @@ def test_a_setting_that_differs_on_one_rank_is_refused(setting, values):
         f"rank 2 uses {setting}={values[1]!r} but rank 0 uses {values[0]!r}; pass the same {setting} on every rank"
     )
     assert gossip.simulate(N, build) == [expected] * N
+
+
+def test_a_mean_gradient_dtype_that_differs_on_one_rank_is_refused_before_any_hop():
+    """Ranks sending the sample's hops in different dtypes would post messages of different sizes: the wrapper's
+    construction compares the setting and names it."""
+
+    def build(comm) -> str:
+        dtype = torch.float32 if comm.rank == 2 else torch.bfloat16
+        try:
+            wrap(comm, make_mlp(comm.rank), gradient_tracking=True, mean_gradient_dtype=dtype)
+        except ReplicaMismatchError as error:
+            return str(error)
+        return "no error"
+
+    expected = (
+        "rank 2 uses mean_gradient_dtype='torch.float32' but rank 0 uses 'torch.bfloat16'; pass the same "
+        "mean_gradient_dtype on every rank"
+    )
+    assert gossip.simulate(N, build) == [expected] * N
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, "bfloat16"])
+def test_a_mean_gradient_dtype_outside_the_accepted_ones_is_refused_by_name(dtype):
+    def build(comm) -> None:
+        wrap(comm, make_mlp(comm.rank), gradient_tracking=True, mean_gradient_dtype=dtype)
+
+    assert error_of(build) == (
+        "InvalidArgumentError: rank 0: mean_gradient_dtype must be None or one of torch.bfloat16, torch.float16 and "
+        f"torch.float32, got {dtype!r}"
+    )
+    with pytest.raises(InvalidArgumentError, match=r"^Pipeline: mean_gradient_dtype must be None or one of"):
+        gossip.Pipeline(mean_gradient_dtype=dtype)
 
 
 def test_a_run_dir_on_rank_0_only_logs_the_consensus_without_stalling(tmp_path):

@@ -28,11 +28,11 @@ Message precision (``wire_dtype``, the wrapper's ``mean_gradient_dtype``; torch.
 samples travel in that dtype. Before each hop every rank rounds its own sample to it, in place, sends the rounded
 copy, and sums :math:`\sum_j W_{ij}(t)\, \mathrm{rd}(a_j)` in float32 in rank order, its own rounded term included,
 so the two ends of a hypercube edge still hold the same values bit for bit and every rank ends with the same mean.
-Each hop rounds each value by at most half a unit in the last place, :math:`2^{-9}` of its magnitude for bfloat16
-(normal numbers), so after h hops the mean is exact to a relative :math:`h \cdot 2^{-9}` of the largest term, its
-square to twice that: the second moment divides the step by its square root, which the rounding moves by at most
-about :math:`h \cdot 2^{-9}`. bfloat16 keeps float32's range, so no gradient underflows or overflows where float32's
-would not; the samples' bytes halve.
+Each hop rounds each value by at most half a unit in the last place, :math:`2^{-8}` of its magnitude for bfloat16
+(8 significant bits; normal numbers), so after h hops the mean is exact to :math:`h \cdot 2^{-8}` of the largest
+term's magnitude, its square to twice that: the second moment divides the step by its square root, which the
+rounding moves by at most about :math:`h \cdot 2^{-8}` of that scale. bfloat16 keeps float32's range, so no
+gradient underflows or overflows where float32's would not; the samples' bytes halve.
 
 A sample due while the previous one is still being averaged is refused by name: the optimizer's
 ``second_moment_every`` must be at least the hops plus the longest wait for an exact start, less one (the hops alone
@@ -59,6 +59,23 @@ from topologies import Schedule, exact_averaging_starts
 MEAN_GRADIENT_SOURCES = ("gossip", "allreduce")
 #: The values of the wrapper's ``mean_gradient_dtype`` (None: the gradients' own).
 MEAN_GRADIENT_DTYPES = (None, torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_mean_gradient_dtype(owner: str, dtype: object) -> None:
+    """Refuse a ``mean_gradient_dtype`` that is not one of :data:`MEAN_GRADIENT_DTYPES`.
+
+    Args:
+        owner: who asks, for the message (e.g. ``"rank 3"`` or ``"Pipeline"``).
+        dtype: the value given.
+
+    Raises:
+        InvalidArgumentError: it is not one of them (the message names ``owner`` and the value).
+    """
+    if dtype not in MEAN_GRADIENT_DTYPES:
+        raise InvalidArgumentError(
+            f"{owner}: mean_gradient_dtype must be None or one of torch.bfloat16, torch.float16 and torch.float32, "
+            f"got {dtype!r}"
+        )
 
 
 class MeanGradientTaker(Protocol):
@@ -117,7 +134,7 @@ class MeanGradientMixing(TrackerMixing):
         self._wire: list[torch.Tensor] = []
 
     def _narrows(self) -> bool:
-        return self.wire_dtype is not None and self.wire_dtype != self.buckets[0].buffer.dtype
+        return self.wire_dtype is not None and any(bucket.buffer.dtype != self.wire_dtype for bucket in self.buckets)
 
     def _buffers(self, count: int) -> list[list[torch.Tensor]]:
         if not self._narrows():

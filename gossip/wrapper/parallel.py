@@ -60,9 +60,9 @@ from gossip.wrapper.consensus import (
     reading,
 )
 from gossip.wrapper.mean_gradient import (
-    MEAN_GRADIENT_DTYPES,
     MEAN_GRADIENT_SOURCES,
     GossipedMeanGradient,
+    check_mean_gradient_dtype,
     make_mean_gradient,
 )
 from gossip.wrapper.metrics import StepMetrics
@@ -289,11 +289,7 @@ class DecentralizedDataParallel(nn.Module):
             raise InvalidArgumentError(
                 f"rank {comm.rank}: mean_gradient must be one of {MEAN_GRADIENT_SOURCES}, got {mean_gradient!r}"
             )
-        if mean_gradient_dtype not in MEAN_GRADIENT_DTYPES:
-            raise InvalidArgumentError(
-                f"rank {comm.rank}: mean_gradient_dtype must be None or one of torch.bfloat16, torch.float16 and "
-                f"torch.float32, got {mean_gradient_dtype!r}"
-            )
+        check_mean_gradient_dtype(f"rank {comm.rank}", mean_gradient_dtype)
         if consensus_every < 0:
             raise InvalidArgumentError(
                 f"rank {comm.rank}: consensus_every must be >= 0 (0 = off), got {consensus_every}"

@@ -36,7 +36,7 @@ from gossip.algorithms.choco_sign import ChocoSign
 from gossip.algorithms.powergossip import PowerGossip
 from gossip.backends.base import Communicator
 from gossip.errors import InvalidArgumentError
-from gossip.wrapper.mean_gradient import MEAN_GRADIENT_DTYPES, MEAN_GRADIENT_SOURCES
+from gossip.wrapper.mean_gradient import MEAN_GRADIENT_SOURCES, check_mean_gradient_dtype
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from gossip.wrapper.tracking import TRACKER_MIXINGS
 
@@ -86,11 +86,7 @@ class Pipeline:
             raise InvalidArgumentError(
                 f"Pipeline: mean_gradient must be one of {MEAN_GRADIENT_SOURCES}, got {self.mean_gradient!r}"
             )
-        if self.mean_gradient_dtype not in MEAN_GRADIENT_DTYPES:
-            raise InvalidArgumentError(
-                "Pipeline: mean_gradient_dtype must be None or one of torch.bfloat16, torch.float16 and torch.float32, "
-                f"got {self.mean_gradient_dtype!r}"
-            )
+        check_mean_gradient_dtype("Pipeline", self.mean_gradient_dtype)
 
     def build_schedule(self, n: int) -> topologies.Schedule:
         """The schedule for n ranks.
