@@ -19,6 +19,10 @@ same initial model and tokens). The parts:
 * a second moment that needs no sample: the tracked first moment squared plus each rank's gradient variance over n
   (:class:`LocalMomentMomentumTrackingAdamW`; ``local-moment``, and with exact mixing
   ``exact-params-trackers-local-moment``);
+* u, the samples' average, kept over about seven samples instead of one (:class:`SampleMemoryMomentumTrackingAdamW`;
+  ``mem4``, ``exact-params-mem4``, ``pg-rank16-mem4``) or over the last sample alone with the exact mean every step
+  (``exact-params-v-last``), and the rank's own current second moment times the samples' ratio of the mean's
+  square to the rank's own (:class:`RatioMomentumTrackingAdamW`, ``ratio4``: the library's since);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 
@@ -88,6 +92,12 @@ ARMS: dict[str, dict[str, object]] = {
     "exact-params-window-v-ar8-w": {"params": "exact", "mean_gradient": "allreduce", "second_moment_every": 8},
     "exact-params-window-v-w": {"params": "exact"},
     "window-v-w": {},
+    "exact-params-v-last": {"params": "exact", "mean_gradient": "allreduce", "second_moment_every": 1},
+    "exact-params-mem4": {"params": "exact"},
+    "mem4": {},
+    "pg-rank16-mem4": {"rank": 16},
+    "ratio4": {},
+    "exact-params-ratio4": {"params": "exact"},
 }
 #: arms that run :class:`CappedMomentumTrackingAdamW` with this cap (1e9: no z^2 floor).
 CAPS = {"cap4": 4.0, "exact-params-cap4": 4.0, "all-exact-uncapped": 1e9}
@@ -243,6 +253,72 @@ class WeightedMomentumTrackingAdamW(WindowMomentumTrackingAdamW):
         return torch.maximum(local, first.square())
 
 
+class SampleMemoryMomentumTrackingAdamW(_ArmOptimizer):
+    r"""The library's previous denominator, :math:`\max(\hat u, \hat v_i / n, \hat z^2)`, with u an exponential
+    average over the samples at a rate of its own, :math:`u \leftarrow r\,u + (1 - r)\,\bar g^2` and
+    :math:`\hat u = u / (1 - r^s)` after s samples, instead of its :math:`r = \beta_2^K`: r = 0 keeps the last
+    sample alone, r = 3/4 averages about the last seven."""
+
+    rate = 0.75
+
+    def take_mean_gradient(self, means: dict, workers: int) -> None:
+        """u <- r u + (1 - r) mean^2."""
+        for group in self.param_groups:
+            group["workers"] = int(workers)
+            for p in group["params"]:
+                if p in means:
+                    state = self._state(p)
+                    state["shared"].mul_(self.rate).addcmul_(means[p], means[p], value=1 - self.rate)
+                    state["samples"] += 1
+
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        r""":math:`\max(\hat u, \hat v_i / n, \hat z^2)` with this u."""
+        beta2, n = group["betas"][1], group["n"]
+        local = state["v"] / (1 - beta2 ** state["step"])
+        if state["samples"]:
+            shared = state["shared"] / (1 - self.rate ** state["samples"])
+            local = torch.maximum(local.div_(n), shared)
+        return torch.maximum(local, first.square())
+
+
+class RatioMomentumTrackingAdamW(_ArmOptimizer):
+    r"""The second moment as the rank's own, fresh :math:`\hat v_i` times the ratio of the mean gradient's second
+    moment to the rank's own, averaged over the samples: at each sample :math:`u \leftarrow r u + (1-r)\bar g^2`
+    and :math:`w \leftarrow r w + (1-r)\hat v_i`, and :math:`\hat v = \mathrm{clamp}(u / w, 1/n, 1)\,\hat v_i`
+    (the magnitudes' drift between samples cancels in the ratio). The library's second moment since it took this
+    arm over (``optim.MomentumTrackingAdamW``), but for the steps before the first sample arrives, where this arm
+    divides by :math:`\hat v_i / n` and the library by :math:`\hat v_i`."""
+
+    rate = 0.75
+
+    def take_mean_gradient(self, means: dict, workers: int) -> None:
+        """u and w advance with the sample and the rank's own second moment now."""
+        for group in self.param_groups:
+            group["workers"] = int(workers)
+            beta2 = group["betas"][1]
+            for p in group["params"]:
+                if p in means:
+                    state = self._state(p)
+                    if "own" not in state:
+                        state["own"] = torch.zeros_like(p)
+                    square = means[p].square()
+                    own = state["v"] / (1 - beta2 ** state["step"]) if state["step"] else square
+                    state["shared"].mul_(self.rate).add_(square, alpha=1 - self.rate)
+                    state["own"].mul_(self.rate).add_(own, alpha=1 - self.rate)
+                    state["samples"] += 1
+
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        r""":math:`\max(\mathrm{clamp}(u/w, 1/n, 1)\,\hat v_i, \hat z^2)`."""
+        beta2, n = group["betas"][1], group["n"]
+        local = state["v"] / (1 - beta2 ** state["step"])
+        if state["samples"]:
+            ratio = torch.nan_to_num(state["shared"] / state["own"], nan=1.0, posinf=1.0).clamp_(1 / n, 1.0)
+            local = local.mul_(ratio)
+        else:
+            local = local.div_(n)
+        return torch.maximum(local, first.square())
+
+
 class WindowMeanGradient(MeanGradient):
     """The gossiped sample of :class:`experiments.scale.engine.MeanGradient` taken of the mean of each row's
     gradients over the steps since the previous sample (this step's included) instead of this step's alone."""
@@ -382,6 +458,10 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
         engine.mean_gradient = sampler(config.mean_gradient, engine.schedule, engine.replicas, config.sample_dtype())
     if arm == "exact-params-w":
         _swap_optimizer(engine, WeightedMomentumTrackingAdamW)
+    if arm.endswith("ratio4"):
+        _swap_optimizer(engine, RatioMomentumTrackingAdamW)
+    if arm.endswith("mem4") or arm.endswith("v-last"):
+        _swap_optimizer(engine, SampleMemoryMomentumTrackingAdamW).rate = 0.75 if arm.endswith("mem4") else 0.0
     if arm == "all-exact-shared-only":
         _swap_optimizer(engine, SharedOnlyMomentumTrackingAdamW)
     if cap != 1.0:
