@@ -22,33 +22,15 @@ on rank i, with :math:`g_i` the rank's gradient, in three phases:
               \frac{\hat z}{\sqrt{\max(\hat v, \hat z^2)} + \epsilon}
 
 The second moment :math:`\hat v`. With ``second_moment_every = 0`` it is the rank's own,
-:math:`\hat v_i = v_i / (1-\beta_2^t)`. With K > 0 it is the **mean gradient's**, DDP's: on every K-th step,
-counted from the first (t = 0, K, 2K, ...), the wrapper averages the ranks' gradients and hands their mean
-:math:`\bar g` to :meth:`~MomentumTrackingAdamW.take_mean_gradient`, which advances two averages over the samples,
-of the mean gradient's square and of the rank's own second moment at that moment,
+:math:`v_i / (1-\beta_2^t)`. With K > 0 it is the **mean gradient's**: on every K-th step, counted from the first
+(t = 0, K, 2K, ...), the wrapper all-reduces the ranks' gradients and hands their mean :math:`\bar g` to
+:meth:`~MomentumTrackingAdamW.take_mean_gradient`, which advances :math:`u \leftarrow \beta_2^K u + (1-\beta_2^K)\,
+\bar g^2` (the same time constant in steps as :math:`v_i`); then
 
-.. math::  u \leftarrow r\,u + (1-r)\,\bar g^2, \qquad w \leftarrow r\,w + (1-r)\,\hat v_i,
-           \qquad r = \max\big(\beta_2^K,\; 1 - 1/m\big)
+.. math::  \hat v = \max\Big(\frac{u}{1-\beta_2^{K s}},\; \frac{v_i}{n\,(1-\beta_2^t)}\Big)
 
-with m = ``sample_memory``; then every step divides by the rank's own, current second moment scaled by their ratio,
-
-.. math::  \hat v = \operatorname{clamp}\Big(\frac{u}{w},\; \frac1n,\; 1\Big)\, \hat v_i
-
-(the rank's own before the first sample, over n ranks). Why a ratio: for ranks drawing independent batches,
-:math:`E[\bar g^2] = \mu^2 + \sigma^2/n` and :math:`E[g_i^2] = \mu^2 + \sigma^2`, so their ratio lies between 1/n
-(a coordinate of pure noise) and 1 (pure signal) and moves with the coordinate's signal-to-noise ratio, slowly,
-while both magnitudes move with the loss from step to step; :math:`\hat v_i` is fresh at every step and carries the
-magnitude, the samples carry only the ratio. The clamp's 1/n is the ratio of independent noise, its 1 that of
-identical gradients. Why the rate r: one sample's :math:`\bar g^2` is, where a coordinate of :math:`\bar g` is
-Gaussian around 0, :math:`E[\bar g^2]\,\chi^2_1`, below a tenth of its mean with probability
-:math:`P(|Z| < 0.32) \approx 1/4`; :math:`\beta_2^K` alone (0.04 at :math:`\beta_2 = 0.95`, K = 64) would keep
-about one sample, where a rate of at least :math:`1 - 1/m` averages :math:`(1+r)/(1-r) \ge 2m - 1` of them
-(DDP's own :math:`v` averages the squares of :math:`(1+\beta_2)/(1-\beta_2)` steps, 39 at 0.95). Averaging
-u alone over several samples would trade this noise for a lag of :math:`K/(1-r)` steps in the magnitudes; in the
-ratio the lag is only the signal-to-noise ratio's.
-
-Why the mean gradient's second moment and not the rank's own: every rank then divides the mean first moment by the
-mean gradient's second moment, DDP's step, where each rank's own
+after s samples over n ranks (the rank's own before the first sample). Why both halves: every rank then divides the
+mean first moment by the mean gradient's second moment, DDP's step, where each rank's own
 :math:`E[g_i^2] = g^2 + \sigma^2` exceeds DDP's :math:`g^2 + \sigma^2/n` in the noisy coordinates; momentum tracking
 with each rank's own second moment shrinks those steps below per-worker AdamW's, and a shared second moment on
 each rank's own first moment lets the replicas drift apart (experiments/learning_per_step/README.md, "Momentum
@@ -56,9 +38,8 @@ tracking with the mean gradient's second moment").
 
 Why the floors. A tracker carries the other ranks' first moments into coordinates this rank's batches never touch
 (embedding rows), where :math:`v_i \approx 0`; :math:`\max(\cdot, \hat z^2)` keeps every coordinate's step within
-lr. A coordinate whose samples were all 0 would be divided by ~0; the clamp keeps it at :math:`\hat v_i/n`, the mean
-gradient's second moment where the ranks' gradients are independent noise. Where w is 0 (the rank's own second
-moment was 0 at every sample) the ratio is taken as 1.
+lr. A coordinate whose mean gradient is 0 at the last sample would be divided by ~0 until the next one; the floor
+:math:`v_i/n` is the mean gradient's second moment where the ranks' gradients are independent noise.
 
 Without the wrapper (or without its gradient tracking), :math:`z_i = h_i`, and with ``second_moment_every = 0`` the
 update is AdamW's wherever AdamW's :math:`\hat m^2 \le \hat v` (elsewhere the floor shortens the step to lr).
@@ -85,10 +66,11 @@ class MomentumTrackingAdamW(Optimizer):
     """AdamW for momentum tracking: the first moment travels through the wrapper's tracker (module docstring).
 
     Use it with ``DecentralizedDataParallel(..., gradient_tracking=True)`` (a wrapper without tracking refuses it at
-    the first step): the wrapper then calls :meth:`prepare_momentum` before its tracker and, on the steps
-    :meth:`mean_gradient_due` names, averages the gradients for :meth:`take_mean_gradient` (by gossip or an
-    all-reduce, the wrapper's ``mean_gradient``). The state (``h``, ``v``, ``u`` as ``shared``, ``w`` as ``own``, the
-    sample count) and the step count are part of :meth:`state_dict`.
+    the first step): the wrapper then calls
+    :meth:`prepare_momentum` before its tracker and, on the steps :meth:`mean_gradient_due` names, all-reduces the
+    gradients for :meth:`take_mean_gradient` (``2 (n-1)/n`` of the model's bytes per rank, once every
+    ``second_moment_every`` steps). The state (``h``, ``v``, ``u``, the sample count) and the step count are part of
+    :meth:`state_dict`.
 
     Args:
         params: parameters or param groups.
@@ -98,8 +80,6 @@ class MomentumTrackingAdamW(Optimizer):
         weight_decay: decoupled weight decay (AdamW's).
         second_moment_every: steps between two samples of the mean gradient's second moment (the same on every
             rank); 0 keeps each rank's own.
-        sample_memory: m, the fewest samples u and w average: their rate per sample is ``max(beta2 ** K, 1 - 1/m)``
-            (module docstring); 1 keeps ``beta2 ** K``, the time constant of ``v`` in steps.
         foreach: run each phase with the ``torch._foreach_*`` kernels, a few launches per parameter group instead of
             several per tensor (bit-identical to the per-tensor loop on CPU); ``None`` picks them when every
             parameter of the group is on CUDA.
@@ -116,15 +96,12 @@ class MomentumTrackingAdamW(Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         second_moment_every: int = 32,
-        sample_memory: int = 4,
         *,
         foreach: bool | None = None,
     ) -> None:
         every = second_moment_every
         if not isinstance(every, Integral) or isinstance(every, bool) or every < 0:
             raise ValueError(f"MomentumTrackingAdamW: second_moment_every must be an integer >= 0, got {every!r}")
-        if not isinstance(sample_memory, Integral) or isinstance(sample_memory, bool) or sample_memory < 1:
-            raise ValueError(f"MomentumTrackingAdamW: sample_memory must be an integer >= 1, got {sample_memory!r}")
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
         validate_adam_hyperparameters(defaults, "MomentumTrackingAdamW arguments")
         # the step count and the number of ranks of the last sample live in the groups, so state_dict saves them
@@ -132,14 +109,13 @@ class MomentumTrackingAdamW(Optimizer):
         for index, group in enumerate(self.param_groups):
             validate_adam_hyperparameters(group, f"MomentumTrackingAdamW param group {index}")
         self.second_moment_every = int(every)
-        self.sample_memory = int(sample_memory)
         self._prepared = False  # prepare_momentum ran in this step
 
     def _state(self, p: Tensor) -> dict[str, Any]:
         state = self.state[p]
         if not state:
             state["step"], state["samples"] = 0, 0
-            state["h"], state["v"], state["shared"], state["own"] = (torch.zeros_like(p) for _ in range(4))
+            state["h"], state["v"], state["shared"] = (torch.zeros_like(p) for _ in range(3))
         return state
 
     def _with_gradients(self) -> Iterator[tuple[dict[str, Any], list[Tensor], list[dict[str, Any]], bool]]:
@@ -151,17 +127,6 @@ class MomentumTrackingAdamW(Optimizer):
                 foreach = group.get("foreach")
                 foreach = all(p.is_cuda for p in params) if foreach is None else foreach
                 yield group, params, [self._state(p) for p in params], foreach
-
-    def sample_rate(self, group: Mapping[str, Any]) -> float:
-        """r, the rate at which u and w forget a sample (module docstring).
-
-        Args:
-            group: a param group (its beta2).
-
-        Returns:
-            ``max(beta2 ** second_moment_every, 1 - 1 / sample_memory)``.
-        """
-        return max(group["betas"][1] ** self.second_moment_every, 1 - 1 / self.sample_memory)
 
     def mean_gradient_due(self) -> bool:
         """Whether this step samples the mean gradient (call before :meth:`prepare_momentum`).
@@ -190,14 +155,11 @@ class MomentumTrackingAdamW(Optimizer):
             raise ValueError(f"MomentumTrackingAdamW: workers must be >= 1, got {workers}")
         for group in self.param_groups:
             group["workers"] = int(workers)
-            rate, beta2 = self.sample_rate(group), group["betas"][1]
+            rate = group["betas"][1] ** self.second_moment_every
             for p in group["params"]:
                 if p in means:
                     state = self._state(p)
-                    square = means[p].square()
-                    own = state["v"] / (1 - beta2 ** state["step"]) if state["step"] else square
-                    state["shared"].mul_(rate).add_(square, alpha=1 - rate)
-                    state["own"].mul_(rate).add_(own, alpha=1 - rate)
+                    state["shared"].mul_(rate).addcmul_(means[p], means[p], value=1 - rate)
                     state["samples"] += 1
 
     @torch.no_grad()
@@ -223,7 +185,7 @@ class MomentumTrackingAdamW(Optimizer):
         self._prepared = True
 
     def second_moment(self, group: dict[str, Any], state: dict[str, Any]) -> Tensor:
-        """The second moment v-hat that divides the step (module docstring), before the z^2 floor.
+        """The bias-corrected second moment v-hat that divides the step (module docstring), before the z^2 floor.
 
         Args:
             group: the parameter's group.
@@ -232,15 +194,12 @@ class MomentumTrackingAdamW(Optimizer):
         Returns:
             A new tensor.
         """
-        local = state["v"] / (1 - group["betas"][1] ** state["step"])
+        beta2 = group["betas"][1]
+        local = state["v"] / (1 - beta2 ** state["step"])
         if not self.second_moment_every or not state["samples"]:
             return local
-        return local.mul_(self._ratio(state["shared"] / state["own"], group["workers"]))
-
-    @staticmethod
-    def _ratio(quotient: Tensor, workers: int) -> Tensor:
-        """``u / w`` (``quotient``, written in place) with 0/0 and x/0 taken as 1, clamped to [1/n, 1]."""
-        return quotient.nan_to_num_(nan=1.0, posinf=1.0).clamp_(1 / workers, 1.0)
+        shared = state["shared"] / (1 - (beta2**self.second_moment_every) ** state["samples"])
+        return torch.maximum(shared, local.div_(group["workers"]), out=shared)  # both are new: written in place
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -280,9 +239,13 @@ class MomentumTrackingAdamW(Optimizer):
         second = list(torch._foreach_div([st["v"] for st in states], [1 - beta2 ** st["step"] for st in states]))
         sampled = [i for i, st in enumerate(states) if self.second_moment_every and st["samples"]]
         if sampled:
-            quotients = torch._foreach_div([states[i]["shared"] for i in sampled], [states[i]["own"] for i in sampled])
-            ratios = [self._ratio(quotient, group["workers"]) for quotient in quotients]
-            torch._foreach_mul_([second[i] for i in sampled], ratios)
+            rate = beta2**self.second_moment_every
+            shared = torch._foreach_div(
+                [states[i]["shared"] for i in sampled], [1 - rate ** states[i]["samples"] for i in sampled]
+            )
+            floors = torch._foreach_div([second[i] for i in sampled], group["workers"])
+            for i, value in zip(sampled, torch._foreach_maximum(shared, floors), strict=True):
+                second[i] = value
         denominator = torch._foreach_maximum(second, torch._foreach_pow(first, 2))
         torch._foreach_sqrt_(denominator)
         torch._foreach_mul_(params, 1 - lr * group["weight_decay"])

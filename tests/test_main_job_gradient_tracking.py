@@ -13,14 +13,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 from helpers.launch import completed_rows, main_job_run
 from helpers.tracking_scenarios import comparison_bytes
 
-import gossip
 from gossip.app.cli import build_parser, config_from
 from gossip.app.gpt import GPT, GPTConfig
-from gossip.app.train import ConfigError, TrainConfig, make_optimizer, resolve
+from gossip.app.train import ConfigError, TrainConfig, resolve
 from gossip.backends.base import ring_all_reduce_bytes
 
 STEPS = 6
@@ -124,17 +122,6 @@ def test_momentum_tracking_is_an_optimizer_that_needs_the_trackers():
     assert caught.value.option == "--optimizer"
     with pytest.raises(ConfigError, match="momentum-tracking-adamw is for gossip"):
         resolve(TrainConfig(optimizer="momentum-tracking-adamw", algorithm="ddp"), 2)
-
-
-def test_the_samples_memory_is_an_option_of_the_optimizer():
-    """``--sample-memory`` reaches MomentumTrackingAdamW (default: the library pipeline's); below 1 is refused."""
-    parser = build_parser()
-    for argv, memory in (([], gossip.Pipeline().sample_memory), (["--sample-memory", "1"], 1)):
-        config, _ = resolve(config_from(parser.parse_args(argv)), 2)
-        optimizer = make_optimizer(config, torch.nn.Linear(2, 2))
-        assert (config.sample_memory, optimizer.sample_memory) == (memory, memory)
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--sample-memory", "0"])
 
 
 def momentum_run(parent: Path, mean_gradient: str, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:

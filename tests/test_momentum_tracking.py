@@ -70,7 +70,7 @@ def test_no_coordinate_moves_more_than_lr_where_the_own_second_moment_is_zero():
         assert (weight.detach() - before).abs().max().item() == pytest.approx(1e-3, rel=1e-6)
 
 
-def test_the_mean_gradient_is_due_every_k_steps_from_the_first():
+def test_the_mean_gradient_is_due_every_k_steps_from_the_first_and_its_square_is_the_second_moment():
     weight = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
     optimizer = optim.MomentumTrackingAdamW([weight], lr=0.0, betas=BETAS, second_moment_every=3)
     due = []
@@ -83,72 +83,17 @@ def test_the_mean_gradient_is_due_every_k_steps_from_the_first():
     assert due == [True, False, False, True, False, False, True]
     state, group = optimizer.state[weight], optimizer.param_groups[0]
     assert state["samples"] == 3 and group["workers"] == 4 and group["tracking_step"] == 7
+    # u over 3 samples of 2^2, bias-corrected: exactly 4 (above the floor v_i / n = 1 / 4)
+    torch.testing.assert_close(optimizer.second_moment(group, state), torch.full((3,), 4.0, dtype=torch.float64))
 
 
-def _own_second_moment(gradients: list[float], beta2: float) -> float:
-    """The rank's bias-corrected v after ``gradients`` (float64 reference)."""
-    v = 0.0
-    for g in gradients:
-        v = beta2 * v + (1 - beta2) * g * g
-    return v / (1 - beta2 ** len(gradients))
-
-
-@pytest.mark.parametrize(
-    ("beta2", "every", "memory", "rate", "means"),
-    [
-        (0.95, 64, 4, 0.75, (1.0, 0.5, 0.8)),  # beta2^K ~ 0.04: about the last 2 m - 1 = 7 samples
-        (0.95, 64, 1, 0.95**64, (1.0, 0.5, 0.8)),  # sample_memory = 1: the time constant of v in steps
-        (0.999, 64, 4, 0.999**64, (1.0, 0.5, 0.8)),  # beta2^K ~ 0.94 already averages more than m samples
-        (0.95, 8, 2, 0.95**8, (1.0, 0.5, 0.8)),  # 0.66 > 1 - 1/2
-        (0.95, 64, 4, 0.75, (0.01, 0.02, 0.01)),  # u / w below 1/n: the clamp's floor, v_i / n
-        (0.95, 64, 4, 0.75, (9.0, 8.0, 9.0)),  # above 1: the rank's own v_i
-    ],
-)
-def test_the_second_moment_is_the_ranks_own_times_the_samples_ratio(beta2, every, memory, rate, means):
-    """u <- r u + (1 - r) mean^2 and w <- r w + (1 - r) v_i-hat at each sample, r = max(beta2^K, 1 - 1/m); the step
-    divides by v_i-hat now times clamp(u / w, 1/n, 1) (w's first sample, at step 0, is the mean's square)."""
-    weight = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
-    optimizer = optim.MomentumTrackingAdamW(
-        [weight], lr=0.0, betas=(0.9, beta2), second_moment_every=every, sample_memory=memory
-    )
-    assert optimizer.sample_rate(optimizer.param_groups[0]) == rate
-    gradients, workers = (2.0, 1.5, 2.5, 3.0), 10
-    u = w = 0.0
-    for step, mean in enumerate(means):
-        own = _own_second_moment(gradients[:step], beta2) if step else mean * mean
-        u, w = rate * u + (1 - rate) * mean * mean, rate * w + (1 - rate) * own
-        optimizer.take_mean_gradient({weight: torch.full((2,), mean, dtype=torch.float64)}, workers=workers)
-        weight.grad = torch.full((2,), gradients[step], dtype=torch.float64)
-        optimizer.step()
-    expected = _own_second_moment(gradients[: len(means)], beta2) * min(max(u / w, 1 / workers), 1.0)
-    state, group = optimizer.state[weight], optimizer.param_groups[0]
-    torch.testing.assert_close(optimizer.second_moment(group, state), torch.full((2,), expected, dtype=torch.float64))
-
-
-def test_a_coordinate_whose_own_second_moment_was_zero_at_every_sample_divides_by_its_own():
-    """w = 0 (this rank never saw a gradient there, the mean did): u / w is taken as 1, not inf or nan."""
-    weight = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
-    optimizer = optim.MomentumTrackingAdamW([weight], lr=0.0, betas=BETAS, second_moment_every=1)
-    for step in range(3):  # samples after steps 0 and 1, whose gradients are 0: w = 0, u > 0 in the second entry
-        if step:
-            optimizer.take_mean_gradient({weight: torch.tensor([0.0, 1.0], dtype=torch.float64)}, workers=4)
-        weight.grad = torch.tensor([0.0, 2.0 if step == 2 else 0.0], dtype=torch.float64)
-        optimizer.step()
-    assert optimizer.state[weight]["own"].eq(0).all() and optimizer.state[weight]["shared"][1] > 0
-    state, group = optimizer.state[weight], optimizer.param_groups[0]
-    own = torch.tensor([0.0, _own_second_moment([0.0, 0.0, 2.0], BETAS[1])], dtype=torch.float64)
-    torch.testing.assert_close(optimizer.second_moment(group, state), own)
-
-
-def _multi_tensor_run(foreach: bool, memory: int) -> list[torch.Tensor]:
+def _multi_tensor_run(foreach: bool) -> list[torch.Tensor]:
     """Two param groups of float32 tensors, the mean gradient every 3 steps, one tensor without a gradient on
     every other step (its step count falls behind, its sample count too)."""
     generator = torch.Generator().manual_seed(3)
     params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in ((17, 5), (5,), (9, 3), (3,))]
     groups = [{"params": params[:2]}, {"params": params[2:], "lr": 3e-3, "weight_decay": 0.0}]
-    optimizer = optim.MomentumTrackingAdamW(
-        groups, lr=1e-2, betas=BETAS, second_moment_every=3, sample_memory=memory, foreach=foreach
-    )
+    optimizer = optim.MomentumTrackingAdamW(groups, lr=1e-2, betas=BETAS, second_moment_every=3, foreach=foreach)
     for step in range(12):
         for index, p in enumerate(params):
             p.grad = None if index == 3 and step % 2 else torch.randn(p.shape, generator=generator)
@@ -160,12 +105,11 @@ def _multi_tensor_run(foreach: bool, memory: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in params] + [st[key] for st in states for key in ("h", "v", "shared")]
 
 
-@pytest.mark.parametrize("memory", [1, 16])  # u's rate beta2^3, or 1 - 1/16 above it
-def test_the_multi_tensor_path_is_the_per_tensor_loop_bit_for_bit_on_the_cpu(memory):
+def test_the_multi_tensor_path_is_the_per_tensor_loop_bit_for_bit_on_the_cpu():
     """foreach=True runs torch._foreach_* kernels per group (what CUDA parameters get by default): on the CPU the
     same parameters and moments as the per-tensor loop, bit for bit."""
     assert optim.MomentumTrackingAdamW([torch.nn.Parameter(torch.zeros(2))]).param_groups[0]["foreach"] is None
-    looped, batched = _multi_tensor_run(False, memory), _multi_tensor_run(True, memory)
+    looped, batched = _multi_tensor_run(False), _multi_tensor_run(True)
     for index, (a, b) in enumerate(zip(looped, batched, strict=True)):
         assert torch.equal(a, b), index
     assert all(st.abs().sum() > 0 for st in looped[4:])  # every moment moved, the sampled one included
@@ -176,8 +120,6 @@ def test_the_multi_tensor_path_is_the_per_tensor_loop_bit_for_bit_on_the_cpu(mem
     [
         ({"second_moment_every": -1}, "second_moment_every must be an integer >= 0"),
         ({"second_moment_every": True}, "second_moment_every must be an integer >= 0"),
-        ({"sample_memory": 0}, "sample_memory must be an integer >= 1"),
-        ({"sample_memory": 2.5}, "sample_memory must be an integer >= 1"),
         ({"lr": -1.0}, "lr must be a finite float >= 0"),
         ({"betas": (0.9, 1.0)}, r"betas\[1\] must lie in \[0, 1\)"),
     ],
@@ -282,14 +224,12 @@ def _rounded_gossip(gradients: list[torch.Tensor], schedule: topologies.Schedule
     ],
 )
 def test_the_sample_is_the_mean_gradient_of_all_ranks(mean_gradient, schedule, n, arrives_at, dtype):
-    """Step 0's sample reaches every rank's second moment as (1 - r) mean(g)^2, r = max(beta2^K, 1 - 1/m) (m the
-    default sample_memory, 4): at once by an all-reduce, after
+    """Step 0's sample reaches every rank's second moment as (1 - beta2^K) mean(g)^2: at once by an all-reduce, after
     the schedule's exact hops by gossip; the same on every rank (bit for bit where the rows of W(t) pair ranks
     alike: the all-reduce and the hypercube)."""
     results = gossip.simulate(n, _sampled_second_moment, mean_gradient, schedule, arrives_at + 2, dtype)
     mean = torch.stack([r["gradient"] for r in results]).double().mean(0)
-    rate = max(BETAS[1] ** 16, 1 - 1 / 4)
-    expected = ((1 - rate) * mean.square()).float()
+    expected = ((1 - BETAS[1] ** 16) * mean.square()).float()
     for rank, result in enumerate(results):
         assert result["samples"] == [0] * arrives_at + [1, 1], f"rank {rank}"
         assert result["workers"] == n
@@ -396,15 +336,13 @@ def test_resume_is_bit_identical(tmp_path):
         assert torch.equal(result["resumed"], result["uninterrupted"]), f"rank {rank}"
 
 
-def _mismatched_optimizers(comm, plain_rank: int | None, every_on_rank_2: int, memory_on_rank_2: int) -> str:
+def _mismatched_optimizers(comm, plain_rank: int | None, every_on_rank_2: int) -> str:
     model = wrap(comm, make_mlp(comm.rank), gradient_tracking=True)
-    every, memory = (every_on_rank_2, memory_on_rank_2) if comm.rank == 2 else (4, 4)
+    every = every_on_rank_2 if comm.rank == 2 else 4
     if comm.rank == plain_rank:
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     else:
-        optimizer = optim.MomentumTrackingAdamW(
-            model.parameters(), lr=1e-2, second_moment_every=every, sample_memory=memory
-        )
+        optimizer = optim.MomentumTrackingAdamW(model.parameters(), lr=1e-2, second_moment_every=every)
     try:
         for step in range(4):
             loss_of(model, *batch(comm.rank, step)).backward()
@@ -416,27 +354,24 @@ def _mismatched_optimizers(comm, plain_rank: int | None, every_on_rank_2: int, m
 
 
 @pytest.mark.parametrize(
-    ("odd_rank", "its_kind", "every_on_rank_2", "memory_on_rank_2"),
+    ("odd_rank", "its_kind", "every_on_rank_2"),
     [
-        (2, "MomentumTrackingAdamW(second_moment_every=8, sample_memory=4)", 8, 4),
-        (2, "MomentumTrackingAdamW(second_moment_every=4, sample_memory=1)", 4, 1),
-        (1, "an optimizer that steps on .grad (not a momentum source)", 4, 4),
+        (2, "MomentumTrackingAdamW(second_moment_every=8)", 8),
+        (1, "an optimizer that steps on .grad (not a momentum source)", 4),
     ],
 )
-def test_ranks_that_disagree_on_the_optimizer_are_named_by_their_peers(
-    odd_rank, its_kind, every_on_rank_2, memory_on_rank_2
-):
+def test_ranks_that_disagree_on_the_optimizer_are_named_by_their_peers(odd_rank, its_kind, every_on_rank_2):
     """The optimizers are compared with each step's peers from the step after the first optimizer step: at step 1
     of the hypercube of 4 the odd rank and its partner (rank XOR 2) name each other; the other two stop at their
-    next exchange with one of them (a timeout here). The sampling interval and the samples' memory both count."""
+    next exchange with one of them (a timeout here)."""
     plain_rank = 1 if odd_rank == 1 else None
-    messages = gossip.simulate(N, _mismatched_optimizers, plain_rank, every_on_rank_2, memory_on_rank_2, timeout=5.0)
-    usual = "MomentumTrackingAdamW(second_moment_every=4, sample_memory=4)"
+    messages = gossip.simulate(N, _mismatched_optimizers, plain_rank, every_on_rank_2, timeout=5.0)
+    usual = "MomentumTrackingAdamW(second_moment_every=4)"
     partner = odd_rank ^ 2
     assert messages[odd_rank] == (
         f"ReplicaMismatchError: step 1: rank {odd_rank}: peer {partner}'s optimizer is {usual} where this rank's is "
         f"{its_kind}: with gradient tracking or momentum tracking every rank must use the same optimizer with the "
-        "same second_moment_every and sample_memory"
+        "same second_moment_every"
     )
     assert messages[partner].startswith(
         f"ReplicaMismatchError: step 1: rank {partner}: peer {odd_rank}'s optimizer is {its_kind} where this rank's is "

@@ -53,7 +53,6 @@ class EngineConfig:
         sign_levels: ChocoSign's magnitudes per chunk.
         optimizer: ``"adamw"`` or ``"momentum-tracking"``.
         second_moment_every: MomentumTrackingAdamW's steps between two samples of the mean gradient.
-        sample_memory: the fewest samples its second moment averages.
         mean_gradient: ``"gossip"`` or ``"allreduce"``.
         mean_gradient_dtype: the dtype the gossiped sample travels in, ``"bfloat16"``, ``"float16"`` or ``""`` (the
             gradients').
@@ -85,7 +84,6 @@ class EngineConfig:
     sign_levels: int = 4
     optimizer: str = "momentum-tracking"
     second_moment_every: int = 64
-    sample_memory: int = 4
     mean_gradient: str = "gossip"
     mean_gradient_dtype: str = "bfloat16"
     schedule: str = ""

@@ -36,7 +36,6 @@ def _wrap(config: EngineConfig, module: torch.nn.Module, comm: gossip.Communicat
             power_iterations=config.iterations,
             message_dtype=getattr(torch, config.message_dtype) if config.message_dtype else None,
             second_moment_every=config.second_moment_every,
-            sample_memory=config.sample_memory,
             mean_gradient=config.mean_gradient,
             mean_gradient_dtype=config.sample_dtype(),
             schedule=config.schedule or None,
@@ -55,10 +54,8 @@ def _wrap(config: EngineConfig, module: torch.nn.Module, comm: gossip.Communicat
     )
     groups = optim.param_groups(module, config.weight_decay)
     if config.optimizer == "momentum-tracking":
-        every, memory = config.second_moment_every, config.sample_memory
-        return wrapped, optim.MomentumTrackingAdamW(
-            groups, **adam, eps=1e-8, second_moment_every=every, sample_memory=memory
-        )
+        every = config.second_moment_every
+        return wrapped, optim.MomentumTrackingAdamW(groups, **adam, eps=1e-8, second_moment_every=every)
     return wrapped, optim.AccumAdamW(groups, **adam, eps=1e-8, accum_iter=1)
 
 

@@ -218,13 +218,6 @@ def build_parser() -> argparse.ArgumentParser:
         f"each worker's own; default: {defaults.second_moment_every}",
     )
     training.add_argument(
-        "--sample-memory",
-        type=positive(int),
-        default=defaults.sample_memory,
-        help="momentum-tracking-adamw: the fewest samples of the mean gradient its second moment averages (the "
-        f"rate per sample is max(beta2^K, 1 - 1/m)); 1 keeps beta2^K; default: {defaults.sample_memory}",
-    )
-    training.add_argument(
         "--mean-gradient",
         choices=MEAN_GRADIENT_SOURCES,
         default=None,
@@ -279,7 +272,6 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         optimizer=args.optimizer,
         accum_iter=args.accum_iter,
         second_moment_every=args.second_moment_every,
-        sample_memory=args.sample_memory,
         mean_gradient=args.mean_gradient,
         mean_gradient_dtype=args.mean_gradient_dtype,
         algorithm=args.algorithm,

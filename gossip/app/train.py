@@ -89,7 +89,6 @@ class MixingDefaults:
         optimizer: the local optimizer of the gossip algorithms.
         gradient_tracking: how the trackers are mixed (with ``optimizer``).
         second_moment_every: the steps between two samples of the mean gradient's second moment.
-        sample_memory: the fewest samples that second moment averages.
         mean_gradient: how the sample is averaged.
         mean_gradient_dtype: the dtype a gossiped sample travels in.
         lr: the peak learning rate.
@@ -106,7 +105,6 @@ class MixingDefaults:
     optimizer: str = "momentum-tracking-adamw"
     gradient_tracking: str = PIPELINE.trackers
     second_moment_every: int = PIPELINE.second_moment_every
-    sample_memory: int = PIPELINE.sample_memory
     mean_gradient: str = PIPELINE.mean_gradient
     mean_gradient_dtype: str = str(PIPELINE.mean_gradient_dtype).removeprefix("torch.")
     lr: float = 3e-3
@@ -134,7 +132,6 @@ class TrainConfig:
         accum_iter: AccumAdamW's accumulation (None: max(1, n // 4)).
         second_moment_every: MomentumTrackingAdamW's steps between two samples of the mean gradient's second
             moment (0: each rank's own second moment).
-        sample_memory: the fewest samples MomentumTrackingAdamW's second moment of the mean gradient averages.
         mean_gradient: how that sample is averaged: ``"gossip"`` over the schedule or ``"allreduce"`` (None:
             :data:`DEFAULTS`'; the wrapper's ``mean_gradient``).
         mean_gradient_dtype: the dtype a gossiped sample travels in, one of :data:`MESSAGE_DTYPES` (None:
@@ -187,7 +184,6 @@ class TrainConfig:
     optimizer: str | None = None
     accum_iter: int | None = None
     second_moment_every: int = DEFAULTS.second_moment_every
-    sample_memory: int = DEFAULTS.sample_memory
     mean_gradient: str | None = None
     mean_gradient_dtype: str | None = None
     algorithm: str = DEFAULTS.algorithm
@@ -614,9 +610,8 @@ def make_optimizer(config: TrainConfig, module: torch.nn.Module) -> torch.optim.
         return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
     if config.optimizer == MOMENTUM_TRACKING:
         return optim.MomentumTrackingAdamW(
-            groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, second_moment_every=config.second_moment_every,
-            sample_memory=config.sample_memory,
-        )  # fmt: skip
+            groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, second_moment_every=config.second_moment_every
+        )
     return optim.AccumAdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, accum_iter=config.accum_iter)
 
 

@@ -87,11 +87,7 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     source = momentum_source(optimizer)
     if source is None:
         return "an optimizer that steps on .grad (not a momentum source)"
-    memory = getattr(source, "sample_memory", None)
-    settings = f"second_moment_every={source.second_moment_every}" + (
-        f", sample_memory={memory}" if memory is not None else ""
-    )
-    return f"{type(optimizer).__name__}({settings})"
+    return f"{type(optimizer).__name__}(second_moment_every={source.second_moment_every})"
 
 
 def check_optimizer_agreement(comm: Communicator, optimizer: torch.optim.Optimizer, step: int) -> None:
@@ -112,5 +108,5 @@ def check_optimizer_agreement(comm: Communicator, optimizer: torch.optim.Optimiz
     other = next(rank for rank, k in enumerate(kinds) if k != kinds[0])
     raise ReplicaMismatchError(
         f"step {step}: rank {other}'s optimizer is {kinds[other]} where rank 0's is {kinds[0]}: with momentum "
-        "tracking every rank must use the same optimizer with the same second_moment_every and sample_memory"
+        "tracking every rank must use the same optimizer with the same second_moment_every"
     )

@@ -151,7 +151,7 @@ class PeerAgreement:
                 raise ReplicaMismatchError(
                     f"{where}: peer {peer}'s optimizer is {their_kind} where this rank's is {self.optimizer_kind}: "
                     "with gradient tracking or momentum tracking every rank must use the same optimizer with the "
-                    "same second_moment_every and sample_memory"
+                    "same second_moment_every"
                 )
 
     def drain(self) -> None:

@@ -65,7 +65,6 @@ class Pipeline:
         trackers: how the trackers are mixed: ``"sign"`` (:class:`gossip.ChocoSign`), ``"exact"`` or
             ``"powergossip"`` (the wrapper's ``gradient_tracking``).
         second_moment_every: steps between two samples of the mean gradient's second moment.
-        sample_memory: the fewest samples the second moment averages (:class:`optim.MomentumTrackingAdamW`).
         mean_gradient: how the sample is averaged: ``"gossip"`` over the schedule, or ``"allreduce"``.
         mean_gradient_dtype: the dtype the gossiped sample travels in (None: the gradients').
         schedule: the schedule's name (:func:`topologies.by_name`); None picks :func:`default_schedule`.
@@ -76,7 +75,6 @@ class Pipeline:
     message_dtype: torch.dtype | None = torch.float16
     trackers: str = "sign"
     second_moment_every: int = 64
-    sample_memory: int = 4
     mean_gradient: str = "gossip"
     mean_gradient_dtype: torch.dtype | None = torch.bfloat16
     schedule: str | None = None
@@ -157,12 +155,11 @@ class Pipeline:
             eps: added to the denominator.
 
         Returns:
-            :class:`optim.MomentumTrackingAdamW` sampling every ``second_moment_every`` steps, averaging at
-                least ``sample_memory`` samples.
+            :class:`optim.MomentumTrackingAdamW` sampling every ``second_moment_every`` steps.
         """
         return optim.MomentumTrackingAdamW(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            second_moment_every=self.second_moment_every, sample_memory=self.sample_memory,
+            second_moment_every=self.second_moment_every,
         )  # fmt: skip
 
     def wrap(
