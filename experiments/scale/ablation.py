@@ -262,14 +262,18 @@ class SampleMemoryMomentumTrackingAdamW(_ArmOptimizer):
     rate = 0.75
 
     def take_mean_gradient(self, means: dict, workers: int) -> None:
-        """u <- r u + (1 - r) mean^2."""
+        """Advance each sampled parameter's averages (:meth:`advance`) and its sample count."""
         for group in self.param_groups:
             group["workers"] = int(workers)
             for p in group["params"]:
                 if p in means:
                     state = self._state(p)
-                    state["shared"].mul_(self.rate).addcmul_(means[p], means[p], value=1 - self.rate)
+                    self.advance(group, state, means[p])
                     state["samples"] += 1
+
+    def advance(self, group: dict, state: dict, mean: torch.Tensor) -> None:
+        """u <- r u + (1 - r) mean^2."""
+        state["shared"].mul_(self.rate).addcmul_(mean, mean, value=1 - self.rate)
 
     def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
         r""":math:`\max(\hat u, \hat v_i / n, \hat z^2)` with this u."""
@@ -281,7 +285,7 @@ class SampleMemoryMomentumTrackingAdamW(_ArmOptimizer):
         return torch.maximum(local, first.square())
 
 
-class RatioMomentumTrackingAdamW(_ArmOptimizer):
+class RatioMomentumTrackingAdamW(SampleMemoryMomentumTrackingAdamW):
     r"""The second moment as the rank's own, fresh :math:`\hat v_i` times the ratio of the mean gradient's second
     moment to the rank's own, averaged over the samples: at each sample :math:`u \leftarrow r u + (1-r)\bar g^2`
     and :math:`w \leftarrow r w + (1-r)\hat v_i`, and :math:`\hat v = \mathrm{clamp}(u / w, 1/n, 1)\,\hat v_i`
@@ -289,23 +293,14 @@ class RatioMomentumTrackingAdamW(_ArmOptimizer):
     (reverted), but for the steps before the first sample arrives, where this arm divides by :math:`\hat v_i / n`
     and c44a3b4 by :math:`\hat v_i`."""
 
-    rate = 0.75
-
-    def take_mean_gradient(self, means: dict, workers: int) -> None:
+    def advance(self, group: dict, state: dict, mean: torch.Tensor) -> None:
         """u and w advance with the sample and the rank's own second moment now."""
-        for group in self.param_groups:
-            group["workers"] = int(workers)
-            beta2 = group["betas"][1]
-            for p in group["params"]:
-                if p in means:
-                    state = self._state(p)
-                    if "own" not in state:
-                        state["own"] = torch.zeros_like(p)
-                    square = means[p].square()
-                    own = state["v"] / (1 - beta2 ** state["step"]) if state["step"] else square
-                    state["shared"].mul_(self.rate).add_(square, alpha=1 - self.rate)
-                    state["own"].mul_(self.rate).add_(own, alpha=1 - self.rate)
-                    state["samples"] += 1
+        if "own" not in state:
+            state["own"] = torch.zeros_like(mean)
+        beta2, square = group["betas"][1], mean.square()
+        own = state["v"] / (1 - beta2 ** state["step"]) if state["step"] else square
+        state["shared"].mul_(self.rate).add_(square, alpha=1 - self.rate)
+        state["own"].mul_(self.rate).add_(own, alpha=1 - self.rate)
 
     def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
         r""":math:`\max(\mathrm{clamp}(u/w, 1/n, 1)\,\hat v_i, \hat z^2)`."""
