@@ -23,6 +23,7 @@ same initial model and tokens). The parts:
   ``mem4``, ``exact-params-mem4``, ``pg-rank16-mem4``) or over the last sample alone with the exact mean every step
   (``exact-params-v-last``), and the rank's own current second moment times the samples' ratio of the mean's
   square to the rank's own (:class:`RatioMomentumTrackingAdamW`, ``ratio4``: the library's at c44a3b4, reverted);
+* the trackers mixed twice a step (:class:`TwoTrackerHopsEngine`, ``tracker-2hops``);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 
@@ -68,6 +69,7 @@ ARMS: dict[str, dict[str, object]] = {
     "sm16": {"second_moment_every": 16},
     "sign-gamma0.5": {"sign_gamma": 0.5},
     "beta1-0.95": {"beta1": 0.95},
+    "tracker-2hops": {},
     "cap4": {},
     "exact-params-cap4": {"params": "exact"},
     "all-exact-uncapped": _ALL_EXACT,
@@ -367,6 +369,25 @@ class OracleDirectionEngine(Engine):
         grad.copy_(grad.mean(dim=0, keepdim=True).expand_as(grad))
 
 
+class TwoTrackerHopsEngine(Engine):
+    """The trackers mixed twice a step, over the schedule's W(2t) and then W(2t + 1), with the step's increments
+    added before the first (the parameters keep W(t)): a worker's own last increment then weighs 1/4 after its step
+    on the one-peer hypercube instead of 1/2, at twice the trackers' bytes."""
+
+    def step(self, t: int) -> torch.Tensor:
+        """:meth:`Engine.step` with the step index the trackers' second hop needs."""
+        self._step = t
+        return super().step(t)
+
+    def _track(self, plan: object) -> None:
+        grad = self.replicas.grad
+        self.trackers.add_(grad).sub_(self.previous)
+        self.previous.copy_(grad)
+        for hop in (2 * self._step, 2 * self._step + 1):
+            self.bytes_sent += self.sign.mix_(self.trackers, self.plans.at(hop))
+        grad.copy_(self.trackers)
+
+
 @torch.no_grad()
 def diagnose(engine: Engine, sample: int = 1 << 20) -> dict[str, float]:
     r"""Where each worker's step stands against its denominator, after ``engine.step`` (``.grad`` holds z_i).
@@ -444,7 +465,8 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
     corpus = load_corpus(None, block_size=config.block_size)
     held_out = validation_batches(corpus.validation, EVAL_BATCH, config.block_size, EVAL_BATCHES)
     arm = config.name.split("-", 3)[-1]
-    engine = (OracleDirectionEngine if arm == "oracle-direction" else Engine)(config, corpus.train, "cpu", "batched")
+    kind = {"oracle-direction": OracleDirectionEngine, "tracker-2hops": TwoTrackerHopsEngine}.get(arm, Engine)
+    engine = kind(config, corpus.train, "cpu", "batched")
     if arm.endswith("local-moment"):
         _swap_optimizer(engine, LocalMomentMomentumTrackingAdamW, second_moment_every=0)
     if "window-v" in arm or "momentum-v" in arm:
