@@ -99,7 +99,6 @@ ARMS: dict[str, dict[str, object]] = {
     "mem4": {},
     "pg-rank16-mem4": {"rank": 16},
     "ratio4": {},
-    "exact-params-ratio4": {"params": "exact"},
 }
 #: arms that run :class:`CappedMomentumTrackingAdamW` with this cap (1e9: no z^2 floor).
 CAPS = {"cap4": 4.0, "exact-params-cap4": 4.0, "all-exact-uncapped": 1e9}
