@@ -22,7 +22,7 @@ same initial model and tokens). The parts:
 * u, the samples' average, kept over about seven samples instead of one (:class:`SampleMemoryMomentumTrackingAdamW`;
   ``mem4``, ``exact-params-mem4``, ``pg-rank16-mem4``) or over the last sample alone with the exact mean every step
   (``exact-params-v-last``), and the rank's own current second moment times the samples' ratio of the mean's
-  square to the rank's own (:class:`RatioMomentumTrackingAdamW`, ``ratio4``: the library's at c44a3b4, reverted);
+  square to the rank's own (:class:`RatioMomentumTrackingAdamW`, ``ratio4``);
 * the trackers mixed twice a step (:class:`TwoTrackerHopsEngine`, ``tracker-2hops``);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
@@ -255,7 +255,7 @@ class WeightedMomentumTrackingAdamW(WindowMomentumTrackingAdamW):
 
 
 class SampleMemoryMomentumTrackingAdamW(_ArmOptimizer):
-    r"""The library's previous denominator, :math:`\max(\hat u, \hat v_i / n, \hat z^2)`, with u an exponential
+    r"""The library's denominator, :math:`\max(\hat u, \hat v_i / n, \hat z^2)`, with u an exponential
     average over the samples at a rate of its own, :math:`u \leftarrow r\,u + (1 - r)\,\bar g^2` and
     :math:`\hat u = u / (1 - r^s)` after s samples, instead of its :math:`r = \beta_2^K`: r = 0 keeps the last
     sample alone, r = 3/4 averages about the last seven."""
@@ -290,9 +290,7 @@ class RatioMomentumTrackingAdamW(SampleMemoryMomentumTrackingAdamW):
     r"""The second moment as the rank's own, fresh :math:`\hat v_i` times the ratio of the mean gradient's second
     moment to the rank's own, averaged over the samples: at each sample :math:`u \leftarrow r u + (1-r)\bar g^2`
     and :math:`w \leftarrow r w + (1-r)\hat v_i`, and :math:`\hat v = \mathrm{clamp}(u / w, 1/n, 1)\,\hat v_i`
-    (the magnitudes' drift between samples cancels in the ratio). The library's second moment at c44a3b4
-    (reverted), but for the steps before the first sample arrives, where this arm divides by :math:`\hat v_i / n`
-    and c44a3b4 by :math:`\hat v_i`."""
+    (the magnitudes' drift between samples cancels in the ratio); before the first sample, :math:`\hat v_i / n`."""
 
     def advance(self, group: dict, state: dict, mean: torch.Tensor) -> None:
         """u and w advance with the sample and the rank's own second moment now."""
