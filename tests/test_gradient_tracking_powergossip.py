@@ -145,7 +145,15 @@ def real(request, tmp_path_factory) -> tuple[str, list[dict]]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "case",
-    ["exact", "powergossip", "overlap-exact-trackers", "overlap-powergossip-trackers", "momentum-own-v", "sign"],
+    [
+        "exact",
+        "powergossip",
+        "overlap-exact-trackers",
+        "overlap-powergossip-trackers",
+        "momentum-own-v",
+        "sign",
+        "sign-two-hops",
+    ],
 )
 def test_real_backends_equal_the_simulator_bit_for_bit(real, oracle, case):
     backend, results = real
@@ -160,7 +168,7 @@ def test_real_backends_equal_the_simulator_bit_for_bit(real, oracle, case):
 def test_resume_on_real_backends_is_bit_identical_and_equals_the_simulator(real, oracle):
     backend, results = real
     for rank in range(N):
-        for case in ("checkpoint", "overlap-checkpoint", "sign-checkpoint"):
+        for case in ("checkpoint", "overlap-checkpoint", "sign-checkpoint", "sign-two-hops-checkpoint"):
             checkpoint = results[rank][case]
             assert torch.equal(checkpoint["resumed"], checkpoint["uninterrupted"]), f"{backend} rank {rank} {case}"
             assert torch.equal(checkpoint["resumed"], oracle[rank][case]["resumed"]), f"{backend} rank {rank} {case}"

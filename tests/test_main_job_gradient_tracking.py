@@ -99,17 +99,18 @@ def test_ddp_refuses_gradient_tracking():
 def tracking_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
     args = ["--nproc", "2", "--steps", str(STEPS), "--algorithm", "exact", "--average-every", "0"]
     args += ["--gradient-tracking", "--optimizer", "adamw", "--batch-size", "4", "--eval-every", str(STEPS)]
-    return main_job_run(tmp_path_factory.mktemp("tracking"), args)
+    return main_job_run(tmp_path_factory.mktemp("tracking"), [*args, "--tracker-hops", "3"])
 
 
 @pytest.mark.multiprocess
 def test_a_tracking_run_sends_the_parameters_and_the_trackers_every_step(tracking_run):
     rows = completed_rows(*tracking_run, STEPS)
-    # 2 workers, one_peer_hypercube: one peer per step; exact gossip sends the model (float32) once, and the
-    # tracker exchange sends one more model-sized message to the same peer; the optimizers compared at step 1
+    # 2 workers, one_peer_hypercube: one peer per step; exact gossip sends the model (float32) once, and each of the
+    # trackers' 3 hops (--tracker-hops 3) one more model-sized message to the same peer; the optimizers compared at
+    # step 1
     model_bytes = 4 * GPT(GPTConfig()).num_parameters()
     compared = comparison_bytes("one_peer_hypercube", 2, 0, STEPS)
-    assert [int(row["bytes_sent"]) for row in rows] == [2 * model_bytes + c for c in compared]
+    assert [int(row["bytes_sent"]) for row in rows] == [4 * model_bytes + c for c in compared]
 
 
 def test_momentum_tracking_is_an_optimizer_that_needs_the_trackers():
@@ -134,12 +135,13 @@ def momentum_run(parent: Path, mean_gradient: str, *extra: str) -> tuple[subproc
 @pytest.mark.multiprocess
 def test_a_momentum_tracking_run_all_reduces_the_gradients_every_k_steps(tmp_path):
     rows = completed_rows(*momentum_run(tmp_path, "allreduce"), STEPS)
-    # the parameters and the trackers every step, and at steps 0 and 4 the gradients' all-reduce (2 ranks: a ring
-    # all-reduce sends the model once); the optimizers compared at step 1; the loss is finite
+    # the parameters and the trackers (two hops, the default) every step, and at steps 0 and 4 the gradients'
+    # all-reduce (2 ranks: a ring all-reduce sends the model once); the optimizers compared at step 1; the loss is
+    # finite
     model_bytes = 4 * GPT(GPTConfig()).num_parameters()
     sample = ring_all_reduce_bytes(model_bytes, 2)
     compared = comparison_bytes("one_peer_hypercube", 2, 0, STEPS)
-    expected = [2 * model_bytes + (sample if step % 4 == 0 else 0) + compared[step] for step in range(STEPS)]
+    expected = [3 * model_bytes + (sample if step % 4 == 0 else 0) + compared[step] for step in range(STEPS)]
     assert [int(row["bytes_sent"]) for row in rows] == expected
     assert all(math.isfinite(float(row["loss"])) for row in rows)
 
@@ -152,10 +154,11 @@ def test_a_momentum_tracking_run_gossips_each_sample_one_hop_to_the_next_steps_p
     extra = () if dtype is None else ("--mean-gradient-dtype", dtype)
     rows = completed_rows(*momentum_run(tmp_path, "gossip", *extra), STEPS)
     # the samples of steps 0 and 4 are averaged by one hop each (2 ranks: log2 2), at steps 1 and 5: one more model
-    # to that step's peer (in bfloat16 by default), nothing all-reduced; the optimizers compared at step 1
+    # to that step's peer (in bfloat16 by default), nothing all-reduced; every step the parameters and the trackers'
+    # two hops; the optimizers compared at step 1
     model_bytes = 4 * GPT(GPTConfig()).num_parameters()
     hop = model_bytes // 4 * bytes_per_value
     compared = comparison_bytes("one_peer_hypercube", 2, 0, STEPS)
-    expected = [2 * model_bytes + (hop if step % 4 == 1 else 0) + compared[step] for step in range(STEPS)]
+    expected = [3 * model_bytes + (hop if step % 4 == 1 else 0) + compared[step] for step in range(STEPS)]
     assert [int(row["bytes_sent"]) for row in rows] == expected
     assert all(math.isfinite(float(row["loss"])) for row in rows)

@@ -96,11 +96,12 @@ def test_tracking_overlap_alone_overlaps_the_defaults_sign_trackers():
 
 @pytest.mark.multiprocess
 def test_a_sign_tracking_run_sends_powergossip_and_a_sign_message_of_the_trackers(tmp_path):
-    """``--gradient-tracking sign`` with PowerGossip for the parameters, 2 Gloo processes: every step sends the
-    parameters' products and the trackers' message of 3 bits a value and four float32 scales per 256 values (3/32 +
-    1/64 of the float32 model); together between 3/32 and 1/6 of the model, beside the optimizers' comparison."""
+    """``--gradient-tracking sign --tracker-hops 1`` with PowerGossip for the parameters, 2 Gloo processes: every
+    step sends the parameters' products and the trackers' message of 3 bits a value and four float32 scales per 256
+    values (3/32 + 1/64 of the float32 model); together between 3/32 and 1/6 of the model, beside the optimizers'
+    comparison."""
     args = ["--nproc", "2", "--steps", str(STEPS), "--algorithm", "powergossip", "--optimizer", "adamw"]
-    args += ["--gradient-tracking", "sign", "--batch-size", "4", "--eval-every", str(STEPS)]
+    args += ["--gradient-tracking", "sign", "--tracker-hops", "1", "--batch-size", "4", "--eval-every", str(STEPS)]
     rows = completed_rows(*main_job_run(tmp_path, args), STEPS)
     model_bytes = 4 * GPT(GPTConfig()).num_parameters()
     compared = comparison_bytes("one_peer_hypercube", 2, 0, STEPS)

@@ -1,4 +1,5 @@
-"""The default pipeline trains on point-to-point messages to each step's peers only: from the first step to close()
+"""The default pipeline trains on point-to-point messages to each step's peers only (W(t)'s, and W(2t)'s and
+W(2t + 1)'s for the trackers' two hops): from the first step to close()
 no all-reduce, all-gather, broadcast or barrier is issued, on the simulator, Gloo and MPI (issue 59); the same run
 with the mean gradient all-reduced is the control that shows the recorder sees collectives."""
 
@@ -15,6 +16,7 @@ def _assert_pure_gossip(results: list[dict], n: int) -> None:
     for rank, result in enumerate(results):
         assert result["collectives"] == [], f"rank {rank}: {result['collectives'][:5]}"
         assert result["stray"] == [], f"rank {rank} sent to a rank that is not a peer of that step: {result['stray']}"
+        assert result["hop_peers"] > 0, f"rank {rank}"  # the trackers' second hop met peers W(t) does not name
         # the recorder saw every step's exchange, and step STEPS', posted after the last update (close() drains it)
         assert result["steps_with_exchanges"] == STEPS + 1, f"rank {rank}"
         assert result["samples"] == 2, f"rank {rank}"  # the mean gradient's samples of steps 0 and 64 arrived

@@ -1,8 +1,9 @@
 """Why the default's gap to DDP grows with n: arms that replace one part of the default pipeline by its exact version.
 
 Each arm is the default pipeline (:class:`experiments.scale.config.EngineConfig`'s defaults, i.e.
-:class:`gossip.Pipeline`) with one part changed, at a fixed per-worker batch, paired with DDP on the same seed (the
-same initial model and tokens). The parts:
+:class:`gossip.Pipeline`) with its trackers mixed once a step (``tracker_hops=1``, the base every arm is measured
+against) and one part changed, at a fixed per-worker batch, paired with DDP on the same seed (the same initial model
+and tokens). The parts:
 
 * the parameters' mixing: PowerGossip rank 4 x 2 in float16 -> exact gossip over the same schedule (``exact-params``)
   or PowerGossip at a higher rank (``pg-rank16``);
@@ -23,7 +24,8 @@ same initial model and tokens). The parts:
   ``mem4``, ``exact-params-mem4``, ``pg-rank16-mem4``) or over the last sample alone with the exact mean every step
   (``exact-params-v-last``), and the rank's own current second moment times the samples' ratio of the mean's
   square to the rank's own (:class:`RatioMomentumTrackingAdamW`, ``ratio4``);
-* the trackers mixed twice a step (:class:`TwoTrackerHopsEngine`, ``tracker-2hops``);
+* the trackers mixed twice a step, over W(2t) and W(2t + 1) (``tracker-2hops``: the library's default
+  ``tracker_hops=2``);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 
@@ -69,7 +71,7 @@ ARMS: dict[str, dict[str, object]] = {
     "sm16": {"second_moment_every": 16},
     "sign-gamma0.5": {"sign_gamma": 0.5},
     "beta1-0.95": {"beta1": 0.95},
-    "tracker-2hops": {},
+    "tracker-2hops": {"tracker_hops": 2},
     "cap4": {},
     "exact-params-cap4": {"params": "exact"},
     "all-exact-uncapped": _ALL_EXACT,
@@ -116,7 +118,7 @@ def config(arm: str, workers: int, batch: int, steps: int) -> EngineConfig:
     Returns:
         The configuration.
     """
-    fields = ARMS[arm]
+    fields = {"tracker_hops": 1, **ARMS[arm]}
     return EngineConfig(name=f"n{workers}-b{batch}-s{steps}-{arm}", workers=workers, batch=batch, steps=steps,
                         **fields)  # fmt: skip
 
@@ -361,28 +363,9 @@ class OracleDirectionEngine(Engine):
     """An oracle, not an algorithm: every worker steps on the exact mean of the workers' first moments (what the
     trackers estimate), so that the workers differ only by the mixing of their parameters."""
 
-    def _track(self, plan: object) -> None:
+    def _track(self, plans: list) -> None:
         grad = self.replicas.grad
         grad.copy_(grad.mean(dim=0, keepdim=True).expand_as(grad))
-
-
-class TwoTrackerHopsEngine(Engine):
-    """The trackers mixed twice a step, over the schedule's W(2t) and then W(2t + 1), with the step's increments
-    added before the first (the parameters keep W(t)): a worker's own last increment then weighs 1/4 after its step
-    on the one-peer hypercube instead of 1/2, at twice the trackers' bytes."""
-
-    def step(self, t: int) -> torch.Tensor:
-        """:meth:`Engine.step` with the step index the trackers' second hop needs."""
-        self._step = t
-        return super().step(t)
-
-    def _track(self, plan: object) -> None:
-        grad = self.replicas.grad
-        self.trackers.add_(grad).sub_(self.previous)
-        self.previous.copy_(grad)
-        for hop in (2 * self._step, 2 * self._step + 1):
-            self.bytes_sent += self.sign.mix_(self.trackers, self.plans.at(hop))
-        grad.copy_(self.trackers)
 
 
 @torch.no_grad()
@@ -462,8 +445,7 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
     corpus = load_corpus(None, block_size=config.block_size)
     held_out = validation_batches(corpus.validation, EVAL_BATCH, config.block_size, EVAL_BATCHES)
     arm = config.name.split("-", 3)[-1]
-    kind = {"oracle-direction": OracleDirectionEngine, "tracker-2hops": TwoTrackerHopsEngine}.get(arm, Engine)
-    engine = kind(config, corpus.train, "cpu", "batched")
+    engine = (OracleDirectionEngine if arm == "oracle-direction" else Engine)(config, corpus.train, "cpu", "batched")
     if arm.endswith("local-moment"):
         _swap_optimizer(engine, LocalMomentMomentumTrackingAdamW, second_moment_every=0)
     if "window-v" in arm or "momentum-v" in arm:

@@ -12,7 +12,7 @@ step of :class:`gossip.DecentralizedDataParallel` on all rows at once, in its or
    ``.grad``);
 4. with trackers: y <- mix(y + g - g_prev) (adapt-then-combine, ``gossip.wrapper.tracking``), exactly
    (:func:`~experiments.scale.mixing.rank_order_sum_`) or by :class:`~experiments.scale.sign.BatchedChocoSign`,
-   written into ``.grad``;
+   over W(kt), ..., W(kt + k - 1) for k ``tracker_hops``, written into ``.grad``;
 5. the optimizer's update, x_{t+1} = mix(x_t) - lr d(.grad): the library's own optimizer classes
    (:class:`optim.AccumAdamW`, :class:`optim.MomentumTrackingAdamW`) stepping on the ``(n, *shape)`` views, whose
    every operation is elementwise, so each row gets the update its rank computes.
@@ -161,7 +161,7 @@ class Engine:
         if config.trackers == "sign":
             sign = (config.sign_gamma, config.sign_chunk, config.sign_levels)
             self.sign = BatchedChocoSign(self.replicas.segments, *sign)
-            self.sign.reserve(*self._messages(config.steps), self.trackers)
+            self.sign.reserve(*self._messages(config.steps * config.tracker_hops), self.trackers)
         groups = param_groups(self.replicas, config.weight_decay)
         adam = {"lr": config.lr, "betas": (config.beta1, config.beta2), "eps": 1e-8}
         if config.optimizer == "momentum-tracking":
@@ -232,7 +232,8 @@ class Engine:
                     self.bytes_sent += self.mean_gradient.take(self.optimizer, t, plan)
                     self.optimizer.prepare_momentum()
                 if config.trackers:
-                    self._track(plan)
+                    hops = config.tracker_hops
+                    self._track([self.plans.at(hops * t + hop) for hop in range(hops)])
         self.optimizer.step()
         return losses
 
@@ -253,16 +254,18 @@ class Engine:
             exact_gossip_(flat, plan, self.config.gamma)
             self.bytes_sent += sum(len(nodes) for nodes in plan.active) * self.row_bytes
 
-    def _track(self, plan: StepPlan) -> None:
-        """y <- mix(y + g - g_prev); g_prev <- g; .grad <- y (``GradientTracker.track``, adapt-then-combine)."""
+    def _track(self, plans: list[StepPlan]) -> None:
+        """y <- mix(y + g - g_prev) over each of ``plans`` in turn; g_prev <- g; .grad <- y
+        (``GradientTracker.track``, adapt-then-combine)."""
         grad = self.replicas.grad
         self.trackers.add_(grad).sub_(self.previous)
         self.previous.copy_(grad)
-        if self.sign is not None:
-            self.bytes_sent += self.sign.mix_(self.trackers, plan)
-        else:
-            rank_order_sum_(self.trackers, plan)
-            self.bytes_sent += sum(len(nodes) for nodes in plan.active) * self.row_bytes
+        for plan in plans:
+            if self.sign is not None:
+                self.bytes_sent += self.sign.mix_(self.trackers, plan)
+            else:
+                rank_order_sum_(self.trackers, plan)
+                self.bytes_sent += sum(len(nodes) for nodes in plan.active) * self.row_bytes
         grad.copy_(self.trackers)
 
     @torch.no_grad()

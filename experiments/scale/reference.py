@@ -35,6 +35,7 @@ def _wrap(config: EngineConfig, module: torch.nn.Module, comm: gossip.Communicat
             rank=config.rank,
             power_iterations=config.iterations,
             message_dtype=getattr(torch, config.message_dtype) if config.message_dtype else None,
+            tracker_hops=config.tracker_hops,
             second_moment_every=config.second_moment_every,
             mean_gradient=config.mean_gradient,
             mean_gradient_dtype=config.sample_dtype(),
@@ -49,6 +50,7 @@ def _wrap(config: EngineConfig, module: torch.nn.Module, comm: gossip.Communicat
         algorithm,
         seed=config.seed,
         gradient_tracking=config.tracking(),
+        tracker_hops=config.tracker_hops,
         mean_gradient=config.mean_gradient,
         mean_gradient_dtype=config.sample_dtype(),
     )

@@ -192,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
         "optimizer step; default: off",
     )
     gossip_options.add_argument(
+        "--tracker-hops",
+        type=int_at_least(1),
+        default=None,
+        help="with blocking --gradient-tracking: the trackers' exchanges a step, over the schedule's next W each "
+        f"(k times the trackers' bytes); default: {DEFAULTS.tracker_hops} with blocking trackers, else 1",
+    )
+    gossip_options.add_argument(
         "--no-gradient-tracking",
         dest="gradient_tracking",
         action="store_const",
@@ -281,6 +288,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         average_every=args.average_every,
         gradient_tracking=args.gradient_tracking,
         tracking_overlap=args.tracking_overlap,
+        tracker_hops=args.tracker_hops,
         delayed_last_iteration=args.delay_last_iteration,
         **outer_settings(args),
         schedule=args.schedule,

@@ -218,6 +218,8 @@ def describe_mixing(config: Any) -> str:
     if tracking:
         kind = "exact" if tracking is True else tracking
         overlapped = ", overlapped" if getattr(config, "tracking_overlap", False) else ""
+        hops = getattr(config, "tracker_hops", None) or 1
+        overlapped += f" ({hops} hops a step)" if hops > 1 else ""
         if getattr(config, "optimizer", None) == "momentum-tracking-adamw":
             mixing += f", {kind} trackers of the first moments{overlapped}"
             every = getattr(config, "second_moment_every", 0)

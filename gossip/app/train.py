@@ -88,6 +88,7 @@ class MixingDefaults:
         outer_momentum: a hybrid's outer Nesterov momentum.
         optimizer: the local optimizer of the gossip algorithms.
         gradient_tracking: how the trackers are mixed (with ``optimizer``).
+        tracker_hops: the trackers' exchanges a step.
         second_moment_every: the steps between two samples of the mean gradient's second moment.
         mean_gradient: how the sample is averaged.
         mean_gradient_dtype: the dtype a gossiped sample travels in.
@@ -104,6 +105,7 @@ class MixingDefaults:
     outer_momentum: float = 0.0
     optimizer: str = "momentum-tracking-adamw"
     gradient_tracking: str = PIPELINE.trackers
+    tracker_hops: int = PIPELINE.tracker_hops
     second_moment_every: int = PIPELINE.second_moment_every
     mean_gradient: str = PIPELINE.mean_gradient
     mean_gradient_dtype: str = str(PIPELINE.mean_gradient_dtype).removeprefix("torch.")
@@ -147,6 +149,8 @@ class TrainConfig:
             ``"sign"`` (:class:`gossip.ChocoSign`: scaled-sign messages with error feedback); None:
             :data:`DEFAULTS`' with the momentum-tracking optimizer, else off.
         tracking_overlap: the trackers' exchange overlaps forward and backward (combine-then-adapt tracking).
+        tracker_hops: the trackers' exchanges a step, over W(kt), ..., W(kt + k - 1) (the wrapper's
+            ``tracker_hops``; None: :data:`DEFAULTS`' with blocking trackers, else 1).
         delayed_last_iteration: PowerGossip's last power iteration is applied at the next step, so that its
             exchange overlaps that step's compute (``PowerGossip(delayed_last_iteration=True)``).
         local_steps: DiLoCo's local steps per round (None: :data:`DILOCO_DEFAULTS`' for DiLoCo).
@@ -193,6 +197,7 @@ class TrainConfig:
     average_every: int | None = None
     gradient_tracking: bool | str | None = None
     tracking_overlap: bool = False
+    tracker_hops: int | None = None
     delayed_last_iteration: bool = False
     local_steps: int | None = None
     outer_lr: float | None = None
@@ -299,6 +304,7 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     _resolve_pipeline(config, resolved)
     if config.tracking_overlap and not resolved.gradient_tracking:
         raise ConfigError("--tracking-overlap", "overlaps the trackers' exchange: add --gradient-tracking")
+    _resolve_tracker_hops(config, resolved)
     if resolved.optimizer == MOMENTUM_TRACKING and not resolved.gradient_tracking and config.algorithm != DDP:
         raise ConfigError(
             "--optimizer", f"{MOMENTUM_TRACKING} runs its first moment through the gradient trackers: add "
@@ -328,6 +334,28 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     if resolved.algorithm != DDP:
         build_schedule(resolved)
     return resolved, notes
+
+
+def _resolve_tracker_hops(config: TrainConfig, resolved: TrainConfig) -> None:
+    """``tracker_hops`` where unset: :data:`DEFAULTS`' for blocking trackers, else 1.
+
+    Args:
+        config: the config as given.
+        resolved: its copy being resolved (``gradient_tracking`` already resolved), changed in place.
+
+    Raises:
+        ConfigError: ``--tracker-hops`` is below 1, or above 1 without blocking trackers.
+    """
+    blocking = bool(resolved.gradient_tracking) and not config.tracking_overlap
+    if config.tracker_hops is None:
+        resolved.tracker_hops = DEFAULTS.tracker_hops if blocking else 1
+    elif config.tracker_hops < 1:
+        raise ConfigError("--tracker-hops", f"must be at least 1, got {config.tracker_hops}")
+    elif config.tracker_hops > 1 and not blocking:
+        raise ConfigError(
+            "--tracker-hops", "mixes the trackers several times after the gradients: needs --gradient-tracking "
+            "without --tracking-overlap"
+        )  # fmt: skip
 
 
 def _resolve_pipeline(config: TrainConfig, resolved: TrainConfig) -> None:
@@ -582,6 +610,7 @@ def make_model(config: TrainConfig, comm: Communicator, run_dir: Path) -> Replic
         seed=config.seed,
         gradient_tracking=tracking_option(config),
         tracking_overlap=config.tracking_overlap,
+        tracker_hops=config.tracker_hops,
         mean_gradient=config.mean_gradient,
         mean_gradient_dtype=sample_dtype(config),
     )

@@ -86,7 +86,8 @@ def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, 
     Raises:
         ElasticUnsupportedError: a backend other than Gloo (MPI cannot shrink a communicator without ULFM).
         ConfigError: an option elastic runs cannot take (``--average-every``, ``--outer-every``,
-            ``--power-iterations`` > 1, ``--tracking-overlap``, ``--mean-gradient gossip``, DDP or DiLoCo).
+            ``--power-iterations`` > 1, ``--tracking-overlap``, ``--tracker-hops`` > 1, ``--mean-gradient gossip``,
+            DDP or DiLoCo).
     """
     if config.backend not in ("auto", "gloo"):
         raise ElasticUnsupportedError(
@@ -105,7 +106,11 @@ def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, 
         raise ConfigError("--tracking-overlap", "--elastic runs the blocking tracker (one exchange after the mixing)")
     if config.mean_gradient == "gossip":
         raise ConfigError("--mean-gradient", "--elastic samples the mean gradient by allreduce (a change skips it)")
-    elastic = dataclasses.replace(config, average_every=0, outer_every=0, power_iterations=1, mean_gradient="allreduce")
+    if config.tracker_hops not in (None, 1):
+        raise ConfigError("--tracker-hops", "--elastic mixes the trackers once a step (one exchange after the mixing)")
+    elastic = dataclasses.replace(
+        config, average_every=0, outer_every=0, power_iterations=1, mean_gradient="allreduce", tracker_hops=1
+    )
     if config.schedule is None and not (world_size >= 2 and world_size & (world_size - 1) == 0):
         elastic.schedule = ELASTIC_FALLBACK_SCHEDULE
     return resolve(elastic, world_size)

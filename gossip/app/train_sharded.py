@@ -232,6 +232,7 @@ def _train_lanes(
         build_schedule(config),
         make_algorithm(config),
         gradient_tracking=tracking_option(config),
+        tracker_hops=config.tracker_hops,
         mean_gradient=config.mean_gradient,
         mean_gradient_dtype=sample_dtype(config),
         run_dir=lane_dir,

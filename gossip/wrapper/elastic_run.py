@@ -126,7 +126,7 @@ def check_wrapper(model: DecentralizedDataParallel) -> None:
 
     Raises:
         ElasticUnsupportedError: it samples the consensus distance every few steps, averages its buffers every
-            step, or overlaps its trackers' exchange.
+            step, overlaps its trackers' exchange or runs it several times a step.
     """
     rank = model.comm.rank
     if model.consensus_every > 0:
@@ -144,6 +144,12 @@ def check_wrapper(model: DecentralizedDataParallel) -> None:
         raise ElasticUnsupportedError(
             f"elastic: rank {rank}: tracking_overlap=True posts the trackers' exchange beside the parameters' (two "
             "exchanges a step, which the completed-or-skipped rule does not cover); use the blocking tracker"
+        )
+    if model.tracker is not None and model.tracker.hops > 1:
+        raise ElasticUnsupportedError(
+            f"elastic: rank {rank}: tracker_hops={model.tracker.hops} runs the trackers' exchange {model.tracker.hops} "
+            "times a step, which the completed-or-skipped rule (one exchange after the mixing) does not cover; build "
+            "the wrapper with tracker_hops=1"
         )
     if isinstance(model._mean_gradient, GossipedMeanGradient):
         raise ElasticUnsupportedError(

@@ -71,7 +71,13 @@ from gossip.wrapper.peer_agreement import PeerAgreement
 from gossip.wrapper.replicas import ReplicaMismatchError, broadcast_from_rank0, check_replicas
 from gossip.wrapper.shard_layout import refuse_sharded
 from gossip.wrapper.step_phase import StepPhase, StepState
-from gossip.wrapper.tracking import GradientTracker, require_doubly_stochastic, tracker_mixing, tracking_setting
+from gossip.wrapper.tracking import (
+    GradientTracker,
+    check_tracker_hops,
+    require_doubly_stochastic,
+    tracker_mixing,
+    tracking_setting,
+)
 from topologies import Schedule
 from topologies.validation import find_violation
 
@@ -231,6 +237,10 @@ class DecentralizedDataParallel(nn.Module):
         tracking_overlap: with gradient tracking, the combine-then-adapt tracker (DIGing's form,
             y_i <- sum_j W_ij(t) y_j^{t-1} + g_i^t - g_i^{t-1}): the trackers' exchange starts with the parameters'
             and runs during forward and backward instead of blocking the optimizer step; the same sum invariant.
+        tracker_hops: with gradient tracking, the trackers' exchanges a step (adapt-then-combine only): k mixes the
+            trackers over W(kt), ..., W(kt + k - 1) after the step's gradients are added
+            (:mod:`gossip.wrapper.tracking`, "Several hops a step"), at k times the trackers' bytes; the
+            parameters keep W(t). Equal on every rank.
         mean_gradient: with gradient tracking, how a momentum-tracking optimizer's sample of the mean gradient is
             formed (:mod:`gossip.wrapper.mean_gradient`): ``"gossip"`` (default) averages it over the schedule's own
             steps, one hop a step beside the parameters' exchange, exact after the schedule's finite-time window
@@ -265,6 +275,7 @@ class DecentralizedDataParallel(nn.Module):
         seed: int = 0,
         gradient_tracking: bool | str | Algorithm = False,
         tracking_overlap: bool = False,
+        tracker_hops: int = 1,
         mean_gradient: str = "gossip",
         mean_gradient_dtype: torch.dtype | None = torch.bfloat16,
     ):
@@ -294,6 +305,12 @@ class DecentralizedDataParallel(nn.Module):
             raise InvalidArgumentError(
                 f"rank {comm.rank}: consensus_every must be >= 0 (0 = off), got {consensus_every}"
             )
+        check_tracker_hops(tracker_hops, f"rank {comm.rank}", tracking_overlap)
+        if tracker_hops > 1 and not gradient_tracking:
+            raise InvalidArgumentError(
+                f"rank {comm.rank}: tracker_hops={tracker_hops} mixes the trackers several times a step, but "
+                "gradient_tracking is off; turn gradient tracking on or drop tracker_hops"
+            )
         self.module = module
         self.comm, self.schedule, self.algorithm = comm, schedule, algorithm
         self.buffers_policy = buffers
@@ -307,6 +324,7 @@ class DecentralizedDataParallel(nn.Module):
             "nonfinite": algorithm.nonfinite,
             "gradient_tracking": tracking_setting(gradient_tracking),
             "tracking_overlap": bool(tracking_overlap),
+            "tracker_hops": tracker_hops,
             "mean_gradient": mean_gradient,
             "mean_gradient_dtype": str(mean_gradient_dtype),
         }
@@ -357,6 +375,7 @@ class DecentralizedDataParallel(nn.Module):
                 mixing,
                 overlap=tracking_overlap,
                 option=gradient_tracking,
+                hops=tracker_hops,
             )
         #: how a momentum-tracking optimizer's sample of the mean gradient is formed (gossip.wrapper.mean_gradient)
         self._mean_gradient = (

@@ -8,17 +8,18 @@ r"""The default pipeline in one call: pure gossip that learns like DDP, no colle
 * the parameters: :class:`gossip.PowerGossip` at rank 4 with 2 power iterations per step, its products in float16
   (Vogels et al. 2020);
 * the trackers: the wrapper's gradient tracking mixes each rank's first moment (momentum tracking, Takezawa et al.,
-  TMLR 2023) by :class:`gossip.ChocoSign`, CHOCO-Gossip with scaled-sign messages of 3 bits a value;
+  TMLR 2023) by :class:`gossip.ChocoSign`, CHOCO-Gossip with scaled-sign messages of 3 bits a value, twice a
+  step, over the schedule's W(2t) and W(2t + 1) (``tracker_hops``, :mod:`gossip.wrapper.tracking`);
 * the optimizer: :class:`optim.MomentumTrackingAdamW`, dividing by the mean gradient's second moment sampled every
   64 steps and averaged by gossip over the schedule, its hops in bfloat16 (``mean_gradient="gossip"``,
   :mod:`gossip.wrapper.mean_gradient`), with decoupled weight decay on matrices only
   (:func:`optim.param_groups`).
 
-Each step then sends point-to-point messages to that step's peer only: the parameters' products, the trackers'
-signs, every 64 steps log2(n) hops of one gradient sample, and over the first steps the peers' comparison of
-settings (:mod:`gossip.wrapper.peer_agreement`). Why these choices, and what they reach against DDP and DiLoCo:
-docs/results.md. Any part can be changed (``Pipeline(rank=8).wrap(...)``), and the parts stay available to
-assemble by hand (README, "Use it in your own loop").
+Each step then sends point-to-point messages to the schedule's peers only: W(t)'s for the parameters' products and,
+every 64 steps, the log2(n) hops of one gradient sample; W(2t)'s and W(2t + 1)'s for the trackers' signs; and over
+the first steps the peers' comparison of settings (:mod:`gossip.wrapper.peer_agreement`). Why these choices, and
+what they reach against DDP and DiLoCo: docs/results.md. Any part can be changed (``Pipeline(rank=8).wrap(...)``),
+and the parts stay available to assemble by hand (README, "Use it in your own loop").
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from gossip.backends.base import Communicator
 from gossip.errors import InvalidArgumentError
 from gossip.wrapper.mean_gradient import MEAN_GRADIENT_SOURCES, check_mean_gradient_dtype
 from gossip.wrapper.parallel import DecentralizedDataParallel
-from gossip.wrapper.tracking import TRACKER_MIXINGS
+from gossip.wrapper.tracking import TRACKER_MIXINGS, check_tracker_hops
 
 
 def default_schedule(n: int) -> str:
@@ -64,6 +65,7 @@ class Pipeline:
         message_dtype: the dtype PowerGossip's products travel in (None: the parameters').
         trackers: how the trackers are mixed: ``"sign"`` (:class:`gossip.ChocoSign`), ``"exact"`` or
             ``"powergossip"`` (the wrapper's ``gradient_tracking``).
+        tracker_hops: the trackers' exchanges a step (the wrapper's ``tracker_hops``).
         second_moment_every: steps between two samples of the mean gradient's second moment.
         mean_gradient: how the sample is averaged: ``"gossip"`` over the schedule, or ``"allreduce"``.
         mean_gradient_dtype: the dtype the gossiped sample travels in (None: the gradients').
@@ -74,6 +76,7 @@ class Pipeline:
     power_iterations: int = 2
     message_dtype: torch.dtype | None = torch.float16
     trackers: str = "sign"
+    tracker_hops: int = 2
     second_moment_every: int = 64
     mean_gradient: str = "gossip"
     mean_gradient_dtype: torch.dtype | None = torch.bfloat16
@@ -87,6 +90,7 @@ class Pipeline:
                 f"Pipeline: mean_gradient must be one of {MEAN_GRADIENT_SOURCES}, got {self.mean_gradient!r}"
             )
         check_mean_gradient_dtype("Pipeline", self.mean_gradient_dtype)
+        check_tracker_hops(self.tracker_hops, "Pipeline")
 
     def build_schedule(self, n: int) -> topologies.Schedule:
         """The schedule for n ranks.
@@ -132,6 +136,7 @@ class Pipeline:
             self.build_schedule(comm.size),
             self.algorithm(),
             gradient_tracking=self.tracking(),
+            tracker_hops=self.tracker_hops,
             mean_gradient=self.mean_gradient,
             mean_gradient_dtype=self.mean_gradient_dtype,
             **wrapper,

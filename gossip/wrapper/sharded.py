@@ -200,6 +200,7 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
         gradient_tracking: as for the unsharded wrapper (``True``, ``"exact"``, ``"powergossip"`` or an algorithm
             object), on the local shards of the gradients; the same on every rank.
         tracking_overlap: as for the unsharded wrapper (the combine-then-adapt tracker).
+        tracker_hops: as for the unsharded wrapper (the trackers' exchanges a step).
         mean_gradient: with gradient tracking, how a momentum-tracking optimizer's sample of the mean gradient is
             averaged: ``"gossip"`` over the schedule, lane by lane, or ``"allreduce"`` over the lane.
         mean_gradient_dtype: the dtype the gossiped sample's hops travel in, as for the unsharded wrapper.
@@ -228,6 +229,7 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
         seed: int = 0,
         gradient_tracking: bool | str | Algorithm = False,
         tracking_overlap: bool = False,
+        tracker_hops: int = 1,
         mean_gradient: str = "gossip",
         mean_gradient_dtype: torch.dtype | None = torch.bfloat16,
     ):
@@ -251,6 +253,7 @@ class ShardedDecentralizedDataParallel(DecentralizedDataParallel):
             seed=seed,
             gradient_tracking=gradient_tracking,
             tracking_overlap=tracking_overlap,
+            tracker_hops=tracker_hops,
             mean_gradient=mean_gradient,
             mean_gradient_dtype=mean_gradient_dtype,
         )

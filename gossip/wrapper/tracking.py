@@ -37,6 +37,19 @@ fresh gradients reach the peers one step later. At step 0, :math:`y_i^0 = g_i^0`
 adapt-then-combine, below) the exchange needs :math:`g^t`, which exists only after the backward, so it cannot start
 earlier than the pre-step hook and runs *blocking* there.
 
+Several hops a step (``tracker_hops=k``, adapt-then-combine only): the trackers are mixed k times a step, over
+the schedule's next k matrices, after the step's increments are added (multiple consensus rounds per gradient
+step: Berahas, Bollapragada, Keskar & Wei 2019, "Balancing communication and computation in distributed
+optimization", Section 3),
+
+.. math::  y^{t} = W(kt + k - 1) \cdots W(kt + 1)\, W(kt)\, \big(y^{t-1} + g^{t} - g^{t-1}\big),
+
+where :math:`y` stacks the ranks' trackers. Every factor has column sums of 1, so the sum invariant holds as for
+one hop; a rank's own last increment, still mostly its own gradient noise, is spread over :math:`2^k` ranks of
+the one-peer hypercube (k <= log2 n) instead of 2 before the optimizer reads it, at k times the trackers' bytes. The
+parameters keep W(t). Exchange h of step t is numbered :math:`kt + h` (the schedule's step it reads, and its
+sequence number on the wire); one hop is the exchange numbered t, as without hops.
+
 The adapt-then-combine tracker's exchange needs :math:`g^t`, which exists only after the backward, so it runs
 *blocking* inside the optimizer's pre-step hook, right after the parameters' mixing: one more exchange of model
 size per step, not overlapped with computation. The received trackers are summed in rank order (this rank
@@ -83,6 +96,30 @@ def require_doubly_stochastic(schedule: Schedule, rank: int) -> None:
             f"({violation}); the trackers' mean equals the mean gradient only if every W(t) has column sums of 1. "
             "Use weights='metropolis' (or another doubly stochastic schedule), or turn gradient tracking off"
         )
+
+
+def check_tracker_hops(hops: Any, where: str, overlap: bool = False) -> int:
+    """Return ``hops`` if it is a number of tracker exchanges a step the tracker can run, else raise.
+
+    Args:
+        hops: the wrapper's ``tracker_hops``.
+        where: who was given it, for the message (e.g. ``"rank 3"``).
+        overlap: the tracker is the overlapped one (``tracking_overlap=True``), which runs one hop.
+
+    Returns:
+        ``hops``.
+
+    Raises:
+        InvalidArgumentError: ``hops`` is not an integer >= 1, or is more than 1 with ``overlap``.
+    """
+    if isinstance(hops, bool) or not isinstance(hops, int) or hops < 1:
+        raise InvalidArgumentError(f"{where}: tracker_hops must be an integer >= 1, got {hops!r}")
+    if overlap and hops > 1:
+        raise InvalidArgumentError(
+            f"{where}: tracker_hops={hops} mixes the trackers after the step's gradients arrive, but "
+            "tracking_overlap=True mixes them before (one hop, during forward and backward); drop one of the two"
+        )
+    return hops
 
 
 #: The names ``gradient_tracking`` accepts besides True/False and an algorithm instance.
@@ -181,10 +218,12 @@ class GradientTracker:
             docstring), instead of the blocking adapt-then-combine one.
         option: the wrapper's ``gradient_tracking`` argument, from which :meth:`remake_mixing` makes a fresh
             mixing for a new member set (when it is a name or True).
+        hops: the trackers' exchanges a step, each over the schedule's next W (module docstring).
 
     Raises:
         InvalidArgumentError: the schedule is not doubly stochastic over the steps it is checked on (raised by
-            :func:`require_doubly_stochastic`), or not symmetric when ``mixing`` needs it.
+            :func:`require_doubly_stochastic`), or not symmetric when ``mixing`` needs it; or ``hops`` is refused
+            by :func:`check_tracker_hops`.
         ArgumentTypeError: ``mixing`` is the wrapper's algorithm itself (each needs its own object).
     """
 
@@ -197,7 +236,9 @@ class GradientTracker:
         mixing: Algorithm | None = None,
         overlap: bool = False,
         option: Any = None,
+        hops: int = 1,
     ):
+        self.hops = check_tracker_hops(hops, f"rank {algorithm.comm.rank}", overlap)
         require_doubly_stochastic(schedule, algorithm.comm.rank)
         if mixing is algorithm:
             raise ArgumentTypeError(
@@ -219,7 +260,8 @@ class GradientTracker:
         self.overlap = bool(overlap)
         self._pending: Any = None  # the overlapped exchange in flight
         self._mixing_before: dict[str, Any] | None = None  # the mixing's state before that exchange started
-        self._blocking: Any = None  # the adapt-then-combine exchange, while a wait on it was interrupted
+        # the adapt-then-combine exchange (its hop, what start returned), while a wait on it was interrupted
+        self._blocking: tuple[int, Any] | None = None
         self._option = option if option is True or isinstance(option, str) else None
         self._corrected_at = -1  # the step whose correction y += g^t - g^{t-1} was applied
 
@@ -316,9 +358,10 @@ class GradientTracker:
     def track(self, step: int) -> None:
         """Step ``step``: the tracker update, then ``.grad`` <- y_i.
 
-        Adapt-then-combine (default): y_i <- sum_j W_ij(t) (y_j + g_j^t - g_j^{t-1}), blocking. Overlapped:
-        y_i <- sum_j W_ij(t) y_j^{t-1} + g_i^t - g_i^{t-1}, waiting for the exchange :meth:`start` posted.
-        A collective over W(t)'s edges: every rank calls it once per step. When no parameter has a gradient, the
+        Adapt-then-combine (default): y_i <- sum_j W_ij(t) (y_j + g_j^t - g_j^{t-1}), blocking; with k hops the
+        mixing runs over W(kt), ..., W(kt + k - 1) in turn. Overlapped: y_i <- sum_j W_ij(t) y_j^{t-1} + g_i^t -
+        g_i^{t-1}, waiting for the exchange :meth:`start` posted. A collective over those W's edges: every rank
+        calls it once per step. When no parameter has a gradient, the
         step brings none (g^t = g^{t-1}) and ``.grad`` is left as it is.
 
         Args:
@@ -340,10 +383,11 @@ class GradientTracker:
             else:
                 if correct:
                     self._correct(step)
-                if self._blocking is None:
-                    self._blocking = self.mixing.start(step)
-                self.mixing.finish(self._blocking)  # a wait interrupted here is resumed by the next call
-                self._blocking = None
+                for hop in range(0 if self._blocking is None else self._blocking[0], self.hops):
+                    if self._blocking is None:
+                        self._blocking = (hop, self.mixing.start(self.hops * step + hop))
+                    self.mixing.finish(self._blocking[1])  # a wait interrupted here is resumed by the next call
+                    self._blocking = None
             if not has_gradient:
                 return
             for parameter, view in zip(parameters, self._tracker_views, strict=True):

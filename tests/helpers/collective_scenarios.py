@@ -1,5 +1,8 @@
 """What the default pipeline sends during training: every collective and every exchange's peers, recorded.
 
+A step's peers are the schedule's: W(t)'s for the parameters and the mean gradient's sample, and W(2t)'s and
+W(2t + 1)'s for the trackers' two hops (:func:`step_peers`).
+
 :func:`record` replaces a communicator's public operations by recording versions (the algorithms, the wrapper and
 the samplers reach the network only through them); :func:`default_pipeline_run` trains with ``gossip.wrap``'s
 pipeline and returns what was issued between the first step and ``close()``. Run on the simulator and, through
@@ -56,6 +59,13 @@ def record(comm: gossip.Communicator, recorder: Recorder) -> None:
     comm.start_planned = start_planned
 
 
+def step_peers(schedule: Any, rank: int, step: int, hops: int) -> set[int]:
+    """The peers ``rank`` may meet at ``step``: W(step)'s (the parameters, the mean gradient's sample) and
+    W(hops * step), ..., W(hops * step + hops - 1)'s (the trackers' hops)."""
+    views = [schedule.peers(rank, s) for s in (step, *range(hops * step, hops * step + hops))]
+    return {peer for view in views for peer, _ in (*view.in_peers, *view.out_peers)}
+
+
 def default_pipeline_run(comm: gossip.Communicator, mean_gradient: str = "gossip") -> dict[str, Any]:
     """``STEPS`` steps of the default pipeline (``gossip.wrap``) on the MLP; what the training issued."""
     recorder = Recorder()
@@ -72,17 +82,21 @@ def default_pipeline_run(comm: gossip.Communicator, mean_gradient: str = "gossip
         optimizer.zero_grad()
         losses.append(loss.item())
     recorder.training = False  # ... to close()
+    hops = model.tracker.hops
     stray = [
-        (step, sorted(peers - {peer for peer, _ in (*view.in_peers, *view.out_peers)}))
+        (step, sorted(peers - allowed))
         for step, peers in recorder.exchanges
-        for view in [model.schedule.peers(comm.rank, step)]
-        if not peers <= {peer for peer, _ in (*view.in_peers, *view.out_peers)}
+        for allowed in [step_peers(model.schedule, comm.rank, step, hops)]
+        if not peers <= allowed
     ]
     samples = optimizer.state[next(iter(model.parameters()))]["samples"]
     model.close()
     return {
         "collectives": recorder.collectives,
         "stray": stray,
+        "hop_peers": sum(
+            not peers <= step_peers(model.schedule, comm.rank, step, 1) for step, peers in recorder.exchanges
+        ),
         "exchanges": len(recorder.exchanges),
         "steps_with_exchanges": len({step for step, _ in recorder.exchanges}),
         "samples": samples,

@@ -34,11 +34,14 @@ def tracked_steps(
     schedule: str = "one_peer_hypercube",
     optimizer_factory: Callable[[Any], torch.optim.Optimizer] | None = None,
     mean_gradient: str = "gossip",
+    hops: int = 1,
+    keep_model: bool = False,
 ) -> list[dict]:
     """SGD (or ``optimizer_factory``'s optimizer) with gradient tracking (``tracking``; default: PowerGossip
     trackers) on the built-in ``schedule`` (``overlap``: the overlapped, combine-then-adapt form); after every step:
     this rank's tracker y, what it tracks (g^t, or the first moment for a momentum source), its ``.grad``, x,
-    the bytes the step sent and, for :class:`optim.MomentumTrackingAdamW`, its first moment h."""
+    the bytes the step sent and, for :class:`optim.MomentumTrackingAdamW`, its first moment h. ``hops``: the
+    wrapper's ``tracker_hops``; ``keep_model``: the closed wrapper is appended after the rows."""
     make = {"exact": gossip.ExactGossip, "powergossip": lambda: gossip.PowerGossip(rank=1, min_compression=1)}
     model = gossip.DecentralizedDataParallel(
         make_mlp(comm.rank),
@@ -47,6 +50,7 @@ def tracked_steps(
         make[algorithm](),
         gradient_tracking=tracking or tracker(),
         tracking_overlap=overlap,
+        tracker_hops=hops,
         mean_gradient=mean_gradient,
     )
     make_optimizer = optimizer_factory or (lambda parameters: torch.optim.SGD(parameters, lr=0.05))
@@ -68,7 +72,7 @@ def tracked_steps(
             rows[-1]["h"] = torch.cat([optimizer.state[p]["h"].reshape(-1) for p in model.parameters()]).clone()
         optimizer.zero_grad()
     model.close()
-    return rows
+    return [*rows, model] if keep_model else rows
 
 
 def assert_trackers_sum_to_the_gradients(per_rank: list[list[dict]], optimizer_sees_trackers: bool = True) -> None:
@@ -116,6 +120,10 @@ def run_all(comm, directory: Path) -> dict[str, Any]:
         "sign": tracked_steps(comm, "powergossip", "sign"),
         "sign-checkpoint": checkpoint_resume(
             comm, directory / "sign", gossip.PowerGossip, False, gradient_tracking="sign"
+        ),
+        "sign-two-hops": tracked_steps(comm, "powergossip", "sign", hops=2),
+        "sign-two-hops-checkpoint": checkpoint_resume(
+            comm, directory / "sign-two-hops", gossip.PowerGossip, False, gradient_tracking="sign", tracker_hops=2
         ),
         "momentum": tracked_steps(comm, "powergossip", True, optimizer_factory=momentum_tracking_adamw),
         "momentum-own-v": tracked_steps(
