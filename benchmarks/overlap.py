@@ -115,6 +115,8 @@ def algorithms(size: int) -> dict[str, Method]:
     # the library's default pipeline exactly as gossip.wrap builds it (PowerGossip rank 4, ChocoSign trackers,
     # MomentumTrackingAdamW with the gossiped mean gradient's second moment every 64 steps)
     found["default"] = Method(ExactGossip, pipeline=gossip.Pipeline())
+    # the same with the trackers mixed once a step instead of twice (tracker_hops=1)
+    found["default-one-hop"] = Method(ExactGossip, pipeline=gossip.Pipeline(tracker_hops=1))
     try:
         from gossip.algorithms.powergossip import PowerGossip
 
@@ -339,7 +341,8 @@ def run(args: argparse.Namespace) -> None:
     probe = make_model(args.model)
     batches = make_batches(args.model, probe, args.batch, comm.rank, args.warmup + args.steps)
     methods = args.methods.split(",")
-    order = ["local", *(["local-adamw"] if any(m.startswith("mt-") or m == "default" for m in methods) else [])]
+    adamw = any(m.startswith(("mt-", "default")) for m in methods)
+    order = ["local", *(["local-adamw"] if adamw else [])]
     order += [m for m in methods if m != "ddp"] + (["ddp"] if "ddp" in methods else [])  # ddp reads local's step
     tables = []
     for index in range(args.rounds):
