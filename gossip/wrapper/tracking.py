@@ -39,16 +39,16 @@ earlier than the pre-step hook and runs *blocking* there.
 
 Several hops a step (``tracker_hops=k``, adapt-then-combine only): the trackers are mixed k times a step, over
 the schedule's next k matrices, after the step's increments are added (multiple consensus rounds per gradient
-step: Berahas, Bollapragada, Keskar & Wei 2019, "Balancing communication and computation in distributed
-optimization", Section 3),
+step, as NEAR-DGD's t consensus steps: Berahas, Bollapragada, Keskar & Wei 2019, "Balancing communication and
+computation in distributed optimization", IEEE TAC),
 
 .. math::  y^{t} = W(kt + k - 1) \cdots W(kt + 1)\, W(kt)\, \big(y^{t-1} + g^{t} - g^{t-1}\big),
 
 where :math:`y` stacks the ranks' trackers. Every factor has column sums of 1, so the sum invariant holds as for
 one hop; a rank's own last increment, still mostly its own gradient noise, is spread over :math:`2^k` ranks of
 the one-peer hypercube (k <= log2 n) instead of 2 before the optimizer reads it, at k times the trackers' bytes. The
-parameters keep W(t). Exchange h of step t is numbered :math:`kt + h` (the schedule's step it reads, and its
-sequence number on the wire); one hop is the exchange numbered t, as without hops.
+parameters keep W(t). Exchange h of step t is numbered :math:`kt + h`: the schedule's step it reads, its
+sequence number on the wire and the step its errors name; one hop is the exchange numbered t, as without hops.
 
 The adapt-then-combine tracker's exchange needs :math:`g^t`, which exists only after the backward, so it runs
 *blocking* inside the optimizer's pre-step hook, right after the parameters' mixing: one more exchange of model
