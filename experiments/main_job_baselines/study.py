@@ -23,9 +23,12 @@ from experiments.shared import write_csv
 RESULTS = Path(__file__).resolve().parent / "results"
 #: method name -> the gossip-train options that select it (the defaults: none)
 METHODS = {
-    # since issue 59: PowerGossip, sign-compressed momentum trackers and momentum-tracking AdamW whose second moment
-    # comes from the mean gradient averaged by gossip every 64 steps (gossip.Pipeline); no collective in the step
+    # since issue 59: PowerGossip, sign-compressed momentum trackers (mixed twice a step) and momentum-tracking AdamW
+    # whose second moment comes from the mean gradient averaged by gossip every 64 steps (gossip.Pipeline); no
+    # collective in the step
     "defaults": (),
+    # the same with the trackers mixed once a step (the default from issue 59 until tracker_hops=2)
+    "defaults-one-hop": ("--tracker-hops", "1"),
     # the defaults from issue 27 to 59: PowerGossip every step and an exact average of the replicas every 10 steps
     # (an outer step, lr 1, no momentum), AdamW
     "hybrid": ("--outer-every", "10"),
@@ -34,16 +37,17 @@ METHODS = {
     "ddp": ("--algorithm", "ddp"),
     "diloco": ("--algorithm", "diloco"),
     "diloco-h10-avg": ("--algorithm", "diloco", "--local-steps", "10", "--outer-lr", "1", "--outer-momentum", "0"),
-    # momentum tracking (optim.MomentumTrackingAdamW, the mean gradient's second moment all-reduced every 32 steps):
-    # exact gossip and exact trackers, and the defaults' PowerGossip with exact trackers
+    # momentum tracking (optim.MomentumTrackingAdamW, the mean gradient's second moment all-reduced every 32 steps),
+    # one tracker hop a step: exact gossip and exact trackers, and the defaults' PowerGossip with exact trackers
     "exact-momentum-tracking": (
         "--algorithm", "exact", "--gradient-tracking", "--second-moment-every", "32", "--mean-gradient", "allreduce",
+        "--tracker-hops", "1",
     ),
     "powergossip-momentum-tracking": (
-        "--gradient-tracking", "--second-moment-every", "32", "--mean-gradient", "allreduce",
+        "--gradient-tracking", "--second-moment-every", "32", "--mean-gradient", "allreduce", "--tracker-hops", "1",
     ),
-    # the defaults with the mean gradient all-reduced instead (the configuration of issue 27)
-    "sign-momentum-tracking": ("--mean-gradient", "allreduce"),
+    # the one-hop defaults with the mean gradient all-reduced instead (the configuration of issue 27)
+    "sign-momentum-tracking": ("--mean-gradient", "allreduce", "--tracker-hops", "1"),
 }  # fmt: skip
 COLUMNS = (
     "method",
