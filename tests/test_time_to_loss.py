@@ -157,6 +157,26 @@ def test_the_default_and_its_float32_sample_twin_differ_only_in_the_samples_dtyp
     assert {key for key in default if default[key] != twin[key]} == {"mean_gradient_dtype"}
 
 
+def test_the_two_hop_method_is_the_main_jobs_default_and_differs_from_the_one_hop_one_only_in_the_hops():
+    from gossip.app.cli import build_parser, config_from
+    from gossip.app.train import resolve
+
+    def resolved(argv: list[str]) -> dict:
+        return vars(resolve(config_from(build_parser().parse_args(argv)), 8)[0])
+
+    def of(method: str) -> dict:
+        return resolved(METHODS[method].argv(300, 8, "out", 0)[3:])
+
+    two, one = of("pg4-it2-fp16-mtsign2-gossipv-adamw"), of("pg4-it2-fp16-mtsign-gossipv-adamw")
+    assert (two["tracker_hops"], one["tracker_hops"]) == (2, 1)
+    assert {key for key in two if two[key] != one[key]} == {"tracker_hops"}
+    argv = METHODS["pg4-it2-fp16-mtsign2-gossipv-adamw"].argv(300, 8, "out", 0)
+    plain = resolved(argv[argv.index("--steps") :])  # the run's length, batch, seed and out only: the defaults
+    mixing = ("algorithm", "rank", "power_iterations", "message_dtype", "gradient_tracking", "tracker_hops",
+              "optimizer", "second_moment_every", "mean_gradient", "mean_gradient_dtype")  # fmt: skip
+    assert {key: two[key] for key in mixing} == {key: plain[key] for key in mixing}
+
+
 def test_finished_runs_read_the_seed_from_the_name_and_seed_0_from_runs_named_before_seeds(tmp_path):
     for name in ("20261122-100000-1gbit-r0-ddp", "20261122-110000-100mbit-r1-s2-pg4-it2-adamw", "notes"):
         (tmp_path / name).mkdir()

@@ -155,15 +155,19 @@ def _momentum_tracking(
     every: int = 32,
     mean_gradient: str = "allreduce",
     sample_dtype: str = "",
+    hops: int = 1,
 ) -> Method:
     """``algorithm`` for the parameters, gradient trackers carrying the optimizer's first moment, mixed exactly or
     by ``trackers`` (``--gradient-tracking``: ``sign`` for ``gossip.ChocoSign``'s scaled signs), and the mean
     gradient's second moment sampled every ``every`` steps (``optim.MomentumTrackingAdamW``; the learning-per-step
     study's ``*-mt-sharedv32`` and ``*-mtsign4-c256-sharedv64``), averaged as ``mean_gradient`` says (an all-reduce
     until issue 59, gossip in the main job's defaults since), a gossiped sample's hops in ``sample_dtype`` (``""``:
-    the main job's default)."""
+    the main job's default), the trackers mixed ``hops`` times a step (``--tracker-hops``)."""
     options = [*algorithm, "--gradient-tracking", trackers, "--optimizer", "momentum-tracking-adamw"]
-    label += f", {'exact' if trackers == 'exact' else trackers + '-compressed'} momentum trackers, the mean"
+    options += ["--tracker-hops", str(hops)]
+    label += f", {'exact' if trackers == 'exact' else trackers + '-compressed'} momentum trackers"
+    label += f" ({hops} hops a step)" if hops > 1 else ""
+    label += ", the mean"
     label += f" gradient's second moment every {every} steps by {mean_gradient}"
     options += ["--second-moment-every", str(every), "--mean-gradient", mean_gradient]
     if sample_dtype:
@@ -274,7 +278,17 @@ METHODS = {
             trackers="sign",
             every=64,
         ),
-        # the main job's defaults since issue 59 (gossip.Pipeline): the same with the mean gradient by gossip
+        # the main job's defaults since 87bb329 (gossip.Pipeline): the mean gradient by gossip, two tracker hops a step
+        _momentum_tracking(
+            "pg4-it2-fp16-mtsign2-gossipv-adamw",
+            "PowerGossip r=4, 2 iterations, float16 messages",
+            *powergossip(4, 2, "float16"),
+            trackers="sign",
+            every=64,
+            mean_gradient="gossip",
+            hops=2,
+        ),
+        # the main job's defaults from issue 59 to 87bb329: the same with one tracker hop a step
         _momentum_tracking(
             "pg4-it2-fp16-mtsign-gossipv-adamw",
             "PowerGossip r=4, 2 iterations, float16 messages",
