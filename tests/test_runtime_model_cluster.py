@@ -1,10 +1,12 @@
 """The cluster-scale time-to-loss prediction (experiments.runtime_model.cluster): its arithmetic, by properties."""
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
+import gossip
 from experiments.runtime_model.cluster import (
     GPT2_SMALL,
     METHODS,
@@ -54,13 +56,17 @@ def test_the_defaults_parts_and_its_limit_on_an_infinitely_fast_network(work):
     n, bandwidth = 256, 10 * GBIT
     trackers = sum(message_bytes(math.prod(s), 256, 4) for s in work.shapes)
     assert work.sign_bytes() == trackers
-    # fast network: only the trackers' message after the backward shows, everything else hides
-    assert default_step(work, n, 1e6 * GBIT, 0.0) == pytest.approx(work.compute_s + trackers / (1e6 * GBIT))
-    # slow: 8 of 64 steps carry a model-sized hop on top of the factors, the trackers on every step
+    assert work.tracker_hops == gossip.Pipeline().tracker_hops == 2
+    # fast network: only the trackers' two messages after the backward show, everything else hides
+    assert default_step(work, n, 1e6 * GBIT, 0.0) == pytest.approx(work.compute_s + 2 * trackers / (1e6 * GBIT))
+    # slow: 8 of 64 steps carry a model-sized hop on top of the factors, the trackers' two messages on every step
     base = 2 * 1e-5 + work.powergossip_bytes(n) / bandwidth
     hop = base + work.model_bytes / bandwidth
-    expected = (8 * max(0.1, hop) + 56 * max(0.1, base)) / 64 + 1e-5 + trackers / bandwidth
+    expected = (8 * max(0.1, hop) + 56 * max(0.1, base)) / 64 + 2 * (1e-5 + trackers / bandwidth)
     assert default_step(work, n, bandwidth, 1e-5) == pytest.approx(expected, rel=1e-12)
+    # one hop: one message less, exactly
+    one = dataclasses.replace(work, tracker_hops=1)
+    assert default_step(one, n, bandwidth, 1e-5) == pytest.approx(expected - 1e-5 - trackers / bandwidth, rel=1e-12)
 
 
 def test_diloco_pays_one_all_reduce_every_h_steps(work):

@@ -20,11 +20,11 @@ with t the predicted seconds per step; S cancels. Per step, with compute C (forw
   PowerGossip (Vogels et al. 2020, Sec. 3: rank r, q power iterations, each one dependent exchange of the factors
   in float16, ``topologies.bytes_per_step``) overlaps forward and backward; every K = 64 steps the mean gradient's
   sample travels log2 n hops of M, one a step, posted with the parameters' exchange (``gossip.wrapper
-  .mean_gradient``); the trackers' scaled-sign message (CHOCO-Gossip, Koloskova et al. 2019; 1 + log2 levels bits
-  a value and one float32 scale per level and chunk) is sent after the backward (adapt-then-combine, Takezawa et al.
-  2023, ``tracking_overlap=False``) and is not hidden:
-  t = mean over one period of [C + max(0, q alpha + (B_pg + h_t M) / B - C)] + alpha + B_sign / B, h_t = 1 on the
-  log2 n hop steps, else 0.
+  .mean_gradient``); the trackers' k scaled-sign messages (CHOCO-Gossip, Koloskova et al. 2019; 1 + log2 levels
+  bits a value and one float32 scale per level and chunk; k = ``tracker_hops``, one after the other) are sent after
+  the backward (adapt-then-combine, Takezawa et al. 2023, ``tracking_overlap=False``) and are not hidden:
+  t = mean over one period of [C + max(0, q alpha + (B_pg + h_t M) / B - C)] + k (alpha + B_sign / B), h_t = 1 on
+  the log2 n hop steps, else 0.
 * DiLoCo (:func:`diloco_step`, Douillard et al. 2023, Sec. 2): H local AdamW steps, then an all-reduce of the
   model's change, blocking: t = C + T_AR / H.
 
@@ -81,6 +81,7 @@ class Workload:
         second_moment_every: K, steps between two samples of the mean gradient.
         sign_chunk: ChocoSign's values per scale.
         sign_levels: ChocoSign's magnitudes per chunk.
+        tracker_hops: k, the trackers' messages a step.
         diloco_every: H, DiLoCo's local steps between two all-reduces.
         allreduce: ``"ring"`` or ``"best"`` (``costs.allreduce_cost``).
     """
@@ -93,6 +94,7 @@ class Workload:
     second_moment_every: int = 64
     sign_chunk: int = 256
     sign_levels: int = 4
+    tracker_hops: int = 2
     diloco_every: int = 10
     allreduce: str = "best"
 
@@ -180,7 +182,7 @@ def default_step(work: Workload, n: int, bandwidth_Bps: float, latency_s: float)
     base = work.iterations * latency_s + work.powergossip_bytes(n) / bandwidth_Bps
     hop = work.model_bytes / bandwidth_Bps
     comm = [base + (hop if t < hops else 0.0) for t in range(work.second_moment_every)]
-    trackers = latency_s + work.sign_bytes() / bandwidth_Bps
+    trackers = work.tracker_hops * (latency_s + work.sign_bytes() / bandwidth_Bps)
     return gossip_iteration(work.compute_s, comm, 1, n, optimizer_s=trackers).total_s
 
 
