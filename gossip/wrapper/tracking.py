@@ -361,8 +361,8 @@ class GradientTracker:
         Adapt-then-combine (default): y_i <- sum_j W_ij(t) (y_j + g_j^t - g_j^{t-1}), blocking; with k hops the
         mixing runs over W(kt), ..., W(kt + k - 1) in turn. Overlapped: y_i <- sum_j W_ij(t) y_j^{t-1} + g_i^t -
         g_i^{t-1}, waiting for the exchange :meth:`start` posted. A collective over those W's edges: every rank
-        calls it once per step. When no parameter has a gradient, the
-        step brings none (g^t = g^{t-1}) and ``.grad`` is left as it is.
+        calls it once per step. When no parameter has a gradient, the step brings none (g^t = g^{t-1}) and
+        ``.grad`` is left as it is.
 
         Args:
             step: the step's number, the same on every rank.
