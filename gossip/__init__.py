@@ -64,7 +64,7 @@ from gossip.errors import (
     UseAfterCloseError,
 )
 from gossip.wrapper.parallel import DecentralizedDataParallel
-from gossip.wrapper.pipeline import Pipeline, default_schedule, wrap
+from gossip.wrapper.pipeline import Pipeline, default_schedule, default_tracker_hops, wrap
 from gossip.wrapper.sharded import ShardedDecentralizedDataParallel
 
 __all__ = [
@@ -123,6 +123,7 @@ __all__ = [
     "UseAfterCloseError",
     "__version__",
     "default_schedule",
+    "default_tracker_hops",
     "detect_launch",
     "exclude_names",
     "init",

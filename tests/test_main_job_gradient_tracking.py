@@ -135,13 +135,13 @@ def momentum_run(parent: Path, mean_gradient: str, *extra: str) -> tuple[subproc
 @pytest.mark.multiprocess
 def test_a_momentum_tracking_run_all_reduces_the_gradients_every_k_steps(tmp_path):
     rows = completed_rows(*momentum_run(tmp_path, "allreduce"), STEPS)
-    # the parameters and the trackers (two hops, the default) every step, and at steps 0 and 4 the gradients'
-    # all-reduce (2 ranks: a ring all-reduce sends the model once); the optimizers compared at step 1; the loss is
-    # finite
+    # the parameters and the trackers (one hop, the default at 2 workers) every step, and at steps 0 and 4 the
+    # gradients' all-reduce (2 ranks: a ring all-reduce sends the model once); the optimizers compared at step 1; the
+    # loss is finite
     model_bytes = 4 * GPT(GPTConfig()).num_parameters()
     sample = ring_all_reduce_bytes(model_bytes, 2)
     compared = comparison_bytes("one_peer_hypercube", 2, 0, STEPS)
-    expected = [3 * model_bytes + (sample if step % 4 == 0 else 0) + compared[step] for step in range(STEPS)]
+    expected = [2 * model_bytes + (sample if step % 4 == 0 else 0) + compared[step] for step in range(STEPS)]
     assert [int(row["bytes_sent"]) for row in rows] == expected
     assert all(math.isfinite(float(row["loss"])) for row in rows)
 
@@ -154,11 +154,11 @@ def test_a_momentum_tracking_run_gossips_each_sample_one_hop_to_the_next_steps_p
     extra = () if dtype is None else ("--mean-gradient-dtype", dtype)
     rows = completed_rows(*momentum_run(tmp_path, "gossip", *extra), STEPS)
     # the samples of steps 0 and 4 are averaged by one hop each (2 ranks: log2 2), at steps 1 and 5: one more model
-    # to that step's peer (in bfloat16 by default), nothing all-reduced; every step the parameters and the trackers'
-    # two hops; the optimizers compared at step 1
+    # to that step's peer (in bfloat16 by default), nothing all-reduced; every step the parameters and the trackers
+    # (one hop at 2 workers); the optimizers compared at step 1
     model_bytes = 4 * GPT(GPTConfig()).num_parameters()
     hop = model_bytes // 4 * bytes_per_value
     compared = comparison_bytes("one_peer_hypercube", 2, 0, STEPS)
-    expected = [3 * model_bytes + (hop if step % 4 == 1 else 0) + compared[step] for step in range(STEPS)]
+    expected = [2 * model_bytes + (hop if step % 4 == 1 else 0) + compared[step] for step in range(STEPS)]
     assert [int(row["bytes_sent"]) for row in rows] == expected
     assert all(math.isfinite(float(row["loss"])) for row in rows)

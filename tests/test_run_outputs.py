@@ -68,8 +68,8 @@ def test_plot_title_names_the_defaults_trackers_and_how_the_mean_gradient_is_sam
     config, _ = resolve(TrainConfig(steps=300, seed=7), world_size=4)
     assert plot_title(config) == (
         "powergossip on one_peer_hypercube (rank 4, 2 power iterations, float16 messages), sign trackers of the first "
-        "moments (2 hops a step), the mean gradient's second moment every 64 steps by gossip, 4 workers, "
-        "momentum-tracking-adamw lr 0.003, 300 steps x 16, iid, seed 7"
+        "moments, the mean gradient's second moment every 64 steps by gossip, 4 workers, momentum-tracking-adamw "
+        "lr 0.003, 300 steps x 16, iid, seed 7"
     )
 
 

@@ -56,7 +56,7 @@ def test_the_defaults_parts_and_its_limit_on_an_infinitely_fast_network(work):
     n, bandwidth = 256, 10 * GBIT
     trackers = sum(message_bytes(math.prod(s), 256, 4) for s in work.shapes)
     assert work.sign_bytes() == trackers
-    assert work.tracker_hops == gossip.Pipeline().tracker_hops == 2
+    assert work.tracker_hops == gossip.default_tracker_hops(n) == 2
     # fast network: only the trackers' two messages after the backward show, everything else hides
     assert default_step(work, n, 1e6 * GBIT, 0.0) == pytest.approx(work.compute_s + 2 * trackers / (1e6 * GBIT))
     # slow: 8 of 64 steps carry a model-sized hop on top of the factors, the trackers' two messages on every step

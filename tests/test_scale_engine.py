@@ -6,9 +6,9 @@ The engine is a second implementation of a gossip step, so it is held to the fir
 :class:`experiments.scale.engine.Engine` (one ``(n, P)`` buffer) must give every rank the same parameters after every
 step, at n = 8 and 16, for exact gossip, PowerGossip (rank 4, 2 power iterations, float16 messages), exact
 trackers, AdamW, DDP, and the default pipeline (PowerGossip, sign trackers, momentum tracking with the gossiped mean
-gradient, sampled every 4 steps here so that 12 steps see three samples; its trackers mixed twice a step, and once
-in the ``pipeline-one-hop`` arm), and on schedules with several peers (ring), idle ranks and unequal weights (the
-Base-2 graph at n = 12) and random matchings.
+gradient, sampled every 4 steps here so that 12 steps see three samples; its trackers mixed once a step at n = 8 and
+twice at 16, and twice at both in the ``pipeline-two-hops`` arm), and on schedules with several peers (ring), idle
+ranks and unequal weights (the Base-2 graph at n = 12) and random matchings.
 
 Tolerance: ``atol = 1e-6`` on parameters of order 1 (rtol 0), over 12 steps; on this machine every difference is
 exactly 0. The engine computes the gradients replica by replica (``grad_mode="loop"``, the kernels a rank runs) and
@@ -55,7 +55,7 @@ ARMS = {
     "powergossip-adamw": {"params": "powergossip", "trackers": "", "optimizer": "adamw"},
     "exact-trackers-adamw": {"params": "exact", "trackers": "exact", "optimizer": "adamw"},
     "pipeline": {"second_moment_every": 4},  # gossip.Pipeline's parts, the second moment sampled every 4 steps
-    "pipeline-one-hop": {"second_moment_every": 4, "tracker_hops": 1},
+    "pipeline-two-hops": {"second_moment_every": 4, "tracker_hops": 2},
     "ddp": {"params": "ddp", "trackers": "", "optimizer": "adamw"},
 }
 
@@ -117,7 +117,8 @@ def test_the_engines_default_arm_is_the_librarys_default_pipeline():
         algorithm.message_dtype,
     )
     assert pipeline.tracking() == default.trackers == "sign"
-    assert default.tracker_hops == pipeline.tracker_hops == 2  # the trackers over W(2t), then W(2t + 1)
+    for n in (8, 16, 64, 1024):  # the trackers once a step up to 8 workers, then over W(2t) and W(2t + 1)
+        assert EngineConfig(workers=n).tracker_hops == pipeline.hops(n) == (1 if n <= 8 else 2)
     library_sign, our_sign = gossip.ChocoSign(), default.tracking()
     assert (our_sign.gamma, our_sign.chunk, our_sign.levels) == (
         library_sign.gamma,

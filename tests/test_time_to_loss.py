@@ -157,24 +157,21 @@ def test_the_default_and_its_float32_sample_twin_differ_only_in_the_samples_dtyp
     assert {key for key in default if default[key] != twin[key]} == {"mean_gradient_dtype"}
 
 
-def test_the_two_hop_method_is_the_main_jobs_default_and_differs_from_the_one_hop_one_only_in_the_hops():
+def test_the_one_and_two_hop_methods_are_the_main_jobs_default_at_8_and_at_16_workers():
     from gossip.app.cli import build_parser, config_from
     from gossip.app.train import resolve
 
-    def resolved(argv: list[str]) -> dict:
-        return vars(resolve(config_from(build_parser().parse_args(argv)), 8)[0])
+    def resolved(argv: list[str], n: int) -> dict:
+        return vars(resolve(config_from(build_parser().parse_args(argv)), n)[0])
 
-    def of(method: str) -> dict:
-        return resolved(METHODS[method].argv(300, 8, "out", 0)[3:])
-
-    two, one = of("pg4-it2-fp16-mtsign2-gossipv-adamw"), of("pg4-it2-fp16-mtsign-gossipv-adamw")
-    assert (two["tracker_hops"], one["tracker_hops"]) == (2, 1)
-    assert {key for key in two if two[key] != one[key]} == {"tracker_hops"}
-    argv = METHODS["pg4-it2-fp16-mtsign2-gossipv-adamw"].argv(300, 8, "out", 0)
-    plain = resolved(argv[argv.index("--steps") :])  # the run's length, batch, seed and out only: the defaults
     mixing = ("algorithm", "rank", "power_iterations", "message_dtype", "gradient_tracking", "tracker_hops",
               "optimizer", "second_moment_every", "mean_gradient", "mean_gradient_dtype")  # fmt: skip
-    assert {key: two[key] for key in mixing} == {key: plain[key] for key in mixing}
+    for method, n, hops in (("pg4-it2-fp16-mtsign-gossipv-adamw", 8, 1), ("pg4-it2-fp16-mtsign2-gossipv-adamw", 16, 2)):
+        argv = METHODS[method].argv(300, 8, "out", 0)
+        given = resolved(argv[3:], n)
+        plain = resolved(argv[argv.index("--steps") :], n)  # the run's length, batch, seed and out only: the defaults
+        assert given["tracker_hops"] == hops
+        assert {key: given[key] for key in mixing} == {key: plain[key] for key in mixing}, method
 
 
 def test_finished_runs_read_the_seed_from_the_name_and_seed_0_from_runs_named_before_seeds(tmp_path):

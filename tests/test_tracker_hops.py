@@ -5,8 +5,8 @@ Pinned: the trackers equal the dense recursion y^t = W(2t + 1) W(2t) (y^{t-1} + 
 4-rank hypercube two hops are the exact average, so every rank holds the same tracker bit for bit; sign trackers keep
 the sum and both ends of every edge hold bit-identical public copies; the bytes are k sign messages a step; resume
 is bit-identical; every refusal names the rank and the setting (a bad count, overlap, no tracking, ranks that
-disagree, elastic runs); the default pipeline and ``gossip-train`` mix the trackers twice. Gloo and MPI equal the
-simulator bit for bit in test_gradient_tracking_powergossip.py (cases ``sign-two-hops``).
+disagree, elastic runs); the default pipeline and ``gossip-train`` mix the trackers twice above 8 workers. Gloo and
+MPI equal the simulator bit for bit in test_gradient_tracking_powergossip.py (cases ``sign-two-hops``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from helpers.tracking_scenarios import EPS, STEPS, assert_trackers_sum_to_the_gr
 
 import gossip
 import topologies
+from gossip.app.run_dir import plot_title
 from gossip.app.train import ConfigError, TrainConfig, resolve
 from gossip.app.train_elastic import resolve_elastic
 from gossip.errors import ElasticUnsupportedError, InvalidArgumentError
@@ -147,8 +148,9 @@ def test_elastic_runs_refuse_more_than_one_hop():
     assert resolve_elastic(TrainConfig(), 4)[0].tracker_hops == 1
 
 
-def test_the_default_pipeline_and_the_main_job_mix_the_trackers_twice_a_step():
-    assert gossip.Pipeline().tracker_hops == 2
+def test_the_default_pipeline_and_the_main_job_mix_the_trackers_twice_a_step_above_eight_workers():
+    assert [gossip.default_tracker_hops(n) for n in (1, 2, 8, 9, 16, 1024)] == [1, 1, 1, 2, 2, 2]
+    assert gossip.Pipeline().tracker_hops is None and gossip.Pipeline(tracker_hops=3).hops(4) == 3
     with pytest.raises(InvalidArgumentError, match="Pipeline: tracker_hops must be an integer >= 1, got 0"):
         gossip.Pipeline(tracker_hops=0)
 
@@ -157,11 +159,14 @@ def test_the_default_pipeline_and_the_main_job_mix_the_trackers_twice_a_step():
         model.close()
         return model.tracker.hops
 
-    assert gossip.simulate(2, wrapped_hops) == [2, 2]
-    assert resolve(TrainConfig(), 4)[0].tracker_hops == 2
+    assert gossip.simulate(8, wrapped_hops) == [1] * 8
+    assert gossip.simulate(16, wrapped_hops) == [2] * 16
+    assert resolve(TrainConfig(), 8)[0].tracker_hops == 1
+    sixteen = resolve(TrainConfig(steps=300), 16)[0]
+    assert sixteen.tracker_hops == 2 and "sign trackers of the first moments (2 hops a step)" in plot_title(sixteen)
     assert resolve(TrainConfig(tracker_hops=3), 4)[0].tracker_hops == 3
-    assert resolve(TrainConfig(gradient_tracking=True, tracking_overlap=True), 4)[0].tracker_hops == 1
-    assert resolve(TrainConfig(gradient_tracking=False, optimizer="adamw"), 4)[0].tracker_hops == 1
+    assert resolve(TrainConfig(gradient_tracking=True, tracking_overlap=True), 16)[0].tracker_hops == 1
+    assert resolve(TrainConfig(gradient_tracking=False, optimizer="adamw"), 16)[0].tracker_hops == 1
     with pytest.raises(ConfigError, match="--tracker-hops"):
         resolve(TrainConfig(gradient_tracking=True, tracking_overlap=True, tracker_hops=2), 4)
     with pytest.raises(ConfigError, match="--tracker-hops"):

@@ -23,12 +23,11 @@ from experiments.shared import write_csv
 RESULTS = Path(__file__).resolve().parent / "results"
 #: method name -> the gossip-train options that select it (the defaults: none)
 METHODS = {
-    # since issue 59: PowerGossip, sign-compressed momentum trackers (mixed twice a step) and momentum-tracking AdamW
-    # whose second moment comes from the mean gradient averaged by gossip every 64 steps (gossip.Pipeline); no
-    # collective in the step
+    # since issue 59: PowerGossip, sign-compressed momentum trackers and momentum-tracking AdamW whose second moment
+    # comes from the mean gradient averaged by gossip every 64 steps (gossip.Pipeline); no collective in the step
     "defaults": (),
-    # the same with the trackers mixed once a step (the default from issue 59 until tracker_hops=2)
-    "defaults-one-hop": ("--tracker-hops", "1"),
+    # the same with the trackers mixed twice a step (the default pipeline's above 8 workers)
+    "defaults-two-hops": ("--tracker-hops", "2"),
     # the defaults from issue 27 to 59: PowerGossip every step and an exact average of the replicas every 10 steps
     # (an outer step, lr 1, no momentum), AdamW
     "hybrid": ("--outer-every", "10"),

@@ -81,7 +81,7 @@ class Workload:
         second_moment_every: K, steps between two samples of the mean gradient.
         sign_chunk: ChocoSign's values per scale.
         sign_levels: ChocoSign's magnitudes per chunk.
-        tracker_hops: k, the trackers' messages a step.
+        tracker_hops: k, the trackers' messages a step (the default pipeline's above 8 workers).
         diloco_every: H, DiLoCo's local steps between two all-reduces.
         allreduce: ``"ring"`` or ``"best"`` (``costs.allreduce_cost``).
     """

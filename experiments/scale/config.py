@@ -52,7 +52,8 @@ class EngineConfig:
         sign_chunk: ChocoSign's values per scale.
         sign_levels: ChocoSign's magnitudes per chunk.
         tracker_hops: the trackers' exchanges a step, over W(kt), ..., W(kt + k - 1) (the wrapper's
-            ``tracker_hops``); 1 without trackers.
+            ``tracker_hops``); None: the default pipeline's for ``workers`` (:func:`gossip.default_tracker_hops`);
+            1 without trackers.
         optimizer: ``"adamw"`` or ``"momentum-tracking"``.
         second_moment_every: MomentumTrackingAdamW's steps between two samples of the mean gradient.
         mean_gradient: ``"gossip"`` or ``"allreduce"``.
@@ -84,7 +85,7 @@ class EngineConfig:
     sign_gamma: float = 1.0
     sign_chunk: int = 256
     sign_levels: int = 4
-    tracker_hops: int = 2
+    tracker_hops: int | None = None
     optimizer: str = "momentum-tracking"
     second_moment_every: int = 64
     mean_gradient: str = "gossip"
@@ -101,10 +102,10 @@ class EngineConfig:
             raise ValueError(f"{self.name}: DDP runs AdamW on the all-reduced gradients, without trackers")
         if self.optimizer == "momentum-tracking" and not self.trackers:
             raise ValueError(f"{self.name}: momentum tracking needs trackers (the wrapper refuses it without)")
-        if self.tracker_hops < 1:
+        if self.tracker_hops is not None and self.tracker_hops < 1:
             raise ValueError(f"{self.name}: tracker_hops must be >= 1, got {self.tracker_hops}")
-        if not self.trackers:
-            object.__setattr__(self, "tracker_hops", 1)  # no trackers, nothing to hop
+        hops = gossip.default_tracker_hops(self.workers) if self.tracker_hops is None else self.tracker_hops
+        object.__setattr__(self, "tracker_hops", hops if self.trackers else 1)  # no trackers, nothing to hop
 
     def gpt(self) -> GPTConfig:
         """The model's size.

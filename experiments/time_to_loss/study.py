@@ -278,7 +278,7 @@ METHODS = {
             trackers="sign",
             every=64,
         ),
-        # the main job's defaults since 87bb329 (gossip.Pipeline): the mean gradient by gossip, two tracker hops a step
+        # the default pipeline above 8 workers (gossip.Pipeline): the mean gradient by gossip, two tracker hops a step
         _momentum_tracking(
             "pg4-it2-fp16-mtsign2-gossipv-adamw",
             "PowerGossip r=4, 2 iterations, float16 messages",
@@ -288,7 +288,7 @@ METHODS = {
             mean_gradient="gossip",
             hops=2,
         ),
-        # the main job's defaults from issue 59 to 87bb329: the same with one tracker hop a step
+        # the main job's defaults since issue 59 at up to 8 workers: the same with one tracker hop a step
         _momentum_tracking(
             "pg4-it2-fp16-mtsign-gossipv-adamw",
             "PowerGossip r=4, 2 iterations, float16 messages",

@@ -51,6 +51,7 @@ from gossip.app.train import (
     train,
 )
 from gossip.wrapper.mean_gradient import MEAN_GRADIENT_SOURCES
+from gossip.wrapper.pipeline import ONE_HOP_UP_TO
 from gossip.wrapper.tracking import TRACKER_MIXINGS
 
 
@@ -196,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int_at_least(1),
         default=None,
         help="with blocking --gradient-tracking: the trackers' exchanges a step, over the schedule's next W each "
-        f"(k times the trackers' bytes); default: {DEFAULTS.tracker_hops} with blocking trackers, else 1",
+        f"(k times the trackers' bytes); default with blocking trackers: 1 up to {ONE_HOP_UP_TO} workers, else 2; "
+        "else 1",
     )
     gossip_options.add_argument(
         "--no-gradient-tracking",

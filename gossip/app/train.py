@@ -88,7 +88,6 @@ class MixingDefaults:
         outer_momentum: a hybrid's outer Nesterov momentum.
         optimizer: the local optimizer of the gossip algorithms.
         gradient_tracking: how the trackers are mixed (with ``optimizer``).
-        tracker_hops: the trackers' exchanges a step.
         second_moment_every: the steps between two samples of the mean gradient's second moment.
         mean_gradient: how the sample is averaged.
         mean_gradient_dtype: the dtype a gossiped sample travels in.
@@ -105,7 +104,6 @@ class MixingDefaults:
     outer_momentum: float = 0.0
     optimizer: str = "momentum-tracking-adamw"
     gradient_tracking: str = PIPELINE.trackers
-    tracker_hops: int = PIPELINE.tracker_hops
     second_moment_every: int = PIPELINE.second_moment_every
     mean_gradient: str = PIPELINE.mean_gradient
     mean_gradient_dtype: str = str(PIPELINE.mean_gradient_dtype).removeprefix("torch.")
@@ -150,7 +148,8 @@ class TrainConfig:
             :data:`DEFAULTS`' with the momentum-tracking optimizer, else off.
         tracking_overlap: the trackers' exchange overlaps forward and backward (combine-then-adapt tracking).
         tracker_hops: the trackers' exchanges a step, over W(kt), ..., W(kt + k - 1) (the wrapper's
-            ``tracker_hops``; None: :data:`DEFAULTS`' with blocking trackers, else 1).
+            ``tracker_hops``; None: :func:`gossip.default_tracker_hops` of the world size with blocking trackers,
+            else 1).
         delayed_last_iteration: PowerGossip's last power iteration is applied at the next step, so that its
             exchange overlaps that step's compute (``PowerGossip(delayed_last_iteration=True)``).
         local_steps: DiLoCo's local steps per round (None: :data:`DILOCO_DEFAULTS`' for DiLoCo).
@@ -337,18 +336,19 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
 
 
 def _resolve_tracker_hops(config: TrainConfig, resolved: TrainConfig) -> None:
-    """``tracker_hops`` where unset: :data:`DEFAULTS`' for blocking trackers, else 1.
+    """``tracker_hops`` where unset: the default pipeline's for the world size (:func:`gossip.default_tracker_hops`)
+    with blocking trackers, else 1.
 
     Args:
         config: the config as given.
-        resolved: its copy being resolved (``gradient_tracking`` already resolved), changed in place.
+        resolved: its copy being resolved (``world_size`` and ``gradient_tracking`` already), changed in place.
 
     Raises:
         ConfigError: ``--tracker-hops`` is below 1, or above 1 without blocking trackers.
     """
     blocking = bool(resolved.gradient_tracking) and not config.tracking_overlap
     if config.tracker_hops is None:
-        resolved.tracker_hops = DEFAULTS.tracker_hops if blocking else 1
+        resolved.tracker_hops = PIPELINE.hops(resolved.world_size) if blocking else 1
     elif config.tracker_hops < 1:
         raise ConfigError("--tracker-hops", f"must be at least 1, got {config.tracker_hops}")
     elif config.tracker_hops > 1 and not blocking:

@@ -8,18 +8,20 @@ r"""The default pipeline in one call: pure gossip that learns like DDP, no colle
 * the parameters: :class:`gossip.PowerGossip` at rank 4 with 2 power iterations per step, its products in float16
   (Vogels et al. 2020);
 * the trackers: the wrapper's gradient tracking mixes each rank's first moment (momentum tracking, Takezawa et al.,
-  TMLR 2023) by :class:`gossip.ChocoSign`, CHOCO-Gossip with scaled-sign messages of 3 bits a value, twice a
-  step, over the schedule's W(2t) and W(2t + 1) (``tracker_hops``, :mod:`gossip.wrapper.tracking`);
+  TMLR 2023) by :class:`gossip.ChocoSign`, CHOCO-Gossip with scaled-sign messages of 3 bits a value; above 8 ranks
+  twice a step, over the schedule's W(2t) and W(2t + 1) (``tracker_hops``, :func:`default_tracker_hops`,
+  :mod:`gossip.wrapper.tracking`);
 * the optimizer: :class:`optim.MomentumTrackingAdamW`, dividing by the mean gradient's second moment sampled every
   64 steps and averaged by gossip over the schedule, its hops in bfloat16 (``mean_gradient="gossip"``,
   :mod:`gossip.wrapper.mean_gradient`), with decoupled weight decay on matrices only
   (:func:`optim.param_groups`).
 
-Each step then sends point-to-point messages to the schedule's peers only: W(t)'s for the parameters' products and,
-every 64 steps, the log2(n) hops of one gradient sample; W(2t)'s and W(2t + 1)'s for the trackers' signs; and over
-the first steps the peers' comparison of settings (:mod:`gossip.wrapper.peer_agreement`). Why these choices, and
-what they reach against DDP and DiLoCo: docs/results.md. Any part can be changed (``Pipeline(rank=8).wrap(...)``),
-and the parts stay available to assemble by hand (README, "Use it in your own loop").
+Each step then sends point-to-point messages to the schedule's peers only: W(t)'s for the parameters' products, the
+trackers' signs (W(2t)'s and W(2t + 1)'s with two hops) and, every 64 steps, the log2(n) hops of one gradient
+sample; and over the first steps the peers' comparison of settings (:mod:`gossip.wrapper.peer_agreement`). Why
+these choices, and what they reach against DDP and DiLoCo: docs/results.md. Any part can be changed
+(``Pipeline(rank=8).wrap(...)``), and the parts stay available to assemble by hand (README, "Use it in your own
+loop").
 """
 
 from __future__ import annotations
@@ -40,6 +42,29 @@ from gossip.errors import InvalidArgumentError
 from gossip.wrapper.mean_gradient import MEAN_GRADIENT_SOURCES, check_mean_gradient_dtype
 from gossip.wrapper.parallel import DecentralizedDataParallel
 from gossip.wrapper.tracking import TRACKER_MIXINGS, check_tracker_hops
+
+#: Ranks up to which the default pipeline mixes its trackers once a step (:func:`default_tracker_hops`).
+ONE_HOP_UP_TO = 8
+
+
+def default_tracker_hops(n: int) -> int:
+    r"""The default pipeline's tracker exchanges a step for n ranks: 1 up to :data:`ONE_HOP_UP_TO`, else 2.
+
+    A rank's tracked first moment differs from the mean by about its own last increments, :math:`(1 - \beta_1)
+    (g_i - h_i)`, mostly its own gradient noise σ, while the mean gradient the optimizer divides by,
+    :math:`\sqrt{\mu^2 + \sigma^2 / n}`, shrinks with n: the trackers' relative disagreement grows like
+    :math:`\sqrt{n}`. A second hop over the next matrix of the schedule spreads each increment over four ranks of the
+    one-peer hypercube instead of two before the optimizer reads it (:mod:`gossip.wrapper.tracking`), at one more
+    message of the trackers a step, sent after the backward. The threshold is where one hop stops learning like DDP
+    (docs/results.md, "The default pipeline").
+
+    Args:
+        n: the number of ranks, >= 1.
+
+    Returns:
+        1 or 2.
+    """
+    return 1 if n <= ONE_HOP_UP_TO else 2
 
 
 def default_schedule(n: int) -> str:
@@ -65,7 +90,8 @@ class Pipeline:
         message_dtype: the dtype PowerGossip's products travel in (None: the parameters').
         trackers: how the trackers are mixed: ``"sign"`` (:class:`gossip.ChocoSign`), ``"exact"`` or
             ``"powergossip"`` (the wrapper's ``gradient_tracking``).
-        tracker_hops: the trackers' exchanges a step (the wrapper's ``tracker_hops``).
+        tracker_hops: the trackers' exchanges a step (the wrapper's ``tracker_hops``); None picks
+            :func:`default_tracker_hops`.
         second_moment_every: steps between two samples of the mean gradient's second moment.
         mean_gradient: how the sample is averaged: ``"gossip"`` over the schedule, or ``"allreduce"``.
         mean_gradient_dtype: the dtype the gossiped sample travels in (None: the gradients').
@@ -76,7 +102,7 @@ class Pipeline:
     power_iterations: int = 2
     message_dtype: torch.dtype | None = torch.float16
     trackers: str = "sign"
-    tracker_hops: int = 2
+    tracker_hops: int | None = None
     second_moment_every: int = 64
     mean_gradient: str = "gossip"
     mean_gradient_dtype: torch.dtype | None = torch.bfloat16
@@ -90,7 +116,8 @@ class Pipeline:
                 f"Pipeline: mean_gradient must be one of {MEAN_GRADIENT_SOURCES}, got {self.mean_gradient!r}"
             )
         check_mean_gradient_dtype("Pipeline", self.mean_gradient_dtype)
-        check_tracker_hops(self.tracker_hops, "Pipeline")
+        if self.tracker_hops is not None:
+            check_tracker_hops(self.tracker_hops, "Pipeline")
 
     def build_schedule(self, n: int) -> topologies.Schedule:
         """The schedule for n ranks.
@@ -102,6 +129,17 @@ class Pipeline:
             ``schedule`` (or the default one) built for n.
         """
         return topologies.by_name(self.schedule or default_schedule(n), n)
+
+    def hops(self, n: int) -> int:
+        """The trackers' exchanges a step for n ranks.
+
+        Args:
+            n: the number of ranks.
+
+        Returns:
+            ``tracker_hops``, or :func:`default_tracker_hops` of n.
+        """
+        return default_tracker_hops(n) if self.tracker_hops is None else self.tracker_hops
 
     def algorithm(self) -> PowerGossip:
         """A fresh, unbound algorithm for the parameters.
@@ -136,7 +174,7 @@ class Pipeline:
             self.build_schedule(comm.size),
             self.algorithm(),
             gradient_tracking=self.tracking(),
-            tracker_hops=self.tracker_hops,
+            tracker_hops=self.hops(comm.size),
             mean_gradient=self.mean_gradient,
             mean_gradient_dtype=self.mean_gradient_dtype,
             **wrapper,

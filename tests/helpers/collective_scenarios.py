@@ -1,7 +1,7 @@
 """What the default pipeline sends during training: every collective and every exchange's peers, recorded.
 
 A step's peers are the schedule's: W(t)'s for the parameters and the mean gradient's sample, and W(2t)'s and
-W(2t + 1)'s for the trackers' two hops (:func:`step_peers`).
+W(2t + 1)'s for the trackers' two hops above 8 ranks (:func:`step_peers`).
 
 :func:`record` replaces a communicator's public operations by recording versions (the algorithms, the wrapper and
 the samplers reach the network only through them); :func:`default_pipeline_run` trains with ``gossip.wrap``'s
@@ -94,6 +94,7 @@ def default_pipeline_run(comm: gossip.Communicator, mean_gradient: str = "gossip
     return {
         "collectives": recorder.collectives,
         "stray": stray,
+        "tracker_hops": hops,
         "hop_peers": sum(
             not peers <= step_peers(model.schedule, comm.rank, step, 1) for step, peers in recorder.exchanges
         ),
