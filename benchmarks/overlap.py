@@ -115,7 +115,7 @@ def algorithms(size: int) -> dict[str, Method]:
     # the library's default pipeline exactly as gossip.wrap builds it (PowerGossip rank 4, ChocoSign trackers,
     # MomentumTrackingAdamW with the gossiped mean gradient's second moment every 64 steps)
     found["default"] = Method(ExactGossip, pipeline=gossip.Pipeline())
-    # the same with the trackers mixed twice a step (tracker_hops=2, the default pipeline's above 8 ranks)
+    # the same with the trackers mixed twice a step (tracker_hops=2, the default pipeline's from 9 to 16 ranks)
     found["default-two-hops"] = Method(ExactGossip, pipeline=gossip.Pipeline(tracker_hops=2))
     try:
         from gossip.algorithms.powergossip import PowerGossip

@@ -1,5 +1,5 @@
 """The default pipeline trains on point-to-point messages to each step's peers only (W(t)'s, and W(2t)'s and
-W(2t + 1)'s for the trackers' two hops above 8 ranks, here n = 12): from the first step to close()
+W(2t + 1)'s for the trackers' two hops at n = 12): from the first step to close()
 no all-reduce, all-gather, broadcast or barrier is issued, on the simulator, Gloo and MPI (issue 59); the same run
 with the mean gradient all-reduced is the control that shows the recorder sees collectives."""
 

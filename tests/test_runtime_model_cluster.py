@@ -56,17 +56,20 @@ def test_the_defaults_parts_and_its_limit_on_an_infinitely_fast_network(work):
     n, bandwidth = 256, 10 * GBIT
     trackers = sum(message_bytes(math.prod(s), 256, 4) for s in work.shapes)
     assert work.sign_bytes() == trackers
-    assert work.tracker_hops == gossip.default_tracker_hops(n) == 2
-    # fast network: only the trackers' two messages after the backward show, everything else hides
-    assert default_step(work, n, 1e6 * GBIT, 0.0) == pytest.approx(work.compute_s + 2 * trackers / (1e6 * GBIT))
-    # slow: 8 of 64 steps carry a model-sized hop on top of the factors, the trackers' two messages on every step
+    hops = work.hops(n)
+    assert work.tracker_hops is None and hops == gossip.default_tracker_hops(n) == 4
+    # fast network: only the trackers' k messages after the backward show, everything else hides
+    assert default_step(work, n, 1e6 * GBIT, 0.0) == pytest.approx(work.compute_s + hops * trackers / (1e6 * GBIT))
+    # slow: 8 of 64 steps carry a model-sized hop on top of the factors, the trackers' k messages on every step
     base = 2 * 1e-5 + work.powergossip_bytes(n) / bandwidth
     hop = base + work.model_bytes / bandwidth
-    expected = (8 * max(0.1, hop) + 56 * max(0.1, base)) / 64 + 2 * (1e-5 + trackers / bandwidth)
+    expected = (8 * max(0.1, hop) + 56 * max(0.1, base)) / 64 + hops * (1e-5 + trackers / bandwidth)
     assert default_step(work, n, bandwidth, 1e-5) == pytest.approx(expected, rel=1e-12)
-    # one hop: one message less, exactly
+    # one hop: k - 1 messages less, exactly
     one = dataclasses.replace(work, tracker_hops=1)
-    assert default_step(one, n, bandwidth, 1e-5) == pytest.approx(expected - 1e-5 - trackers / bandwidth, rel=1e-12)
+    assert one.hops(n) == 1
+    fewer = (hops - 1) * (1e-5 + trackers / bandwidth)
+    assert default_step(one, n, bandwidth, 1e-5) == pytest.approx(expected - fewer, rel=1e-12)
 
 
 def test_diloco_pays_one_all_reduce_every_h_steps(work):
@@ -88,3 +91,4 @@ def test_the_cli_prints_every_row(capsys):
     assert main(["--workers", "64", "1024", "--rates", "10gbit", "--default-ratios", "1", "1.5"]) == 0
     out = capsys.readouterr().out
     assert "P = 124,439,808" in out and out.count("| 10gbit |") == 6 and "1.5×:" in out
+    assert "| 64 | default (3 tracker hops) |" in out and "| 1024 | default (5 tracker hops) |" in out

@@ -117,8 +117,8 @@ def test_the_engines_default_arm_is_the_librarys_default_pipeline():
         algorithm.message_dtype,
     )
     assert pipeline.tracking() == default.trackers == "sign"
-    for n in (8, 16, 64, 1024):  # the trackers once a step up to 8 workers, then over W(2t) and W(2t + 1)
-        assert EngineConfig(workers=n).tracker_hops == pipeline.hops(n) == (1 if n <= 8 else 2)
+    for n, hops in ((8, 1), (16, 2), (64, 3), (1024, 5)):  # once a step up to 8 workers, then ceil(log2(n) / 2)
+        assert EngineConfig(workers=n).tracker_hops == pipeline.hops(n) == hops
     library_sign, our_sign = gossip.ChocoSign(), default.tracking()
     assert (our_sign.gamma, our_sign.chunk, our_sign.levels) == (
         library_sign.gamma,

@@ -26,7 +26,7 @@ METHODS = {
     # since issue 59: PowerGossip, sign-compressed momentum trackers and momentum-tracking AdamW whose second moment
     # comes from the mean gradient averaged by gossip every 64 steps (gossip.Pipeline); no collective in the step
     "defaults": (),
-    # the same with the trackers mixed twice a step (the default pipeline's above 8 workers)
+    # the same with the trackers mixed twice a step (the default pipeline's from 9 to 16 workers)
     "defaults-two-hops": ("--tracker-hops", "2"),
     # the defaults from issue 27 to 59: PowerGossip every step and an exact average of the replicas every 10 steps
     # (an outer step, lr 1, no momentum), AdamW

@@ -40,6 +40,7 @@ import math
 import sys
 from collections.abc import Sequence
 
+import gossip
 import topologies
 from experiments.rates import parse_rate
 from experiments.runtime_model.costs import RuntimeModelError, allreduce_cost
@@ -81,7 +82,8 @@ class Workload:
         second_moment_every: K, steps between two samples of the mean gradient.
         sign_chunk: ChocoSign's values per scale.
         sign_levels: ChocoSign's magnitudes per chunk.
-        tracker_hops: k, the trackers' messages a step (the default pipeline's above 8 workers).
+        tracker_hops: k, the trackers' messages a step; None: the default pipeline's for n
+            (:func:`gossip.default_tracker_hops`, 3 at n = 64, 4 at 256, 5 at 1024).
         diloco_every: H, DiLoCo's local steps between two all-reduces.
         allreduce: ``"ring"`` or ``"best"`` (``costs.allreduce_cost``).
     """
@@ -94,7 +96,7 @@ class Workload:
     second_moment_every: int = 64
     sign_chunk: int = 256
     sign_levels: int = 4
-    tracker_hops: int = 2
+    tracker_hops: int | None = None
     diloco_every: int = 10
     allreduce: str = "best"
 
@@ -107,6 +109,10 @@ class Workload:
     def model_bytes(self) -> int:
         """M = 4 P, the fp32 model (or gradient)."""
         return 4 * self.params
+
+    def hops(self, n: int) -> int:
+        """k, the trackers' messages a step at n workers."""
+        return gossip.default_tracker_hops(n) if self.tracker_hops is None else self.tracker_hops
 
     def sign_bytes(self) -> int:
         """One trackers' message: the scaled-sign code of every tensor."""
@@ -176,13 +182,15 @@ def default_step(work: Workload, n: int, bandwidth_Bps: float, latency_s: float)
         RuntimeModelError: log2 n hops do not fit in K steps (the library refuses that configuration).
     """
     _check(n, bandwidth_Bps, latency_s)
-    hops = int(math.log2(n))
-    if hops > work.second_moment_every:
-        raise RuntimeModelError(f"n={n}: {hops} hops of the mean gradient do not fit in {work.second_moment_every}")
+    sample_hops = int(math.log2(n))
+    if sample_hops > work.second_moment_every:
+        raise RuntimeModelError(
+            f"n={n}: {sample_hops} hops of the mean gradient do not fit in {work.second_moment_every}"
+        )
     base = work.iterations * latency_s + work.powergossip_bytes(n) / bandwidth_Bps
     hop = work.model_bytes / bandwidth_Bps
-    comm = [base + (hop if t < hops else 0.0) for t in range(work.second_moment_every)]
-    trackers = work.tracker_hops * (latency_s + work.sign_bytes() / bandwidth_Bps)
+    comm = [base + (hop if t < sample_hops else 0.0) for t in range(work.second_moment_every)]
+    trackers = work.hops(n) * (latency_s + work.sign_bytes() / bandwidth_Bps)
     return gossip_iteration(work.compute_s, comm, 1, n, optimizer_s=trackers).total_s
 
 
@@ -271,23 +279,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diloco-ratios", type=float, nargs="+", default=[1.0, 1.2, 1.5])
     parser.add_argument("--diloco-every", type=int, default=10)
     parser.add_argument("--allreduce", choices=("best", "ring"), default="best")
+    parser.add_argument(
+        "--tracker-hops", type=int, default=None, help="the default's tracker messages a step (default: the library's)"
+    )
     args = parser.parse_args(argv)
     shapes = tuple(gpt2_shapes(*GPT2_SMALL))
     params = sum(math.prod(s) for s in shapes)
     compute = 6 * params * args.tokens_per_gpu / (args.tflops * 1e12)
-    work = Workload(shapes, compute, diloco_every=args.diloco_every, allreduce=args.allreduce)
+    work = Workload(
+        shapes, compute, tracker_hops=args.tracker_hops, diloco_every=args.diloco_every, allreduce=args.allreduce
+    )
     ratios = {"default": args.default_ratios, "diloco": args.diloco_ratios}
     rows = table(work, args.workers, args.rates, args.latency_us * 1e-6, ratios)
     factors = work.powergossip_bytes(args.workers[0]) / 1e6
     print(f"GPT-2 small, P = {params:,}; compute {1e3 * compute:.1f} ms a step (6 P x {args.tokens_per_gpu} tokens at "
           f"{args.tflops:g} TFLOP/s); alpha {args.latency_us:g} us; DiLoCo H = {args.diloco_every}; bytes a step "
-          f"per worker: trackers {work.sign_bytes() / 1e6:.1f} MB, PowerGossip {factors:.2f} MB (n = "
+          f"per worker: trackers {work.sign_bytes() / 1e6:.1f} MB a hop, PowerGossip {factors:.2f} MB (n = "
           f"{args.workers[0]}), model {work.model_bytes / 1e6:.0f} MB")  # fmt: skip
     print("| rate | n | method | ms / step | time to DDP's final loss ÷ DDP's, at steps ratio |")
     print("|---|---|---|---:|---|")
     for row in rows:
         cells = ", ".join(f"{ratio:g}×: {value:.2f}" for ratio, value in row["time_ratio"].items())
-        print(f"| {row['rate']} | {row['workers']} | {row['method']} | {row['ms_per_step']:.1f} | {cells} |")
+        method = row["method"] + (f" ({work.hops(row['workers'])} tracker hops)" if row["method"] == "default" else "")
+        print(f"| {row['rate']} | {row['workers']} | {method} | {row['ms_per_step']:.1f} | {cells} |")
     return 0
 
 

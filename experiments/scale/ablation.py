@@ -25,7 +25,7 @@ and tokens). The parts:
   (``exact-params-v-last``), and the rank's own current second moment times the samples' ratio of the mean's
   square to the rank's own (:class:`RatioMomentumTrackingAdamW`, ``ratio4``);
 * the trackers mixed twice a step, over W(2t) and W(2t + 1) (``tracker-2hops``: the library's default
-  ``tracker_hops=2`` above 8 workers), or three times (``tracker-3hops``);
+  ``tracker_hops`` from 9 to 16 workers), or three times (``tracker-3hops``: its default from 17 to 64);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 

@@ -278,7 +278,7 @@ METHODS = {
             trackers="sign",
             every=64,
         ),
-        # the default pipeline above 8 workers (gossip.Pipeline): the mean gradient by gossip, two tracker hops a step
+        # the default pipeline from 9 to 16 workers (gossip.Pipeline): the mean gradient by gossip, two tracker hops
         _momentum_tracking(
             "pg4-it2-fp16-mtsign2-gossipv-adamw",
             "PowerGossip r=4, 2 iterations, float16 messages",

@@ -1,7 +1,7 @@
 """What the default pipeline sends during training: every collective and every exchange's peers, recorded.
 
-A step's peers are the schedule's: W(t)'s for the parameters and the mean gradient's sample, and W(2t)'s and
-W(2t + 1)'s for the trackers' two hops above 8 ranks (:func:`step_peers`).
+A step's peers are the schedule's: W(t)'s for the parameters and the mean gradient's sample, and W(kt)'s, ...,
+W(kt + k - 1)'s for the trackers' k hops above 8 ranks (:func:`step_peers`).
 
 :func:`record` replaces a communicator's public operations by recording versions (the algorithms, the wrapper and
 the samplers reach the network only through them); :func:`default_pipeline_run` trains with ``gossip.wrap``'s
