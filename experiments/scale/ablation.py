@@ -25,7 +25,9 @@ and tokens). The parts:
   (``exact-params-v-last``), and the rank's own current second moment times the samples' ratio of the mean's
   square to the rank's own (:class:`RatioMomentumTrackingAdamW`, ``ratio4``);
 * the trackers mixed twice a step, over W(2t) and W(2t + 1) (``tracker-2hops``: the library's default
-  ``tracker_hops`` from 9 to 16 workers), or three times (``tracker-3hops``: its default from 17 to 64);
+  ``tracker_hops`` from 9 to 16 workers), or three times (``tracker-3hops``: its default from 17 to 64); twice, with
+  the sample of the mean gradient all-reduced instead of gossiped (``tracker-2hops-allreduce-v``: issue 59's
+  comparison at the default's 16-worker setting);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 
@@ -73,6 +75,7 @@ ARMS: dict[str, dict[str, object]] = {
     "beta1-0.95": {"beta1": 0.95},
     "tracker-2hops": {"tracker_hops": 2},
     "tracker-3hops": {"tracker_hops": 3},
+    "tracker-2hops-allreduce-v": {"tracker_hops": 2, "mean_gradient": "allreduce"},
     "cap4": {},
     "exact-params-cap4": {"params": "exact"},
     "all-exact-uncapped": _ALL_EXACT,
