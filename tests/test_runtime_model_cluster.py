@@ -70,6 +70,8 @@ def test_the_defaults_parts_and_its_limit_on_an_infinitely_fast_network(work):
     assert one.hops(n) == 1
     fewer = (hops - 1) * (1e-5 + trackers / bandwidth)
     assert default_step(one, n, bandwidth, 1e-5) == pytest.approx(expected - fewer, rel=1e-12)
+    with pytest.raises(RuntimeModelError, match="tracker_hops must be >= 1"):
+        default_step(dataclasses.replace(work, tracker_hops=0), n, bandwidth, 1e-5)
 
 
 def test_diloco_pays_one_all_reduce_every_h_steps(work):

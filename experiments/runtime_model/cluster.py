@@ -111,8 +111,16 @@ class Workload:
         return 4 * self.params
 
     def hops(self, n: int) -> int:
-        """k, the trackers' messages a step at n workers."""
-        return gossip.default_tracker_hops(n) if self.tracker_hops is None else self.tracker_hops
+        """k, the trackers' messages a step at n workers.
+
+        Raises:
+            RuntimeModelError: ``tracker_hops`` is set below 1.
+        """
+        if self.tracker_hops is None:
+            return gossip.default_tracker_hops(n)
+        if self.tracker_hops < 1:
+            raise RuntimeModelError(f"tracker_hops must be >= 1 (or None: the library's), got {self.tracker_hops}")
+        return self.tracker_hops
 
     def sign_bytes(self) -> int:
         """One trackers' message: the scaled-sign code of every tensor."""
