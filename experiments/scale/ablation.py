@@ -27,7 +27,8 @@ and tokens). The parts:
 * the trackers mixed twice a step, over W(2t) and W(2t + 1) (``tracker-2hops``: the library's default
   ``tracker_hops`` from 9 to 16 workers), or three times (``tracker-3hops``: its default from 17 to 64); twice, with
   the sample of the mean gradient all-reduced instead of gossiped (``tracker-2hops-allreduce-v``: issue 59's
-  comparison at the default's 16-worker setting);
+  comparison at the default's 16-worker setting), or gossiped in float32 instead of bfloat16
+  (``tracker-2hops-float32-v``);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 
@@ -76,6 +77,7 @@ ARMS: dict[str, dict[str, object]] = {
     "tracker-2hops": {"tracker_hops": 2},
     "tracker-3hops": {"tracker_hops": 3},
     "tracker-2hops-allreduce-v": {"tracker_hops": 2, "mean_gradient": "allreduce"},
+    "tracker-2hops-float32-v": {"tracker_hops": 2, "mean_gradient_dtype": ""},
     "cap4": {},
     "exact-params-cap4": {"params": "exact"},
     "all-exact-uncapped": _ALL_EXACT,
