@@ -28,7 +28,8 @@ and tokens). The parts:
   ``tracker_hops`` from 9 to 16 workers), or three times (``tracker-3hops``: its default from 17 to 64); twice, with
   the sample of the mean gradient all-reduced instead of gossiped (``tracker-2hops-allreduce-v``: issue 59's
   comparison at the default's 16-worker setting), or gossiped in float32 instead of bfloat16
-  (``tracker-2hops-float32-v``);
+  (``tracker-2hops-float32-v``), or the exact mean handed over when the gossiped sample would be
+  (:class:`DelayedMeanGradient`, ``tracker-2hops-delayed-v``: the gossip's delay without its rounding);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 
@@ -49,6 +50,7 @@ import torch
 import optim
 from experiments.scale.config import EngineConfig
 from experiments.scale.engine import Engine, MeanGradient
+from experiments.scale.mixing import mean_in_rank_order
 from experiments.scale.study import EVAL_BATCH, EVAL_BATCHES, RESULTS, done_runs
 from experiments.shared import append_rows
 from gossip.app.corpus import load_corpus, validation_batches
@@ -78,6 +80,7 @@ ARMS: dict[str, dict[str, object]] = {
     "tracker-3hops": {"tracker_hops": 3},
     "tracker-2hops-allreduce-v": {"tracker_hops": 2, "mean_gradient": "allreduce"},
     "tracker-2hops-float32-v": {"tracker_hops": 2, "mean_gradient_dtype": ""},
+    "tracker-2hops-delayed-v": {"tracker_hops": 2, "mean_gradient_dtype": ""},
     "cap4": {},
     "exact-params-cap4": {"params": "exact"},
     "all-exact-uncapped": _ALL_EXACT,
@@ -365,6 +368,23 @@ class MomentumMeanGradient(MeanGradient):
         return sent
 
 
+class DelayedMeanGradient(MeanGradient):
+    """The exact mean of the sampled gradients (all-reduced, in rank order) handed to the optimizer at the step the
+    gossiped sample of :class:`experiments.scale.engine.MeanGradient` would be: the gossip's delay, not its
+    rounding."""
+
+    exact: torch.Tensor | None = None
+
+    def take(self, optimizer: optim.MomentumTrackingAdamW, step: int, plan: object) -> int:
+        """:meth:`MeanGradient.take`, keeping the exact mean of a sample when one is due."""
+        if optimizer.mean_gradient_due():
+            self.exact = mean_in_rank_order(self.replicas.grad)
+        return super().take(optimizer, step, plan)
+
+    def _hand_over(self, optimizer: optim.MomentumTrackingAdamW, means: torch.Tensor) -> None:
+        super()._hand_over(optimizer, self.exact)
+
+
 class OracleDirectionEngine(Engine):
     """An oracle, not an algorithm: every worker steps on the exact mean of the workers' first moments (what the
     trackers estimate), so that the workers differ only by the mixing of their parameters."""
@@ -458,6 +478,8 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
         _swap_optimizer(engine, WindowMomentumTrackingAdamW).weighted = arm.endswith("-w")
         sampler = WindowMeanGradient if "window-v" in arm else MomentumMeanGradient
         engine.mean_gradient = sampler(config.mean_gradient, engine.schedule, engine.replicas, config.sample_dtype())
+    if arm.endswith("delayed-v"):
+        engine.mean_gradient = DelayedMeanGradient("gossip", engine.schedule, engine.replicas, None)
     if arm == "exact-params-w":
         _swap_optimizer(engine, WeightedMomentumTrackingAdamW)
     if arm.endswith("ratio4"):
