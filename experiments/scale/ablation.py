@@ -479,7 +479,9 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
         sampler = WindowMeanGradient if "window-v" in arm else MomentumMeanGradient
         engine.mean_gradient = sampler(config.mean_gradient, engine.schedule, engine.replicas, config.sample_dtype())
     if arm.endswith("delayed-v"):
-        engine.mean_gradient = DelayedMeanGradient("gossip", engine.schedule, engine.replicas, None)
+        engine.mean_gradient = DelayedMeanGradient(
+            config.mean_gradient, engine.schedule, engine.replicas, config.sample_dtype()
+        )
     if arm == "exact-params-w":
         _swap_optimizer(engine, WeightedMomentumTrackingAdamW)
     if arm.endswith("ratio4"):
