@@ -5,8 +5,10 @@ the load, so "did this change add work to the step, and where" is answered here 
 main-job run on the simulator (``gossip.simulate``, one thread per rank), the aten operations (a
 ``TorchDispatchMode``) and the Python function calls (``sys.setprofile``) of every step after ``--skip``, per phase:
 
-* ``forward+backward``: the model's forward and backward, with what the backward hooks post (PowerGossip's further
-  power iterations), and reading the loss; with ``posting``, the wrapper's ``compute_seconds``;
+* ``forward+backward``: the model's forward and backward, and reading the loss; with ``progress`` and ``posting``,
+  the wrapper's ``compute_seconds``;
+* ``progress``: what the backward hooks run of the step's exchange (``DecentralizedDataParallel._progress``:
+  PowerGossip's further power iterations, each once the exchange before it has arrived);
 * ``finish``: ``algorithm.finish`` (``finish_seconds``: the wait and the mixing arithmetic);
 * ``update``: the rest of ``optimizer.step()`` and ``zero_grad()``, the optimizer's own work;
 * ``posting``: ``DecentralizedDataParallel._start``, posting the next step's exchange (with the snapshot of the
@@ -14,7 +16,9 @@ main-job run on the simulator (``gossip.simulate``, one thread per rank), the at
 * ``metrics``: the rest of ``next_step`` (the step's metrics row);
 * ``loop``: the training loop's own work between two steps (the batch, ``model.log``, the scheduler).
 
-The operations of a revision do not depend on the machine's load: two runs of the same code count the same ones.
+The operations of a revision do not depend on the machine's load: two runs of the same code count the same ones,
+except how ``progress`` and ``finish`` share the exchange's iterations, which depends on when the peer's messages
+arrive (an iteration run early works on a copy of the parameters, so the two phases' sum moves too).
 The simulator does a collective's arithmetic for every rank (an all-reduce's sum) in the thread of the rank that
 arrives last; that shared work is never counted, so a phase with a collective (an averaging step's ``finish``, the
 consensus estimate and schedule check in ``metrics``) counts the same whether rank 0 came last or not. The Python
@@ -49,7 +53,7 @@ import gossip
 import gossip.app.train as train
 from gossip.app.cli import build_parser, config_from
 
-PHASES = ("forward+backward", "finish", "update", "posting", "metrics", "loop")
+PHASES = ("forward+backward", "progress", "finish", "update", "posting", "metrics", "loop")
 
 
 class _Counts:
@@ -139,6 +143,7 @@ def count(ranks: int, steps: int, skip: int, options: Sequence[str], out: str) -
         if not wrapped:
             wrapped = True
             counts.wrap(model, "_start", "posting")
+            counts.wrap(model, "_progress", "progress")
             counts.wrap(model, "next_step", "metrics")
             counts.wrap(model.algorithm, "finish", "finish")
             counts.wrap(optimizer, "step", "update")
