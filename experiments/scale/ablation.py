@@ -25,8 +25,9 @@ and tokens). The parts:
   (``exact-params-v-last``), and the rank's own current second moment times the samples' ratio of the mean's
   square to the rank's own (:class:`RatioMomentumTrackingAdamW`, ``ratio4``);
 * the trackers mixed twice a step, over W(2t) and W(2t + 1) (``tracker-2hops``: the library's default
-  ``tracker_hops`` from 9 to 16 workers), or three times (``tracker-3hops``: its default from 17 to 64); twice, with
-  the sample of the mean gradient all-reduced instead of gossiped (``tracker-2hops-allreduce-v``: issue 59's
+  ``tracker_hops`` from 9 to 16 workers), three times (``tracker-3hops``: its default from 17 to 64) or four
+  (``tracker-4hops``: every dimension of the 16-worker hypercube once a step); twice, with the sample of the mean
+  gradient all-reduced instead of gossiped (``tracker-2hops-allreduce-v``: issue 59's
   comparison at the default's 16-worker setting), or gossiped in float32 instead of bfloat16
   (``tracker-2hops-float32-v``), or the exact mean handed over when the gossiped sample would be
   (:class:`DelayedMeanGradient`, ``tracker-2hops-delayed-v``: the gossip's delay without its rounding);
@@ -34,7 +35,9 @@ and tokens). The parts:
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 
 Run: ``python -m experiments.scale.ablation --workers 16 --steps 300`` (results to ``results/ablation/``, one
-run at a time; a run already in its ``summary.csv`` is skipped).
+run at a time; a run already in its ``summary.csv`` is skipped). ``--stop-after S`` runs the first S steps of the
+``--steps`` schedule (the warm-up and the cosine of the whole run): the early phase of a long run, at a fraction
+of its cost.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ ARMS: dict[str, dict[str, object]] = {
     "beta1-0.95": {"beta1": 0.95},
     "tracker-2hops": {"tracker_hops": 2},
     "tracker-3hops": {"tracker_hops": 3},
+    "tracker-4hops": {"tracker_hops": 4},
     "tracker-2hops-allreduce-v": {"tracker_hops": 2, "mean_gradient": "allreduce"},
     "tracker-2hops-float32-v": {"tracker_hops": 2, "mean_gradient_dtype": ""},
     "tracker-2hops-delayed-v": {"tracker_hops": 2, "mean_gradient_dtype": ""},
@@ -451,7 +455,9 @@ def _swap_optimizer(engine: Engine, kind: type, **changes: object) -> optim.Mome
     return engine.optimizer
 
 
-def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: float = 1.0) -> dict:
+def run(
+    config: EngineConfig, seed: int, record_every: int, out: Path, cap: float = 1.0, stop_after: int | None = None
+) -> dict:
     """:func:`experiments.scale.study.run` on the CPU with :func:`diagnose` in each record (``diagnostics.csv``).
 
     Args:
@@ -460,6 +466,8 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
         record_every: steps between two records.
         out: the results folder (``steps.csv``, ``summary.csv``, ``diagnostics.csv``).
         cap: the step cap of :class:`CappedMomentumTrackingAdamW` (1: the library's optimizer).
+        stop_after: the steps to run, from 1 to ``config.steps`` (None: all); the learning rate follows the
+            schedule of ``config.steps``, and the summary row's ``step`` says where the run stopped.
 
     Returns:
         The summary row.
@@ -468,6 +476,9 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
         FloatingPointError: the training loss is not finite.
     """
     config = config.replace(seed=seed, warmup=min(config.warmup, config.steps // 2))
+    stop = config.steps if stop_after is None else stop_after
+    if not 1 <= stop <= config.steps:
+        raise ValueError(f"{config.name}: stop_after must be in [1, {config.steps}], got {stop}")
     corpus = load_corpus(None, block_size=config.block_size)
     held_out = validation_batches(corpus.validation, EVAL_BATCH, config.block_size, EVAL_BATCHES)
     arm = config.name.split("-", 3)[-1]
@@ -493,9 +504,9 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
     if cap != 1.0:
         _swap_optimizer(engine, CappedMomentumTrackingAdamW, cap=cap)
     started, losses, rows, diagnostics = time.perf_counter(), [], [], []
-    for step in range(config.steps):
+    for step in range(stop):
         losses.append(engine.step(step).mean())
-        if (step + 1) % record_every == 0 or step + 1 == config.steps:
+        if (step + 1) % record_every == 0 or step + 1 == stop:
             block = float(torch.stack(losses).mean())
             if not math.isfinite(block):
                 raise FloatingPointError(f"{config.name} seed {seed}: training loss {block} at step {step}")
@@ -521,8 +532,8 @@ def run(config: EngineConfig, seed: int, record_every: int, out: Path, cap: floa
         "final_avg_val_loss": last["avg_val_loss"],
         "final_local_val_loss": last["local_val_loss"],
         "final_consensus": last["consensus"],
-        "bytes_per_worker_per_step": last["bytes_per_worker"] / config.steps,
-        "seconds_per_step": last["seconds"] / config.steps,
+        "bytes_per_worker_per_step": last["bytes_per_worker"] / stop,
+        "seconds_per_step": last["seconds"] / stop,
         "device": "cpu",
         "grad_mode": "batched",
     }
@@ -547,9 +558,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--record-every", type=int, default=20)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--stop-after", type=int, default=None, help="steps to run of the --steps schedule")
     args = parser.parse_args(argv)
+    if args.stop_after is not None and not 1 <= args.stop_after <= args.steps:
+        parser.error(f"--stop-after must be in [1, --steps], got {args.stop_after} with --steps {args.steps}")
     torch.set_num_threads(1)
-    done = done_runs(args.out / "summary.csv")
+    done = done_runs(args.out / "summary.csv", args.stop_after or args.steps)
     for n in args.workers:
         for arm in args.arms:
             for seed in args.seeds:
@@ -557,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
                 if (cfg.name, seed) in done:
                     continue
                 cap = float(CAPS.get(arm, 1.0))
-                print(run(cfg, seed, args.record_every, args.out, cap), flush=True)
+                print(run(cfg, seed, args.record_every, args.out, cap, args.stop_after), flush=True)
     return 0
 
 

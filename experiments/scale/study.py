@@ -144,11 +144,12 @@ def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_eve
     return summary
 
 
-def done_runs(path: Path) -> set[tuple[str, int]]:
+def done_runs(path: Path, step: int | None = None) -> set[tuple[str, int]]:
     """The (config, seed) pairs already in a summary CSV.
 
     Args:
         path: ``summary.csv``.
+        step: only the runs that ended at this step (None: every run).
 
     Returns:
         The pairs (empty when the file does not exist).
@@ -156,7 +157,8 @@ def done_runs(path: Path) -> set[tuple[str, int]]:
     if not path.exists():
         return set()
     with path.open() as handle:
-        return {(row["config"], int(row["seed"])) for row in csv.DictReader(handle)}
+        rows = csv.DictReader(handle)
+        return {(row["config"], int(row["seed"])) for row in rows if step is None or int(row["step"]) == step}
 
 
 def time_steps(workers: list[int], batch: int, steps: int, device: str, grad_mode: str, arms: list[str]) -> list[dict]:

@@ -1,0 +1,37 @@
+"""The scale ablation's early stop (experiments/scale/ablation.py): a prefix of the whole run, on its schedule."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from experiments.scale.ablation import main
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_a_stopped_run_is_the_first_steps_of_the_whole_run_and_does_not_count_as_it(tmp_path, capsys):
+    common = ["--workers", "2", "--batch", "1", "--steps", "6", "--arms", "pipeline", "--record-every", "1"]
+    main([*common, "--stop-after", "2", "--out", str(tmp_path)])
+    main([*common, "--stop-after", "2", "--out", str(tmp_path)])  # done already: skipped
+    main([*common, "--out", str(tmp_path)])  # the whole run is not done by the stopped one
+    summary = _rows(tmp_path / "summary.csv")
+    assert [row["step"] for row in summary] == ["2", "6"]
+    steps = _rows(tmp_path / "steps.csv")
+    stopped, whole = steps[:2], steps[2:]
+    assert [row["step"] for row in stopped] == ["1", "2"] and [row["step"] for row in whole] == list("123456")
+    for early, late in zip(stopped, whole[:2], strict=True):  # the same lr schedule: the same losses, bit for bit
+        for key in ("train_loss", "avg_val_loss", "local_val_loss", "consensus"):
+            assert early[key] == late[key], key
+
+
+def test_a_stop_outside_the_run_is_refused(capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["--steps", "6", "--stop-after", "7"])
+    assert refused.value.code == 2
+    assert "--stop-after must be in [1, --steps]" in capsys.readouterr().err
