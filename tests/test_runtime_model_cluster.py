@@ -57,7 +57,7 @@ def test_the_defaults_parts_and_its_limit_on_an_infinitely_fast_network(work):
     trackers = sum(message_bytes(math.prod(s), 256, 4) for s in work.shapes)
     assert work.sign_bytes() == trackers
     hops = work.hops(n)
-    assert work.tracker_hops is None and hops == gossip.default_tracker_hops(n) == 4
+    assert work.tracker_hops is None and hops == gossip.default_tracker_hops(n) == 5
     # fast network: only the trackers' k messages after the backward show, everything else hides
     assert default_step(work, n, 1e6 * GBIT, 0.0) == pytest.approx(work.compute_s + hops * trackers / (1e6 * GBIT))
     # slow: 8 of 64 steps carry a model-sized hop on top of the factors, the trackers' k messages on every step
@@ -93,4 +93,4 @@ def test_the_cli_prints_every_row(capsys):
     assert main(["--workers", "64", "1024", "--rates", "10gbit", "--default-ratios", "1", "1.5"]) == 0
     out = capsys.readouterr().out
     assert "P = 124,439,808" in out and out.count("| 10gbit |") == 6 and "1.5×:" in out
-    assert "| 64 | default (3 tracker hops) |" in out and "| 1024 | default (5 tracker hops) |" in out
+    assert "| 64 | default (4 tracker hops) |" in out and "| 1024 | default (6 tracker hops) |" in out

@@ -117,7 +117,7 @@ def test_the_engines_default_arm_is_the_librarys_default_pipeline():
         algorithm.message_dtype,
     )
     assert pipeline.tracking() == default.trackers == "sign"
-    for n, hops in ((8, 1), (16, 2), (64, 3), (1024, 5)):  # once a step up to 8 workers, then ceil(log2(n) / 2)
+    for n, hops in ((8, 1), (16, 3), (64, 4), (1024, 6)):  # once a step up to 8 workers, then ceil(log2(n) / 2) + 1
         assert EngineConfig(workers=n).tracker_hops == pipeline.hops(n) == hops
     library_sign, our_sign = gossip.ChocoSign(), default.tracking()
     assert (our_sign.gamma, our_sign.chunk, our_sign.levels) == (

@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with blocking --gradient-tracking: the trackers' exchanges a step, over the schedule's next W each "
         f"(k times the trackers' bytes); default with blocking trackers: 1 up to {ONE_HOP_UP_TO} workers, else "
-        "ceil(log2(n) / 2) (2 up to 16 workers, 3 up to 64, 4 up to 256); "
+        "ceil(log2(n) / 2) + 1 (3 up to 16 workers, 4 up to 64, 5 up to 256); "
         "else 1",
     )
     gossip_options.add_argument(

@@ -9,7 +9,7 @@ r"""The default pipeline in one call: pure gossip that learns like DDP, no colle
   (Vogels et al. 2020);
 * the trackers: the wrapper's gradient tracking mixes each rank's first moment (momentum tracking, Takezawa et al.,
   TMLR 2023) by :class:`gossip.ChocoSign`, CHOCO-Gossip with scaled-sign messages of 3 bits a value; above 8 ranks
-  k = ceil(log2(n) / 2) times a step, over the schedule's W(kt), ..., W(kt + k - 1) (``tracker_hops``,
+  k = ceil(log2(n) / 2) + 1 times a step, over the schedule's W(kt), ..., W(kt + k - 1) (``tracker_hops``,
   :func:`default_tracker_hops`, :mod:`gossip.wrapper.tracking`);
 * the optimizer: :class:`optim.MomentumTrackingAdamW`, dividing by the mean gradient's second moment sampled every
   64 steps and averaged by gossip over the schedule, its hops in bfloat16 (``mean_gradient="gossip"``,
@@ -48,31 +48,31 @@ ONE_HOP_UP_TO = 8
 
 
 def default_tracker_hops(n: int) -> int:
-    r"""The default pipeline's tracker exchanges a step for n ranks: 1 up to 8, else ceil(log2(n) / 2).
+    r"""The default pipeline's tracker exchanges a step for n ranks: 1 up to 8, else ceil(log2(n) / 2) + 1.
 
-    Above :data:`ONE_HOP_UP_TO` ranks, :math:`k = \lceil \log_2(n) / 2 \rceil`, the fewest hops with
-    :math:`4^k \ge n`.
+    Above :data:`ONE_HOP_UP_TO` ranks, :math:`k = \lceil \log_2(n) / 2 \rceil + 1`, the fewest hops with
+    :math:`2^k \ge 2 \sqrt{n}` (:math:`4^{k-1} \ge n`).
     A rank's tracked first moment differs from the mean by about its own last increments, :math:`(1 - \beta_1)
     (g_i - h_i)`, mostly its own gradient noise σ, while the mean gradient the optimizer divides by,
     :math:`\sqrt{\mu^2 + \sigma^2 / n}`, shrinks with n: with one hop the trackers' relative disagreement grows
     like :math:`\sqrt{n}`. k hops over the next k matrices of the one-peer hypercube average each increment evenly
     over :math:`2^k` ranks before the optimizer reads it (:mod:`gossip.wrapper.tracking`), dividing that
     disagreement by :math:`\sqrt{2^k}`: it grows like :math:`\sqrt{n / 2^k}`. Holding it constant would take
-    :math:`\log_2 n - c` hops, nearly the exact average's; the default takes half of them, :math:`2^k \ge \sqrt{n}`,
-    so that it grows like :math:`n^{1/4}`. Each hop is one more message of the trackers a step, sent after the
-    backward, which is why up to :data:`ONE_HOP_UP_TO` ranks, where one hop already learns like DDP, the default
-    stays at one (docs/results.md, "The default pipeline").
+    :math:`\log_2 n - c` hops, nearly the exact average's; the default takes one more than half of them,
+    :math:`2^k \ge 2\sqrt{n}`, so that it stays below :math:`n^{1/4} / \sqrt{2}`. Each hop is one more message of
+    the trackers a step, sent after the backward, which is why up to :data:`ONE_HOP_UP_TO` ranks, where one hop
+    already learns like DDP, the default stays at one (docs/results.md, "The default pipeline").
 
     Args:
         n: the number of ranks, >= 1.
 
     Returns:
-        1 for n <= :data:`ONE_HOP_UP_TO`; 2 for n <= 16, 3 for n <= 64, 4 for n <= 256, ...
+        1 for n <= :data:`ONE_HOP_UP_TO`; 3 for n <= 16, 4 for n <= 64, 5 for n <= 256, 6 for n <= 1024, ...
     """
     if n <= ONE_HOP_UP_TO:
         return 1
-    hops = 1
-    while 4**hops < n:
+    hops = 2
+    while 4 ** (hops - 1) < n:
         hops += 1
     return hops
 
