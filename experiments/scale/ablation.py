@@ -24,9 +24,9 @@ and tokens). The parts:
   ``mem4``, ``exact-params-mem4``, ``pg-rank16-mem4``) or over the last sample alone with the exact mean every step
   (``exact-params-v-last``), and the rank's own current second moment times the samples' ratio of the mean's
   square to the rank's own (:class:`RatioMomentumTrackingAdamW`, ``ratio4``);
-* the trackers mixed twice a step, over W(2t) and W(2t + 1) (``tracker-2hops``: the library's default
-  ``tracker_hops`` from 9 to 16 workers), three times (``tracker-3hops``: its default from 17 to 64) or four
-  (``tracker-4hops``: every dimension of the 16-worker hypercube once a step); twice, with the sample of the mean
+* the trackers mixed twice a step, over W(2t) and W(2t + 1) (``tracker-2hops``), three times (``tracker-3hops``: the
+  library's default ``tracker_hops`` from 9 to 16 workers) or four (``tracker-4hops``: its default from 17 to 64,
+  every dimension of the 16-worker hypercube once a step); twice, with the sample of the mean
   gradient all-reduced instead of gossiped (``tracker-2hops-allreduce-v``: issue 59's
   comparison at the default's 16-worker setting), or gossiped in float32 instead of bfloat16
   (``tracker-2hops-float32-v``), or the exact mean handed over when the gossiped sample would be
