@@ -278,7 +278,17 @@ METHODS = {
             trackers="sign",
             every=64,
         ),
-        # the default pipeline from 9 to 16 workers (gossip.Pipeline): the mean gradient by gossip, two tracker hops
+        # the default pipeline from 9 to 16 workers (gossip.Pipeline): the mean gradient by gossip, three tracker hops
+        _momentum_tracking(
+            "pg4-it2-fp16-mtsign3-gossipv-adamw",
+            "PowerGossip r=4, 2 iterations, float16 messages",
+            *powergossip(4, 2, "float16"),
+            trackers="sign",
+            every=64,
+            mean_gradient="gossip",
+            hops=3,
+        ),
+        # the same with two tracker hops, the default from 9 to 16 workers until 1d6caa7
         _momentum_tracking(
             "pg4-it2-fp16-mtsign2-gossipv-adamw",
             "PowerGossip r=4, 2 iterations, float16 messages",
