@@ -26,7 +26,10 @@ and tokens). The parts:
   square to the rank's own (:class:`RatioMomentumTrackingAdamW`, ``ratio4``);
 * the trackers mixed twice a step, over W(2t) and W(2t + 1) (``tracker-2hops``), three times (``tracker-3hops``: the
   library's default ``tracker_hops`` from 9 to 16 workers) or four (``tracker-4hops``: its default from 17 to 64,
-  every dimension of the 16-worker hypercube once a step); twice, with the sample of the mean
+  every dimension of the 16-worker hypercube once a step); exact trackers over four hops, which at 16 workers hand
+  every worker the exact mean first moment (``exact-trackers-4hops``), and with it the exact mean gradient's second
+  moment every step (``exact-trackers-4hops-exact-v``); three hops with a sample every 16 steps
+  (``tracker-3hops-sm16``); twice, with the sample of the mean
   gradient all-reduced instead of gossiped (``tracker-2hops-allreduce-v``: issue 59's
   comparison at the default's 16-worker setting), or gossiped in float32 instead of bfloat16
   (``tracker-2hops-float32-v``), or the exact mean handed over when the gossiped sample would be
@@ -82,6 +85,14 @@ ARMS: dict[str, dict[str, object]] = {
     "tracker-2hops": {"tracker_hops": 2},
     "tracker-3hops": {"tracker_hops": 3},
     "tracker-4hops": {"tracker_hops": 4},
+    "exact-trackers-4hops": {"trackers": "exact", "tracker_hops": 4},
+    "exact-trackers-4hops-exact-v": {
+        "trackers": "exact",
+        "tracker_hops": 4,
+        "mean_gradient": "allreduce",
+        "second_moment_every": 1,
+    },
+    "tracker-3hops-sm16": {"tracker_hops": 3, "second_moment_every": 16},
     "tracker-2hops-allreduce-v": {"tracker_hops": 2, "mean_gradient": "allreduce"},
     "tracker-2hops-float32-v": {"tracker_hops": 2, "mean_gradient_dtype": ""},
     "tracker-2hops-delayed-v": {"tracker_hops": 2, "mean_gradient_dtype": ""},
