@@ -18,6 +18,7 @@ import pytest
 from helpers.launch import REPO, main_job_run, metrics_rows, run_main_job
 from helpers.tracking_scenarios import comparison_bytes
 
+from experiments.scale.sign import message_bytes
 from gossip.app.cli import main
 from gossip.app.corpus import load_corpus
 from gossip.app.gpt import GPT, GPTConfig
@@ -74,7 +75,7 @@ def test_the_defaults_send_the_same_light_step_but_half_a_model_more_for_the_gos
     model_bytes = 4 * numel
     compared = comparison_bytes("one_peer_hypercube", 2, 0, STEPS)
     sent = [int(row["bytes_sent"]) - c for row, c in zip(metrics_rows(tiny_run[1]), compared, strict=True)]
-    trackers = 3 * -(-numel // 8) + 4 * 4 * -(-numel // 256)  # at least: each bucket rounds up on its own
+    trackers = message_bytes(numel, 256, 4)  # at least: each bucket rounds up on its own
     assert trackers < sent[0] < trackers + model_bytes / 8
     assert sent == [sent[0] + (model_bytes // 2 if step == 1 else 0) for step in range(STEPS)]
 
