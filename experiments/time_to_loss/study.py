@@ -288,7 +288,7 @@ METHODS = {
             mean_gradient="gossip",
             hops=3,
         ),
-        # the same with two tracker hops, the default from 9 to 16 workers until 1d6caa7
+        # the same with two tracker hops (--tracker-hops 2)
         _momentum_tracking(
             "pg4-it2-fp16-mtsign2-gossipv-adamw",
             "PowerGossip r=4, 2 iterations, float16 messages",
