@@ -81,12 +81,15 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
         optimizer: this rank's optimizer.
 
     Returns:
-        A momentum source's class and sampling interval, or that it is an ordinary optimizer (whose class may
-            differ between ranks, as it may without momentum tracking).
+        A momentum source's class and where its second moment comes from (the tracker, or samples every so many
+            steps), or that it is an ordinary optimizer (whose class may differ between ranks, as it may without
+            momentum tracking).
     """
     source = momentum_source(optimizer)
     if source is None:
         return "an optimizer that steps on .grad (not a momentum source)"
+    if getattr(source, "tracks_second_moment", False):
+        return f"{type(optimizer).__name__}(second_moment='tracker')"
     return f"{type(optimizer).__name__}(second_moment_every={source.second_moment_every})"
 
 
