@@ -34,6 +34,16 @@ and tokens). The parts:
   comparison at the default's 16-worker setting), or gossiped in float32 instead of bfloat16
   (``tracker-2hops-float32-v``), or the exact mean handed over when the gossiped sample would be
   (:class:`DelayedMeanGradient`, ``tracker-2hops-delayed-v``: the gossip's delay without its rounding);
+* the second moment at one sequence a worker (n = 16 x 1), with exact trackers over four hops (every worker steps on
+  the exact mean first moment, so the second moment alone differs from DDP) and with the default's three sign hops:
+  u kept over about seven samples (``-mem4``), that u scaled by each tensor's drift since the samples
+  (:class:`DriftMomentumTrackingAdamW`, ``-drift4``), the rank's own second moment times the samples' ratio
+  (``-ratio4``), the floor the same on every rank (:class:`SharedFloorMomentumTrackingAdamW`: the ranks' exact mean
+  of v-hat every step, ``-mean-floor``, or taken with the sample, ``-sampled-floor``), samples every 8 or 16 steps
+  (``-sm8``, ``-sm16``) or all-reduced every 2 or 8 (``-ar2``, ``-ar8``), and the second moment read off the
+  tracker every step (:class:`TrackedMomentumTrackingAdamW`, ``-tracked-v``, with the floor v_i / n or without it,
+  ``-tracked-v-nofloor``: the library's ``second_moment="tracker"``); with the sample all-reduced at three hops
+  (``tracker-3hops-allreduce-v``);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 
@@ -93,7 +103,35 @@ ARMS: dict[str, dict[str, object]] = {
         "second_moment_every": 1,
     },
     "tracker-3hops-sm16": {"tracker_hops": 3, "second_moment_every": 16},
+    "tracker-3hops-ratio4": {"tracker_hops": 3},
+    "tracker-3hops-mem4": {"tracker_hops": 3},
+    "exact-trackers-4hops-ratio4": {"trackers": "exact", "tracker_hops": 4},
+    "exact-trackers-4hops-mean-floor": {"trackers": "exact", "tracker_hops": 4},
+    "exact-trackers-4hops-sampled-floor": {"trackers": "exact", "tracker_hops": 4},
+    "exact-trackers-4hops-mem4": {"trackers": "exact", "tracker_hops": 4},
+    "exact-trackers-4hops-drift4": {"trackers": "exact", "tracker_hops": 4},
+    "exact-trackers-4hops-sm8": {"trackers": "exact", "tracker_hops": 4, "second_moment_every": 8},
+    "exact-trackers-4hops-sm16": {"trackers": "exact", "tracker_hops": 4, "second_moment_every": 16},
+    "exact-trackers-4hops-ar8": {
+        "trackers": "exact",
+        "tracker_hops": 4,
+        "mean_gradient": "allreduce",
+        "second_moment_every": 8,
+    },
+    "exact-trackers-4hops-ar2": {
+        "trackers": "exact",
+        "tracker_hops": 4,
+        "mean_gradient": "allreduce",
+        "second_moment_every": 2,
+    },
+    "exact-trackers-4hops-tracked-v": {"trackers": "exact", "tracker_hops": 4, "second_moment_every": 0},
+    "tracker-3hops-tracked-v": {"tracker_hops": 3, "second_moment_every": 0},
+    "tracker-4hops-tracked-v": {"tracker_hops": 4, "second_moment_every": 0},
+    "tracker-3hops-tracked-v-nofloor": {"tracker_hops": 3, "second_moment_every": 0},
+    "tracker-3hops-mean-floor": {"tracker_hops": 3},
+    "tracker-3hops-sampled-floor": {"tracker_hops": 3},
     "tracker-2hops-allreduce-v": {"tracker_hops": 2, "mean_gradient": "allreduce"},
+    "tracker-3hops-allreduce-v": {"tracker_hops": 3, "mean_gradient": "allreduce"},
     "tracker-2hops-float32-v": {"tracker_hops": 2, "mean_gradient_dtype": ""},
     "tracker-2hops-delayed-v": {"tracker_hops": 2, "mean_gradient_dtype": ""},
     "cap4": {},
@@ -312,6 +350,38 @@ class SampleMemoryMomentumTrackingAdamW(_ArmOptimizer):
         return torch.maximum(local, first.square())
 
 
+class DriftMomentumTrackingAdamW(SampleMemoryMomentumTrackingAdamW):
+    r""":class:`SampleMemoryMomentumTrackingAdamW`'s u, scaled by how far each tensor's second moment has moved since
+    the samples: :math:`\hat u\,c` with :math:`c = \langle\hat v_i\rangle / \hat w`, where
+    :math:`\langle\cdot\rangle` is the mean over the tensor's coordinates and w advances at the samples like u,
+    :math:`w \leftarrow r\,w + (1 - r)\langle\hat v_i\rangle` (a scalar a tensor, so the same on every rank up
+    to its batches' noise); the floors are the library's."""
+
+    def advance(self, group: dict, state: dict, mean: torch.Tensor) -> None:
+        """u and the scalar w advance."""
+        super().advance(group, state, mean)
+        beta2 = group["betas"][1]
+        level = self._level(state, beta2)
+        state["level"] = state.get("level", torch.zeros_like(level)).mul_(self.rate).add_(level, alpha=1 - self.rate)
+
+    @staticmethod
+    def _level(state: dict, beta2: float) -> torch.Tensor:
+        """The rank's bias-corrected second moment's mean over the tensor's coordinates, one per row."""
+        v = state["v"] / (1 - beta2 ** max(state["step"], 1))
+        return v.flatten(1).mean(dim=1).view(-1, *([1] * (v.dim() - 1)))
+
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        r""":math:`\max(\hat u\,c, \hat v_i / n, \hat z^2)`."""
+        beta2, n = group["betas"][1], group["n"]
+        local = state["v"] / (1 - beta2 ** state["step"])
+        if state["samples"]:
+            correction = 1 - self.rate ** state["samples"]
+            drift = self._level(state, beta2) / (state["level"] / correction).clamp_min(1e-30)
+            shared = state["shared"] / correction * drift
+            local = torch.maximum(local.div_(n), shared)
+        return torch.maximum(local, first.square())
+
+
 class RatioMomentumTrackingAdamW(SampleMemoryMomentumTrackingAdamW):
     r"""The second moment as the rank's own, fresh :math:`\hat v_i` times the ratio of the mean gradient's second
     moment to the rank's own, averaged over the samples: at each sample :math:`u \leftarrow r u + (1-r)\bar g^2`
@@ -337,6 +407,75 @@ class RatioMomentumTrackingAdamW(SampleMemoryMomentumTrackingAdamW):
         else:
             local = local.div_(n)
         return torch.maximum(local, first.square())
+
+
+class SharedFloorMomentumTrackingAdamW(_ArmOptimizer):
+    r"""The library's denominator with the floor the same on every rank: :math:`\max(\hat u, \bar v / n,
+    \hat z^2)`, :math:`\bar v` the mean over the ranks of their bias-corrected :math:`\hat v_i` instead of each
+    rank's own; with ``sampled``, that mean taken on the sample's due step and handed over with the sample (what
+    the sample's hops would carry as a second vector), else the exact mean at every step (an oracle)."""
+
+    sampled = False
+
+    def prepare_momentum(self) -> None:
+        """The library's phase 1, then (``sampled``) the ranks' mean of v-hat on the due steps."""
+        due = self.sampled and self.mean_gradient_due()
+        super().prepare_momentum()
+        if not due:
+            return
+        for group in self.param_groups:
+            beta2 = group["betas"][1]
+            for p in group["params"]:
+                state = self._state(p)
+                if state["step"]:
+                    mean = (state["v"] / (1 - beta2 ** state["step"])).mean(dim=0, keepdim=True)
+                    state["pending_floor"] = mean.expand_as(state["v"]).clone()
+
+    def take_mean_gradient(self, means: dict, workers: int) -> None:
+        """The library's sample, and the floor that travelled with it."""
+        super().take_mean_gradient(means, workers)
+        for p in means:
+            state = self._state(p)
+            if "pending_floor" in state:
+                state["floor"] = state.pop("pending_floor")
+
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        r""":math:`\max(\hat u, \bar v / n, \hat z^2)` (class docstring); the library's before the first sample."""
+        beta2 = group["betas"][1]
+        if not state["samples"]:
+            return torch.maximum(self.second_moment(group, state), first.square())
+        shared = state["shared"] / (1 - (beta2**self.second_moment_every) ** state["samples"])
+        if self.sampled:
+            floor = state.get("floor", state["v"] / (1 - beta2 ** state["step"]))
+        else:
+            floor = (state["v"] / (1 - beta2 ** state["step"])).mean(dim=0, keepdim=True).expand_as(shared)
+        return torch.maximum(torch.maximum(shared, floor / group["workers"]), first.square())
+
+
+class TrackedMomentumTrackingAdamW(_ArmOptimizer):
+    r"""The mean gradient's second moment read off the tracker, no sample: the tracker :math:`z_i` estimates the
+    mean first moment :math:`\bar m_t = \beta_1 \bar m_{t-1} + (1-\beta_1)\bar g_t`, so
+    :math:`r_i = (z_i^t - \beta_1 z_i^{t-1}) / (1-\beta_1)` estimates :math:`\bar g_t` (exactly where the trackers
+    are exact) and :math:`u_i \leftarrow \beta_2 u_i + (1-\beta_2)\, r_i^2` DDP's second moment; the
+    denominator is :math:`\max(\hat u_i, \hat v_i / n, \hat z_i^2)`, or without ``floor``
+    :math:`\max(\hat u_i, \hat z_i^2)`."""
+
+    floor = True
+
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        r""":math:`\max(\hat u_i, \hat v_i / n, \hat z_i^2)` (class docstring), advancing u_i first."""
+        (beta1, beta2), n, step = group["betas"], group["n"], state["step"]
+        tracker = first * (1 - beta1**step)
+        if "tracked" not in state:
+            state["tracked"], state["last_tracker"] = torch.zeros_like(tracker), torch.zeros_like(tracker)
+        mean_gradient = (tracker - beta1 * state["last_tracker"]) / (1 - beta1)
+        state["tracked"].mul_(beta2).addcmul_(mean_gradient, mean_gradient, value=1 - beta2)
+        state["last_tracker"].copy_(tracker)
+        shared = state["tracked"] / (1 - beta2**step)
+        if not self.floor:
+            return torch.maximum(shared, first.square())
+        local = state["v"] / (1 - beta2**step)
+        return torch.maximum(torch.maximum(shared, local.div_(n)), first.square())
 
 
 class WindowMeanGradient(MeanGradient):
@@ -506,8 +645,14 @@ def run(
         )
     if arm == "exact-params-w":
         _swap_optimizer(engine, WeightedMomentumTrackingAdamW)
+    if "tracked-v" in arm:
+        _swap_optimizer(engine, TrackedMomentumTrackingAdamW).floor = not arm.endswith("nofloor")
+    if arm.endswith("drift4"):
+        _swap_optimizer(engine, DriftMomentumTrackingAdamW)
     if arm.endswith("ratio4"):
         _swap_optimizer(engine, RatioMomentumTrackingAdamW)
+    if arm.endswith("-floor"):
+        _swap_optimizer(engine, SharedFloorMomentumTrackingAdamW).sampled = arm.endswith("sampled-floor")
     if arm.endswith("mem4") or arm.endswith("v-last"):
         _swap_optimizer(engine, SampleMemoryMomentumTrackingAdamW).rate = 0.75 if arm.endswith("mem4") else 0.0
     if arm == "all-exact-shared-only":
