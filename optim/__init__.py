@@ -26,14 +26,15 @@ Contents:
   steps with the mean of the last local gradients (docs/design.md B.3). ``accum_iter=1`` gives Adam / AdamW,
   i.e. DAdam under the order above.
 - :class:`MomentumTrackingAdamW`: AdamW whose first moment the wrapper's gradient tracker averages over the ranks
-  (momentum tracking), divided by the mean gradient's second moment sampled every few steps.
+  (momentum tracking), divided by the mean gradient's second moment, read off the tracker every step or sampled
+  every few steps.
 - :func:`param_groups`: weight decay on ``ndim >= 2`` weights, none on biases and normalisation parameters.
 """
 
 from torch.optim import SGD
 
 from optim.accum_adam import AccumAdam, AccumAdamW
-from optim.momentum_tracking import MomentumTrackingAdamW
+from optim.momentum_tracking import SECOND_MOMENTS, MomentumTrackingAdamW
 from optim.weight_decay_groups import param_groups
 
-__all__ = ["SGD", "AccumAdam", "AccumAdamW", "MomentumTrackingAdamW", "param_groups"]
+__all__ = ["SECOND_MOMENTS", "SGD", "AccumAdam", "AccumAdamW", "MomentumTrackingAdamW", "param_groups"]

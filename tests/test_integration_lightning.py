@@ -389,7 +389,7 @@ def test_adopting_adamw_keeps_its_param_group_dicts_and_hyper_parameters():
     from gossip.integrations.lightning import adopt_adam
 
     adamw = _adamw_like("AdamW", betas=(0.8, 0.9), eps=1e-6, weight_decay=0.2)
-    adopted = adopt_adam(adamw, Pipeline(second_moment_every=16))
+    adopted = adopt_adam(adamw, Pipeline(second_moment="sample", second_moment_every=16))
     assert type(adopted).__name__ == "MomentumTrackingAdamW" and adopted.second_moment_every == 16
     assert all(a is b for a, b in zip(adopted.param_groups, adamw.param_groups, strict=True))
     group = adopted.param_groups[0]

@@ -116,8 +116,14 @@ def test_a_tracking_run_sends_the_parameters_and_the_trackers_every_step(trackin
 def test_momentum_tracking_is_an_optimizer_that_needs_the_trackers():
     parser = build_parser()
     config = config_from(parser.parse_args(["--optimizer", "momentum-tracking-adamw", "--gradient-tracking"]))
-    assert (config.optimizer, config.second_moment_every) == ("momentum-tracking-adamw", 64)
-    assert config_from(parser.parse_args(["--second-moment-every", "0"])).second_moment_every == 0
+    resolved, _ = resolve(config, 2)
+    assert (resolved.optimizer, resolved.second_moment, resolved.second_moment_every) == (
+        "momentum-tracking-adamw",
+        "tracker",
+        0,
+    )
+    own, _ = resolve(config_from(parser.parse_args(["--second-moment-every", "0"])), 2)
+    assert (own.second_moment, own.second_moment_every) == ("sample", 0)
     with pytest.raises(ConfigError, match="add --gradient-tracking") as caught:
         resolve(TrainConfig(optimizer="momentum-tracking-adamw", algorithm="exact", gradient_tracking=False), 2)
     assert caught.value.option == "--optimizer"

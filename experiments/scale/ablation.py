@@ -1,9 +1,9 @@
 """Why the default's gap to DDP grows with n: arms that replace one part of the default pipeline by its exact version.
 
 Each arm is the default pipeline (:class:`experiments.scale.config.EngineConfig`'s defaults, i.e.
-:class:`gossip.Pipeline`) with its trackers mixed once a step (``tracker_hops=1``, the base every arm is measured
-against) and one part changed, at a fixed per-worker batch, paired with DDP on the same seed (the same initial model
-and tokens). The parts:
+:class:`gossip.Pipeline`) with its trackers mixed once a step and its second moment sampled every 64 steps
+(``tracker_hops=1``, ``second_moment="sample"``: the base every arm is measured against) and one part changed, at a
+fixed per-worker batch, paired with DDP on the same seed (the same initial model and tokens). The parts:
 
 * the parameters' mixing: PowerGossip rank 4 x 2 in float16 -> exact gossip over the same schedule (``exact-params``)
   or PowerGossip at a higher rank (``pg-rank16``);
@@ -128,6 +128,7 @@ ARMS: dict[str, dict[str, object]] = {
     "tracker-3hops-tracked-v": {"tracker_hops": 3, "second_moment_every": 0},
     "tracker-4hops-tracked-v": {"tracker_hops": 4, "second_moment_every": 0},
     "tracker-3hops-tracked-v-nofloor": {"tracker_hops": 3, "second_moment_every": 0},
+    "tracker-4hops-tracked-v-nofloor": {"tracker_hops": 4, "second_moment_every": 0},
     "tracker-3hops-mean-floor": {"tracker_hops": 3},
     "tracker-3hops-sampled-floor": {"tracker_hops": 3},
     "tracker-2hops-allreduce-v": {"tracker_hops": 2, "mean_gradient": "allreduce"},
@@ -180,7 +181,7 @@ def config(arm: str, workers: int, batch: int, steps: int) -> EngineConfig:
     Returns:
         The configuration.
     """
-    fields = {"tracker_hops": 1, **ARMS[arm]}
+    fields = {"tracker_hops": 1, "second_moment": "sample", **ARMS[arm]}
     return EngineConfig(name=f"n{workers}-b{batch}-s{steps}-{arm}", workers=workers, batch=batch, steps=steps,
                         **fields)  # fmt: skip
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 import gossip
+import optim
 import topologies
 from gossip.app.gpt import GPTConfig
 
@@ -55,7 +56,9 @@ class EngineConfig:
             ``tracker_hops``); None: the default pipeline's for ``workers`` (:func:`gossip.default_tracker_hops`);
             1 without trackers.
         optimizer: ``"adamw"`` or ``"momentum-tracking"``.
-        second_moment_every: MomentumTrackingAdamW's steps between two samples of the mean gradient.
+        second_moment: MomentumTrackingAdamW's second moment, ``"tracker"`` or ``"sample"``.
+        second_moment_every: with ``"sample"``, MomentumTrackingAdamW's steps between two samples of the mean
+            gradient.
         mean_gradient: ``"gossip"`` or ``"allreduce"``.
         mean_gradient_dtype: the dtype the gossiped sample travels in, ``"bfloat16"``, ``"float16"`` or ``""`` (the
             gradients').
@@ -87,6 +90,7 @@ class EngineConfig:
     sign_levels: int = 4
     tracker_hops: int | None = None
     optimizer: str = "momentum-tracking"
+    second_moment: str = "tracker"
     second_moment_every: int = 64
     mean_gradient: str = "gossip"
     mean_gradient_dtype: str = "bfloat16"
@@ -102,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"{self.name}: DDP runs AdamW on the all-reduced gradients, without trackers")
         if self.optimizer == "momentum-tracking" and not self.trackers:
             raise ValueError(f"{self.name}: momentum tracking needs trackers (the wrapper refuses it without)")
+        if self.second_moment not in optim.SECOND_MOMENTS:
+            raise ValueError(f"{self.name}: second_moment in {optim.SECOND_MOMENTS}, got {self.second_moment!r}")
         if self.tracker_hops is not None and self.tracker_hops < 1:
             raise ValueError(f"{self.name}: tracker_hops must be >= 1, got {self.tracker_hops}")
         hops = gossip.default_tracker_hops(self.workers) if self.tracker_hops is None else self.tracker_hops
@@ -131,6 +137,14 @@ class EngineConfig:
         """
         dtype = getattr(torch, self.message_dtype) if self.message_dtype else None
         return gossip.PowerGossip(self.rank, self.iterations, self.gamma, message_dtype=dtype)
+
+    def sampling_every(self) -> int:
+        """MomentumTrackingAdamW's ``second_moment_every`` (as :meth:`gossip.Pipeline.sampling_every`).
+
+        Returns:
+            ``second_moment_every`` with ``second_moment="sample"``, else 0.
+        """
+        return self.second_moment_every if self.second_moment == "sample" else 0
 
     def sample_dtype(self) -> torch.dtype | None:
         """The wrapper's ``mean_gradient_dtype``.

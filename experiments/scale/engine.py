@@ -165,7 +165,9 @@ class Engine:
         groups = param_groups(self.replicas, config.weight_decay)
         adam = {"lr": config.lr, "betas": (config.beta1, config.beta2), "eps": 1e-8}
         if config.optimizer == "momentum-tracking":
-            self.optimizer = optim.MomentumTrackingAdamW(groups, **adam, second_moment_every=config.second_moment_every)
+            self.optimizer = optim.MomentumTrackingAdamW(
+                groups, **adam, second_moment=config.second_moment, second_moment_every=config.sampling_every()
+            )
         else:
             self.optimizer = optim.AccumAdamW(groups, **adam, accum_iter=1)
         self.mean_gradient = MeanGradient(config.mean_gradient, self.schedule, self.replicas, config.sample_dtype())

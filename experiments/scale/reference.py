@@ -36,6 +36,7 @@ def _wrap(config: EngineConfig, module: torch.nn.Module, comm: gossip.Communicat
             power_iterations=config.iterations,
             message_dtype=getattr(torch, config.message_dtype) if config.message_dtype else None,
             tracker_hops=config.tracker_hops,
+            second_moment=config.second_moment,
             second_moment_every=config.second_moment_every,
             mean_gradient=config.mean_gradient,
             mean_gradient_dtype=config.sample_dtype(),
@@ -56,8 +57,10 @@ def _wrap(config: EngineConfig, module: torch.nn.Module, comm: gossip.Communicat
     )
     groups = optim.param_groups(module, config.weight_decay)
     if config.optimizer == "momentum-tracking":
-        every = config.second_moment_every
-        return wrapped, optim.MomentumTrackingAdamW(groups, **adam, eps=1e-8, second_moment_every=every)
+        every, second = config.sampling_every(), config.second_moment
+        return wrapped, optim.MomentumTrackingAdamW(
+            groups, **adam, eps=1e-8, second_moment=second, second_moment_every=every
+        )
     return wrapped, optim.AccumAdamW(groups, **adam, eps=1e-8, accum_iter=1)
 
 

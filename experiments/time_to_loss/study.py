@@ -159,14 +159,17 @@ def _momentum_tracking(
 ) -> Method:
     """``algorithm`` for the parameters, gradient trackers carrying the optimizer's first moment, mixed exactly or
     by ``trackers`` (``--gradient-tracking``: ``sign`` for ``gossip.ChocoSign``'s scaled signs), and the mean
-    gradient's second moment sampled every ``every`` steps (``optim.MomentumTrackingAdamW``; the learning-per-step
-    study's ``*-mt-sharedv32`` and ``*-mtsign4-c256-sharedv64``), averaged as ``mean_gradient`` says (an all-reduce
-    until issue 59, gossip in the main job's defaults since), a gossiped sample's hops in ``sample_dtype`` (``""``:
-    the main job's default), the trackers mixed ``hops`` times a step (``--tracker-hops``)."""
+    gradient's second moment (``optim.MomentumTrackingAdamW``) sampled every ``every`` steps (the learning-per-step
+    study's ``*-mt-sharedv32`` and ``*-mtsign4-c256-sharedv64``), averaged as ``mean_gradient`` says, a gossiped
+    sample's hops in ``sample_dtype`` (``""``: the main job's default), or with ``every = 0`` read off the trackers
+    (``--second-moment tracker``); the trackers mixed ``hops`` times a step (``--tracker-hops``)."""
     options = [*algorithm, "--gradient-tracking", trackers, "--optimizer", "momentum-tracking-adamw"]
     options += ["--tracker-hops", str(hops)]
     label += f", {'exact' if trackers == 'exact' else trackers + '-compressed'} momentum trackers"
     label += f" ({hops} hops a step)" if hops > 1 else ""
+    if not every:
+        label += ", the mean gradient's second moment from the trackers"
+        return Method(name, label, _gossip_train(*options, "--second-moment", "tracker"))
     label += ", the mean"
     label += f" gradient's second moment every {every} steps by {mean_gradient}"
     options += ["--second-moment-every", str(every), "--mean-gradient", mean_gradient]
@@ -278,7 +281,24 @@ METHODS = {
             trackers="sign",
             every=64,
         ),
-        # the default pipeline from 9 to 16 workers (gossip.Pipeline): the mean gradient by gossip, three tracker hops
+        # the default pipeline up to 8 workers (gossip.Pipeline): the second moment from the trackers, one hop
+        _momentum_tracking(
+            "pg4-it2-fp16-mtsign-trackv-adamw",
+            "PowerGossip r=4, 2 iterations, float16 messages",
+            *powergossip(4, 2, "float16"),
+            trackers="sign",
+            every=0,
+        ),
+        # the default pipeline from 9 to 16 workers: the same with three tracker hops
+        _momentum_tracking(
+            "pg4-it2-fp16-mtsign3-trackv-adamw",
+            "PowerGossip r=4, 2 iterations, float16 messages",
+            *powergossip(4, 2, "float16"),
+            trackers="sign",
+            every=0,
+            hops=3,
+        ),
+        # with the mean gradient's second moment sampled every 64 steps by gossip, three tracker hops
         _momentum_tracking(
             "pg4-it2-fp16-mtsign3-gossipv-adamw",
             "PowerGossip r=4, 2 iterations, float16 messages",
@@ -298,7 +318,7 @@ METHODS = {
             mean_gradient="gossip",
             hops=2,
         ),
-        # the main job's defaults since issue 59 at up to 8 workers: the same with one tracker hop a step
+        # the same with one tracker hop a step
         _momentum_tracking(
             "pg4-it2-fp16-mtsign-gossipv-adamw",
             "PowerGossip r=4, 2 iterations, float16 messages",

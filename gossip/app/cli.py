@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import gossip
+import optim
 import topologies
 from gossip.app.arg_types import int_at_least, positive
 from gossip.app.local_launch import ERROR_DIR_VARIABLE, launch_local, worker_argv
@@ -221,11 +222,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     training.add_argument("--accum-iter", type=positive(int), default=None, help="default: max(1, workers // 4)")
     training.add_argument(
+        "--second-moment",
+        choices=optim.SECOND_MOMENTS,
+        default=None,
+        help="momentum-tracking-adamw: where its second moment comes from: tracker (the mean gradient's, read off "
+        "the trackers every step; no message) or sample (samples of the mean gradient every "
+        f"--second-moment-every steps); default: {DEFAULTS.second_moment} (sample when --second-moment-every is "
+        "given)",
+    )
+    training.add_argument(
         "--second-moment-every",
         type=int_at_least(0),
-        default=defaults.second_moment_every,
-        help="momentum-tracking-adamw: steps between two samples of the mean gradient's second moment; 0 keeps "
-        f"each worker's own; default: {defaults.second_moment_every}",
+        default=None,
+        help="momentum-tracking-adamw with --second-moment sample: steps between two samples of the mean "
+        f"gradient's second moment; 0 keeps each worker's own; default: {DEFAULTS.second_moment_every}",
     )
     training.add_argument(
         "--mean-gradient",
@@ -281,6 +291,7 @@ def config_from(args: argparse.Namespace) -> TrainConfig:
         weight_decay=args.weight_decay,
         optimizer=args.optimizer,
         accum_iter=args.accum_iter,
+        second_moment=args.second_moment,
         second_moment_every=args.second_moment_every,
         mean_gradient=args.mean_gradient,
         mean_gradient_dtype=args.mean_gradient_dtype,

@@ -223,7 +223,9 @@ def describe_mixing(config: Any) -> str:
         if getattr(config, "optimizer", None) == "momentum-tracking-adamw":
             mixing += f", {kind} trackers of the first moments{overlapped}"
             every = getattr(config, "second_moment_every", 0)
-            if every:
+            if getattr(config, "second_moment", None) == "tracker":
+                mixing += ", the mean gradient's second moment from the trackers"
+            elif every:
                 how = getattr(config, "mean_gradient", None) or "gossip"
                 mixing += f", the mean gradient's second moment every {every} steps by {how}"
         else:

@@ -70,7 +70,7 @@ class MixingDefaults:
 
     They are :class:`gossip.Pipeline`'s (``gossip.wrap``): PowerGossip for the parameters, the first moments tracked
     by sign-compressed trackers (:class:`gossip.ChocoSign`), :class:`optim.MomentumTrackingAdamW` dividing by the
-    mean gradient's second moment, sampled every ``second_moment_every`` steps and averaged by gossip; no outer step.
+    mean gradient's second moment read off the trackers every step; no outer step.
     :func:`resolve` fills them in where unset. ``optimizer`` and ``gradient_tracking`` apply to the gossip algorithms
     (exact gossip, PowerGossip) when neither an outer step nor a periodic average is asked for; DDP, DiLoCo and the
     hybrids (``--outer-every``) step with AdamW. The previous defaults, PowerGossip with an exact average of the
@@ -88,7 +88,8 @@ class MixingDefaults:
         outer_momentum: a hybrid's outer Nesterov momentum.
         optimizer: the local optimizer of the gossip algorithms.
         gradient_tracking: how the trackers are mixed (with ``optimizer``).
-        second_moment_every: the steps between two samples of the mean gradient's second moment.
+        second_moment: where the second moment comes from: ``"tracker"`` or ``"sample"``.
+        second_moment_every: with ``"sample"``, the steps between two samples of the mean gradient.
         mean_gradient: how the sample is averaged.
         mean_gradient_dtype: the dtype a gossiped sample travels in.
         lr: the peak learning rate.
@@ -104,6 +105,7 @@ class MixingDefaults:
     outer_momentum: float = 0.0
     optimizer: str = "momentum-tracking-adamw"
     gradient_tracking: str = PIPELINE.trackers
+    second_moment: str = PIPELINE.second_moment
     second_moment_every: int = PIPELINE.second_moment_every
     mean_gradient: str = PIPELINE.mean_gradient
     mean_gradient_dtype: str = str(PIPELINE.mean_gradient_dtype).removeprefix("torch.")
@@ -130,8 +132,11 @@ class TrainConfig:
         optimizer: the local optimizer, one of :data:`OPTIMIZERS` (None: :data:`DEFAULTS`' for exact gossip and
             PowerGossip without an outer step or a periodic average, else ``adamw``).
         accum_iter: AccumAdamW's accumulation (None: max(1, n // 4)).
-        second_moment_every: MomentumTrackingAdamW's steps between two samples of the mean gradient's second
-            moment (0: each rank's own second moment).
+        second_moment: MomentumTrackingAdamW's second moment, ``"tracker"`` (the mean gradient's, read off the
+            trackers every step) or ``"sample"`` (from samples of the mean gradient); None: ``"sample"`` where
+            ``second_moment_every`` is given, else :data:`DEFAULTS`'.
+        second_moment_every: with ``"sample"``, the steps between two samples of the mean gradient's second
+            moment (0: each rank's own second moment; None: :data:`DEFAULTS`'; 0 with ``"tracker"``).
         mean_gradient: how that sample is averaged: ``"gossip"`` over the schedule or ``"allreduce"`` (None:
             :data:`DEFAULTS`'; the wrapper's ``mean_gradient``).
         mean_gradient_dtype: the dtype a gossiped sample travels in, one of :data:`MESSAGE_DTYPES` (None:
@@ -186,7 +191,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     optimizer: str | None = None
     accum_iter: int | None = None
-    second_moment_every: int = DEFAULTS.second_moment_every
+    second_moment: str | None = None
+    second_moment_every: int | None = None
     mean_gradient: str | None = None
     mean_gradient_dtype: str | None = None
     algorithm: str = DEFAULTS.algorithm
@@ -394,6 +400,7 @@ def _resolve_pipeline(config: TrainConfig, resolved: TrainConfig) -> None:
             )
     else:
         resolved.mean_gradient = DEFAULTS.mean_gradient
+    _resolve_second_moment(config, resolved)
     if config.mean_gradient_dtype is None:
         resolved.mean_gradient_dtype = DEFAULTS.mean_gradient_dtype
         return
@@ -407,6 +414,41 @@ def _resolve_pipeline(config: TrainConfig, resolved: TrainConfig) -> None:
             f"applies to a gossiped sample (--optimizer {MOMENTUM_TRACKING} --mean-gradient gossip) only, not "
             f"--optimizer {resolved.optimizer} --mean-gradient {resolved.mean_gradient}",
         )
+
+
+def _resolve_second_moment(config: TrainConfig, resolved: TrainConfig) -> None:
+    """``second_moment`` and ``second_moment_every`` where unset: ``"sample"`` where ``--second-moment-every`` is
+    given, else :data:`DEFAULTS`'; every :data:`DEFAULTS`' with ``"sample"``, 0 with ``"tracker"``.
+
+    Args:
+        config: the config as given.
+        resolved: its copy being resolved, changed in place.
+
+    Raises:
+        ConfigError: ``--second-moment`` unknown or given for another optimizer, or ``"tracker"`` with
+            ``--second-moment-every`` above 0.
+    """
+    every = config.second_moment_every
+    if config.second_moment is not None and resolved.optimizer != MOMENTUM_TRACKING:
+        raise ConfigError(
+            "--second-moment", f"applies to --optimizer {MOMENTUM_TRACKING} only, not {resolved.optimizer}"
+        )
+    if config.second_moment is None:
+        resolved.second_moment = DEFAULTS.second_moment if every is None else "sample"
+    elif config.second_moment not in optim.SECOND_MOMENTS:
+        raise ConfigError(
+            "--second-moment", f"unknown {config.second_moment!r}; choose one of {list(optim.SECOND_MOMENTS)}"
+        )
+    if resolved.second_moment == "tracker":
+        if every:
+            raise ConfigError(
+                "--second-moment-every",
+                f"samples the mean gradient: with --second-moment tracker there is nothing to sample; add "
+                f"--second-moment sample, or leave --second-moment-every {every} out",
+            )
+        resolved.second_moment_every = 0
+    elif every is None:
+        resolved.second_moment_every = DEFAULTS.second_moment_every
 
 
 def sample_dtype(config: TrainConfig) -> torch.dtype | None:
@@ -621,7 +663,7 @@ def make_optimizer(config: TrainConfig, module: torch.nn.Module) -> torch.optim.
 
     ``adamw`` is :class:`torch.optim.AdamW` and ``accum-adamw`` :class:`optim.AccumAdamW` with ``accum_iter``
     (its moments advance once per ``accum_iter`` steps; with 1 it is AdamW's update rule), and
-    ``momentum-tracking-adamw`` :class:`optim.MomentumTrackingAdamW` with ``second_moment_every`` (its first
+    ``momentum-tracking-adamw`` :class:`optim.MomentumTrackingAdamW` with ``second_moment`` (its first
     moment goes through the wrapper's gradient trackers), all with betas (0.9, 0.95) and eps 1e-8; ``sgd`` is SGD
     with Nesterov momentum 0.9.
 
@@ -639,8 +681,9 @@ def make_optimizer(config: TrainConfig, module: torch.nn.Module) -> torch.optim.
         return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8)
     if config.optimizer == MOMENTUM_TRACKING:
         return optim.MomentumTrackingAdamW(
-            groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, second_moment_every=config.second_moment_every
-        )
+            groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, second_moment=config.second_moment,
+            second_moment_every=config.second_moment_every,
+        )  # fmt: skip
     return optim.AccumAdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, accum_iter=config.accum_iter)
 
 

@@ -123,7 +123,7 @@ def adopt_adam(optimizer: torch.optim.Optimizer, pipeline: Pipeline, schedulers:
 
     Args:
         optimizer: what ``configure_optimizers`` returned, before its first step.
-        pipeline: the pipeline whose ``second_moment_every`` the new optimizer samples with.
+        pipeline: the pipeline whose optimizer settings (its ``second_moment``) the new optimizer takes.
         schedulers: Lightning's scheduler configs (``.scheduler.optimizer`` is re-pointed where it is ``optimizer``).
 
     Returns:

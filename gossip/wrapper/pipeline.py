@@ -11,14 +11,17 @@ r"""The default pipeline in one call: pure gossip that learns like DDP, no colle
   TMLR 2023) by :class:`gossip.ChocoSign`, CHOCO-Gossip with scaled-sign messages of 3 bits a value; above 8 ranks
   k = ceil(log2(n) / 2) + 1 times a step, over the schedule's W(kt), ..., W(kt + k - 1) (``tracker_hops``,
   :func:`default_tracker_hops`, :mod:`gossip.wrapper.tracking`);
-* the optimizer: :class:`optim.MomentumTrackingAdamW`, dividing by the mean gradient's second moment sampled every
-  64 steps and averaged by gossip over the schedule, its hops in bfloat16 (``mean_gradient="gossip"``,
-  :mod:`gossip.wrapper.mean_gradient`), with decoupled weight decay on matrices only
-  (:func:`optim.param_groups`).
+* the optimizer: :class:`optim.MomentumTrackingAdamW`, dividing by the mean gradient's second moment read off each
+  rank's tracker every step (``second_moment="tracker"``: the tracker's mean is the mean first moment, whose EMA
+  recursion gives back the mean gradient; ``optim/momentum_tracking.py``), with decoupled weight decay on matrices
+  only (:func:`optim.param_groups`). ``second_moment="sample"`` samples the mean gradient every
+  ``second_moment_every`` steps instead, averaged by gossip over the schedule (``mean_gradient="gossip"``,
+  :mod:`gossip.wrapper.mean_gradient`).
 
-Each step then sends point-to-point messages to the schedule's peers only: W(t)'s for the parameters' products, the
-trackers' signs (W(kt)'s to W(kt + k - 1)'s with k hops) and, every 64 steps, the log2(n) hops of one gradient
-sample; and over the first steps the peers' comparison of settings (:mod:`gossip.wrapper.peer_agreement`). Why
+Each step then sends point-to-point messages to the schedule's peers only: W(t)'s for the parameters' products and
+the trackers' signs (W(kt)'s to W(kt + k - 1)'s with k hops); and over the first steps the peers' comparison of
+settings (:mod:`gossip.wrapper.peer_agreement`). With samples, every ``second_moment_every`` steps also the
+log2(n) hops of one gradient sample. Why
 these choices, and what they reach against DDP and DiLoCo: docs/results.md. Any part can be changed
 (``Pipeline(rank=8).wrap(...)``), and the parts stay available to assemble by hand (README, "Use it in your own
 loop").
@@ -102,8 +105,10 @@ class Pipeline:
             ``"powergossip"`` (the wrapper's ``gradient_tracking``).
         tracker_hops: the trackers' exchanges a step (the wrapper's ``tracker_hops``); None picks
             :func:`default_tracker_hops`.
-        second_moment_every: steps between two samples of the mean gradient's second moment.
-        mean_gradient: how the sample is averaged: ``"gossip"`` over the schedule, or ``"allreduce"``.
+        second_moment: where the optimizer's second moment comes from: ``"tracker"`` (every step, no message) or
+            ``"sample"`` (:data:`optim.SECOND_MOMENTS`).
+        second_moment_every: with ``"sample"``, steps between two samples of the mean gradient's second moment.
+        mean_gradient: how a sample is averaged: ``"gossip"`` over the schedule, or ``"allreduce"``.
         mean_gradient_dtype: the dtype the gossiped sample travels in (None: the gradients').
         schedule: the schedule's name (:func:`topologies.by_name`); None picks :func:`default_schedule`.
     """
@@ -113,6 +118,7 @@ class Pipeline:
     message_dtype: torch.dtype | None = torch.float16
     trackers: str = "sign"
     tracker_hops: int | None = None
+    second_moment: str = "tracker"
     second_moment_every: int = 64
     mean_gradient: str = "gossip"
     mean_gradient_dtype: torch.dtype | None = torch.bfloat16
@@ -126,6 +132,10 @@ class Pipeline:
                 f"Pipeline: mean_gradient must be one of {MEAN_GRADIENT_SOURCES}, got {self.mean_gradient!r}"
             )
         check_mean_gradient_dtype("Pipeline", self.mean_gradient_dtype)
+        if self.second_moment not in optim.SECOND_MOMENTS:
+            raise InvalidArgumentError(
+                f"Pipeline: second_moment must be one of {optim.SECOND_MOMENTS}, got {self.second_moment!r}"
+            )
         if self.tracker_hops is not None:
             check_tracker_hops(self.tracker_hops, "Pipeline")
 
@@ -208,12 +218,21 @@ class Pipeline:
             eps: added to the denominator.
 
         Returns:
-            :class:`optim.MomentumTrackingAdamW` sampling every ``second_moment_every`` steps.
+            :class:`optim.MomentumTrackingAdamW` with this pipeline's ``second_moment`` (sampling every
+                ``second_moment_every`` steps with ``"sample"``).
         """
         return optim.MomentumTrackingAdamW(
-            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-            second_moment_every=self.second_moment_every,
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, second_moment=self.second_moment,
+            second_moment_every=self.sampling_every(),
         )  # fmt: skip
+
+    def sampling_every(self) -> int:
+        """The optimizer's ``second_moment_every``.
+
+        Returns:
+            ``second_moment_every`` with ``second_moment="sample"``, else 0 (no samples).
+        """
+        return self.second_moment_every if self.second_moment == "sample" else 0
 
     def wrap(
         self,

@@ -66,11 +66,14 @@ def step_peers(schedule: Any, rank: int, step: int, hops: int) -> set[int]:
     return {peer for view in views for peer, _ in (*view.in_peers, *view.out_peers)}
 
 
-def default_pipeline_run(comm: gossip.Communicator, mean_gradient: str = "gossip") -> dict[str, Any]:
-    """``STEPS`` steps of the default pipeline (``gossip.wrap``) on the MLP; what the training issued."""
+def default_pipeline_run(
+    comm: gossip.Communicator, mean_gradient: str = "gossip", second_moment: str = "tracker"
+) -> dict[str, Any]:
+    """``STEPS`` steps of the default pipeline (``gossip.wrap``) on the MLP, its second moment read off the
+    trackers or (``second_moment="sample"``) sampled every 64 steps; what the training issued."""
     recorder = Recorder()
     record(comm, recorder)
-    pipeline = gossip.Pipeline(rank=2, mean_gradient=mean_gradient)
+    pipeline = gossip.Pipeline(rank=2, mean_gradient=mean_gradient, second_moment=second_moment)
     model, optimizer = gossip.wrap(make_mlp(comm.rank), comm, lr=1e-2, pipeline=pipeline)
     recorder.model = model
     losses = []
@@ -109,4 +112,4 @@ def default_pipeline_run(comm: gossip.Communicator, mean_gradient: str = "gossip
 
 def run_all(comm: gossip.Communicator) -> dict[str, Any]:
     torch.manual_seed(0)
-    return {"gossip": default_pipeline_run(comm)}
+    return {"gossip": default_pipeline_run(comm), "sampled": default_pipeline_run(comm, second_moment="sample")}
