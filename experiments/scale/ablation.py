@@ -128,6 +128,7 @@ ARMS: dict[str, dict[str, object]] = {
     "tracker-3hops-tracked-v": {"tracker_hops": 3, "second_moment_every": 0},
     "tracker-4hops-tracked-v": {"tracker_hops": 4, "second_moment_every": 0},
     "tracker-3hops-tracked-v-nofloor": {"tracker_hops": 3, "second_moment_every": 0},
+    "tracker-v": {"second_moment": "tracker"},
     "tracker-4hops-tracked-v-nofloor": {"tracker_hops": 4, "second_moment_every": 0},
     "tracker-3hops-mean-floor": {"tracker_hops": 3},
     "tracker-3hops-sampled-floor": {"tracker_hops": 3},
