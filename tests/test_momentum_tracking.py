@@ -14,7 +14,12 @@ import pytest
 import torch
 from helpers.adam_reference import where_adams_m_squared_exceeds_v
 from helpers.parallel_scenarios import batch, checkpoint_resume, loss_of, make_mlp, wrap
-from helpers.tracking_scenarios import assert_trackers_sum_to_the_gradients, momentum_tracking_adamw, tracked_steps
+from helpers.tracking_scenarios import (
+    assert_trackers_sum_to_the_gradients,
+    momentum_tracking_adamw,
+    tracked_steps,
+    tracker_momentum_tracking_adamw,
+)
 
 import gossip
 import optim
@@ -320,14 +325,16 @@ def test_a_sample_due_before_the_last_one_is_averaged_is_refused_by_name():
                                   "second_moment_every to at least 3"), message  # fmt: skip
 
 
-def test_resume_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("factory", [momentum_tracking_adamw, tracker_momentum_tracking_adamw])
+def test_resume_is_bit_identical(tmp_path, factory):
+    """Sampled every 2 steps, or read off the tracker (its last tracker is state too)."""
     results = gossip.simulate(
         N,
         lambda comm: checkpoint_resume(
             comm,
             tmp_path / f"r{comm.rank}",
             gossip.PowerGossip,
-            optimizer_factory=momentum_tracking_adamw,
+            optimizer_factory=factory,
             gradient_tracking=True,
         ),
     )

@@ -1,15 +1,15 @@
 """MomentumTrackingAdamW's second moment from the tracker (``second_moment="tracker"``; optim/momentum_tracking.py):
 alone it is AdamW's; with trackers that hold the exact mean first moment it is DDP's second moment of the mean
-gradient, every step; it sends nothing of its own; the two kernels agree bit for bit; resume is bit-identical; the
-misuses are named."""
+gradient, every step; it sends nothing of its own; the two kernels agree bit for bit; the misuses are named (resume:
+tests/test_momentum_tracking.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from helpers.adam_reference import where_adams_m_squared_exceeds_v
-from helpers.parallel_scenarios import batch, checkpoint_resume, loss_of, make_mlp, wrap
-from helpers.tracking_scenarios import tracked_steps
+from helpers.parallel_scenarios import batch, loss_of, make_mlp, wrap
+from helpers.tracking_scenarios import tracked_steps, tracker_momentum_tracking_adamw
 
 import gossip
 import optim
@@ -19,8 +19,7 @@ N = 4
 BETAS = (0.9, 0.95)
 
 
-def _tracker_adamw(parameters, **kwargs) -> optim.MomentumTrackingAdamW:
-    return optim.MomentumTrackingAdamW(parameters, lr=1e-2, betas=BETAS, second_moment="tracker", **kwargs)
+_tracker_adamw = tracker_momentum_tracking_adamw
 
 
 def test_alone_it_is_adamw_but_where_adams_m_squared_exceeds_v():
@@ -161,19 +160,3 @@ def _bytes(comm, second_moment: str) -> list[int]:
 def test_it_sends_nothing_beyond_the_parameters_and_the_trackers():
     """The same bytes at every step as momentum tracking with each rank's own second moment (no samples)."""
     assert gossip.simulate(N, _bytes, "tracker") == gossip.simulate(N, _bytes, "own")
-
-
-def test_resume_is_bit_identical(tmp_path):
-    results = gossip.simulate(
-        N,
-        lambda comm: checkpoint_resume(
-            comm,
-            tmp_path / f"r{comm.rank}",
-            gossip.PowerGossip,
-            optimizer_factory=_tracker_adamw,
-            gradient_tracking=True,
-        ),
-    )
-    for rank, result in enumerate(results):
-        assert result["resumed_at"] == 3
-        assert torch.equal(result["resumed"], result["uninterrupted"]), f"rank {rank}"

@@ -102,6 +102,11 @@ def momentum_tracking_adamw(parameters: Any, every: int = 2) -> optim.MomentumTr
     return optim.MomentumTrackingAdamW(parameters, lr=1e-2, betas=(0.9, 0.95), second_moment_every=every)
 
 
+def tracker_momentum_tracking_adamw(parameters: Any, **kwargs: Any) -> optim.MomentumTrackingAdamW:
+    """Momentum tracking's optimizer with the second moment read off the tracker (``second_moment="tracker"``)."""
+    return optim.MomentumTrackingAdamW(parameters, lr=1e-2, betas=(0.9, 0.95), second_moment="tracker", **kwargs)
+
+
 def run_all(comm, directory: Path) -> dict[str, Any]:
     return {
         "exact": tracked_steps(comm, "exact"),
