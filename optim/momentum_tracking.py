@@ -297,21 +297,22 @@ class MomentumTrackingAdamW(Optimizer):
     def _advance_from_tracker(
         group: dict[str, Any], params: list[Tensor], states: list[dict[str, Any]], foreach: bool
     ) -> None:
-        r"""``second_moment="tracker"``: :math:`r_i = (z_i^t - \beta_1 z_i^{t-1}) / (1-\beta_1)`,
-        :math:`u_i \leftarrow \beta_2 u_i + (1-\beta_2)\, r_i^2`, then keep :math:`z_i^t` (module docstring); the
-        ``torch._foreach_*`` kernels run the same operations in the same order."""
+        r"""``second_moment="tracker"``: :math:`u_i \leftarrow \beta_2 u_i + (1-\beta_2)\, r_i^2` with
+        :math:`r_i = d_i / (1-\beta_1)`, :math:`d_i = z_i^t - \beta_1 z_i^{t-1}`, computed as
+        :math:`\beta_2 u_i + \frac{1-\beta_2}{(1-\beta_1)^2} d_i^2` (one pass fewer), then keep :math:`z_i^t`
+        (module docstring); the ``torch._foreach_*`` kernels run the same operations in the same order."""
         beta1, beta2 = group["betas"]
+        weight = (1 - beta2) / (1 - beta1) ** 2
         trackers, last, u = [p.grad for p in params], [st["last"] for st in states], [st["shared"] for st in states]
         if foreach:
-            mean_gradients = torch._foreach_add(trackers, last, alpha=-beta1)
-            torch._foreach_div_(mean_gradients, 1 - beta1)
+            changes = torch._foreach_add(trackers, last, alpha=-beta1)
             torch._foreach_mul_(u, beta2)
-            torch._foreach_addcmul_(u, mean_gradients, mean_gradients, value=1 - beta2)
+            torch._foreach_addcmul_(u, changes, changes, value=weight)
             torch._foreach_copy_(last, trackers)
             return
         for z, z_last, u_i in zip(trackers, last, u, strict=True):
-            mean_gradient = torch.add(z, z_last, alpha=-beta1).div_(1 - beta1)
-            u_i.mul_(beta2).addcmul_(mean_gradient, mean_gradient, value=1 - beta2)
+            change = torch.add(z, z_last, alpha=-beta1)
+            u_i.mul_(beta2).addcmul_(change, change, value=weight)
             z_last.copy_(z)
 
     def _foreach_update(self, group: dict[str, Any], params: list[Tensor], states: list[dict[str, Any]]) -> None:
