@@ -559,7 +559,8 @@ def diagnose(engine: Engine, sample: int = 1 << 20) -> dict[str, float]:
     floor :math:`\hat z_i^2 > \hat v_i` sets the step (a sign step of lr), ``noise_ratio`` the median over
     coordinates of :math:`|\hat z_i - \bar{\hat z}| / \sqrt{\hat v_i}` (the tracker's disagreement in units of
     the denominator), ``signal_ratio`` the median of :math:`|\bar{\hat z}| / \sqrt{\hat v_i}`, and
-    ``floor_active`` the fraction where the floor :math:`v_i / n` exceeds the mean gradient's sample.
+    ``floor_active`` the fraction where the floor :math:`v_i / n` exceeds the mean gradient's sample (0 for the
+    second moment read off the tracker, which has no such floor).
     Quantiles over a random subsample of ``sample`` coordinates. Empty for other optimizers.
 
     Args:
@@ -578,10 +579,13 @@ def diagnose(engine: Engine, sample: int = 1 << 20) -> dict[str, float]:
         for p, st in zip(params, states, strict=True):
             first = p.grad / (1 - beta1 ** st["step"])
             second = opt.second_moment(group, st)
-            local = st["v"] / (1 - beta2 ** st["step"]) / group["workers"]
             firsts.append(first.reshape(first.shape[0], -1))
             seconds.append(second.reshape(first.shape[0], -1))
-            floors.append((local >= second).reshape(first.shape[0], -1))
+            if "v" in st:  # the floor v_i / n of a sampled second moment
+                local = st["v"] / (1 - beta2 ** st["step"]) / group["workers"]
+                floors.append((local >= second).reshape(first.shape[0], -1))
+            else:
+                floors.append(torch.zeros_like(firsts[-1], dtype=torch.bool))
     first, second, floor = torch.cat(firsts, 1), torch.cat(seconds, 1), torch.cat(floors, 1)
     root = second.sqrt().clamp_min(1e-30)
     noise = ((first - first.mean(0)) / root).abs().flatten()
@@ -591,7 +595,7 @@ def diagnose(engine: Engine, sample: int = 1 << 20) -> dict[str, float]:
         "clipped": float((first.square() > second).float().mean()),
         "noise_ratio": float(noise[pick].median()),
         "signal_ratio": float(signal[pick].median()),
-        "floor_active": float(floor.float().mean()) if opt.second_moment_every else 1.0,
+        "floor_active": float(floor.float().mean()) if opt.second_moment_every or opt.tracks_second_moment else 1.0,
     }
 
 
