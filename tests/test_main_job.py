@@ -67,17 +67,17 @@ def test_consensus_is_estimated_with_each_evaluation_not_each_progress_update(ti
 
 
 @pytest.mark.multiprocess
-def test_the_defaults_send_the_same_light_step_every_step(tiny_run):
+def test_the_defaults_send_the_same_light_step_but_half_a_model_more_for_the_gossiped_mean_gradient(tiny_run):
     """PowerGossip's products and the sign trackers' one message every step at 2 workers (3 bits a value and four
-    float32 scales per 256 values), no collective and no sample of the mean gradient (its second moment comes from
-    the trackers); the optimizers' comparison beside them."""
+    float32 scales per 256 values), no collective; the mean gradient's sample of step 0 gossiped at step 1 (one hop
+    on 2 workers: one more model, in bfloat16); the optimizers' comparison beside them."""
     numel = GPT(GPTConfig()).num_parameters()
     model_bytes = 4 * numel
     compared = comparison_bytes("one_peer_hypercube", 2, 0, STEPS)
     sent = [int(row["bytes_sent"]) - c for row, c in zip(metrics_rows(tiny_run[1]), compared, strict=True)]
     trackers = message_bytes(numel, 256, 4)  # at least: each bucket rounds up on its own
     assert trackers < sent[0] < trackers + model_bytes / 8
-    assert sent == [sent[0]] * STEPS
+    assert sent == [sent[0] + (model_bytes // 2 if step == 1 else 0) for step in range(STEPS)]
 
 
 @pytest.mark.multiprocess

@@ -119,8 +119,8 @@ def test_momentum_tracking_is_an_optimizer_that_needs_the_trackers():
     resolved, _ = resolve(config, 2)
     assert (resolved.optimizer, resolved.second_moment, resolved.second_moment_every) == (
         "momentum-tracking-adamw",
-        "tracker",
-        0,
+        "sample",
+        64,
     )
     own, _ = resolve(config_from(parser.parse_args(["--second-moment-every", "0"])), 2)
     assert (own.second_moment, own.second_moment_every) == ("sample", 0)

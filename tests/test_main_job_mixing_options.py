@@ -23,21 +23,20 @@ def test_average_every_and_power_iterations_reach_the_config_and_its_json():
 
 #: the fields of DEFAULTS that apply to a hybrid's outer step only: the defaults take none (``outer_every`` 0)
 HYBRID_FIELDS = ("outer_lr", "outer_momentum")
-#: the field of DEFAULTS that applies to a sampled second moment only: the defaults read it off the trackers
-SAMPLE_FIELDS = ("second_moment_every",)
 
 
 def test_the_command_line_defaults_follow_the_one_place_that_sets_them():
     config, _ = resolve(config_from(build_parser().parse_args([])), 4)
     for field in dataclasses.fields(DEFAULTS):
-        if field.name not in HYBRID_FIELDS + SAMPLE_FIELDS:
+        if field.name not in HYBRID_FIELDS:
             assert getattr(config, field.name) == getattr(DEFAULTS, field.name), field.name
-    assert DEFAULTS.second_moment == "tracker" and config.second_moment_every == 0  # nothing to sample
     wrapped = isinstance(make_algorithm(config), gossip.PeriodicAverage)
     assert wrapped == (DEFAULTS.average_every > 0)
 
 
-def test_a_sampled_second_moment_takes_the_one_place_that_sets_its_interval():
+def test_the_second_moment_options_resolve_to_a_source_and_its_interval():
+    config, _ = resolve(config_from(build_parser().parse_args(["--second-moment", "tracker"])), 4)
+    assert (config.second_moment, config.second_moment_every) == ("tracker", 0)
     config, _ = resolve(config_from(build_parser().parse_args(["--second-moment", "sample"])), 4)
     assert (config.second_moment, config.second_moment_every) == ("sample", DEFAULTS.second_moment_every)
     config, _ = resolve(config_from(build_parser().parse_args(["--second-moment-every", "16"])), 4)

@@ -5,10 +5,10 @@ The engine is a second implementation of a gossip step, so it is held to the fir
 ``gossip.DecentralizedDataParallel``, or ``gossip.Pipeline`` for the default pipeline) and by
 :class:`experiments.scale.engine.Engine` (one ``(n, P)`` buffer) must give every rank the same parameters after every
 step, at n = 8 and 16, for exact gossip, PowerGossip (rank 4, 2 power iterations, float16 messages), exact
-trackers, AdamW, DDP, and the default pipeline (PowerGossip, sign trackers, momentum tracking with the second moment
-read off the trackers; its trackers mixed once a step at n = 8 and three times at 16), the same with the gossiped
-mean gradient's second moment sampled every 4 steps (so that 12 steps see three samples), and that with its trackers
-mixed twice at both n (``pipeline-two-hops``); and on schedules with several peers (ring), idle
+trackers, AdamW, DDP, and the default pipeline (PowerGossip, sign trackers, momentum tracking with the gossiped mean
+gradient's second moment, sampled every 4 steps here so that 12 steps see three samples; its trackers mixed once a
+step at n = 8 and three times at 16), that with its trackers mixed twice at both n (``pipeline-two-hops``), and with
+the second moment read off the trackers (``pipeline-tracker``); and on schedules with several peers (ring), idle
 ranks and unequal weights (the Base-2 graph at n = 12) and random matchings.
 
 Tolerance: ``atol = 1e-6`` on parameters of order 1 (rtol 0), over 12 steps; on this machine every difference is
@@ -55,8 +55,8 @@ ARMS = {
     "exact-adamw": {"params": "exact", "trackers": "", "optimizer": "adamw"},
     "powergossip-adamw": {"params": "powergossip", "trackers": "", "optimizer": "adamw"},
     "exact-trackers-adamw": {"params": "exact", "trackers": "exact", "optimizer": "adamw"},
-    "pipeline": {},  # gossip.Pipeline(): the second moment read off the trackers
-    "pipeline-sampled": {"second_moment": "sample", "second_moment_every": 4},  # sampled every 4 steps
+    "pipeline": {"second_moment_every": 4},  # gossip.Pipeline()'s parts, the second moment sampled every 4 steps
+    "pipeline-tracker": {"second_moment": "tracker"},  # the second moment read off the trackers
     "pipeline-two-hops": {"second_moment": "sample", "second_moment_every": 4, "tracker_hops": 2},
     "ddp": {"params": "ddp", "trackers": "", "optimizer": "adamw"},
 }
@@ -136,7 +136,7 @@ def test_the_engines_default_arm_is_the_librarys_default_pipeline():
     )
     assert default.optimizer == "momentum-tracking"
     assert (default.second_moment, default.sampling_every()) == (pipeline.second_moment, pipeline.sampling_every())
-    assert default.second_moment == "tracker"  # the mean gradient's second moment from the trackers: no sample
+    assert default.second_moment == "sample"  # the mean gradient's second moment sampled and gossiped
     assert (default.mean_gradient, default.second_moment_every) == (
         pipeline.mean_gradient,
         pipeline.second_moment_every,
@@ -145,7 +145,7 @@ def test_the_engines_default_arm_is_the_librarys_default_pipeline():
     assert default.build_schedule().name == gossip.default_schedule(default.workers)
     pipelines = [c for c in sweep("strong") + sweep("weak") + sweep("topology") if "-pipeline" in c.name]
     assert len(pipelines) == 16
-    assert all((c.second_moment, c.trackers) == ("tracker", "sign") for c in pipelines)
+    assert all((c.mean_gradient, c.sampling_every(), c.trackers) == ("gossip", 64, "sign") for c in pipelines)
 
 
 def test_the_sweeps_hold_what_they_vary_fixed_and_share_their_runs():

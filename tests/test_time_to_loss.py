@@ -157,7 +157,7 @@ def test_the_gossiped_sample_and_its_float32_twin_differ_only_in_the_samples_dty
     assert {key for key in default if default[key] != twin[key]} == {"mean_gradient_dtype"}
 
 
-def test_the_one_and_three_hop_tracker_methods_are_the_main_jobs_default_at_8_and_at_16_workers():
+def test_the_one_and_three_hop_methods_are_the_main_jobs_default_at_8_and_at_16_workers():
     from gossip.app.cli import build_parser, config_from
     from gossip.app.train import resolve
 
@@ -166,7 +166,7 @@ def test_the_one_and_three_hop_tracker_methods_are_the_main_jobs_default_at_8_an
 
     mixing = ("algorithm", "rank", "power_iterations", "message_dtype", "gradient_tracking", "tracker_hops",
               "optimizer", "second_moment", "second_moment_every", "mean_gradient", "mean_gradient_dtype")  # fmt: skip
-    for method, n, hops in (("pg4-it2-fp16-mtsign-trackv-adamw", 8, 1), ("pg4-it2-fp16-mtsign3-trackv-adamw", 16, 3)):
+    for method, n, hops in (("pg4-it2-fp16-mtsign-gossipv-adamw", 8, 1), ("pg4-it2-fp16-mtsign3-gossipv-adamw", 16, 3)):
         argv = METHODS[method].argv(300, 8, "out", 0)
         given = resolved(argv[3:], n)
         plain = resolved(argv[argv.index("--steps") :], n)  # the run's length, batch, seed and out only: the defaults

@@ -90,7 +90,7 @@ class EngineConfig:
     sign_levels: int = 4
     tracker_hops: int | None = None
     optimizer: str = "momentum-tracking"
-    second_moment: str = "tracker"
+    second_moment: str = "sample"
     second_moment_every: int = 64
     mean_gradient: str = "gossip"
     mean_gradient_dtype: str = "bfloat16"

@@ -281,7 +281,7 @@ METHODS = {
             trackers="sign",
             every=64,
         ),
-        # the default pipeline up to 8 workers (gossip.Pipeline): the second moment from the trackers, one hop
+        # the default pipeline with the second moment read off the trackers (--second-moment tracker), one hop
         _momentum_tracking(
             "pg4-it2-fp16-mtsign-trackv-adamw",
             "PowerGossip r=4, 2 iterations, float16 messages",
@@ -289,7 +289,7 @@ METHODS = {
             trackers="sign",
             every=0,
         ),
-        # the default pipeline from 9 to 16 workers: the same with three tracker hops
+        # the same with three tracker hops
         _momentum_tracking(
             "pg4-it2-fp16-mtsign3-trackv-adamw",
             "PowerGossip r=4, 2 iterations, float16 messages",
@@ -298,7 +298,7 @@ METHODS = {
             every=0,
             hops=3,
         ),
-        # with the mean gradient's second moment sampled every 64 steps by gossip, three tracker hops
+        # the default pipeline from 9 to 16 workers (gossip.Pipeline): the mean gradient by gossip, three tracker hops
         _momentum_tracking(
             "pg4-it2-fp16-mtsign3-gossipv-adamw",
             "PowerGossip r=4, 2 iterations, float16 messages",
@@ -318,7 +318,7 @@ METHODS = {
             mean_gradient="gossip",
             hops=2,
         ),
-        # the same with one tracker hop a step
+        # the main job's defaults since issue 59 at up to 8 workers: the same with one tracker hop a step
         _momentum_tracking(
             "pg4-it2-fp16-mtsign-gossipv-adamw",
             "PowerGossip r=4, 2 iterations, float16 messages",

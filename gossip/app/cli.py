@@ -13,7 +13,7 @@ Defaults (:data:`gossip.app.train.DEFAULTS`, the library's default pipeline, :cl
 at rank 4 with 2 power iterations per step and its products in float16 on one_peer_hypercube (base_graph when the
 number of workers is not a power of two: one peer a step, exact after one period), each worker's first moment
 tracked by sign-compressed trackers (:class:`gossip.ChocoSign`) and :class:`optim.MomentumTrackingAdamW` dividing by
-the mean gradient's second moment, read off the trackers every step; no collective between the first
+the mean gradient's second moment, sampled every 64 steps and averaged by gossip; no collective between the first
 step and the end but the evaluations (``--eval-every``). 500 steps of 16 x 64 bytes per worker, lr 3e-3 with warmup
 and cosine decay. What it reaches against DDP and DiLoCo: docs/results.md. The previous defaults, PowerGossip with an
 exact average of the replicas every 10 steps and AdamW, are ``--optimizer adamw --outer-every 10``;
@@ -227,8 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="momentum-tracking-adamw: where its second moment comes from: tracker (the mean gradient's, read off "
         "the trackers every step; no message) or sample (samples of the mean gradient every "
-        f"--second-moment-every steps); default: {DEFAULTS.second_moment} (sample when --second-moment-every is "
-        "given)",
+        f"--second-moment-every steps); default: {DEFAULTS.second_moment}; --second-moment-every implies sample",
     )
     training.add_argument(
         "--second-moment-every",

@@ -70,7 +70,8 @@ class MixingDefaults:
 
     They are :class:`gossip.Pipeline`'s (``gossip.wrap``): PowerGossip for the parameters, the first moments tracked
     by sign-compressed trackers (:class:`gossip.ChocoSign`), :class:`optim.MomentumTrackingAdamW` dividing by the
-    mean gradient's second moment read off the trackers every step; no outer step.
+    mean gradient's second moment, sampled every ``second_moment_every`` steps and averaged by gossip (or, with
+    ``--second-moment tracker``, read off the trackers every step); no outer step.
     :func:`resolve` fills them in where unset. ``optimizer`` and ``gradient_tracking`` apply to the gossip algorithms
     (exact gossip, PowerGossip) when neither an outer step nor a periodic average is asked for; DDP, DiLoCo and the
     hybrids (``--outer-every``) step with AdamW. The previous defaults, PowerGossip with an exact average of the

@@ -11,17 +11,17 @@ r"""The default pipeline in one call: pure gossip that learns like DDP, no colle
   TMLR 2023) by :class:`gossip.ChocoSign`, CHOCO-Gossip with scaled-sign messages of 3 bits a value; above 8 ranks
   k = ceil(log2(n) / 2) + 1 times a step, over the schedule's W(kt), ..., W(kt + k - 1) (``tracker_hops``,
   :func:`default_tracker_hops`, :mod:`gossip.wrapper.tracking`);
-* the optimizer: :class:`optim.MomentumTrackingAdamW`, dividing by the mean gradient's second moment read off each
-  rank's tracker every step (``second_moment="tracker"``: the tracker's mean is the mean first moment, whose EMA
-  recursion gives back the mean gradient; ``optim/momentum_tracking.py``), with decoupled weight decay on matrices
-  only (:func:`optim.param_groups`). ``second_moment="sample"`` samples the mean gradient every
-  ``second_moment_every`` steps instead, averaged by gossip over the schedule (``mean_gradient="gossip"``,
-  :mod:`gossip.wrapper.mean_gradient`).
+* the optimizer: :class:`optim.MomentumTrackingAdamW`, dividing by the mean gradient's second moment sampled every
+  64 steps and averaged by gossip over the schedule, its hops in bfloat16 (``second_moment="sample"``,
+  ``mean_gradient="gossip"``, :mod:`gossip.wrapper.mean_gradient`), with decoupled weight decay on matrices only
+  (:func:`optim.param_groups`). ``second_moment="tracker"`` reads it off each rank's tracker every step instead,
+  with no message of its own (the tracker's mean is the mean first moment, whose EMA recursion gives back the mean
+  gradient; ``optim/momentum_tracking.py``).
 
-Each step then sends point-to-point messages to the schedule's peers only: W(t)'s for the parameters' products and
-the trackers' signs (W(kt)'s to W(kt + k - 1)'s with k hops); and over the first steps the peers' comparison of
-settings (:mod:`gossip.wrapper.peer_agreement`). With samples, every ``second_moment_every`` steps also the
-log2(n) hops of one gradient sample. Why
+Each step then sends point-to-point messages to the schedule's peers only: W(t)'s for the parameters' products, the
+trackers' signs (W(kt)'s to W(kt + k - 1)'s with k hops) and, every 64 steps, the log2(n) hops of one gradient
+sample (none with ``second_moment="tracker"``); and over the first steps the peers' comparison of settings
+(:mod:`gossip.wrapper.peer_agreement`). Why
 these choices, and what they reach against DDP and DiLoCo: docs/results.md. Any part can be changed
 (``Pipeline(rank=8).wrap(...)``), and the parts stay available to assemble by hand (README, "Use it in your own
 loop").
@@ -118,7 +118,7 @@ class Pipeline:
     message_dtype: torch.dtype | None = torch.float16
     trackers: str = "sign"
     tracker_hops: int | None = None
-    second_moment: str = "tracker"
+    second_moment: str = "sample"
     second_moment_every: int = 64
     mean_gradient: str = "gossip"
     mean_gradient_dtype: torch.dtype | None = torch.bfloat16
