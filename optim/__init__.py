@@ -27,14 +27,23 @@ Contents:
   i.e. DAdam under the order above.
 - :class:`MomentumTrackingAdamW`: AdamW whose first moment the wrapper's gradient tracker averages over the ranks
   (momentum tracking), divided by the mean gradient's second moment, read off the tracker every step or sampled
-  every few steps.
+  every few steps (:data:`SECOND_MOMENTS`; :func:`sampling_every` gives its ``second_moment_every`` for a
+  configured pair).
 - :func:`param_groups`: weight decay on ``ndim >= 2`` weights, none on biases and normalisation parameters.
 """
 
 from torch.optim import SGD
 
 from optim.accum_adam import AccumAdam, AccumAdamW
-from optim.momentum_tracking import SECOND_MOMENTS, MomentumTrackingAdamW
+from optim.momentum_tracking import SECOND_MOMENTS, MomentumTrackingAdamW, sampling_every
 from optim.weight_decay_groups import param_groups
 
-__all__ = ["SECOND_MOMENTS", "SGD", "AccumAdam", "AccumAdamW", "MomentumTrackingAdamW", "param_groups"]
+__all__ = [
+    "SECOND_MOMENTS",
+    "SGD",
+    "AccumAdam",
+    "AccumAdamW",
+    "MomentumTrackingAdamW",
+    "param_groups",
+    "sampling_every",
+]

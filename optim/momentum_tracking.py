@@ -80,10 +80,23 @@ from torch.optim import Optimizer
 
 from optim.hyperparameters import validate_adam_hyperparameters
 
-__all__ = ["SECOND_MOMENTS", "MomentumTrackingAdamW"]
+__all__ = ["SECOND_MOMENTS", "MomentumTrackingAdamW", "sampling_every"]
 
 #: The values of ``second_moment``: where the mean gradient's second moment comes from (module docstring).
 SECOND_MOMENTS = ("tracker", "sample")
+
+
+def sampling_every(second_moment: str, second_moment_every: int) -> int:
+    """The ``second_moment_every`` that :class:`MomentumTrackingAdamW` takes for a configured pair.
+
+    Args:
+        second_moment: one of :data:`SECOND_MOMENTS`.
+        second_moment_every: the configured steps between two samples.
+
+    Returns:
+        ``second_moment_every`` with ``"sample"``, else 0 (the tracker's second moment takes no samples).
+    """
+    return second_moment_every if second_moment == "sample" else 0
 
 
 class MomentumTrackingAdamW(Optimizer):

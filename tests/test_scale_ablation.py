@@ -37,9 +37,12 @@ def test_a_stop_outside_the_run_is_refused(capsys):
     assert "--stop-after must be in [1, --steps]" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("arm", "floor"), [("tracker-v", 0.0), ("pipeline", None)])
+@pytest.mark.parametrize(
+    ("arm", "floor"), [("tracker-v", 0.0), ("tracker-3hops-tracked-v-nofloor", 0.0), ("pipeline", None)]
+)
 def test_the_diagnostics_hold_the_second_moment_read_off_the_tracker_and_the_sampled_one(tmp_path, capsys, arm, floor):
-    """The library's ``second_moment="tracker"`` keeps no v_i, so it has no floor v_i / n to be active."""
+    """The library's ``second_moment="tracker"`` (arms ``tracker-v`` and ``-tracked-v-nofloor``) keeps no v_i, so it
+    has no floor v_i / n to be active."""
     main(
         ["--workers", "2", "--batch", "1", "--steps", "3", "--arms", arm, "--record-every", "1", "--out", str(tmp_path)]
     )

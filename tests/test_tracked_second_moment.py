@@ -118,6 +118,16 @@ def test_sampling_stays_the_default_of_the_optimizer_alone():
     assert optimizer.second_moment_every == 32 and not optimizer.tracks_second_moment
 
 
+@pytest.mark.parametrize(("second_moment", "every", "expected"), [("sample", 64, 64), ("tracker", 64, 0)])
+def test_the_pipeline_and_the_optimizer_agree_on_the_sampling_period(second_moment, every, expected):
+    pipeline = gossip.Pipeline(second_moment=second_moment, second_moment_every=every)
+    assert optim.sampling_every(second_moment, every) == pipeline.sampling_every() == expected
+    optimizer = optim.MomentumTrackingAdamW(
+        [torch.nn.Parameter(torch.zeros(2))], second_moment=second_moment, second_moment_every=expected
+    )
+    assert optimizer.second_moment_every == expected
+
+
 # -- in the wrapper, on the simulator --------------------------------------------------------------------------
 def _mean_gradient_check(comm) -> dict:
     """Exact gossip, exact trackers over both dimensions of the hypercube of 4 (every tracker the exact mean), 6

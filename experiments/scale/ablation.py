@@ -41,9 +41,9 @@ fixed per-worker batch, paired with DDP on the same seed (the same initial model
   (``-ratio4``), the floor the same on every rank (:class:`SharedFloorMomentumTrackingAdamW`: the ranks' exact mean
   of v-hat every step, ``-mean-floor``, or taken with the sample, ``-sampled-floor``), samples every 8 or 16 steps
   (``-sm8``, ``-sm16``) or all-reduced every 2 or 8 (``-ar2``, ``-ar8``), and the second moment read off the
-  tracker every step (:class:`TrackedMomentumTrackingAdamW`, ``-tracked-v``, with the floor v_i / n or without it,
-  ``-tracked-v-nofloor``: the library's ``second_moment="tracker"``); with the sample all-reduced at three hops
-  (``tracker-3hops-allreduce-v``);
+  tracker every step, with the floor v_i / n (:class:`TrackedMomentumTrackingAdamW`, ``-tracked-v``) or without it
+  (``-tracked-v-nofloor`` and ``tracker-v``: the library's ``second_moment="tracker"``); with the sample
+  all-reduced at three hops (``tracker-3hops-allreduce-v``);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 
@@ -127,9 +127,9 @@ ARMS: dict[str, dict[str, object]] = {
     "exact-trackers-4hops-tracked-v": {"trackers": "exact", "tracker_hops": 4, "second_moment_every": 0},
     "tracker-3hops-tracked-v": {"tracker_hops": 3, "second_moment_every": 0},
     "tracker-4hops-tracked-v": {"tracker_hops": 4, "second_moment_every": 0},
-    "tracker-3hops-tracked-v-nofloor": {"tracker_hops": 3, "second_moment_every": 0},
+    "tracker-3hops-tracked-v-nofloor": {"tracker_hops": 3, "second_moment": "tracker"},
     "tracker-v": {"second_moment": "tracker"},
-    "tracker-4hops-tracked-v-nofloor": {"tracker_hops": 4, "second_moment_every": 0},
+    "tracker-4hops-tracked-v-nofloor": {"tracker_hops": 4, "second_moment": "tracker"},
     "tracker-3hops-mean-floor": {"tracker_hops": 3},
     "tracker-3hops-sampled-floor": {"tracker_hops": 3},
     "tracker-2hops-allreduce-v": {"tracker_hops": 2, "mean_gradient": "allreduce"},
@@ -455,14 +455,12 @@ class SharedFloorMomentumTrackingAdamW(_ArmOptimizer):
 
 
 class TrackedMomentumTrackingAdamW(_ArmOptimizer):
-    r"""The mean gradient's second moment read off the tracker, no sample: the tracker :math:`z_i` estimates the
-    mean first moment :math:`\bar m_t = \beta_1 \bar m_{t-1} + (1-\beta_1)\bar g_t`, so
+    r"""The library's ``second_moment="tracker"`` with a sample's floor: the tracker :math:`z_i` estimates the mean
+    first moment :math:`\bar m_t = \beta_1 \bar m_{t-1} + (1-\beta_1)\bar g_t`, so
     :math:`r_i = (z_i^t - \beta_1 z_i^{t-1}) / (1-\beta_1)` estimates :math:`\bar g_t` (exactly where the trackers
     are exact) and :math:`u_i \leftarrow \beta_2 u_i + (1-\beta_2)\, r_i^2` DDP's second moment; the
-    denominator is :math:`\max(\hat u_i, \hat v_i / n, \hat z_i^2)`, or without ``floor``
-    :math:`\max(\hat u_i, \hat z_i^2)`."""
-
-    floor = True
+    denominator is :math:`\max(\hat u_i, \hat v_i / n, \hat z_i^2)`, the library's without the floor
+    :math:`\hat v_i / n`."""
 
     def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
         r""":math:`\max(\hat u_i, \hat v_i / n, \hat z_i^2)` (class docstring), advancing u_i first."""
@@ -474,8 +472,6 @@ class TrackedMomentumTrackingAdamW(_ArmOptimizer):
         state["tracked"].mul_(beta2).addcmul_(mean_gradient, mean_gradient, value=1 - beta2)
         state["last_tracker"].copy_(tracker)
         shared = state["tracked"] / (1 - beta2**step)
-        if not self.floor:
-            return torch.maximum(shared, first.square())
         local = state["v"] / (1 - beta2**step)
         return torch.maximum(torch.maximum(shared, local.div_(n)), first.square())
 
@@ -651,8 +647,8 @@ def run(
         )
     if arm == "exact-params-w":
         _swap_optimizer(engine, WeightedMomentumTrackingAdamW)
-    if "tracked-v" in arm:
-        _swap_optimizer(engine, TrackedMomentumTrackingAdamW).floor = not arm.endswith("nofloor")
+    if arm.endswith("tracked-v"):
+        _swap_optimizer(engine, TrackedMomentumTrackingAdamW)
     if arm.endswith("drift4"):
         _swap_optimizer(engine, DriftMomentumTrackingAdamW)
     if arm.endswith("ratio4"):

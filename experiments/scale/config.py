@@ -139,12 +139,12 @@ class EngineConfig:
         return gossip.PowerGossip(self.rank, self.iterations, self.gamma, message_dtype=dtype)
 
     def sampling_every(self) -> int:
-        """MomentumTrackingAdamW's ``second_moment_every`` (as :meth:`gossip.Pipeline.sampling_every`).
+        """MomentumTrackingAdamW's ``second_moment_every`` (:func:`optim.sampling_every`).
 
         Returns:
             ``second_moment_every`` with ``second_moment="sample"``, else 0.
         """
-        return self.second_moment_every if self.second_moment == "sample" else 0
+        return optim.sampling_every(self.second_moment, self.second_moment_every)
 
     def sample_dtype(self) -> torch.dtype | None:
         """The wrapper's ``mean_gradient_dtype``.

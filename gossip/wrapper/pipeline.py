@@ -230,9 +230,9 @@ class Pipeline:
         """The optimizer's ``second_moment_every``.
 
         Returns:
-            ``second_moment_every`` with ``second_moment="sample"``, else 0 (no samples).
+            ``second_moment_every`` with ``second_moment="sample"``, else 0 (:func:`optim.sampling_every`).
         """
-        return self.second_moment_every if self.second_moment == "sample" else 0
+        return optim.sampling_every(self.second_moment, self.second_moment_every)
 
     def wrap(
         self,
