@@ -43,7 +43,8 @@ fixed per-worker batch, paired with DDP on the same seed (the same initial model
   (``-sm8``, ``-sm16``) or all-reduced every 2 or 8 (``-ar2``, ``-ar8``), and the second moment read off the
   tracker every step, with the floor v_i / n (:class:`TrackedMomentumTrackingAdamW`, ``-tracked-v``) or without it
   (``-tracked-v-nofloor`` and ``tracker-v``: the library's ``second_moment="tracker"``); with the sample
-  all-reduced at three hops (``tracker-3hops-allreduce-v``);
+  all-reduced at three hops (``tracker-3hops-allreduce-v``); the sample with Adam's current-gradient term read off
+  the tracker (:class:`CurrentGradientMomentumTrackingAdamW`, ``-current``);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 
@@ -126,6 +127,8 @@ ARMS: dict[str, dict[str, object]] = {
     },
     "exact-trackers-4hops-tracked-v": {"trackers": "exact", "tracker_hops": 4, "second_moment_every": 0},
     "tracker-3hops-tracked-v": {"tracker_hops": 3, "second_moment_every": 0},
+    "exact-trackers-4hops-current": {"trackers": "exact", "tracker_hops": 4},
+    "tracker-3hops-current": {"tracker_hops": 3},
     "tracker-4hops-tracked-v": {"tracker_hops": 4, "second_moment_every": 0},
     "tracker-3hops-tracked-v-nofloor": {"tracker_hops": 3, "second_moment": "tracker"},
     "tracker-v": {"second_moment": "tracker"},
@@ -411,6 +414,27 @@ class RatioMomentumTrackingAdamW(SampleMemoryMomentumTrackingAdamW):
         return torch.maximum(local, first.square())
 
 
+class CurrentGradientMomentumTrackingAdamW(_ArmOptimizer):
+    r"""The library's sampled second moment with the current mean gradient's term of Adam's recursion added: the
+    tracker gives :math:`r_i = (z_i^t - \beta_1 z_i^{t-1}) / (1-\beta_1)`, the current mean gradient where the
+    trackers agree (as :class:`TrackedMomentumTrackingAdamW`), and the sample's :math:`\hat v` stands for Adam's
+    :math:`\hat v_{t-1}`, so the step divides by
+    :math:`\max\big((\beta_2 (1-\beta_2^{t-1}) \hat v + (1-\beta_2) r_i^2) / (1-\beta_2^t),\ \hat z_i^2\big)`:
+    Adam's bound on the step a sudden gradient makes, without accumulating r_i's compression noise in u."""
+
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        r"""The class docstring's maximum, keeping :math:`z_i^t` for the next step."""
+        (beta1, beta2), step = group["betas"], state["step"]
+        tracker = first * (1 - beta1**step)
+        if "last_tracker" not in state:
+            state["last_tracker"] = torch.zeros_like(tracker)
+        current = (tracker - beta1 * state["last_tracker"]) / (1 - beta1)
+        state["last_tracker"].copy_(tracker)
+        second = self.second_moment(group, state).mul_(beta2 * (1 - beta2 ** (step - 1)))
+        second.addcmul_(current, current, value=1 - beta2).div_(1 - beta2**step)
+        return torch.maximum(second, first.square())
+
+
 class SharedFloorMomentumTrackingAdamW(_ArmOptimizer):
     r"""The library's denominator with the floor the same on every rank: :math:`\max(\hat u, \bar v / n,
     \hat z^2)`, :math:`\bar v` the mean over the ranks of their bias-corrected :math:`\hat v_i` instead of each
@@ -649,6 +673,8 @@ def run(
         _swap_optimizer(engine, WeightedMomentumTrackingAdamW)
     if arm.endswith("tracked-v"):
         _swap_optimizer(engine, TrackedMomentumTrackingAdamW)
+    if arm.endswith("-current"):
+        _swap_optimizer(engine, CurrentGradientMomentumTrackingAdamW)
     if arm.endswith("drift4"):
         _swap_optimizer(engine, DriftMomentumTrackingAdamW)
     if arm.endswith("ratio4"):
