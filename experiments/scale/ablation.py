@@ -44,7 +44,8 @@ fixed per-worker batch, paired with DDP on the same seed (the same initial model
   tracker every step, with the floor v_i / n (:class:`TrackedMomentumTrackingAdamW`, ``-tracked-v``) or without it
   (``-tracked-v-nofloor`` and ``tracker-v``: the library's ``second_moment="tracker"``); with the sample
   all-reduced at three hops (``tracker-3hops-allreduce-v``); the sample with Adam's current-gradient term read off
-  the tracker (:class:`CurrentGradientMomentumTrackingAdamW`, ``-current``);
+  the tracker (:class:`CurrentGradientMomentumTrackingAdamW`, ``-current``; with the exact mean every 2 steps,
+  ``-ar2-current``);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 
@@ -128,6 +129,12 @@ ARMS: dict[str, dict[str, object]] = {
     "exact-trackers-4hops-tracked-v": {"trackers": "exact", "tracker_hops": 4, "second_moment_every": 0},
     "tracker-3hops-tracked-v": {"tracker_hops": 3, "second_moment_every": 0},
     "exact-trackers-4hops-current": {"trackers": "exact", "tracker_hops": 4},
+    "exact-trackers-4hops-ar2-current": {
+        "trackers": "exact",
+        "tracker_hops": 4,
+        "mean_gradient": "allreduce",
+        "second_moment_every": 2,
+    },
     "tracker-3hops-current": {"tracker_hops": 3},
     "tracker-4hops-tracked-v": {"tracker_hops": 4, "second_moment_every": 0},
     "tracker-3hops-tracked-v-nofloor": {"tracker_hops": 3, "second_moment": "tracker"},
