@@ -6,6 +6,7 @@ import csv
 from pathlib import Path
 
 import pytest
+import torch
 
 from experiments.scale.ablation import main
 
@@ -51,3 +52,23 @@ def test_the_diagnostics_hold_the_second_moment_read_off_the_tracker_and_the_sam
     assert all(float(row["signal_ratio"]) > 0 for row in rows)
     if floor is not None:
         assert {float(row["floor_active"]) for row in rows} == {floor}
+
+
+def test_the_current_term_is_the_steps_own_gradient_where_the_tracker_is_the_first_moment():
+    """Without a tracker (z_i = h_i), r_i = (h_t - beta1 h_{t-1}) / (1 - beta1) is the step's gradient, so the arm
+    divides by Adam's recursion applied once more on top of the rank's own v-hat."""
+    from experiments.scale.ablation import CurrentGradientMomentumTrackingAdamW
+
+    beta1, beta2 = 0.9, 0.95
+    weight = torch.nn.Parameter(torch.zeros(3))
+    optimizer = CurrentGradientMomentumTrackingAdamW([weight], lr=0.1, betas=(beta1, beta2), second_moment_every=0)
+    gradients = [torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.3, 4.0, -1.0])]
+    for step, gradient in enumerate(gradients, start=1):
+        weight.grad = gradient.clone()
+        optimizer.prepare_momentum()
+        state = optimizer.state[weight]
+        first = weight.grad / (1 - beta1**step)
+        own = state["v"] / (1 - beta2**step)
+        expected = (beta2 * (1 - beta2 ** (step - 1)) * own + (1 - beta2) * gradient.square()) / (1 - beta2**step)
+        got = optimizer.denominator(optimizer.param_groups[0], state, first)
+        torch.testing.assert_close(got, torch.maximum(expected, first.square()))
