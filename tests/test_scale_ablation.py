@@ -72,3 +72,21 @@ def test_the_current_term_is_the_steps_own_gradient_where_the_tracker_is_the_fir
         expected = (beta2 * (1 - beta2 ** (step - 1)) * own + (1 - beta2) * gradient.square()) / (1 - beta2**step)
         got = optimizer.denominator(optimizer.param_groups[0], state, first)
         torch.testing.assert_close(got, torch.maximum(expected, first.square()))
+
+
+def test_the_smaller_second_moment_is_adams_own_where_the_tracker_is_the_first_moment():
+    """Without a tracker the tracker's u_i is the rank's own v_i (r_i is each step's gradient), the current term is at
+    most v-hat, so the -min arm divides by the library's own AdamW denominator max(v-hat, z-hat^2)."""
+    from experiments.scale.ablation import MinMomentumTrackingAdamW
+
+    beta1, beta2 = 0.9, 0.95
+    weight = torch.nn.Parameter(torch.zeros(3))
+    optimizer = MinMomentumTrackingAdamW([weight], lr=0.1, betas=(beta1, beta2), second_moment_every=0)
+    for step, gradient in enumerate([torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.3, 4.0, -1.0])], start=1):
+        weight.grad = gradient.clone()
+        optimizer.prepare_momentum()
+        state = optimizer.state[weight]
+        first = weight.grad / (1 - beta1**step)
+        own = state["v"] / (1 - beta2**step)
+        got = optimizer.denominator(optimizer.param_groups[0], state, first)
+        torch.testing.assert_close(got, torch.maximum(own, first.square()))

@@ -45,7 +45,8 @@ fixed per-worker batch, paired with DDP on the same seed (the same initial model
   (``-tracked-v-nofloor`` and ``tracker-v``: the library's ``second_moment="tracker"``); with the sample
   all-reduced at three hops (``tracker-3hops-allreduce-v``); the sample with Adam's current-gradient term read off
   the tracker (:class:`CurrentGradientMomentumTrackingAdamW`, ``-current``; with the exact mean every 2 steps,
-  ``-ar2-current``);
+  ``-ar2-current``); the smaller of the tracker's second moment and the sample (:class:`MinMomentumTrackingAdamW`,
+  ``-min``);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 
@@ -136,6 +137,8 @@ ARMS: dict[str, dict[str, object]] = {
         "second_moment_every": 2,
     },
     "tracker-3hops-current": {"tracker_hops": 3},
+    "exact-trackers-4hops-min": {"trackers": "exact", "tracker_hops": 4},
+    "tracker-3hops-min": {"tracker_hops": 3},
     "tracker-4hops-tracked-v": {"tracker_hops": 4, "second_moment_every": 0},
     "tracker-3hops-tracked-v-nofloor": {"tracker_hops": 3, "second_moment": "tracker"},
     "tracker-v": {"second_moment": "tracker"},
@@ -442,6 +445,28 @@ class CurrentGradientMomentumTrackingAdamW(_ArmOptimizer):
         return torch.maximum(second, first.square())
 
 
+class MinMomentumTrackingAdamW(_ArmOptimizer):
+    r"""The smaller of two second moments, each too large in its own way: the tracker's
+    :math:`\hat u_i` (as :class:`TrackedMomentumTrackingAdamW`: fresh, enlarged by the trackers' compression noise)
+    and the library's sample :math:`\hat v` (clean, but as old as 64 steps while the gradients shrink), with Adam's
+    current-step term as a floor: :math:`\max\big(\min(\hat u_i, \hat v),\ (1-\beta_2) r_i^2 / (1-\beta_2^t),\
+    \hat z_i^2\big)`, :math:`r_i = (z_i^t - \beta_1 z_i^{t-1}) / (1-\beta_1)`."""
+
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        r"""The class docstring's maximum, advancing :math:`u_i` and keeping :math:`z_i^t` first."""
+        (beta1, beta2), step = group["betas"], state["step"]
+        tracker = first * (1 - beta1**step)
+        if "tracked" not in state:
+            state["tracked"], state["last_tracker"] = torch.zeros_like(tracker), torch.zeros_like(tracker)
+        current = (tracker - beta1 * state["last_tracker"]) / (1 - beta1)
+        state["tracked"].mul_(beta2).addcmul_(current, current, value=1 - beta2)
+        state["last_tracker"].copy_(tracker)
+        fresh = state["tracked"] / (1 - beta2**step)
+        second = torch.minimum(fresh, self.second_moment(group, state))
+        second = torch.maximum(second, current.square_().mul_((1 - beta2) / (1 - beta2**step)))
+        return torch.maximum(second, first.square())
+
+
 class SharedFloorMomentumTrackingAdamW(_ArmOptimizer):
     r"""The library's denominator with the floor the same on every rank: :math:`\max(\hat u, \bar v / n,
     \hat z^2)`, :math:`\bar v` the mean over the ranks of their bias-corrected :math:`\hat v_i` instead of each
@@ -682,6 +707,8 @@ def run(
         _swap_optimizer(engine, TrackedMomentumTrackingAdamW)
     if arm.endswith("-current"):
         _swap_optimizer(engine, CurrentGradientMomentumTrackingAdamW)
+    if arm.endswith("-min"):
+        _swap_optimizer(engine, MinMomentumTrackingAdamW)
     if arm.endswith("drift4"):
         _swap_optimizer(engine, DriftMomentumTrackingAdamW)
     if arm.endswith("ratio4"):
