@@ -200,6 +200,27 @@ def config(arm: str, workers: int, batch: int, steps: int) -> EngineConfig:
                         **fields)  # fmt: skip
 
 
+def _current_mean_gradient(state: dict, first: torch.Tensor, beta1: float) -> torch.Tensor:
+    r""":math:`r_i = (z_i^t - \beta_1 z_i^{t-1}) / (1-\beta_1)` from the bias-corrected tracker ``first``: the current
+    mean gradient where the trackers agree (the mean first moment's recursion inverted); keeps :math:`z_i^t` in
+    ``state["last_tracker"]`` (a new tensor)."""
+    tracker = first * (1 - beta1 ** state["step"])
+    if "last_tracker" not in state:
+        state["last_tracker"] = torch.zeros_like(tracker)
+    current = (tracker - beta1 * state["last_tracker"]) / (1 - beta1)
+    state["last_tracker"].copy_(tracker)
+    return current
+
+
+def _tracked_second_moment(state: dict, current: torch.Tensor, beta2: float) -> torch.Tensor:
+    r""":math:`\hat u_i` after :math:`u_i \leftarrow \beta_2 u_i + (1-\beta_2) r_i^2` (``state["tracked"]``), a new
+    tensor."""
+    if "tracked" not in state:
+        state["tracked"] = torch.zeros_like(current)
+    state["tracked"].mul_(beta2).addcmul_(current, current, value=1 - beta2)
+    return state["tracked"] / (1 - beta2 ** state["step"])
+
+
 class _ArmOptimizer(optim.MomentumTrackingAdamW):
     """The library's update with another denominator (:meth:`denominator`): the experiment arms' optimizers,
     per-tensor loop only (the engine's CPU path)."""
@@ -435,11 +456,7 @@ class CurrentGradientMomentumTrackingAdamW(_ArmOptimizer):
     def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
         r"""The class docstring's maximum, keeping :math:`z_i^t` for the next step."""
         (beta1, beta2), step = group["betas"], state["step"]
-        tracker = first * (1 - beta1**step)
-        if "last_tracker" not in state:
-            state["last_tracker"] = torch.zeros_like(tracker)
-        current = (tracker - beta1 * state["last_tracker"]) / (1 - beta1)
-        state["last_tracker"].copy_(tracker)
+        current = _current_mean_gradient(state, first, beta1)
         second = self.second_moment(group, state).mul_(beta2 * (1 - beta2 ** (step - 1)))
         second.addcmul_(current, current, value=1 - beta2).div_(1 - beta2**step)
         return torch.maximum(second, first.square())
@@ -455,13 +472,8 @@ class MinMomentumTrackingAdamW(_ArmOptimizer):
     def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
         r"""The class docstring's maximum, advancing :math:`u_i` and keeping :math:`z_i^t` first."""
         (beta1, beta2), step = group["betas"], state["step"]
-        tracker = first * (1 - beta1**step)
-        if "tracked" not in state:
-            state["tracked"], state["last_tracker"] = torch.zeros_like(tracker), torch.zeros_like(tracker)
-        current = (tracker - beta1 * state["last_tracker"]) / (1 - beta1)
-        state["tracked"].mul_(beta2).addcmul_(current, current, value=1 - beta2)
-        state["last_tracker"].copy_(tracker)
-        fresh = state["tracked"] / (1 - beta2**step)
+        current = _current_mean_gradient(state, first, beta1)
+        fresh = _tracked_second_moment(state, current, beta2)
         second = torch.minimum(fresh, self.second_moment(group, state))
         second = torch.maximum(second, current.square_().mul_((1 - beta2) / (1 - beta2**step)))
         return torch.maximum(second, first.square())
@@ -520,15 +532,9 @@ class TrackedMomentumTrackingAdamW(_ArmOptimizer):
 
     def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
         r""":math:`\max(\hat u_i, \hat v_i / n, \hat z_i^2)` (class docstring), advancing u_i first."""
-        (beta1, beta2), n, step = group["betas"], group["n"], state["step"]
-        tracker = first * (1 - beta1**step)
-        if "tracked" not in state:
-            state["tracked"], state["last_tracker"] = torch.zeros_like(tracker), torch.zeros_like(tracker)
-        mean_gradient = (tracker - beta1 * state["last_tracker"]) / (1 - beta1)
-        state["tracked"].mul_(beta2).addcmul_(mean_gradient, mean_gradient, value=1 - beta2)
-        state["last_tracker"].copy_(tracker)
-        shared = state["tracked"] / (1 - beta2**step)
-        local = state["v"] / (1 - beta2**step)
+        (beta1, beta2), n = group["betas"], group["n"]
+        shared = _tracked_second_moment(state, _current_mean_gradient(state, first, beta1), beta2)
+        local = state["v"] / (1 - beta2 ** state["step"])
         return torch.maximum(torch.maximum(shared, local.div_(n)), first.square())
 
 
