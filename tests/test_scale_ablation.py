@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from experiments.scale.ablation import main
+from experiments.scale.ablation import CurrentGradientMomentumTrackingAdamW, MinMomentumTrackingAdamW, main
+
+BETAS = (0.9, 0.95)
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -54,34 +57,12 @@ def test_the_diagnostics_hold_the_second_moment_read_off_the_tracker_and_the_sam
         assert {float(row["floor_active"]) for row in rows} == {floor}
 
 
-def test_the_current_term_is_the_steps_own_gradient_where_the_tracker_is_the_first_moment():
-    """Without a tracker (z_i = h_i), r_i = (h_t - beta1 h_{t-1}) / (1 - beta1) is the step's gradient, so the arm
-    divides by Adam's recursion applied once more on top of the rank's own v-hat."""
-    from experiments.scale.ablation import CurrentGradientMomentumTrackingAdamW
-
-    beta1, beta2 = 0.9, 0.95
+def _denominators_without_a_tracker(kind: type) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    """Two steps of arm optimizer ``kind`` alone (z_i = h_i, no samples): per step the gradient, the rank's own
+    bias-corrected v-hat, z-hat^2, the arm's denominator and the step number."""
+    beta1, beta2 = BETAS
     weight = torch.nn.Parameter(torch.zeros(3))
-    optimizer = CurrentGradientMomentumTrackingAdamW([weight], lr=0.1, betas=(beta1, beta2), second_moment_every=0)
-    gradients = [torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.3, 4.0, -1.0])]
-    for step, gradient in enumerate(gradients, start=1):
-        weight.grad = gradient.clone()
-        optimizer.prepare_momentum()
-        state = optimizer.state[weight]
-        first = weight.grad / (1 - beta1**step)
-        own = state["v"] / (1 - beta2**step)
-        expected = (beta2 * (1 - beta2 ** (step - 1)) * own + (1 - beta2) * gradient.square()) / (1 - beta2**step)
-        got = optimizer.denominator(optimizer.param_groups[0], state, first)
-        torch.testing.assert_close(got, torch.maximum(expected, first.square()))
-
-
-def test_the_smaller_second_moment_is_adams_own_where_the_tracker_is_the_first_moment():
-    """Without a tracker the tracker's u_i is the rank's own v_i (r_i is each step's gradient), the current term is at
-    most v-hat, so the -min arm divides by the library's own AdamW denominator max(v-hat, z-hat^2)."""
-    from experiments.scale.ablation import MinMomentumTrackingAdamW
-
-    beta1, beta2 = 0.9, 0.95
-    weight = torch.nn.Parameter(torch.zeros(3))
-    optimizer = MinMomentumTrackingAdamW([weight], lr=0.1, betas=(beta1, beta2), second_moment_every=0)
+    optimizer = kind([weight], lr=0.1, betas=BETAS, second_moment_every=0)
     for step, gradient in enumerate([torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.3, 4.0, -1.0])], start=1):
         weight.grad = gradient.clone()
         optimizer.prepare_momentum()
@@ -89,4 +70,20 @@ def test_the_smaller_second_moment_is_adams_own_where_the_tracker_is_the_first_m
         first = weight.grad / (1 - beta1**step)
         own = state["v"] / (1 - beta2**step)
         got = optimizer.denominator(optimizer.param_groups[0], state, first)
-        torch.testing.assert_close(got, torch.maximum(own, first.square()))
+        yield gradient, own, first.square(), got, step
+
+
+def test_the_current_term_is_the_steps_own_gradient_where_the_tracker_is_the_first_moment():
+    """Without a tracker (z_i = h_i), r_i = (h_t - beta1 h_{t-1}) / (1 - beta1) is the step's gradient, so the arm
+    divides by Adam's recursion applied once more on top of the rank's own v-hat."""
+    beta2 = BETAS[1]
+    for gradient, own, floor, got, step in _denominators_without_a_tracker(CurrentGradientMomentumTrackingAdamW):
+        expected = (beta2 * (1 - beta2 ** (step - 1)) * own + (1 - beta2) * gradient.square()) / (1 - beta2**step)
+        torch.testing.assert_close(got, torch.maximum(expected, floor))
+
+
+def test_the_smaller_second_moment_is_adams_own_where_the_tracker_is_the_first_moment():
+    """Without a tracker the tracker's u_i is the rank's own v_i (r_i is each step's gradient), the current term is at
+    most v-hat, so the -min arm divides by the library's own AdamW denominator max(v-hat, z-hat^2)."""
+    for _, own, floor, got, _ in _denominators_without_a_tracker(MinMomentumTrackingAdamW):
+        torch.testing.assert_close(got, torch.maximum(own, floor))

@@ -76,6 +76,8 @@ from gossip.app.corpus import load_corpus, validation_batches
 
 OUT = RESULTS / "ablation"
 _ALL_EXACT = {"params": "exact", "trackers": "exact", "mean_gradient": "allreduce", "second_moment_every": 1}
+#: exact trackers over four hops with the exact mean gradient every second step (``-ar2`` and ``-ar2-current``).
+_EXACT_AR2 = {"trackers": "exact", "tracker_hops": 4, "mean_gradient": "allreduce", "second_moment_every": 2}
 #: arm name -> the fields that differ from the default pipeline.
 ARMS: dict[str, dict[str, object]] = {
     "ddp": {"params": "ddp", "trackers": "", "optimizer": "adamw"},
@@ -121,21 +123,11 @@ ARMS: dict[str, dict[str, object]] = {
         "mean_gradient": "allreduce",
         "second_moment_every": 8,
     },
-    "exact-trackers-4hops-ar2": {
-        "trackers": "exact",
-        "tracker_hops": 4,
-        "mean_gradient": "allreduce",
-        "second_moment_every": 2,
-    },
+    "exact-trackers-4hops-ar2": _EXACT_AR2,
     "exact-trackers-4hops-tracked-v": {"trackers": "exact", "tracker_hops": 4, "second_moment_every": 0},
     "tracker-3hops-tracked-v": {"tracker_hops": 3, "second_moment_every": 0},
     "exact-trackers-4hops-current": {"trackers": "exact", "tracker_hops": 4},
-    "exact-trackers-4hops-ar2-current": {
-        "trackers": "exact",
-        "tracker_hops": 4,
-        "mean_gradient": "allreduce",
-        "second_moment_every": 2,
-    },
+    "exact-trackers-4hops-ar2-current": _EXACT_AR2,
     "tracker-3hops-current": {"tracker_hops": 3},
     "exact-trackers-4hops-min": {"trackers": "exact", "tracker_hops": 4},
     "tracker-3hops-min": {"tracker_hops": 3},
