@@ -95,7 +95,12 @@ def sampling_every(second_moment: str, second_moment_every: int) -> int:
 
     Returns:
         ``second_moment_every`` with ``"sample"``, else 0 (the tracker's second moment takes no samples).
+
+    Raises:
+        ValueError: ``second_moment`` is not one of :data:`SECOND_MOMENTS`.
     """
+    if second_moment not in SECOND_MOMENTS:
+        raise ValueError(f"second_moment must be one of {SECOND_MOMENTS}, got {second_moment!r}")
     return second_moment_every if second_moment == "sample" else 0
 
 

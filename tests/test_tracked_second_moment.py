@@ -128,6 +128,11 @@ def test_the_pipeline_and_the_optimizer_agree_on_the_sampling_period(second_mome
     assert optimizer.second_moment_every == expected
 
 
+def test_a_sampling_period_for_an_unknown_second_moment_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"second_moment must be one of \('tracker', 'sample'\), got 'samples'"):
+        optim.sampling_every("samples", 64)
+
+
 # -- in the wrapper, on the simulator --------------------------------------------------------------------------
 def _mean_gradient_check(comm) -> dict:
     """Exact gossip, exact trackers over both dimensions of the hypercube of 4 (every tracker the exact mean), 6
