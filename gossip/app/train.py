@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -759,6 +760,61 @@ def _progress(config: TrainConfig, rank: int) -> Any:
     return tqdm(total=config.steps, desc="train", unit="step", mininterval=0.5, dynamic_ncols=True)
 
 
+def run_steps(
+    config: TrainConfig,
+    model: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LRScheduler,
+    batches: ShardedBatches,
+    validate: Callable[[], float],
+    rank: int,
+    replicas: int,
+    where: str,
+) -> tuple[list[float], float | None, float]:
+    """The training loop of ``config.steps`` steps: :func:`train_step` on ``batches``, the validation loss every
+    ``config.eval_every`` steps and at the last, each step logged with ``model.log``, a progress bar on rank 0.
+
+    Args:
+        config: the resolved config.
+        model: the wrapped model (replicated or sharded).
+        optimizer: its optimizer.
+        scheduler: the learning-rate scheduler.
+        batches: this replica's batches.
+        validate: the validation loss of the averaged model (a collective: every rank calls it at the same steps).
+        rank: this process's rank (rank 0 shows the progress).
+        replicas: the replicas training (the tokens a step are theirs).
+        where: who this is in an error message, e.g. ``"rank 3"``.
+
+    Returns:
+        ``(losses, final validation loss or None without steps, seconds)``: this rank's training loss at every
+            step and the loop's wall time.
+
+    Raises:
+        NonFiniteError: the training loss became NaN or Inf (lower ``--lr``).
+    """
+    progress = _progress(config, rank)
+    tokens_per_step = replicas * config.batch_size * config.model["block_size"]
+    started = time.perf_counter()
+    losses: list[float] = []
+    final_validation = None
+    for step in range(config.steps):
+        losses.append(train_step(model, optimizer, batches.batch(step), scheduler))
+        if not math.isfinite(losses[-1]):
+            raise NonFiniteError(f"{where}: training loss is {losses[-1]} at step {step}; lower --lr")
+        row = {"loss": losses[-1], "elapsed_seconds": time.perf_counter() - started}
+        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+            row["val_loss"] = final_validation = validate()
+        model.log(**row)
+        if progress is not None:
+            progress.update(1)
+            if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
+                rate = tokens_per_step * (step + 1) / row["elapsed_seconds"]
+                progress.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}", refresh=False)
+    if progress is not None:
+        progress.close()
+    return losses, final_validation, time.perf_counter() - started
+
+
 def train(config: TrainConfig) -> RunSummary | None:
     """Run one worker of the job described by ``config``.
 
@@ -812,27 +868,11 @@ def _train(config: TrainConfig, comm: Communicator) -> RunSummary | None:
             run_dir,
         )
     initial_validation = validation_loss(model, held_out, comm)
-    progress = _progress(config, comm.rank)
-    tokens_per_step = comm.size * config.batch_size * config.model["block_size"]
-    started = time.perf_counter()
-    losses = []
-    for step in range(config.steps):
-        losses.append(train_step(model, optimizer, batches.batch(step), scheduler))
-        if not math.isfinite(losses[-1]):
-            raise NonFiniteError(f"rank {comm.rank}: training loss is {losses[-1]} at step {step}; lower --lr")
-        row = {"loss": losses[-1], "elapsed_seconds": time.perf_counter() - started}
-        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-            row["val_loss"] = validation_loss(model, held_out, comm)
-        model.log(**row)
-        if progress is not None:
-            progress.update(1)
-            if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
-                rate = tokens_per_step * (step + 1) / row["elapsed_seconds"]
-                progress.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}", refresh=False)
-    if progress is not None:
-        progress.close()
-    train_seconds = time.perf_counter() - started
-    final_validation = row["val_loss"] if config.steps else initial_validation
+    losses, final_validation, train_seconds = run_steps(
+        config, model, optimizer, scheduler, batches, lambda: validation_loss(model, held_out, comm),
+        comm.rank, comm.size, f"rank {comm.rank}",
+    )  # fmt: skip
+    final_validation = initial_validation if final_validation is None else final_validation
     consensus = model.consensus_distance()
     sample = _sample(model, config.seed, comm.rank)
     all_losses = comm.all_gather_object(losses)
@@ -856,12 +896,15 @@ def _train(config: TrainConfig, comm: Communicator) -> RunSummary | None:
 def _sample(model: Replicated, seed: int, rank: int) -> str | None:
     """SAMPLE_BYTES bytes generated by the averaged model after SAMPLE_PROMPT, on rank 0. A collective."""
     with model.averaged() as module:
-        if rank != 0:
-            return None
-        module.eval()
-        generator_state = torch.get_rng_state()
-        torch.manual_seed(seed)
-        tokens = module.generate(encode(SAMPLE_PROMPT)[None], SAMPLE_BYTES, temperature=0.8, top_k=40)
-        torch.set_rng_state(generator_state)
-        module.train()
-        return decode(tokens[0])
+        return generate_sample(module, seed) if rank == 0 else None
+
+
+def generate_sample(module: GPT, seed: int) -> str:
+    """SAMPLE_BYTES bytes that ``module`` generates after SAMPLE_PROMPT with ``seed`` (the global RNG restored)."""
+    module.eval()
+    generator_state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    tokens = module.generate(encode(SAMPLE_PROMPT)[None], SAMPLE_BYTES, temperature=0.8, top_k=40)
+    torch.set_rng_state(generator_state)
+    module.train()
+    return decode(tokens[0])

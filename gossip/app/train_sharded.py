@@ -32,8 +32,6 @@ is summed over the shard group; bytes are per rank, i.e. one shard's.
 from __future__ import annotations
 
 import logging
-import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -42,27 +40,26 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import gossip
-from gossip.app.corpus import ShardedBatches, decode, encode, load_corpus, validation_batches
+from gossip.app.corpus import ShardedBatches, load_corpus, validation_batches
 from gossip.app.gpt import GPT, GPTConfig
 from gossip.app.run_dir import RunSummary, describe_mixing, prepare_run_dir, write_outputs
 from gossip.app.train import (
     MOMENTUM_TRACKING,
-    SAMPLE_BYTES,
-    SAMPLE_PROMPT,
     TrainConfig,
     build_schedule,
+    generate_sample,
     make_algorithm,
     make_optimizer,
     make_scheduler,
     resolve,
+    run_steps,
     sample_dtype,
     tracking_option,
-    train_step,
     worker_threads,
 )
 from gossip.backends.base import Communicator
 from gossip.backends.lanes import Lanes, init_lanes
-from gossip.errors import ConfigError, NonFiniteError
+from gossip.errors import ConfigError
 from gossip.wrapper.sharded import ShardedDecentralizedDataParallel
 
 logger = logging.getLogger(__name__)
@@ -258,31 +255,12 @@ def _train_lanes(
             run_dir,
         )
     initial_validation = validation_loss(model, held_out, lanes)
-    progress = _progress(config, comm.rank)
-    tokens_per_step = lanes.lane.size * config.batch_size * block
-    started = time.perf_counter()
-    losses: list[float] = []
-    row: dict[str, Any] = {}
-    for step in range(config.steps):
-        losses.append(train_step(model, optimizer, batches.batch(step), scheduler))
-        if not math.isfinite(losses[-1]):
-            raise NonFiniteError(
-                f"rank {comm.rank} (replica {replica}, shard {shard}): training loss is {losses[-1]} at step {step}; "
-                "lower --lr"
-            )
-        row = {"loss": losses[-1], "elapsed_seconds": time.perf_counter() - started}
-        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-            row["val_loss"] = validation_loss(model, held_out, lanes)
-        model.log(**row)
-        if progress is not None:
-            progress.update(1)
-            if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
-                rate = tokens_per_step * (step + 1) / row["elapsed_seconds"]
-                progress.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}", refresh=False)
-    if progress is not None:
-        progress.close()
-    train_seconds = time.perf_counter() - started
-    final_validation = row["val_loss"] if config.steps else initial_validation
+    where = f"rank {comm.rank} (replica {replica}, shard {shard})"
+    losses, final_validation, train_seconds = run_steps(
+        config, model, optimizer, scheduler, batches, lambda: validation_loss(model, held_out, lanes),
+        comm.rank, lanes.lane.size, where,
+    )  # fmt: skip
+    final_validation = initial_validation if final_validation is None else final_validation
     consensus = model.consensus_distance()
     sample = _sample(model, config.seed, replica, comm.rank)
     every_rank = comm.all_gather_object(losses)
@@ -303,24 +281,11 @@ def _train_lanes(
     return summary
 
 
-def _progress(config: TrainConfig, rank: int) -> Any:
-    if rank != 0:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=config.steps, desc="train", unit="step", mininterval=0.5, dynamic_ncols=True)
-
-
 def _sample(model: ShardedDecentralizedDataParallel, seed: int, replica: int, rank: int) -> str | None:
     """SAMPLE_BYTES bytes from the averaged model after SAMPLE_PROMPT: replica 0's shards generate together (the
     same seed, so the same tokens on each); world rank 0 returns them. A collective (``averaged()``)."""
     with model.averaged() as module:
         if replica != 0:
             return None
-        module.eval()
-        generator_state = torch.get_rng_state()
-        torch.manual_seed(seed)
-        tokens = module.generate(encode(SAMPLE_PROMPT)[None], SAMPLE_BYTES, temperature=0.8, top_k=40)
-        torch.set_rng_state(generator_state)
-        module.train()
-        return decode(tokens[0]) if rank == 0 else None
+        text = generate_sample(module, seed)
+        return text if rank == 0 else None
