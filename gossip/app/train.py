@@ -707,10 +707,14 @@ def worker_threads(local_size: int) -> int:
 def validation_loss(model: Replicated, batches: list, comm: Communicator) -> float:
     """Mean loss of the averaged model on the fixed validation batches; each rank evaluates a share. A collective.
 
+    A sharded model passes its lane (``lanes.lane``): replica r evaluates every R-th batch, its shards running the
+    same forwards (FSDP2's all-gathers are collectives of the replica), and the sums are all-reduced over the lane,
+    so every lane, hence every rank, holds the same mean.
+
     Args:
-        model: the wrapped model.
+        model: the wrapped model (replicated, or sharded).
         batches: the validation batches (the same on every rank).
-        comm: this worker's communicator.
+        comm: this worker's communicator (a sharded model's lane communicator).
 
     Returns:
         The mean loss, the same on every rank.

@@ -55,6 +55,7 @@ from gossip.app.train import (
     run_steps,
     sample_dtype,
     tracking_option,
+    validation_loss,
     worker_threads,
 )
 from gossip.backends.base import Communicator
@@ -152,32 +153,6 @@ def shard_gpt(config: TrainConfig, mesh: Any) -> GPT:
     return module
 
 
-@torch.no_grad()
-def validation_loss(model: ShardedDecentralizedDataParallel, batches: list, lanes: Lanes) -> float:
-    """Mean loss of the averaged model on the validation batches; replica r evaluates every R-th one. A collective.
-
-    The shards of a replica run the same forwards (FSDP2's all-gathers are collectives of the replica); the sums
-    are then all-reduced over the lane, so every lane, hence every rank, holds the same mean.
-
-    Args:
-        model: the wrapped model.
-        batches: the validation batches (the same on every rank).
-        lanes: this rank's communicators.
-
-    Returns:
-        The mean loss, the same on every rank.
-    """
-    totals = torch.zeros(2, dtype=torch.float64)
-    with model.averaged() as module:
-        module.eval()
-        for x, y in batches[lanes.lane.rank :: lanes.lane.size]:
-            totals[0] += module(x, y)[1].item()
-            totals[1] += 1
-        module.train()
-    lanes.lane.all_reduce(totals, "sum")
-    return float(totals[0] / totals[1])
-
-
 def train_sharded(config: TrainConfig) -> RunSummary | None:
     """Run one worker of the sharded job: ``config.shards`` ranks per replica, as many replicas as the world holds.
 
@@ -254,10 +229,10 @@ def _train_lanes(
             f"{len(corpus.train):,}",
             run_dir,
         )
-    initial_validation = validation_loss(model, held_out, lanes)
+    initial_validation = validation_loss(model, held_out, lanes.lane)
     where = f"rank {comm.rank} (replica {replica}, shard {shard})"
     losses, final_validation, train_seconds = run_steps(
-        config, model, optimizer, scheduler, batches, lambda: validation_loss(model, held_out, lanes),
+        config, model, optimizer, scheduler, batches, lambda: validation_loss(model, held_out, lanes.lane),
         comm.rank, lanes.lane.size, where,
     )  # fmt: skip
     final_validation = initial_validation if final_validation is None else final_validation
