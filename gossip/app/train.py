@@ -775,8 +775,10 @@ def run_steps(
     replicas: int,
     where: str,
 ) -> tuple[list[float], float | None, float]:
-    """The training loop of ``config.steps`` steps: :func:`train_step` on ``batches``, the validation loss every
-    ``config.eval_every`` steps and at the last, each step logged with ``model.log``, a progress bar on rank 0.
+    """The main job's training loop, replicated or sharded.
+
+    ``config.steps`` steps of :func:`train_step` on ``batches``, the validation loss every ``config.eval_every``
+    steps and at the last, each step logged with ``model.log``, a progress bar on rank 0.
 
     Args:
         config: the resolved config.
@@ -904,7 +906,15 @@ def _sample(model: Replicated, seed: int, rank: int) -> str | None:
 
 
 def generate_sample(module: GPT, seed: int) -> str:
-    """SAMPLE_BYTES bytes that ``module`` generates after SAMPLE_PROMPT with ``seed`` (the global RNG restored)."""
+    """SAMPLE_BYTES bytes that ``module`` generates after SAMPLE_PROMPT with ``seed`` (the global RNG restored).
+
+    Args:
+        module: the model to sample (in training mode again afterwards).
+        seed: the sampling seed.
+
+    Returns:
+        The generated text, prompt included.
+    """
     module.eval()
     generator_state = torch.get_rng_state()
     torch.manual_seed(seed)
