@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from gossip.app.train import TrainConfig, run_steps
+from gossip.app.train import LoopResult, TrainConfig, run_steps
 from gossip.errors import NonFiniteError
 
 
@@ -38,7 +38,7 @@ class _Batches:
         return torch.tensor(self.values[step]), torch.tensor(0.0)
 
 
-def _run(values: list[float], eval_every: int, where: str = "rank 0") -> tuple[_Logged, list[int], tuple]:
+def _run(values: list[float], eval_every: int, where: str = "rank 0") -> tuple[_Logged, list[int], LoopResult]:
     config = TrainConfig(steps=len(values), eval_every=eval_every, log_every=1)
     model = _Logged()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -53,19 +53,21 @@ def _run(values: list[float], eval_every: int, where: str = "rank 0") -> tuple[_
     return model, validated, result
 
 
-def test_every_step_is_logged_and_validation_runs_every_eval_every_steps_and_at_the_last():
-    model, validated, (losses, final, seconds) = _run([1.0, 2.0, 3.0, 4.0, 5.0], eval_every=2)
-    assert losses == [1.0, 2.0, 3.0, 4.0, 5.0]
-    assert [row["loss"] for row in model.rows] == losses
-    assert validated == [1, 3, 4]  # after steps 2 and 4 of 5, and after the last
+def test_every_step_is_logged_and_validation_runs_before_every_eval_every_steps_and_at_the_last():
+    model, validated, result = _run([1.0, 2.0, 3.0, 4.0, 5.0], eval_every=2)
+    assert result.losses == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert [row["loss"] for row in model.rows] == result.losses
+    assert validated == [0, 1, 3, 4]  # rows logged when called: before step 1, at steps 2 and 4 of 5, at the last
     assert [("val_loss" in row) for row in model.rows] == [False, True, False, True, True]
-    assert final == 3.0  # the last validation's value
-    assert seconds >= model.rows[-1]["elapsed_seconds"] >= 0
+    assert [row["val_loss"] for row in model.rows if "val_loss" in row] == [2.0, 3.0, 4.0]
+    assert (result.initial_validation, result.final_validation) == (1.0, 4.0)  # the first and the last values
+    assert result.seconds >= model.rows[-1]["elapsed_seconds"] >= 0
 
 
-def test_no_steps_return_no_validation():
-    model, validated, (losses, final, _) = _run([], eval_every=2)
-    assert (losses, final, validated, model.rows) == ([], None, [], [])
+def test_without_steps_the_final_validation_is_the_initial_one():
+    model, validated, result = _run([], eval_every=2)
+    assert (result.losses, validated, model.rows) == ([], [0], [])
+    assert result.initial_validation == result.final_validation == 1.0
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf])

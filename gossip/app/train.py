@@ -764,6 +764,23 @@ def _progress(config: TrainConfig, rank: int) -> Any:
     return tqdm(total=config.steps, desc="train", unit="step", mininterval=0.5, dynamic_ncols=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopResult:
+    """What :func:`run_steps` returns.
+
+    Attributes:
+        losses: this rank's training loss at every step.
+        initial_validation: the averaged model's validation loss before the first step.
+        final_validation: after the last step (``initial_validation`` without steps).
+        seconds: the steps' wall time (the initial validation not included).
+    """
+
+    losses: list[float]
+    initial_validation: float
+    final_validation: float
+    seconds: float
+
+
 def run_steps(
     config: TrainConfig,
     model: Any,
@@ -774,11 +791,12 @@ def run_steps(
     rank: int,
     replicas: int,
     where: str,
-) -> tuple[list[float], float | None, float]:
+) -> LoopResult:
     """The main job's training loop, replicated or sharded.
 
-    ``config.steps`` steps of :func:`train_step` on ``batches``, the validation loss every ``config.eval_every``
-    steps and at the last, each step logged with ``model.log``, a progress bar on rank 0.
+    The validation loss before the first step, then ``config.steps`` steps of :func:`train_step` on ``batches``,
+    the validation loss every ``config.eval_every`` steps and at the last, each step logged with ``model.log``, a
+    progress bar on rank 0.
 
     Args:
         config: the resolved config.
@@ -792,17 +810,16 @@ def run_steps(
         where: who this is in an error message, e.g. ``"rank 3"``.
 
     Returns:
-        ``(losses, final validation loss or None without steps, seconds)``: this rank's training loss at every
-            step and the loop's wall time.
+        The losses, the validation losses before the first step and after the last, and the steps' wall time.
 
     Raises:
         NonFiniteError: the training loss became NaN or Inf (lower ``--lr``).
     """
+    initial_validation = final_validation = validate()
     progress = _progress(config, rank)
     tokens_per_step = replicas * config.batch_size * config.model["block_size"]
     started = time.perf_counter()
     losses: list[float] = []
-    final_validation = None
     for step in range(config.steps):
         losses.append(train_step(model, optimizer, batches.batch(step), scheduler))
         if not math.isfinite(losses[-1]):
@@ -818,7 +835,7 @@ def run_steps(
                 progress.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}", refresh=False)
     if progress is not None:
         progress.close()
-    return losses, final_validation, time.perf_counter() - started
+    return LoopResult(losses, initial_validation, final_validation, time.perf_counter() - started)
 
 
 def train(config: TrainConfig) -> RunSummary | None:
@@ -873,25 +890,23 @@ def _train(config: TrainConfig, comm: Communicator) -> RunSummary | None:
             f"{len(corpus.train):,}",
             run_dir,
         )
-    initial_validation = validation_loss(model, held_out, comm)
-    losses, final_validation, train_seconds = run_steps(
+    loop = run_steps(
         config, model, optimizer, scheduler, batches, lambda: validation_loss(model, held_out, comm),
         comm.rank, comm.size, f"rank {comm.rank}",
     )  # fmt: skip
-    final_validation = initial_validation if final_validation is None else final_validation
     consensus = model.consensus_distance()
     sample = _sample(model, config.seed, comm.rank)
-    all_losses = comm.all_gather_object(losses)
+    all_losses = comm.all_gather_object(loop.losses)
     traffic = model.close()
     if comm.rank != 0:
         return None
     summary = RunSummary(
         config=config,
         losses_by_rank=all_losses,
-        initial_val_loss=initial_validation,
-        final_val_loss=final_validation,
+        initial_val_loss=loop.initial_validation,
+        final_val_loss=loop.final_validation,
         consensus_distance=consensus,
-        train_seconds=train_seconds,
+        train_seconds=loop.seconds,
         traffic=traffic or {},
         sample=sample,
     )

@@ -229,26 +229,24 @@ def _train_lanes(
             f"{len(corpus.train):,}",
             run_dir,
         )
-    initial_validation = validation_loss(model, held_out, lanes.lane)
     where = f"rank {comm.rank} (replica {replica}, shard {shard})"
-    losses, final_validation, train_seconds = run_steps(
+    loop = run_steps(
         config, model, optimizer, scheduler, batches, lambda: validation_loss(model, held_out, lanes.lane),
         comm.rank, lanes.lane.size, where,
     )  # fmt: skip
-    final_validation = initial_validation if final_validation is None else final_validation
     consensus = model.consensus_distance()
     sample = _sample(model, config.seed, replica, comm.rank)
-    every_rank = comm.all_gather_object(losses)
+    every_rank = comm.all_gather_object(loop.losses)
     traffic = model.close()
     if comm.rank != 0:
         return None
     summary = RunSummary(
         config=config,
         losses_by_rank=[every_rank[r * config.shards] for r in range(lanes.lane.size)],  # shard 0 of each replica
-        initial_val_loss=initial_validation,
-        final_val_loss=final_validation,
+        initial_val_loss=loop.initial_validation,
+        final_val_loss=loop.final_validation,
         consensus_distance=consensus,
-        train_seconds=train_seconds,
+        train_seconds=loop.seconds,
         traffic=traffic or {},
         sample=sample,
     )
