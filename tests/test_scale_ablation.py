@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import csv
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,7 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments.scale.ablation import CurrentGradientMomentumTrackingAdamW, MinMomentumTrackingAdamW, main
+from experiments.scale.ablation import (
+    CurrentGradientMomentumTrackingAdamW,
+    MinMomentumTrackingAdamW,
+    SignFirstMomentumTrackingAdamW,
+    arm_engine,
+    config,
+    main,
+)
+from experiments.scale.engine import Engine
+from gossip.app.corpus import load_corpus
+from optim import MomentumTrackingAdamW
 
 BETAS = (0.9, 0.95)
 
@@ -87,3 +98,51 @@ def test_the_smaller_second_moment_is_adams_own_where_the_tracker_is_the_first_m
     most v-hat, so the -min arm divides by the library's own AdamW denominator max(v-hat, z-hat^2)."""
     for _, own, floor, got, _ in _denominators_without_a_tracker(MinMomentumTrackingAdamW):
         torch.testing.assert_close(got, torch.maximum(own, floor))
+
+
+def test_before_the_first_sample_the_sign_first_arm_steps_by_lr_in_the_first_moments_sign_then_as_the_library():
+    """Until a sample arrives the arm divides by z-hat^2 alone (each coordinate moves by lr); after it, by the
+    library's max(max(u-hat, v-hat / n), z-hat^2), bit for bit the library's update from the same state."""
+    (beta1, _), lr, eps = BETAS, 0.1, 1e-8
+    weight = torch.nn.Parameter(torch.zeros(3))
+    optimizer = SignFirstMomentumTrackingAdamW([weight], lr=lr, betas=BETAS, eps=eps, weight_decay=0.0)
+    h = torch.zeros(3)
+    for step, gradient in enumerate([torch.tensor([1.0, -2.0, 0.5]), torch.tensor([-3.0, 0.1, 0.4])], start=1):
+        before = weight.detach().clone()
+        weight.grad = gradient.clone()
+        optimizer.step()
+        h = beta1 * h + (1 - beta1) * gradient  # z_i = h_i without a tracker
+        first = h / (1 - beta1**step)
+        # the own v-hat (g^2 at step 1) differs from z-hat^2 at step 2: there only the floor gives lr a coordinate
+        torch.testing.assert_close(weight.detach() - before, -lr * first / (first.abs() + eps))
+    optimizer.take_mean_gradient({weight: torch.tensor([0.1, 3.0, -0.2])}, workers=4)
+    twin = torch.nn.Parameter(weight.detach().clone())
+    library = MomentumTrackingAdamW([twin], lr=lr, betas=BETAS, eps=eps, weight_decay=0.0)
+    library.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # its own tensors
+    for p, gradient in ((weight, torch.tensor([0.3, 4.0, -1.0])), (twin, torch.tensor([0.3, 4.0, -1.0]))):
+        p.grad = gradient
+    optimizer.step()
+    library.step()
+    assert torch.equal(weight, twin)
+
+
+def _engine(arm: str) -> Engine:
+    tiny = {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 8, "warmup": 2, "second_moment_every": 4}
+    return arm_engine(config(arm, 4, 1, 40).replace(**tiny), load_corpus(None, block_size=8).train)
+
+
+def test_the_first_now_arm_is_the_all_reduced_twin_until_its_second_sample_which_arrives_as_gossip_does():
+    """The first sample is handed over at once, as ``tracker-3hops-allreduce-v`` does, so the two arms are the
+    same bit for bit until the second sample; that one is gossiped: it reaches the optimizer log2(n) steps after
+    it was due."""
+    now, twin = _engine("tracker-3hops-first-now"), _engine("tracker-3hops-allreduce-v")
+    first = now.optimizer.param_groups[0]["params"][0]
+    samples = []
+    for step in range(7):
+        now.step(step)
+        twin.step(step)
+        samples.append(now.optimizer.state[first]["samples"])
+        if step < 4:  # the second sample is due at step 4
+            assert torch.equal(now.parameters, twin.parameters), step
+    assert samples == [1, 1, 1, 1, 1, 1, 2]  # due at step 4, mixed over steps 5 and 6 (log2 4 = 2 hops)
+    assert not torch.equal(now.parameters, twin.parameters)

@@ -34,6 +34,12 @@ fixed per-worker batch, paired with DDP on the same seed (the same initial model
   comparison at the default's 16-worker setting), or gossiped in float32 instead of bfloat16
   (``tracker-2hops-float32-v``), or the exact mean handed over when the gossiped sample would be
   (:class:`DelayedMeanGradient`, ``tracker-2hops-delayed-v``: the gossip's delay without its rounding);
+* the first sample of the mean gradient at three hops: handed over log2(n) steps late as the gossip does, exactly
+  (``tracker-3hops-delayed-v``), or at once, later samples gossiped (:class:`FirstSampleNowMeanGradient`,
+  ``tracker-3hops-first-now``: the all-reduced twin's first sample, then the default's); the steps before the first
+  sample divided by the floor alone (the tracked first moment squared), not by the rank's own second moment
+  (:class:`SignFirstMomentumTrackingAdamW`, ``tracker-3hops-sign-first``: Adam's first step, the sign of the first
+  moment, needs no second moment);
 * the second moment at one sequence a worker (n = 16 x 1), with exact trackers over four hops (every worker steps on
   the exact mean first moment, so the second moment alone differs from DDP) and with the default's three sign hops:
   u kept over about seven samples (``-mem4``), that u scaled by each tensor's drift since the samples
@@ -141,6 +147,9 @@ ARMS: dict[str, dict[str, object]] = {
     "tracker-3hops-allreduce-v": {"tracker_hops": 3, "mean_gradient": "allreduce"},
     "tracker-2hops-float32-v": {"tracker_hops": 2, "mean_gradient_dtype": ""},
     "tracker-2hops-delayed-v": {"tracker_hops": 2, "mean_gradient_dtype": ""},
+    "tracker-3hops-delayed-v": {"tracker_hops": 3, "mean_gradient_dtype": ""},
+    "tracker-3hops-first-now": {"tracker_hops": 3},
+    "tracker-3hops-sign-first": {"tracker_hops": 3},
     "cap4": {},
     "exact-params-cap4": {"params": "exact"},
     "all-exact-uncapped": _ALL_EXACT,
@@ -591,6 +600,36 @@ class DelayedMeanGradient(MeanGradient):
         super()._hand_over(optimizer, self.exact)
 
 
+class FirstSampleNowMeanGradient(MeanGradient):
+    """The first due sample's exact mean (all-reduced, in rank order) handed to the optimizer at once, as
+    ``"allreduce"`` does; every later sample gossiped as the library's default. Its bytes are counted as the first
+    sample's gossip hops would send them."""
+
+    first_taken = False
+
+    def take(self, optimizer: optim.MomentumTrackingAdamW, step: int, plan: object) -> int:
+        """:meth:`MeanGradient.take`, except that the first due sample is averaged and handed over in this step."""
+        if self.first_taken or not optimizer.mean_gradient_due():
+            return super().take(optimizer, step, plan)
+        self.first_taken = True
+        self._hand_over(optimizer, mean_in_rank_order(self.replicas.grad))
+        grad, wire = self.replicas.grad, self.wire_dtype or self.replicas.grad.dtype
+        return self.hops * self.schedule.n * grad.shape[1] * wire.itemsize
+
+
+class SignFirstMomentumTrackingAdamW(_ArmOptimizer):
+    r"""The library's update, but until the first sample of the mean gradient arrives the step divides by the floor
+    :math:`\hat z_i^2` alone instead of :math:`\max(v_i / (1-\beta_2^t), \hat z_i^2)`: each coordinate moves by lr in
+    the sign of the tracked first moment, which is DDP's AdamW first step (where :math:`\hat m = \bar g` and
+    :math:`\hat v = \bar g^2`) up to the trackers' error; the rank's own second moment is n times too noisy."""
+
+    def denominator(self, group: dict, state: dict, first: torch.Tensor) -> torch.Tensor:
+        """The floor alone before the first sample, else the library's maximum."""
+        if self.second_moment_every and not state["samples"]:
+            return first.square()
+        return torch.maximum(self.second_moment(group, state), first.square())
+
+
 class OracleDirectionEngine(Engine):
     """An oracle, not an algorithm: every worker steps on the exact mean of the workers' first moments (what the
     trackers estimate), so that the workers differ only by the mixing of their parameters."""
@@ -661,6 +700,58 @@ def _swap_optimizer(engine: Engine, kind: type, **changes: object) -> optim.Mome
     return engine.optimizer
 
 
+def arm_engine(config: EngineConfig, train: torch.Tensor, cap: float = 1.0) -> Engine:
+    """The engine of an arm on the CPU: the library's parts, with the arm's optimizer or sampler swapped in.
+
+    Args:
+        config: the arm's configuration (:func:`config`; the arm is the part of its name after ``n-b-s``).
+        train: the training bytes.
+        cap: the step cap of :class:`CappedMomentumTrackingAdamW` (1: the library's optimizer).
+
+    Returns:
+        The engine, before its first step.
+    """
+    arm = config.name.split("-", 3)[-1]
+    engine = (OracleDirectionEngine if arm == "oracle-direction" else Engine)(config, train, "cpu", "batched")
+    if arm.endswith("local-moment"):
+        _swap_optimizer(engine, LocalMomentMomentumTrackingAdamW, second_moment_every=0)
+    if "window-v" in arm or "momentum-v" in arm:
+        _swap_optimizer(engine, WindowMomentumTrackingAdamW).weighted = arm.endswith("-w")
+        sampler = WindowMeanGradient if "window-v" in arm else MomentumMeanGradient
+        engine.mean_gradient = sampler(config.mean_gradient, engine.schedule, engine.replicas, config.sample_dtype())
+    if arm.endswith("first-now"):
+        engine.mean_gradient = FirstSampleNowMeanGradient(
+            config.mean_gradient, engine.schedule, engine.replicas, config.sample_dtype()
+        )
+    if arm.endswith("sign-first"):
+        _swap_optimizer(engine, SignFirstMomentumTrackingAdamW)
+    if arm.endswith("delayed-v"):
+        engine.mean_gradient = DelayedMeanGradient(
+            config.mean_gradient, engine.schedule, engine.replicas, config.sample_dtype()
+        )
+    if arm == "exact-params-w":
+        _swap_optimizer(engine, WeightedMomentumTrackingAdamW)
+    if arm.endswith("tracked-v"):
+        _swap_optimizer(engine, TrackedMomentumTrackingAdamW)
+    if arm.endswith("-current"):
+        _swap_optimizer(engine, CurrentGradientMomentumTrackingAdamW)
+    if arm.endswith("-min"):
+        _swap_optimizer(engine, MinMomentumTrackingAdamW)
+    if arm.endswith("drift4"):
+        _swap_optimizer(engine, DriftMomentumTrackingAdamW)
+    if arm.endswith("ratio4"):
+        _swap_optimizer(engine, RatioMomentumTrackingAdamW)
+    if arm.endswith("-floor"):
+        _swap_optimizer(engine, SharedFloorMomentumTrackingAdamW).sampled = arm.endswith("sampled-floor")
+    if arm.endswith("mem4") or arm.endswith("v-last"):
+        _swap_optimizer(engine, SampleMemoryMomentumTrackingAdamW).rate = 0.75 if arm.endswith("mem4") else 0.0
+    if arm == "all-exact-shared-only":
+        _swap_optimizer(engine, SharedOnlyMomentumTrackingAdamW)
+    if cap != 1.0:
+        _swap_optimizer(engine, CappedMomentumTrackingAdamW, cap=cap)
+    return engine
+
+
 def run(
     config: EngineConfig, seed: int, record_every: int, out: Path, cap: float = 1.0, stop_after: int | None = None
 ) -> dict:
@@ -687,38 +778,7 @@ def run(
         raise ValueError(f"{config.name}: stop_after must be in [1, {config.steps}], got {stop}")
     corpus = load_corpus(None, block_size=config.block_size)
     held_out = validation_batches(corpus.validation, EVAL_BATCH, config.block_size, EVAL_BATCHES)
-    arm = config.name.split("-", 3)[-1]
-    engine = (OracleDirectionEngine if arm == "oracle-direction" else Engine)(config, corpus.train, "cpu", "batched")
-    if arm.endswith("local-moment"):
-        _swap_optimizer(engine, LocalMomentMomentumTrackingAdamW, second_moment_every=0)
-    if "window-v" in arm or "momentum-v" in arm:
-        _swap_optimizer(engine, WindowMomentumTrackingAdamW).weighted = arm.endswith("-w")
-        sampler = WindowMeanGradient if "window-v" in arm else MomentumMeanGradient
-        engine.mean_gradient = sampler(config.mean_gradient, engine.schedule, engine.replicas, config.sample_dtype())
-    if arm.endswith("delayed-v"):
-        engine.mean_gradient = DelayedMeanGradient(
-            config.mean_gradient, engine.schedule, engine.replicas, config.sample_dtype()
-        )
-    if arm == "exact-params-w":
-        _swap_optimizer(engine, WeightedMomentumTrackingAdamW)
-    if arm.endswith("tracked-v"):
-        _swap_optimizer(engine, TrackedMomentumTrackingAdamW)
-    if arm.endswith("-current"):
-        _swap_optimizer(engine, CurrentGradientMomentumTrackingAdamW)
-    if arm.endswith("-min"):
-        _swap_optimizer(engine, MinMomentumTrackingAdamW)
-    if arm.endswith("drift4"):
-        _swap_optimizer(engine, DriftMomentumTrackingAdamW)
-    if arm.endswith("ratio4"):
-        _swap_optimizer(engine, RatioMomentumTrackingAdamW)
-    if arm.endswith("-floor"):
-        _swap_optimizer(engine, SharedFloorMomentumTrackingAdamW).sampled = arm.endswith("sampled-floor")
-    if arm.endswith("mem4") or arm.endswith("v-last"):
-        _swap_optimizer(engine, SampleMemoryMomentumTrackingAdamW).rate = 0.75 if arm.endswith("mem4") else 0.0
-    if arm == "all-exact-shared-only":
-        _swap_optimizer(engine, SharedOnlyMomentumTrackingAdamW)
-    if cap != 1.0:
-        _swap_optimizer(engine, CappedMomentumTrackingAdamW, cap=cap)
+    engine = arm_engine(config, corpus.train, cap)
     started, losses, rows, diagnostics = time.perf_counter(), [], [], []
     for step in range(stop):
         losses.append(engine.step(step).mean())
