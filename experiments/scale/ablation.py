@@ -34,12 +34,12 @@ fixed per-worker batch, paired with DDP on the same seed (the same initial model
   comparison at the default's 16-worker setting), or gossiped in float32 instead of bfloat16
   (``tracker-2hops-float32-v``), or the exact mean handed over when the gossiped sample would be
   (:class:`DelayedMeanGradient`, ``tracker-2hops-delayed-v``: the gossip's delay without its rounding);
-* the first sample of the mean gradient at three hops: handed over log2(n) steps late as the gossip does, exactly
-  (``tracker-3hops-delayed-v``), or at once, later samples gossiped (:class:`FirstSampleNowMeanGradient`,
-  ``tracker-3hops-first-now``: the all-reduced twin's first sample, then the default's); the steps before the first
-  sample divided by the floor alone (the tracked first moment squared), not by the rank's own second moment
-  (:class:`SignFirstMomentumTrackingAdamW`, ``tracker-3hops-sign-first``: Adam's first step, the sign of the first
-  moment, needs no second moment);
+* the first sample of the mean gradient at three hops: gossiped in float32 (``tracker-3hops-float32-v``), handed
+  over log2(n) steps late as the gossip does, exactly (``tracker-3hops-delayed-v``), or at once, later samples
+  gossiped (:class:`FirstSampleNowMeanGradient`, ``tracker-3hops-first-now``: the all-reduced twin's first sample,
+  then the default's); the steps before the first sample divided by the floor alone (the tracked first moment
+  squared), not by the rank's own second moment (:class:`SignFirstMomentumTrackingAdamW`,
+  ``tracker-3hops-sign-first``: Adam's first step, the sign of the first moment, needs no second moment);
 * the second moment at one sequence a worker (n = 16 x 1), with exact trackers over four hops (every worker steps on
   the exact mean first moment, so the second moment alone differs from DDP) and with the default's three sign hops:
   u kept over about seven samples (``-mem4``), that u scaled by each tensor's drift since the samples
@@ -148,6 +148,7 @@ ARMS: dict[str, dict[str, object]] = {
     "tracker-2hops-float32-v": {"tracker_hops": 2, "mean_gradient_dtype": ""},
     "tracker-2hops-delayed-v": {"tracker_hops": 2, "mean_gradient_dtype": ""},
     "tracker-3hops-delayed-v": {"tracker_hops": 3, "mean_gradient_dtype": ""},
+    "tracker-3hops-float32-v": {"tracker_hops": 3, "mean_gradient_dtype": ""},
     "tracker-3hops-first-now": {"tracker_hops": 3},
     "tracker-3hops-sign-first": {"tracker_hops": 3},
     "cap4": {},
