@@ -603,8 +603,9 @@ class DelayedMeanGradient(MeanGradient):
 
 class FirstSampleNowMeanGradient(MeanGradient):
     """The first due sample's exact mean (all-reduced, in rank order) handed to the optimizer at once, as
-    ``"allreduce"`` does; every later sample gossiped as the library's default. Its bytes are counted as the first
-    sample's gossip hops would send them."""
+    ``"allreduce"`` does; every later sample gossiped as the library's default. The first sample's bytes are counted
+    as its gossip hops would send them where every rank sends at every hop (the hypercube): hops × n rows in the
+    wire dtype."""
 
     first_taken = False
 
@@ -701,6 +702,12 @@ def _swap_optimizer(engine: Engine, kind: type, **changes: object) -> optim.Mome
     return engine.optimizer
 
 
+def _swap_sampler(engine: Engine, kind: type[MeanGradient]) -> None:
+    """Replace the engine's mean-gradient sampler by ``kind`` with the configuration's settings."""
+    config = engine.config
+    engine.mean_gradient = kind(config.mean_gradient, engine.schedule, engine.replicas, config.sample_dtype())
+
+
 def arm_engine(config: EngineConfig, train: torch.Tensor, cap: float = 1.0) -> Engine:
     """The engine of an arm on the CPU: the library's parts, with the arm's optimizer or sampler swapped in.
 
@@ -719,17 +726,13 @@ def arm_engine(config: EngineConfig, train: torch.Tensor, cap: float = 1.0) -> E
     if "window-v" in arm or "momentum-v" in arm:
         _swap_optimizer(engine, WindowMomentumTrackingAdamW).weighted = arm.endswith("-w")
         sampler = WindowMeanGradient if "window-v" in arm else MomentumMeanGradient
-        engine.mean_gradient = sampler(config.mean_gradient, engine.schedule, engine.replicas, config.sample_dtype())
+        _swap_sampler(engine, sampler)
     if arm.endswith("first-now"):
-        engine.mean_gradient = FirstSampleNowMeanGradient(
-            config.mean_gradient, engine.schedule, engine.replicas, config.sample_dtype()
-        )
+        _swap_sampler(engine, FirstSampleNowMeanGradient)
     if arm.endswith("sign-first"):
         _swap_optimizer(engine, SignFirstMomentumTrackingAdamW)
     if arm.endswith("delayed-v"):
-        engine.mean_gradient = DelayedMeanGradient(
-            config.mean_gradient, engine.schedule, engine.replicas, config.sample_dtype()
-        )
+        _swap_sampler(engine, DelayedMeanGradient)
     if arm == "exact-params-w":
         _swap_optimizer(engine, WeightedMomentumTrackingAdamW)
     if arm.endswith("tracked-v"):
