@@ -20,6 +20,7 @@ from experiments.scale.ablation import (
 )
 from experiments.scale.engine import Engine
 from gossip.app.corpus import load_corpus
+from gossip.app.train import TrainConfig, resolve
 from optim import MomentumTrackingAdamW
 
 BETAS = (0.9, 0.95)
@@ -146,3 +147,18 @@ def test_the_first_now_arm_is_the_all_reduced_twin_until_its_second_sample_which
             assert torch.equal(now.parameters, twin.parameters), step
     assert samples == [1, 1, 1, 1, 1, 1, 2]  # due at step 4, mixed over steps 5 and 6 (log2 4 = 2 hops)
     assert not torch.equal(now.parameters, twin.parameters)
+
+
+@pytest.mark.parametrize(("arm", "base"), [("ddp-warmup100", "ddp"), ("tracker-3hops-warmup100", "tracker-3hops")])
+def test_a_warm_up_arm_is_its_base_with_the_librarys_warm_up_for_4000_steps(arm, base):
+    """Only the warm-up differs from the base arm, it is what ``gossip-train --steps 4000`` resolves to, and the
+    engine's learning rate follows it: linear up to the peak at its last warm-up step."""
+    long, short = config(arm, 16, 1, 4000), config(base, 16, 1, 4000)
+    assert long.replace(name=short.name, warmup=short.warmup) == short
+    assert long.warmup == resolve(TrainConfig(steps=4000), 16)[0].warmup_steps != short.warmup
+    engine = arm_engine(long.replace(n_layer=1, n_embd=16, n_head=2, block_size=8), load_corpus(None, 8).train)
+    rates = []
+    for step in (49, long.warmup - 1):
+        engine.step(step)
+        rates.append(engine.optimizer.param_groups[0]["lr"])
+    assert rates == [long.lr * 50 / long.warmup, long.lr]
