@@ -149,7 +149,14 @@ def test_the_first_now_arm_is_the_all_reduced_twin_until_its_second_sample_which
     assert not torch.equal(now.parameters, twin.parameters)
 
 
-@pytest.mark.parametrize(("arm", "base"), [("ddp-warmup100", "ddp"), ("tracker-3hops-warmup100", "tracker-3hops")])
+@pytest.mark.parametrize(
+    ("arm", "base"),
+    [
+        ("ddp-warmup100", "ddp"),
+        ("tracker-3hops-warmup100", "tracker-3hops"),
+        ("tracker-3hops-allreduce-v-warmup100", "tracker-3hops-allreduce-v"),
+    ],
+)
 def test_a_warm_up_arm_is_its_base_with_the_librarys_warm_up_for_4000_steps(arm, base):
     """Only the warm-up differs from the base arm, it is what ``gossip-train --steps 4000`` resolves to, and the
     engine's learning rate follows it: linear up to the peak at its last warm-up step."""
