@@ -155,14 +155,16 @@ def test_the_first_now_arm_is_the_all_reduced_twin_until_its_second_sample_which
         ("ddp-warmup100", "ddp"),
         ("tracker-3hops-warmup100", "tracker-3hops"),
         ("tracker-3hops-allreduce-v-warmup100", "tracker-3hops-allreduce-v"),
+        ("tracker-4hops-warmup100", "tracker-4hops"),
     ],
 )
 def test_a_warm_up_arm_is_its_base_with_the_librarys_warm_up_for_4000_steps(arm, base):
-    """Only the warm-up differs from the base arm, it is what ``gossip-train --steps 4000`` resolves to, and the
-    engine's learning rate follows it: linear up to the peak at its last warm-up step."""
+    """Only the warm-up differs from the base arm, it is what ``gossip-train --steps 4000`` (and 1000) resolves to,
+    and the engine's learning rate follows it: linear up to the peak at its last warm-up step."""
     long, short = config(arm, 16, 1, 4000), config(base, 16, 1, 4000)
     assert long.replace(name=short.name, warmup=short.warmup) == short
-    assert long.warmup == resolve(TrainConfig(steps=4000), 16)[0].warmup_steps != short.warmup
+    for steps in (1000, 4000):
+        assert long.warmup == resolve(TrainConfig(steps=steps), 16)[0].warmup_steps != short.warmup
     engine = arm_engine(long.replace(n_layer=1, n_embd=16, n_head=2, block_size=8), load_corpus(None, 8).train)
     rates = []
     for step in (49, long.warmup - 1):
