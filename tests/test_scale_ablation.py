@@ -156,6 +156,7 @@ def test_the_first_now_arm_is_the_all_reduced_twin_until_its_second_sample_which
         ("tracker-3hops-warmup100", "tracker-3hops"),
         ("tracker-3hops-allreduce-v-warmup100", "tracker-3hops-allreduce-v"),
         ("tracker-4hops-warmup100", "tracker-4hops"),
+        ("tracker-3hops-float32-v-warmup100", "tracker-3hops-float32-v"),
     ],
 )
 def test_a_warm_up_arm_is_its_base_with_the_librarys_warm_up_for_4000_steps(arm, base):

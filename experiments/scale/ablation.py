@@ -56,7 +56,7 @@ fixed per-worker batch, paired with DDP on the same seed (the same initial model
 * the warm-up: 100 steps, what the library resolves for runs of 1000 steps or more (``steps // 10`` capped at 100),
   instead of the engine's 30, for DDP, the default at 16 and at 64 workers and the all-reduced twin at 16
   (``ddp-warmup100``, ``tracker-3hops-warmup100``, ``tracker-4hops-warmup100``,
-  ``tracker-3hops-allreduce-v-warmup100``);
+  ``tracker-3hops-allreduce-v-warmup100``), and the sample's hops in float32 (``tracker-3hops-float32-v-warmup100``);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
 
@@ -159,6 +159,7 @@ ARMS: dict[str, dict[str, object]] = {
     "tracker-3hops-warmup100": {"tracker_hops": 3, "warmup": 100},
     "tracker-3hops-allreduce-v-warmup100": {"tracker_hops": 3, "mean_gradient": "allreduce", "warmup": 100},
     "tracker-4hops-warmup100": {"tracker_hops": 4, "warmup": 100},
+    "tracker-3hops-float32-v-warmup100": {"tracker_hops": 3, "mean_gradient_dtype": "", "warmup": 100},
     "cap4": {},
     "exact-params-cap4": {"params": "exact"},
     "all-exact-uncapped": _ALL_EXACT,
