@@ -159,8 +159,8 @@ def test_the_first_now_arm_is_the_all_reduced_twin_until_its_second_sample_which
         ("tracker-3hops-float32-v-warmup100", "tracker-3hops-float32-v"),
     ],
 )
-def test_a_warm_up_arm_is_its_base_with_the_librarys_warm_up_for_4000_steps(arm, base):
-    """Only the warm-up differs from the base arm, it is what ``gossip-train --steps 4000`` (and 1000) resolves to,
+def test_a_warm_up_arm_is_its_base_with_the_librarys_warm_up_for_1000_and_4000_steps(arm, base):
+    """Only the warm-up differs from the base arm, it is what ``gossip-train`` resolves for 1000 and 4000 steps,
     and the engine's learning rate follows it: linear up to the peak at its last warm-up step."""
     long, short = config(arm, 16, 1, 4000), config(base, 16, 1, 4000)
     assert long.replace(name=short.name, warmup=short.warmup) == short

@@ -155,11 +155,6 @@ ARMS: dict[str, dict[str, object]] = {
     "tracker-3hops-float32-v": {"tracker_hops": 3, "mean_gradient_dtype": ""},
     "tracker-3hops-first-now": {"tracker_hops": 3},
     "tracker-3hops-sign-first": {"tracker_hops": 3},
-    "ddp-warmup100": {"params": "ddp", "trackers": "", "optimizer": "adamw", "warmup": 100},
-    "tracker-3hops-warmup100": {"tracker_hops": 3, "warmup": 100},
-    "tracker-3hops-allreduce-v-warmup100": {"tracker_hops": 3, "mean_gradient": "allreduce", "warmup": 100},
-    "tracker-4hops-warmup100": {"tracker_hops": 4, "warmup": 100},
-    "tracker-3hops-float32-v-warmup100": {"tracker_hops": 3, "mean_gradient_dtype": "", "warmup": 100},
     "cap4": {},
     "exact-params-cap4": {"params": "exact"},
     "all-exact-uncapped": _ALL_EXACT,
@@ -190,6 +185,10 @@ ARMS: dict[str, dict[str, object]] = {
     "pg-rank16-mem4": {"rank": 16},
     "ratio4": {},
 }
+#: arms also run on the library's warm-up for runs of 1000 steps or more (``steps // 10`` capped at 100),
+#: as ``{arm}-warmup100``.
+WARMUP100_BASES = ("ddp", "tracker-3hops", "tracker-4hops", "tracker-3hops-allreduce-v", "tracker-3hops-float32-v")
+ARMS |= {f"{base}-warmup100": {**ARMS[base], "warmup": 100} for base in WARMUP100_BASES}
 #: arms that run :class:`CappedMomentumTrackingAdamW` with this cap (1e9: no z^2 floor).
 CAPS = {"cap4": 4.0, "exact-params-cap4": 4.0, "all-exact-uncapped": 1e9}
 
