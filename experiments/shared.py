@@ -98,11 +98,23 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def append_rows(path: Path, rows: list[dict]) -> None:
-    """Append ``rows`` (all with the same keys) to the CSV at ``path``, writing the header when the file is new."""
+    """Append ``rows`` (all with the same keys) to the CSV at ``path``, writing the header when the file is new.
+
+    Raises:
+        ValueError: the file's header names other columns than the rows' keys (appending would shift them).
+    """
     if not rows:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    new = not path.exists()
+    new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        with path.open(newline="") as handle:
+            header = next(csv.reader(handle), [])
+        if header != list(rows[0]):
+            raise ValueError(
+                f"{path}: its columns {header} are not the rows' {list(rows[0])}; write to a new file (--out) or "
+                "add the missing columns to it first"
+            )
     with path.open("a", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         if new:

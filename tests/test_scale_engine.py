@@ -273,7 +273,7 @@ def test_the_report_pairs_each_arm_with_its_ddp_twin():
     def summary(config, seed, loss, sent):
         n, b = (int(part[1:]) for part in config.split("-")[:2])
         final = {"final_avg_val_loss": loss, "final_local_val_loss": loss + 0.01, "final_consensus": 0.1}
-        return {"config": config, "seed": seed, "workers": n, "batch": b, "step": 30, **final,
+        return {"config": config, "seed": seed, "workers": n, "batch": b, "warmup": 3, "step": 30, **final,
                 "bytes_per_worker_per_step": sent}  # fmt: skip
 
     rows = [summary("n16-b4-ddp", 0, 1.5, 100.0), summary("n16-b4-pipeline", 0, 1.6, 10.0),
@@ -295,7 +295,8 @@ def test_the_report_tells_a_missing_ddp_curve_from_one_never_reached():
     from experiments.scale.report import equivalent_step_text, gaps
 
     summary = [
-        {"config": f"n16-b4-{arm}", "seed": 0, "workers": 16, "batch": 4, "step": 30, "final_avg_val_loss": loss,
+        {"config": f"n16-b4-{arm}", "seed": 0, "workers": 16, "batch": 4, "warmup": 3, "step": 30,
+         "final_avg_val_loss": loss,
          "final_local_val_loss": loss, "final_consensus": 0.1, "bytes_per_worker_per_step": 1.0}
         for arm, loss in (("ddp", 1.5), ("pipeline", 1.2))
     ]  # fmt: skip
@@ -304,3 +305,66 @@ def test_the_report_tells_a_missing_ddp_curve_from_one_never_reached():
     (missing,) = gaps(summary, [])
     assert below["ddp_equivalent_step"] is None and missing["ddp_equivalent_step"] is None
     assert (equivalent_step_text(below), equivalent_step_text(missing)) == ("ends below DDP", "no DDP curve")
+
+
+def test_the_sweeps_warm_up_as_the_library_does_unless_told_and_name_any_other_warm_up():
+    from gossip.app.train import TrainConfig, resolve
+
+    library = resolve(TrainConfig(steps=1000), 16)[0].warmup_steps
+    weak, thirty, explicit = sweep("weak"), sweep("weak", warmup=30), sweep("weak", warmup=library)
+    assert {c.warmup_steps() for c in weak} == {library} == {100}
+    assert explicit == weak  # the library's warm-up named explicitly is the same run, under the same name
+    assert {c.warmup_steps() for c in thirty} == {30}
+    assert [c.name for c in thirty] == [f"{c.name}-warmup30" for c in weak]
+    assert [c.replace(name="", warmup=None) for c in thirty] == [c.replace(name="") for c in weak]
+    with pytest.raises(ValueError, match="warmup must be >= 0"):
+        sweep("weak", warmup=-1)
+
+
+def test_the_committed_sweep_rows_name_their_warm_up_unless_it_is_the_librarys():
+    import csv
+
+    from experiments.scale.study import RESULTS
+    from gossip.app.train import default_warmup_steps
+
+    rows = []
+    for path in [RESULTS / "summary.csv", *RESULTS.glob("*_sample/summary.csv")]:  # the ablation names its arms
+        with path.open() as handle:
+            rows += list(csv.DictReader(handle))
+    assert len(rows) > 23
+    for row in rows:
+        warmup, library = int(row["warmup"]), default_warmup_steps(int(row["step"]))
+        assert row["config"].endswith(f"-warmup{warmup}") == (warmup != library), row["config"]
+
+
+def test_the_report_pairs_a_run_only_with_the_ddp_run_of_its_warm_up():
+    from experiments.scale.report import gaps
+
+    def summary(config, warmup, loss):
+        return {"config": config, "seed": 0, "workers": 16, "batch": 4, "warmup": warmup, "step": 30,
+                "final_avg_val_loss": loss, "final_local_val_loss": loss, "final_consensus": 0.1,
+                "bytes_per_worker_per_step": 1.0}  # fmt: skip
+
+    rows = [summary("n16-b4-ddp", 3, 1.5), summary("n16-b4-ddp-warmup10", 10, 1.7),
+            summary("n16-b4-pipeline", 3, 1.52), summary("n16-b4-pipeline-ring-warmup10", 10, 1.6)]  # fmt: skip
+    paired = {(r["arm"], r["warmup"]): r["ddp_final_avg_val_loss"] for r in gaps(rows, [])}
+    assert paired == {("pipeline", 3): 1.5, ("pipeline-ring", 10): 1.7}
+    assert gaps(rows[1:3], []) == []  # a run on another warm-up than DDP's is not its twin
+
+
+def test_a_sweep_and_its_report_run_end_to_end_and_pair_runs_of_one_warm_up(tmp_path):
+    from experiments.scale import report, study
+    from experiments.shared import read_csv
+
+    runs = ["--only", "smoke-n8-b2-ddp-warmup2", "smoke-n8-b2-pipeline-warmup2"]
+    args = ["--sweep", "smoke", "--steps", "6", "--record-every", "3", "--seeds", "0", "--device", "cpu"]
+    threads = torch.get_num_threads()
+    try:
+        assert study.main([*args, *runs, "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    summary = read_csv(tmp_path / "summary.csv")
+    assert [(r["config"], r["warmup"]) for r in summary] == [(name, 2) for name in runs[1:]]
+    assert report.main(["--results", str(tmp_path)]) == 0
+    (row,) = read_csv(tmp_path / "gaps.csv")
+    assert (row["workers"], row["warmup"], row["arm"], row["ddp_curve_points"]) == (8, 2, "pipeline", 2)

@@ -54,8 +54,8 @@ fixed per-worker batch, paired with DDP on the same seed (the same initial model
   ``-ar2-current``); the smaller of the tracker's second moment and the sample (:class:`MinMomentumTrackingAdamW`,
   ``-min``);
 * the warm-up: 100 steps, what the library resolves for runs of 1000 steps or more (``steps // 10`` capped at 100),
-  instead of the engine's 30, for DDP, the default at 16 and at 64 workers and the all-reduced twin at 16
-  (``ddp-warmup100``, ``tracker-3hops-warmup100``, ``tracker-4hops-warmup100``,
+  instead of the arms' 30 (:data:`ARM_WARMUP`), for DDP, the default at 16 and at 64 workers and the all-reduced
+  twin at 16 (``ddp-warmup100``, ``tracker-3hops-warmup100``, ``tracker-4hops-warmup100``,
   ``tracker-3hops-allreduce-v-warmup100``), and the sample's hops in float32 (``tracker-3hops-float32-v-warmup100``);
 * step sizes: ChocoSign's consensus step size, beta1 (the trackers' increments are (1 - beta1)(g_i - h_i));
 * the schedule (for the exact arms, which accept a directed one): one-peer exponential instead of the hypercube.
@@ -185,6 +185,8 @@ ARMS: dict[str, dict[str, object]] = {
     "pg-rank16-mem4": {"rank": 16},
     "ratio4": {},
 }
+#: the arms' warm-up unless they name one: 30 steps, what the engine ran before it followed the library's rule.
+ARM_WARMUP = 30
 #: arms also run on the library's warm-up for runs of 1000 steps or more (``steps // 10`` capped at 100),
 #: as ``{arm}-warmup100``.
 WARMUP100_BASES = ("ddp", "tracker-3hops", "tracker-4hops", "tracker-3hops-allreduce-v", "tracker-3hops-float32-v")
@@ -194,7 +196,8 @@ CAPS = {"cap4": 4.0, "exact-params-cap4": 4.0, "all-exact-uncapped": 1e9}
 
 
 def config(arm: str, workers: int, batch: int, steps: int) -> EngineConfig:
-    """The arm's configuration, named ``n{n}-b{b}-s{steps}-{arm}`` (the DDP twin: arm ``ddp``).
+    """The arm's configuration, named ``n{n}-b{b}-s{steps}-{arm}`` (the DDP twin: arm ``ddp``), on
+    :data:`ARM_WARMUP` warm-up steps unless the arm names its own.
 
     Args:
         arm: a key of :data:`ARMS`.
@@ -205,7 +208,7 @@ def config(arm: str, workers: int, batch: int, steps: int) -> EngineConfig:
     Returns:
         The configuration.
     """
-    fields = {"tracker_hops": 1, "second_moment": "sample", **ARMS[arm]}
+    fields = {"tracker_hops": 1, "second_moment": "sample", "warmup": ARM_WARMUP, **ARMS[arm]}
     return EngineConfig(name=f"n{workers}-b{batch}-s{steps}-{arm}", workers=workers, batch=batch, steps=steps,
                         **fields)  # fmt: skip
 
@@ -784,7 +787,7 @@ def run(
     Raises:
         FloatingPointError: the training loss is not finite.
     """
-    config = config.replace(seed=seed, warmup=min(config.warmup, config.steps // 2))
+    config = config.replace(seed=seed)
     stop = config.steps if stop_after is None else stop_after
     if not 1 <= stop <= config.steps:
         raise ValueError(f"{config.name}: stop_after must be in [1, {config.steps}], got {stop}")

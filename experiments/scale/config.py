@@ -21,6 +21,7 @@ import gossip
 import optim
 import topologies
 from gossip.app.gpt import GPTConfig
+from gossip.app.train import default_warmup_steps
 
 PARAMS = ("ddp", "exact", "powergossip")
 TRACKERS = ("", "exact", "sign")
@@ -37,7 +38,8 @@ class EngineConfig:
         batch: sequences per worker per step.
         steps: training steps (the lr schedule's length).
         lr: the peak learning rate (linear warm-up, then a cosine to lr / 10: ``gossip.app.train.learning_rate``).
-        warmup: warm-up steps.
+        warmup: the learning rate's warm-up steps; None: the library's for ``steps``
+            (:func:`gossip.app.train.default_warmup_steps`, what ``gossip-train`` resolves).
         seed: the model's and the batches' seed.
         n_layer: the GPT's blocks.
         n_embd: its width.
@@ -73,7 +75,7 @@ class EngineConfig:
     batch: int = 4
     steps: int = 1000
     lr: float = 3e-3
-    warmup: int = 30
+    warmup: int | None = None
     seed: int = 0
     n_layer: int = 2
     n_embd: int = 96
@@ -108,6 +110,8 @@ class EngineConfig:
             raise ValueError(f"{self.name}: momentum tracking needs trackers (the wrapper refuses it without)")
         if self.second_moment not in optim.SECOND_MOMENTS:
             raise ValueError(f"{self.name}: second_moment in {optim.SECOND_MOMENTS}, got {self.second_moment!r}")
+        if self.warmup is not None and self.warmup < 0:
+            raise ValueError(f"{self.name}: warmup must be >= 0 steps or None (the library's), got {self.warmup}")
         if self.tracker_hops is not None and self.tracker_hops < 1:
             raise ValueError(f"{self.name}: tracker_hops must be >= 1, got {self.tracker_hops}")
         hops = gossip.default_tracker_hops(self.workers) if self.tracker_hops is None else self.tracker_hops
@@ -120,6 +124,15 @@ class EngineConfig:
             The :class:`GPTConfig`.
         """
         return GPTConfig(block_size=self.block_size, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd)
+
+    def warmup_steps(self) -> int:
+        """The warm-up the run follows.
+
+        Returns:
+            ``warmup``, at most half the run (so that a short run still reaches the peak), or the library's for
+                ``steps`` when ``warmup`` is None.
+        """
+        return default_warmup_steps(self.steps) if self.warmup is None else min(self.warmup, self.steps // 2)
 
     def build_schedule(self) -> topologies.Schedule:
         """The schedule for n workers.

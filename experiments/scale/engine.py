@@ -171,7 +171,7 @@ class Engine:
         else:
             self.optimizer = optim.AccumAdamW(groups, **adam, accum_iter=1)
         self.mean_gradient = MeanGradient(config.mean_gradient, self.schedule, self.replicas, config.sample_dtype())
-        self.lr_schedule = TrainConfig(lr=config.lr, steps=config.steps, warmup_steps=config.warmup)
+        self.lr_schedule = TrainConfig(lr=config.lr, steps=config.steps, warmup_steps=config.warmup_steps())
         self.bytes_sent = 0  # payload bytes, summed over the ranks
 
     def _messages(self, steps: int) -> tuple[np.ndarray, np.ndarray]:

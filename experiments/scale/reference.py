@@ -79,7 +79,7 @@ def simulated_trajectory(config: EngineConfig, train: torch.Tensor, steps: int, 
             (n,) (0 for DDP, which runs no wrapper).
     """
     lock = threading.Lock()
-    schedule = TrainConfig(lr=config.lr, steps=config.steps, warmup_steps=config.warmup)
+    schedule = TrainConfig(lr=config.lr, steps=config.steps, warmup_steps=config.warmup_steps())
 
     def worker(comm: gossip.Communicator) -> list[tuple[torch.Tensor, float, int]]:
         with lock:  # the virtual ranks share torch's global generator: seed and build atomically

@@ -1,12 +1,13 @@
 """The sweeps' tables and plot from their records: each arm against DDP on the same n, batch and seed.
 
-For every run in ``summary.csv`` with a DDP twin (same workers, batch and seed: the same initial model and tokens),
+For every run in ``summary.csv`` with a DDP twin (same workers, batch, warm-up and seed: the same initial model,
+tokens and learning rates),
 :func:`gaps` gives the paired gap of the final averaged-model validation loss, arm - DDP, and the DDP-equivalent
 steps: the first recorded step at which DDP's averaged validation loss is at or below the arm's final one
 (``steps.csv``, every ``record_every`` steps), so that the arm's steps over it bounds from below the steps ratio the
 arm needs to reach DDP's final loss on the same schedule (``None`` when DDP's curve never gets that high, the arm
 ending below DDP, or when ``steps.csv`` has no curve of the twin: ``ddp_curve_points`` tells which). :func:`plot`
-draws the averaged model's validation loss against steps, one panel per (n, batch).
+draws the averaged model's validation loss against steps, one panel per (n, batch, warm-up).
 
 Run: ``python -m experiments.scale.report`` (reads and writes ``experiments/scale/results/``).
 """
@@ -14,6 +15,7 @@ Run: ``python -m experiments.scale.report`` (reads and writes ``experiments/scal
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -23,8 +25,9 @@ from experiments.shared import pyplot, read_csv, save_figure, write_csv
 
 
 def _arm(config: str) -> str:
-    """``n16-b4-pipeline[-ring]`` -> ``pipeline[-ring]``."""
-    return config.split("-", 2)[2]
+    """``[prefix-]n16-b4-pipeline[-ring][-warmup30]`` -> ``pipeline[-ring]`` (the warm-up is ``summary.csv``'s
+    column)."""
+    return re.fullmatch(r"(?:.+-)?n\d+-b\d+-(.+?)(?:-warmup\d+)?", config).group(1)
 
 
 def curves(steps: list[dict]) -> dict[tuple, list[dict]]:
@@ -43,7 +46,7 @@ def curves(steps: list[dict]) -> dict[tuple, list[dict]]:
 
 
 def gaps(summary: list[dict], steps: list[dict]) -> list[dict]:
-    """One row per (workers, batch, arm, seed) that has a DDP twin.
+    """One row per (workers, batch, warm-up, arm, seed) that has a DDP twin.
 
     Args:
         summary: ``summary.csv``'s rows (:func:`experiments.shared.read_csv`).
@@ -53,11 +56,11 @@ def gaps(summary: list[dict], steps: list[dict]) -> list[dict]:
         Rows with ``gap`` (arm - DDP, final averaged validation loss), ``ddp_equivalent_step`` and
             ``steps_ratio_at_least`` (the arm's steps over it), the final consensus distance and bytes per step.
     """
-    ddp = {(r["workers"], r["batch"], r["seed"]): r for r in summary if _arm(r["config"]) == "ddp"}
+    ddp = {(r["workers"], r["batch"], r["warmup"], r["seed"]): r for r in summary if _arm(r["config"]) == "ddp"}
     runs = curves(steps)
     out = []
     for row in summary:
-        key = (row["workers"], row["batch"], row["seed"])
+        key = (row["workers"], row["batch"], row["warmup"], row["seed"])
         if _arm(row["config"]) == "ddp" or key not in ddp:
             continue
         twin = ddp[key]
@@ -65,7 +68,8 @@ def gaps(summary: list[dict], steps: list[dict]) -> list[dict]:
         curve = runs.get((twin["config"], twin["seed"]), [])
         reached = next((int(r["step"]) for r in curve if r["avg_val_loss"] <= final), None)
         out.append({
-            "workers": int(row["workers"]), "batch": int(row["batch"]), "arm": _arm(row["config"]),
+            "workers": int(row["workers"]), "batch": int(row["batch"]), "warmup": int(row["warmup"]),
+            "arm": _arm(row["config"]),
             "seed": int(row["seed"]), "steps": int(row["step"]), "final_avg_val_loss": final,
             "ddp_final_avg_val_loss": twin["final_avg_val_loss"], "gap": final - twin["final_avg_val_loss"],
             "local_minus_avg": row["final_local_val_loss"] - final, "final_consensus": row["final_consensus"],
@@ -73,7 +77,7 @@ def gaps(summary: list[dict], steps: list[dict]) -> list[dict]:
             "ddp_curve_points": len(curve),
             "bytes_per_step_over_ddp": row["bytes_per_worker_per_step"] / twin["bytes_per_worker_per_step"],
         })  # fmt: skip
-    return sorted(out, key=lambda r: (r["workers"], r["batch"], r["arm"], r["seed"]))
+    return sorted(out, key=lambda r: (r["workers"], r["batch"], r["warmup"], r["arm"], r["seed"]))
 
 
 def equivalent_step_text(row: dict) -> str:
@@ -106,8 +110,8 @@ def mean_spread(values: list[float]) -> str:
 
 
 def plot(steps: list[dict], path: Path) -> Path:
-    """The averaged model's validation loss against steps, one panel per (workers, batch): every run and seed that
-    ``steps.csv`` has, one colour per arm and one line style per seed.
+    """The averaged model's validation loss against steps, one panel per (workers, batch, warm-up): every run and
+    seed that ``steps.csv`` has, one colour per arm and one line style per seed.
 
     Args:
         steps: ``steps.csv``'s rows.
@@ -118,19 +122,20 @@ def plot(steps: list[dict], path: Path) -> Path:
     """
     plt = pyplot()
     styles = ("-", "--", ":", "-.")
-    panels = sorted({(int(r["workers"]), int(r["batch"])) for r in steps})
+    panels = sorted({(int(r["workers"]), int(r["batch"]), int(r["warmup"])) for r in steps})
     arms = sorted({_arm(r["config"]) for r in steps})
     colours = {arm: f"C{i}" for i, arm in enumerate(arms)}
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.2), squeeze=False)
     runs = curves(steps)
-    for ax, (n, b) in zip(axes[0], panels, strict=True):
+    for ax, (n, b, warmup) in zip(axes[0], panels, strict=True):
         for (config, seed), rows in sorted(runs.items()):
-            if (int(rows[0]["workers"]), int(rows[0]["batch"])) != (n, b):
+            if (int(rows[0]["workers"]), int(rows[0]["batch"]), int(rows[0]["warmup"])) != (n, b, warmup):
                 continue
             arm = _arm(config)
             ax.plot([r["step"] for r in rows], [r["avg_val_loss"] for r in rows], label=f"{arm}, seed {int(seed)}",
                     color=colours[arm], linestyle=styles[int(seed) % len(styles)], lw=1.1)  # fmt: skip
-        ax.set(title=f"n = {n}, {b} sequences a worker", xlabel="step", ylabel="val. loss, averaged model")
+        title = f"n = {n}, {b} sequences a worker, {warmup} warm-up steps"
+        ax.set(title=title, xlabel="step", ylabel="val. loss, averaged model")
         ax.set_ylim(top=2.6)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -151,17 +156,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     summary, steps = read_csv(args.results / "summary.csv"), read_csv(args.results / "steps.csv")
     rows = gaps(summary, steps)
+    if not rows:
+        parser.error(f"{args.results / 'summary.csv'}: no run has a DDP twin (the same n, batch, warm-up and seed)")
     write_csv(args.results / "gaps.csv", rows)
-    print("| n × sequences | arm | gap to DDP | DDP-equivalent step of 1000 | consensus | bytes ÷ DDP's |")
-    print("|---|---|---|---|---|---|")
+    print("| n × sequences | warm-up | arm | gap to DDP | DDP-equivalent step | consensus | bytes ÷ DDP's |")
+    print("|---|---|---|---|---|---|---|")
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["workers"], row["batch"], row["arm"]), []).append(row)
-    for (n, b, arm), group in groups.items():
+        groups.setdefault((row["workers"], row["batch"], row["warmup"], row["arm"]), []).append(row)
+    for (n, b, warmup, arm), group in groups.items():
         equivalent = " / ".join(equivalent_step_text(r) for r in group)
         consensus = " / ".join(f"{r['final_consensus']:.2f}" for r in group)
-        print(f"| {n} × {b} | {arm} | {mean_spread([r['gap'] for r in group])} | {equivalent} | {consensus} | "
-              f"{group[0]['bytes_per_step_over_ddp']:.3f} |")  # fmt: skip
+        print(f"| {n} × {b} | {warmup} | {arm} | {mean_spread([r['gap'] for r in group])} | {equivalent} | "
+              f"{consensus} | {group[0]['bytes_per_step_over_ddp']:.3f} |")  # fmt: skip
     print(plot(steps, args.results / "validation_loss.png"))
     return 0
 

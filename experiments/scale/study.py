@@ -16,6 +16,11 @@ to ``steps.csv`` the training loss (mean over workers and over the block of step
 mean local validation loss (up to 8 workers evenly spaced) on held-out batches, the consensus distance Xi and the
 bytes each worker has sent; at the end one line to ``summary.csv``. A run already in ``summary.csv`` is skipped, so
 an interrupted sweep resumes where it stopped. ``--time`` instead times a few steps of each arm per n.
+
+Every run warms the learning rate up as ``gossip-train`` does (:func:`gossip.app.train.default_warmup_steps`:
+``steps // 10``, at most 100) unless ``--warmup`` names another length, which the run's name then carries
+(``n16-b4-pipeline-warmup30``) and ``summary.csv``'s ``warmup`` column records; :mod:`experiments.scale.report`
+pairs each run with the DDP run of the same warm-up.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from experiments.scale.config import EngineConfig
 from experiments.scale.engine import Engine
 from experiments.shared import append_rows
 from gossip.app.corpus import load_corpus, validation_batches
+from gossip.app.train import default_warmup_steps
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GLOBAL_BATCH = 1024
@@ -49,25 +55,31 @@ EVAL_BATCHES, EVAL_BATCH = 8, 16
 
 
 def _arm(arm: str, prefix: str = "", schedule: str = "", **fields: object) -> EngineConfig:
-    """A run named by what it is (n, b, arm, schedule when not the default), so that sweeps share their runs."""
+    """A run named by what it is (n, b, arm, the schedule and the warm-up when not the defaults), so that sweeps
+    share their runs."""
     config = EngineConfig(**ARMS[arm], **fields)
     if schedule == gossip.default_schedule(config.workers) or arm == "ddp":
         schedule = ""
+    if config.warmup == default_warmup_steps(config.steps):
+        config = config.replace(warmup=None)
     name = f"{prefix}n{config.workers}-b{config.batch}-{arm}" + (f"-{schedule}" if schedule else "")
+    name += "" if config.warmup is None else f"-warmup{config.warmup}"
     return config.replace(name=name, schedule=schedule)
 
 
-def sweep(name: str, steps: int = 1000) -> list[EngineConfig]:
+def sweep(name: str, steps: int = 1000, warmup: int | None = None) -> list[EngineConfig]:
     """The configurations of a sweep, smallest n first.
 
     Args:
         name: ``"strong"``, ``"weak"``, ``"topology"`` or ``"smoke"`` (two workers' worth of everything, tiny).
         steps: every run's steps.
+        warmup: every run's warm-up steps (None: the library's for ``steps``,
+            :func:`gossip.app.train.default_warmup_steps`; the smoke sweep warms up over 2).
 
     Returns:
         The configurations (one per arm, n and schedule; the seeds are the caller's), named
-            ``n{n}-b{b}-{arm}[-{schedule}]`` (the schedule when it is not the default for n): a run two sweeps
-            share has one name.
+            ``n{n}-b{b}-{arm}[-{schedule}][-warmup{w}]`` (the schedule when it is not the default for n, the
+            warm-up when it is not the library's): a run two sweeps share has one name.
 
     Raises:
         ValueError: an unknown sweep.
@@ -75,16 +87,17 @@ def sweep(name: str, steps: int = 1000) -> list[EngineConfig]:
     runs: list[EngineConfig] = []
     if name == "strong":
         for n in STRONG_WORKERS:
-            runs += [_arm(a, workers=n, batch=GLOBAL_BATCH // n, steps=steps) for a in ARMS]
+            runs += [_arm(a, workers=n, batch=GLOBAL_BATCH // n, steps=steps, warmup=warmup) for a in ARMS]
     elif name == "weak":
         for n in WEAK_WORKERS:
-            runs += [_arm(a, workers=n, batch=WEAK_BATCH, steps=steps) for a in ARMS]
+            runs += [_arm(a, workers=n, batch=WEAK_BATCH, steps=steps, warmup=warmup) for a in ARMS]
     elif name == "topology":
         for n, schedules in ((64, ("one_peer_hypercube", "random_matchings", "ring")),
                              (96, ("base_graph", "random_matchings", "ring")),
                              (256, ("one_peer_hypercube", "random_matchings", "ring"))):  # fmt: skip
-            runs.append(_arm("ddp", workers=n, batch=WEAK_BATCH, steps=steps))
-            runs += [_arm("pipeline", schedule=s, workers=n, batch=WEAK_BATCH, steps=steps) for s in schedules]
+            fields = {"workers": n, "batch": WEAK_BATCH, "steps": steps, "warmup": warmup}
+            runs.append(_arm("ddp", **fields))
+            runs += [_arm("pipeline", schedule=s, **fields) for s in schedules]
     elif name == "smoke":
         tiny = {"n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16, "steps": steps, "warmup": 2}
         runs = [_arm(a, "smoke-", workers=n, batch=2, **tiny) for n in (8, 12) for a in ARMS]
@@ -111,7 +124,7 @@ def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_eve
     Raises:
         FloatingPointError: the training loss is not finite.
     """
-    config = config.replace(seed=seed, warmup=min(config.warmup, config.steps // 2))
+    config = config.replace(seed=seed)
     corpus = load_corpus(None, block_size=config.block_size)
     held_out = [(x.to(device), y.to(device)) for x, y in
                 validation_batches(corpus.validation, EVAL_BATCH, config.block_size, EVAL_BATCHES)]  # fmt: skip
@@ -124,13 +137,14 @@ def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_eve
             if not math.isfinite(block):
                 raise FloatingPointError(f"{config.name} seed {seed}: training loss {block} at step {step}")
             rows.append({"config": config.name, "seed": seed, "workers": config.workers, "batch": config.batch,
-                         "schedule": engine.schedule.name, "step": step + 1, "train_loss": block,
+                         "warmup": config.warmup_steps(), "schedule": engine.schedule.name, "step": step + 1,
+                         "train_loss": block,
                          **engine.evaluate(held_out), "bytes_per_worker": engine.bytes_per_worker(),
                          "seconds": time.perf_counter() - started})  # fmt: skip
             losses = []
     append_rows(out / "steps.csv", rows)
     last = rows[-1]
-    summary = {key: last[key] for key in ("config", "seed", "workers", "batch", "schedule", "step")}
+    summary = {key: last[key] for key in ("config", "seed", "workers", "batch", "warmup", "schedule", "step")}
     summary |= {
         "final_avg_val_loss": last["avg_val_loss"],
         "final_local_val_loss": last["local_val_loss"],
@@ -211,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="warm-up steps (default: the library's, steps // 10 capped at 100)")  # fmt: skip
     parser.add_argument("--max-workers", type=int, default=1024, help="skip configurations with more workers")
     parser.add_argument("--record-every", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -227,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = time_steps(workers, args.time_batch, max(1, args.steps), args.device, args.grad_mode, args.arms)
         append_rows(args.out / "step_times.csv", rows)
         return 0
-    configs = [c for name in args.sweep for c in sweep(name, args.steps) if c.workers <= args.max_workers]
+    configs = [c for name in args.sweep for c in sweep(name, args.steps, args.warmup) if c.workers <= args.max_workers]
     configs = list({c.name: c for c in configs}.values())  # a run two sweeps share runs once
     configs = [c for c in configs if any(f"-{arm}" in c.name for arm in args.arms)]
     if args.only:

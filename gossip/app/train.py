@@ -129,7 +129,7 @@ class TrainConfig:
         steps: optimizer steps per worker.
         batch_size: sequences per worker per step.
         lr: the peak learning rate.
-        warmup_steps: linear warmup steps (None: ``steps // 10`` capped at 100).
+        warmup_steps: linear warmup steps (None: :func:`default_warmup_steps`, ``steps // 10`` capped at 100).
         weight_decay: AdamW's weight decay, on matrices only.
         optimizer: the local optimizer, one of :data:`OPTIMIZERS` (None: :data:`DEFAULTS`' for exact gossip and
             PowerGossip without an outer step or a periodic average, else ``adamw``).
@@ -239,6 +239,18 @@ class TrainConfig:
 Replicated = DecentralizedDataParallel | DDPBaseline
 
 
+def default_warmup_steps(steps: int) -> int:
+    """The learning rate's linear warm-up for a run of ``steps``: a tenth of the run, at most 100 steps.
+
+    Args:
+        steps: the run's optimizer steps.
+
+    Returns:
+        ``min(100, steps // 10)``.
+    """
+    return min(100, steps // 10)
+
+
 def build_schedule(config: TrainConfig) -> topologies.Schedule:
     """The schedule of ``config`` for its world size.
 
@@ -295,7 +307,7 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
     if config.accum_iter is None:
         resolved.accum_iter = max(1, world_size // 4)
     if config.warmup_steps is None:
-        resolved.warmup_steps = min(100, config.steps // 10)
+        resolved.warmup_steps = default_warmup_steps(config.steps)
     if config.algorithm not in ALGORITHM_CHOICES:
         raise ConfigError("--algorithm", f"unknown {config.algorithm!r}; choose one of {list(ALGORITHM_CHOICES)}")
     if config.optimizer not in (None, *OPTIMIZERS):
