@@ -172,3 +172,22 @@ def test_a_warm_up_arm_is_its_base_with_the_librarys_warm_up_for_1000_and_4000_s
         engine.step(step)
         rates.append(engine.optimizer.param_groups[0]["lr"])
     assert rates == [long.lr * 50 / long.warmup, long.lr]
+
+
+@pytest.mark.parametrize(
+    ("arm", "workers", "run"),
+    [
+        ("ddp-warmup100", 16, "n16-b4-ddp"),
+        ("tracker-3hops-warmup100", 16, "n16-b4-pipeline"),
+        ("ddp-warmup100", 64, "n64-b4-ddp"),
+        ("tracker-4hops-warmup100", 64, "n64-b4-pipeline"),
+    ],
+)
+def test_the_warm_up_arms_at_the_defaults_hops_are_the_weak_sweeps_runs(arm, workers, run):
+    """So that the weak-scaling table may quote them: the same configuration under another name."""
+    from experiments.scale.study import sweep
+
+    (ours,) = [c for c in sweep("weak") if c.name == run]
+    theirs = config(arm, workers, 4, 1000)
+    assert theirs.warmup_steps() == ours.warmup_steps() == 100
+    assert theirs.replace(name=run, warmup=None) == ours
