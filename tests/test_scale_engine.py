@@ -337,11 +337,18 @@ def test_the_committed_sweep_rows_name_their_warm_up_unless_it_is_the_librarys()
         assert row["config"].endswith(f"-warmup{warmup}") == (warmup != library), row["config"]
 
 
-def test_the_report_pairs_a_run_only_with_the_ddp_run_of_its_warm_up():
+def test_a_sweep_run_of_other_steps_has_its_own_name_and_the_warm_up_of_its_length():
+    weak, short = sweep("weak"), sweep("weak", steps=500)
+    assert [c.name for c in short] == [f"{c.name}-s500" for c in weak]
+    assert {c.warmup_steps() for c in short} == {50}  # the library's for 500 steps: a tenth
+    assert [c.name for c in sweep("weak", steps=500, warmup=30)] == [f"{c.name}-s500-warmup30" for c in weak]
+
+
+def test_the_report_pairs_a_run_only_with_the_ddp_run_of_its_length_and_warm_up():
     from experiments.scale.report import gaps
 
-    def summary(config, warmup, loss):
-        return {"config": config, "seed": 0, "workers": 16, "batch": 4, "warmup": warmup, "step": 30,
+    def summary(config, warmup, loss, steps=30):
+        return {"config": config, "seed": 0, "workers": 16, "batch": 4, "warmup": warmup, "step": steps,
                 "final_avg_val_loss": loss, "final_local_val_loss": loss, "final_consensus": 0.1,
                 "bytes_per_worker_per_step": 1.0}  # fmt: skip
 
@@ -350,13 +357,15 @@ def test_the_report_pairs_a_run_only_with_the_ddp_run_of_its_warm_up():
     paired = {(r["arm"], r["warmup"]): r["ddp_final_avg_val_loss"] for r in gaps(rows, [])}
     assert paired == {("pipeline", 3): 1.5, ("pipeline-ring", 10): 1.7}
     assert gaps(rows[1:3], []) == []  # a run on another warm-up than DDP's is not its twin
+    longer = [summary("n16-b4-ddp", 3, 1.5), summary("n16-b4-pipeline-s60", 3, 1.4, steps=60)]
+    assert gaps(longer, []) == []  # nor a run of another length
 
 
 def test_a_sweep_and_its_report_run_end_to_end_and_pair_runs_of_one_warm_up(tmp_path):
     from experiments.scale import report, study
     from experiments.shared import read_csv
 
-    runs = ["--only", "smoke-n8-b2-ddp-warmup2", "smoke-n8-b2-pipeline-warmup2"]
+    runs = ["--only", "smoke-n8-b2-ddp-s6-warmup2", "smoke-n8-b2-pipeline-s6-warmup2"]
     args = ["--sweep", "smoke", "--steps", "6", "--record-every", "3", "--seeds", "0", "--device", "cpu"]
     threads = torch.get_num_threads()
     try:

@@ -1,7 +1,7 @@
 """The sweeps' tables and plot from their records: each arm against DDP on the same n, batch and seed.
 
-For every run in ``summary.csv`` with a DDP twin (same workers, batch, warm-up and seed: the same initial model,
-tokens and learning rates),
+For every run in ``summary.csv`` with a DDP twin (same workers, batch, steps, warm-up and seed: the same initial
+model, tokens and learning rates),
 :func:`gaps` gives the paired gap of the final averaged-model validation loss, arm - DDP, and the DDP-equivalent
 steps: the first recorded step at which DDP's averaged validation loss is at or below the arm's final one
 (``steps.csv``, every ``record_every`` steps), so that the arm's steps over it bounds from below the steps ratio the
@@ -25,9 +25,9 @@ from experiments.shared import pyplot, read_csv, save_figure, write_csv
 
 
 def _arm(config: str) -> str:
-    """``[prefix-]n16-b4-pipeline[-ring][-warmup30]`` -> ``pipeline[-ring]`` (the warm-up is ``summary.csv``'s
-    column)."""
-    return re.fullmatch(r"(?:.+-)?n\d+-b\d+-(.+?)(?:-warmup\d+)?", config).group(1)
+    """``[prefix-]n16-b4-pipeline[-ring][-s500][-warmup30]`` -> ``pipeline[-ring]`` (the steps and the warm-up are
+    ``summary.csv``'s columns)."""
+    return re.fullmatch(r"(?:.+-)?n\d+-b\d+-(.+?)(?:-s\d+)?(?:-warmup\d+)?", config).group(1)
 
 
 def curves(steps: list[dict]) -> dict[tuple, list[dict]]:
@@ -46,7 +46,7 @@ def curves(steps: list[dict]) -> dict[tuple, list[dict]]:
 
 
 def gaps(summary: list[dict], steps: list[dict]) -> list[dict]:
-    """One row per (workers, batch, warm-up, arm, seed) that has a DDP twin.
+    """One row per (workers, batch, steps, warm-up, arm, seed) that has a DDP twin.
 
     Args:
         summary: ``summary.csv``'s rows (:func:`experiments.shared.read_csv`).
@@ -56,11 +56,15 @@ def gaps(summary: list[dict], steps: list[dict]) -> list[dict]:
         Rows with ``gap`` (arm - DDP, final averaged validation loss), ``ddp_equivalent_step`` and
             ``steps_ratio_at_least`` (the arm's steps over it), the final consensus distance and bytes per step.
     """
-    ddp = {(r["workers"], r["batch"], r["warmup"], r["seed"]): r for r in summary if _arm(r["config"]) == "ddp"}
+
+    def twin_key(row: dict) -> tuple:
+        return row["workers"], row["batch"], row["step"], row["warmup"], row["seed"]
+
+    ddp = {twin_key(r): r for r in summary if _arm(r["config"]) == "ddp"}
     runs = curves(steps)
     out = []
     for row in summary:
-        key = (row["workers"], row["batch"], row["warmup"], row["seed"])
+        key = twin_key(row)
         if _arm(row["config"]) == "ddp" or key not in ddp:
             continue
         twin = ddp[key]
@@ -77,7 +81,7 @@ def gaps(summary: list[dict], steps: list[dict]) -> list[dict]:
             "ddp_curve_points": len(curve),
             "bytes_per_step_over_ddp": row["bytes_per_worker_per_step"] / twin["bytes_per_worker_per_step"],
         })  # fmt: skip
-    return sorted(out, key=lambda r: (r["workers"], r["batch"], r["warmup"], r["arm"], r["seed"]))
+    return sorted(out, key=lambda r: (r["workers"], r["batch"], r["steps"], r["warmup"], r["arm"], r["seed"]))
 
 
 def equivalent_step_text(row: dict) -> str:
@@ -157,18 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     summary, steps = read_csv(args.results / "summary.csv"), read_csv(args.results / "steps.csv")
     rows = gaps(summary, steps)
     if not rows:
-        parser.error(f"{args.results / 'summary.csv'}: no run has a DDP twin (the same n, batch, warm-up and seed)")
+        parser.error(f"{args.results / 'summary.csv'}: no run has a DDP twin (same n, batch, steps, warm-up, seed)")
     write_csv(args.results / "gaps.csv", rows)
-    print("| n × sequences | warm-up | arm | gap to DDP | DDP-equivalent step | consensus | bytes ÷ DDP's |")
-    print("|---|---|---|---|---|---|---|")
+    print("| n × sequences | steps | warm-up | arm | gap to DDP | DDP-equivalent step | consensus | bytes ÷ DDP's |")
+    print("|---|---|---|---|---|---|---|---|")
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["workers"], row["batch"], row["warmup"], row["arm"]), []).append(row)
-    for (n, b, warmup, arm), group in groups.items():
+        groups.setdefault((row["workers"], row["batch"], row["steps"], row["warmup"], row["arm"]), []).append(row)
+    for (n, b, steps_run, warmup, arm), group in groups.items():
         equivalent = " / ".join(equivalent_step_text(r) for r in group)
         consensus = " / ".join(f"{r['final_consensus']:.2f}" for r in group)
-        print(f"| {n} × {b} | {warmup} | {arm} | {mean_spread([r['gap'] for r in group])} | {equivalent} | "
-              f"{consensus} | {group[0]['bytes_per_step_over_ddp']:.3f} |")  # fmt: skip
+        gap = mean_spread([r["gap"] for r in group])
+        print(f"| {n} × {b} | {steps_run} | {warmup} | {arm} | {gap} | {equivalent} | {consensus} | "
+              f"{group[0]['bytes_per_step_over_ddp']:.3f} |")  # fmt: skip
     print(plot(steps, args.results / "validation_loss.png"))
     return 0
 

@@ -19,8 +19,9 @@ an interrupted sweep resumes where it stopped. ``--time`` instead times a few st
 
 Every run warms the learning rate up as ``gossip-train`` does (:func:`gossip.app.train.default_warmup_steps`:
 ``steps // 10``, at most 100) unless ``--warmup`` names another length, which the run's name then carries
-(``n16-b4-pipeline-warmup30``) and ``summary.csv``'s ``warmup`` column records; :mod:`experiments.scale.report`
-pairs each run with the DDP run of the same warm-up.
+(``n16-b4-pipeline-warmup30``) and ``summary.csv``'s ``warmup`` column records, as it carries ``--steps`` other than
+:data:`STEPS` (``n16-b4-pipeline-s500``); :mod:`experiments.scale.report` pairs each run with the DDP run of the
+same length and warm-up.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from gossip.app.corpus import load_corpus, validation_batches
 from gossip.app.train import default_warmup_steps
 
 RESULTS = Path(__file__).resolve().parent / "results"
+STEPS = 1000
 GLOBAL_BATCH = 1024
 WEAK_BATCH = 4
 STRONG_WORKERS = (16, 64, 256, 1024)
@@ -55,19 +57,20 @@ EVAL_BATCHES, EVAL_BATCH = 8, 16
 
 
 def _arm(arm: str, prefix: str = "", schedule: str = "", **fields: object) -> EngineConfig:
-    """A run named by what it is (n, b, arm, the schedule and the warm-up when not the defaults), so that sweeps
-    share their runs."""
+    """A run named by what it is (n, b, arm; the schedule, the steps and the warm-up when not the defaults), so that
+    sweeps share their runs and runs of other lengths or warm-ups never take their place."""
     config = EngineConfig(**ARMS[arm], **fields)
     if schedule == gossip.default_schedule(config.workers) or arm == "ddp":
         schedule = ""
     if config.warmup == default_warmup_steps(config.steps):
         config = config.replace(warmup=None)
     name = f"{prefix}n{config.workers}-b{config.batch}-{arm}" + (f"-{schedule}" if schedule else "")
+    name += "" if config.steps == STEPS else f"-s{config.steps}"
     name += "" if config.warmup is None else f"-warmup{config.warmup}"
     return config.replace(name=name, schedule=schedule)
 
 
-def sweep(name: str, steps: int = 1000, warmup: int | None = None) -> list[EngineConfig]:
+def sweep(name: str, steps: int = STEPS, warmup: int | None = None) -> list[EngineConfig]:
     """The configurations of a sweep, smallest n first.
 
     Args:
@@ -78,8 +81,9 @@ def sweep(name: str, steps: int = 1000, warmup: int | None = None) -> list[Engin
 
     Returns:
         The configurations (one per arm, n and schedule; the seeds are the caller's), named
-            ``n{n}-b{b}-{arm}[-{schedule}][-warmup{w}]`` (the schedule when it is not the default for n, the
-            warm-up when it is not the library's): a run two sweeps share has one name.
+            ``n{n}-b{b}-{arm}[-{schedule}][-s{steps}][-warmup{w}]`` (the schedule when it is not the default for
+            n, the steps when they are not :data:`STEPS`, the warm-up when it is not the library's): a run two sweeps
+            share has one name.
 
     Raises:
         ValueError: an unknown sweep.
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", help="run only these configuration names")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--warmup", type=int, default=None,
                         help="warm-up steps (default: the library's, steps // 10 capped at 100)")  # fmt: skip
     parser.add_argument("--max-workers", type=int, default=1024, help="skip configurations with more workers")
