@@ -377,3 +377,19 @@ def test_a_sweep_and_its_report_run_end_to_end_and_pair_runs_of_one_warm_up(tmp_
     assert report.main(["--results", str(tmp_path)]) == 0
     (row,) = read_csv(tmp_path / "gaps.csv")
     assert (row["workers"], row["warmup"], row["arm"], row["ddp_curve_points"]) == (8, 2, "pipeline", 2)
+
+
+def test_the_report_on_the_committed_results_prints_and_keeps_what_it_cannot_redo(tmp_path, capsys):
+    """``steps.csv`` is not committed: the table prints, ``gaps.csv`` keeps its DDP-equivalent steps."""
+    import shutil
+
+    from experiments.scale import report
+    from experiments.scale.study import RESULTS
+
+    for name in ("summary.csv", "gaps.csv"):
+        shutil.copy(RESULTS / name, tmp_path / name)
+    before = (tmp_path / "gaps.csv").read_text()
+    assert report.main(["--results", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "| 256 × 4 | 1000 | 30 | pipeline | +0.026 (1 seed) |" in table and "no DDP curve" in table
+    assert (tmp_path / "gaps.csv").read_text() == before and not (tmp_path / "validation_loss.png").exists()

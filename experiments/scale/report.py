@@ -9,7 +9,8 @@ arm needs to reach DDP's final loss on the same schedule (``None`` when DDP's cu
 ending below DDP, or when ``steps.csv`` has no curve of the twin: ``ddp_curve_points`` tells which). :func:`plot`
 draws the averaged model's validation loss against steps, one panel per (n, batch, warm-up).
 
-Run: ``python -m experiments.scale.report`` (reads and writes ``experiments/scale/results/``).
+Run: ``python -m experiments.scale.report`` (reads and writes ``experiments/scale/results/``; without ``steps.csv``,
+which is not committed, it prints the table and leaves ``gaps.csv`` and the plot as they are).
 """
 
 from __future__ import annotations
@@ -158,11 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    summary, steps = read_csv(args.results / "summary.csv"), read_csv(args.results / "steps.csv")
+    curves_path = args.results / "steps.csv"  # not committed: the runs write it
+    summary, steps = read_csv(args.results / "summary.csv"), read_csv(curves_path) if curves_path.exists() else []
     rows = gaps(summary, steps)
     if not rows:
         parser.error(f"{args.results / 'summary.csv'}: no run has a DDP twin (same n, batch, steps, warm-up, seed)")
-    write_csv(args.results / "gaps.csv", rows)
+    if steps:  # without the curves, gaps.csv keeps the DDP-equivalent steps it was written with
+        write_csv(args.results / "gaps.csv", rows)
     print("| n × sequences | steps | warm-up | arm | gap to DDP | DDP-equivalent step | consensus | bytes ÷ DDP's |")
     print("|---|---|---|---|---|---|---|---|")
     groups: dict[tuple, list[dict]] = {}
@@ -174,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         gap = mean_spread([r["gap"] for r in group])
         print(f"| {n} × {b} | {steps_run} | {warmup} | {arm} | {gap} | {equivalent} | {consensus} | "
               f"{group[0]['bytes_per_step_over_ddp']:.3f} |")  # fmt: skip
-    print(plot(steps, args.results / "validation_loss.png"))
+    if steps:
+        print(plot(steps, args.results / "validation_loss.png"))
+    else:
+        print(f"no {curves_path} (the runs write it): no DDP-equivalent steps, gaps.csv and the plot left as they are")
     return 0
 
 
