@@ -1,4 +1,4 @@
-"""The experiments' CSV helpers (:mod:`experiments.shared`): rows appended keep their columns."""
+"""The experiments' shared helpers (:mod:`experiments.shared`): CSV rows keep their columns, figures their budget."""
 
 from __future__ import annotations
 
@@ -29,3 +29,18 @@ def test_an_empty_file_takes_the_rows_header(tmp_path):
     path.touch()
     append_rows(path, [{"config": "a", "loss": 1.5}])
     assert read_csv(path) == [{"config": "a", "loss": 1.5}]
+
+
+def test_a_saved_figure_is_a_palette_png_within_its_byte_budget(tmp_path):
+    from PIL import Image
+
+    from experiments.shared import pyplot, save_figure
+
+    figure, axis = pyplot().subplots(figsize=(6, 3))
+    for k in range(8):
+        axis.plot(range(50), [((i * (k + 3)) % 17) / 17 for i in range(50)], alpha=0.6)
+    path = save_figure(figure, tmp_path / "plot.png")
+    with Image.open(path) as image:
+        assert (image.format, image.mode, image.size) == ("PNG", "P", (600, 300))
+    with pytest.raises(ValueError, match="over the 1000-byte budget"):
+        save_figure(pyplot().subplots()[0], tmp_path / "big.png", max_bytes=1000)

@@ -62,7 +62,7 @@ def plot(panels: list[tuple[str, dict[int, list[tuple[int, float]]]]], target: f
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False, sharey=True)
     for ax, (label, curves) in zip(axes[0], panels, strict=True):
         for seed, curve in curves.items():
-            ax.plot(*zip(*curve, strict=True), lw=0.8, alpha=0.6, label=f"seed {seed}")
+            ax.plot(*zip(*curve, strict=True), lw=0.7, label=f"seed {seed}")
         common = sorted(set.intersection(*({step for step, _ in curve} for curve in curves.values())))
         by_step = [{step: gap for step, gap in curve} for curve in curves.values()]
         mean = [statistics.mean(gaps[step] for gaps in by_step) for step in common]
