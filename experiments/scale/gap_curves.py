@@ -77,13 +77,13 @@ def plot(panels: list[tuple[str, dict[int, list[tuple[int, float]]]]], target: f
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line.
+    """``python -m experiments.scale.gap_curves``: each pair's gap curves, their final values printed, one figure.
 
     Args:
-        argv: the arguments (default: ``sys.argv[1:]``).
+        argv: the command's arguments; None reads ``sys.argv[1:]``.
 
     Returns:
-        The exit status.
+        0 once the figure is written.
     """
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=Path, nargs="+", required=True, help="steps.csv files")
