@@ -16,6 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from experiments.scale.report import curves
 from experiments.shared import pyplot, read_csv, save_figure
 
 
@@ -33,17 +34,14 @@ def gap_curves(steps: list[dict], arm: str, ddp: str) -> dict[int, list[tuple[in
     Raises:
         ValueError: the runs share no seed (a misspelt name, or runs not from the same seeds).
     """
-    losses: dict[tuple[str, int], dict[int, float]] = {}
-    for row in steps:
-        if row["config"] in (arm, ddp):
-            losses.setdefault((row["config"], int(row["seed"])), {})[int(row["step"])] = row["avg_val_loss"]
-    seeds = sorted({seed for config, seed in losses if config == arm} & {s for c, s in losses if c == ddp})
+    runs = curves(steps)
+    seeds = sorted({seed for config, seed in runs if config == arm} & {s for c, s in runs if c == ddp})
     if not seeds:
         raise ValueError(f"no seed recorded for both {arm!r} and {ddp!r}")
     out = {}
     for seed in seeds:
-        mine, theirs = losses[arm, seed], losses[ddp, seed]
-        out[seed] = [(step, mine[step] - theirs[step]) for step in sorted(mine.keys() & theirs.keys())]
+        mine, theirs = ({int(r["step"]): r["avg_val_loss"] for r in runs[config, seed]} for config in (arm, ddp))
+        out[int(seed)] = [(step, mine[step] - theirs[step]) for step in sorted(mine.keys() & theirs.keys())]
     return out
 
 
@@ -60,13 +58,13 @@ def plot(panels: list[tuple[str, dict[int, list[tuple[int, float]]]]], target: f
     """
     plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False, sharey=True)
-    for ax, (label, curves) in zip(axes[0], panels, strict=True):
-        for seed, curve in curves.items():
+    for ax, (label, seeds) in zip(axes[0], panels, strict=True):
+        for seed, curve in seeds.items():
             ax.plot(*zip(*curve, strict=True), lw=0.7, label=f"seed {seed}")
-        common = sorted(set.intersection(*({step for step, _ in curve} for curve in curves.values())))
-        by_step = [{step: gap for step, gap in curve} for curve in curves.values()]
+        by_step = [dict(curve) for curve in seeds.values()]
+        common = sorted(set.intersection(*(set(gaps) for gaps in by_step)))
         mean = [statistics.mean(gaps[step] for gaps in by_step) for step in common]
-        ax.plot(common, mean, color="black", lw=2, label=f"mean of {len(curves)}")
+        ax.plot(common, mean, color="black", lw=2, label=f"mean of {len(seeds)}")
         ax.axhspan(-target, target, color="C2", alpha=0.12, label=f"± {target}")
         ax.axhline(0, color="grey", lw=0.6)
         ax.set(title=label, xlabel="step")
@@ -94,10 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [row for path in args.steps for row in read_csv(path)]
     panels = []
     for label, arm, ddp in args.pair:
-        curves = gap_curves(rows, arm, ddp)
-        final = [curve[-1][1] for curve in curves.values()]
-        print(f"{label}: {len(curves)} seeds, final gap " + " / ".join(f"{gap:+.3f}" for gap in final))
-        panels.append((label, curves))
+        seeds = gap_curves(rows, arm, ddp)
+        final = [curve[-1][1] for curve in seeds.values()]
+        print(f"{label}: {len(seeds)} seeds, final gap " + " / ".join(f"{gap:+.3f}" for gap in final))
+        panels.append((label, seeds))
     print(plot(panels, args.target, args.out))
     return 0
 
