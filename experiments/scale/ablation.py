@@ -185,7 +185,7 @@ ARMS: dict[str, dict[str, object]] = {
     "pg-rank16-mem4": {"rank": 16},
     "ratio4": {},
 }
-#: the arms' warm-up unless they name one: 30 steps, what the engine ran before it followed the library's rule.
+#: the warm-up of every arm that names none (the ``-warmup100`` arms take the library's for 1000 steps and more).
 ARM_WARMUP = 30
 #: arms also run on the library's warm-up for runs of 1000 steps or more (``steps // 10`` capped at 100),
 #: as ``{arm}-warmup100``.

@@ -3,7 +3,7 @@
 Each ``--pair LABEL ARM DDP`` names two runs (``config`` names of a ``steps.csv``, the sweep's or the ablation's)
 that share their seeds, initial models, tokens and learning rates; for every seed both recorded, the gap at step t
 is :math:`L_{arm}(t) - L_{DDP}(t)` at the steps both recorded. One panel a pair: each seed's gap, their mean, and
-the band of ± ``--target`` (issue 60's 0.03).
+the band of ± ``--target`` (0.03 nats by default).
 
 Run: ``python -m experiments.scale.gap_curves --steps A/steps.csv B/steps.csv --pair "16 x 4" ARM DDP ... --out
 results/gap_curves.png``.
