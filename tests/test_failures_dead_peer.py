@@ -21,10 +21,15 @@ no process behind.
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 from helpers.failure_dead_peer_worker import KILL_STEP, TIMEOUT
 from helpers.failure_launch import N, alive, pids, run
+
+from gossip.backends import torch_dist
+from gossip.backends.comm_thread import Progress
+from gossip.errors import PeerFailedError
 
 DEAD = 2
 NEIGHBOURS = (1, 3)
@@ -82,3 +87,23 @@ def test_no_process_is_left_running(job):
 def test_no_crash_at_exit(job):
     for _, _, output in survivors(job):
         assert "terminate called" not in output and "Fatal Python error" not in output, output
+
+
+@pytest.mark.parametrize("order", [(0, 2), (2, 0)])
+def test_a_refused_post_names_the_peer_it_was_for_not_all_the_steps_peers(monkeypatch, order):
+    """Gloo refuses a post to a closed connection at once; the error names that op's peer, whatever the order."""
+    posted = []
+
+    def batch_isend_irecv(batch):
+        (op,) = batch  # Gloo does not coalesce: one operation a post
+        if op.peer == DEAD:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:29500")
+        posted.append(op.peer)
+        return [object()]
+
+    monkeypatch.setattr(torch_dist.dist, "batch_isend_irecv", batch_isend_irecv)
+    rank_3 = SimpleNamespace(backend="gloo", rank=3, _local=lambda peer: peer)
+    ops = [SimpleNamespace(peer=peer) for peer in order for _ in range(2)]
+    with pytest.raises(PeerFailedError, match=rf"rank 3: exchange 5: peer {DEAD} failed or closed its connection"):
+        torch_dist.TorchDistCommunicator._post(rank_3, ops, "post its messages", Progress("exchange 5"))
+    assert posted == [0, 0][: 2 * (order[0] == 0)]

@@ -148,22 +148,27 @@ class TorchDistCommunicator(Communicator):
 
     # -- point to point -------------------------------------------------------------------------------------
     def _post(self, ops: list[dist.P2POp], what: str, progress: Progress) -> list[dist.Work]:
-        """Post ``ops`` together (``batch_isend_irecv``); a failure to post names the peer(s) concerned.
+        """Post ``ops`` (``batch_isend_irecv``); a failure to post names the peer concerned.
 
         Gloo refuses a send to a peer whose connection is already closed (SIGKILLed, crashed) at once, with a raw
-        "Connection closed by peer": that becomes :class:`PeerFailedError` naming the peer(s) of ``ops``.
+        "Connection closed by peer": that becomes :class:`PeerFailedError` naming the peer. Backends that do not
+        coalesce post one operation at a time anyway, so each is posted alone and the one refused names its peer;
+        NCCL coalesces the batch into one work, and a refused batch names the peers of all its operations.
         """
         if not ops:
             return []
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except RuntimeError as error:
-            peers = sorted({self._local(op.peer) for op in ops})
-            who = f"peer {peers[0]}" if len(peers) == 1 else f"one of peers {peers}"
-            raise PeerFailedError(
-                f"rank {self.rank}: {progress.operation}: {who} failed or closed its connection before this rank "
-                f"could {what}: {str(error).splitlines()[0]}"
-            ) from error
+        batches = [ops] if self.backend == "nccl" else [[op] for op in ops]
+        works: list[dist.Work] = []
+        for batch in batches:
+            try:
+                works += dist.batch_isend_irecv(batch)
+            except RuntimeError as error:
+                peers = sorted({self._local(op.peer) for op in batch})
+                who = f"peer {peers[0]}" if len(peers) == 1 else f"one of peers {peers}"
+                raise PeerFailedError(
+                    f"rank {self.rank}: {progress.operation}: {who} failed or closed its connection before this "
+                    f"rank could {what}: {str(error).splitlines()[0]}"
+                ) from error
         return works if len(works) == len(ops) else works * len(ops)  # NCCL coalesces the batch into one work
 
     def _handshake(
