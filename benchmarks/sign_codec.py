@@ -3,12 +3,12 @@
 Per edge and step a ChocoSign rank encodes its residual, decodes the message it sent (its own public copy moves by
 it) and decodes the peer's. Since ``encode_signs`` returns the sender's decoding with the message, the current code
 does one encode and one decode, with the codec objects reused from step to step as ``ChocoSign`` keeps them (one
-per bucket); ``--baseline REV`` loads ``gossip/algorithms/scaled_sign.py`` as it was at git
-revision REV (baseline_revision.py) and times that revision's step: ``encode_signs`` and ``unpack_signs``, or
-``pack_signs`` and two ``unpack_signs`` before ``encode_signs`` existed. Both
-run on the same random residual, one thread, and the current message and decoding are checked to be the
-baseline's bit for bit. Prints the median milliseconds of ``--repeats`` steps for each number of levels (with
-ChocoSign's chunk for it) and the ratio.
+per bucket); ``--baseline REV`` loads ``gossip/algorithms/scaled_sign.py`` as it was at git revision REV
+(baseline_revision.py) and times that revision's step the same way where it has ``SignCodec``, else
+``encode_signs`` and ``unpack_signs``, or ``pack_signs`` and two ``unpack_signs`` before ``encode_signs`` existed.
+Both run on the same random residual, one thread, and the current message and decoding are checked to be the
+baseline's bit for bit. Prints the median milliseconds (wall and process CPU) of ``--repeats`` steps, the two timed
+in turn, for each number of levels (with ChocoSign's chunk for it) and the ratio.
 
     python benchmarks/sign_codec.py                      # the main job's GPT (437,760 parameters)
     python benchmarks/sign_codec.py --numel 124000000    # GPT-2 small's size
@@ -34,15 +34,22 @@ from gossip.algorithms import scaled_sign
 CODES = {1: 128, 2: 128, 4: 256}
 
 
-def median_ms(step: Callable[[], object], repeats: int) -> float:
-    """The median wall time of ``repeats`` calls of ``step`` after one warm-up call, in milliseconds."""
-    step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def paired_medians(steps: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Each step's median wall and CPU time over ``repeats`` rounds, in milliseconds (``{name}_ms``,
+    ``{name}_cpu_ms``): every round calls each step once, in turn, after one warm-up call each, so that a load that
+    comes and goes falls on all of them alike."""
+    for step in steps.values():
         step()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    wall: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start, used = time.perf_counter(), time.process_time()
+            step()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - used)
+    medians = {f"{name}_ms": 1e3 * statistics.median(times) for name, times in wall.items()}
+    return medians | {f"{name}_cpu_ms": 1e3 * statistics.median(times) for name, times in cpu.items()}
 
 
 def compare(old, residual: torch.Tensor, chunk: int, levels: int, repeats: int) -> dict[str, float | bool]:
@@ -60,7 +67,7 @@ def compare(old, residual: torch.Tensor, chunk: int, levels: int, repeats: int) 
         identical = identical and all(torch.equal(a, b) for a, b in zip(again, message, strict=True))
         identical = identical and torch.equal(values, sent) and torch.equal(reused.decode(again, numel), decoded)
 
-    def baseline_step() -> None:  # that revision's ChocoSign step: its own decoding from the encoder where it has one
+    def functions_step() -> None:  # a revision without SignCodec: its own decoding from the encoder where it has one
         if hasattr(old, "encode_signs"):
             packed, _ = old.encode_signs(residual, chunk, levels)
         else:
@@ -68,17 +75,18 @@ def compare(old, residual: torch.Tensor, chunk: int, levels: int, repeats: int) 
             old.unpack_signs(packed, numel, chunk)
         old.unpack_signs(packed, numel, chunk)
 
-    sender, receiver = scaled_sign.SignCodec(chunk, levels), scaled_sign.SignCodec(chunk, levels)
+    def codec_step(sender, receiver) -> Callable[[], None]:  # as ChocoSign runs it: codecs reused every step
+        def step() -> None:
+            packed, _ = sender.encode(residual)
+            receiver.decode(packed, numel)
 
-    def current_step() -> None:  # as ChocoSign runs it: a codec per bucket and side, reused every step
-        packed, _ = sender.encode(residual)
-        receiver.decode(packed, numel)
+        return step
 
-    return {
-        "baseline_ms": median_ms(baseline_step, repeats),
-        "current_ms": median_ms(current_step, repeats),
-        "identical": identical,
-    }
+    baseline_step = functions_step
+    if hasattr(old, "SignCodec"):  # that revision's codecs, reused as the current ones are
+        baseline_step = codec_step(old.SignCodec(chunk, levels), old.SignCodec(chunk, levels))
+    current_step = codec_step(scaled_sign.SignCodec(chunk, levels), scaled_sign.SignCodec(chunk, levels))
+    return paired_medians({"baseline": baseline_step, "current": current_step}, repeats) | {"identical": identical}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -102,7 +110,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         result = "bit-identical" if row["identical"] else "DIFFERENT RESULTS"
         print(
             f"levels {levels}, chunk {row['chunk']}, {args.numel:,} values: {args.baseline_file or args.baseline} "
-            f"{row['baseline_ms']:.1f} ms, now {row['current_ms']:.1f} ms ({ratio:.2f}x), {result}",
+            f"{row['baseline_ms']:.2f} ms, now {row['current_ms']:.2f} ms ({ratio:.2f}x); CPU "
+            f"{row['baseline_cpu_ms']:.2f} ms, now {row['current_cpu_ms']:.2f} ms "
+            f"({row['current_cpu_ms'] / row['baseline_cpu_ms']:.2f}x), {result}",
             flush=True,
         )
     return rows

@@ -104,6 +104,7 @@ def test_the_sign_codec_benchmark_compares_its_results_with_the_baselines_bit_fo
     rows = benchmark.main(["--numel", "1003", "--repeats", "2", "--baseline-file", scaled_sign.__file__])
     assert [row["levels"] for row in rows] == [1, 2, 4] and all(row["identical"] for row in rows), rows
     assert all(row["baseline_ms"] > 0 and row["current_ms"] > 0 for row in rows)
+    assert all(row["baseline_cpu_ms"] >= 0 and row["current_cpu_ms"] >= 0 for row in rows)
     assert capsys.readouterr().out.count("bit-identical") == 3
     skewed = tmp_path / "skewed_codec.py"
     skewed.write_text(

@@ -18,14 +18,15 @@ deterministic: every rank that holds the same message decodes the same values, b
 keep both ends of an edge identical). On the CPU the bits are packed by numpy (``packbits``, little-endian bit
 order: the same bytes as the torch path used on other devices).
 
-How it is computed: a group's sum is the sum of the magnitudes multiplied by its members' 0/1 flags, which is exact,
-and its count a float sum of 0/1. The values come out of one gather from a table of the chunk's signed scales,
-:math:`(-s_0, \dots, -s_{L-1}, s_0, \dots, s_{L-1})`, at the index :math:`L \cdot [r_k \ge 0] + \text{group}_k`:
-for a finite scale, :math:`\pm s` is :math:`s \cdot (\pm 1)` bit for bit (negation and a product with 1 are exact),
-so this is the same value as the scale times the sign, in one pass instead of three. A :class:`SignCodec` keeps its
-work buffers for one tensor size and reuses them call after call, so that a step allocates only the message it
-returns (and the values too unless ``out`` is given), while :func:`encode_signs` and :func:`unpack_signs` make a
-codec of their own per call.
+How it is computed: the flags are 0/1 in the residual's dtype, a group's magnitudes are the magnitudes times its
+members' flags (or a difference of two such products, |r| - |r| or |r| - 0), which is exactly the magnitudes with
+every other entry set to 0, and its count is a float sum of 0/1, also exact. The values come out of one gather
+from a table of the chunk's signed scales, :math:`(-s_0, \dots, -s_{L-1}, s_0, \dots, s_{L-1})`, at the index
+:math:`L \cdot [r_k \ge 0] + \text{group}_k`: for a finite scale, :math:`\pm s` is :math:`s \cdot (\pm 1)` bit
+for bit (negation and a product with 1 are exact), so this is the same value as the scale times the sign, in one
+pass instead of three. A :class:`SignCodec` keeps its work buffers for one tensor size and reuses them call after
+call, so that a step allocates only the message it returns (and the values too unless ``out`` is given), while
+:func:`encode_signs` and :func:`unpack_signs` make a codec of their own per call.
 """
 
 from __future__ import annotations
@@ -145,18 +146,25 @@ def unpack_bits_torch(bits: torch.Tensor, numel: int) -> torch.Tensor:
 
 @dataclass
 class _Work:
-    """A codec's work buffers for one size, dtype and device (every tensor but ``members`` is scratch)."""
+    """A codec's work buffers for one size, dtype and device (every tensor but ``members`` is scratch).
+
+    The encoder's flags are 0/1 in the residual's dtype (``up``, ``split``): a comparison written as floats, a
+    product with them and a float sum of them are exact, and on the CPU each is a vectorised pass where one with
+    bool operands is not. The bool copies (``upper``, ``second``) are what is packed, and the decoder's index.
+    """
 
     numel: int
     tail: int  # the last chunk's real entries
     magnitudes: torch.Tensor  # (chunks, chunk) |residual|, zero beyond numel
-    product: torch.Tensor  # (chunks, chunk) a group's magnitudes, zero outside it
     members: torch.Tensor  # (chunks,) real entries per chunk, in the residual's dtype
+    up: torch.Tensor  # (chunks, chunk) 1 on the first split's upper half, else 0
+    split: torch.Tensor  # 1 where the second split's bit is set, else 0
+    upper_part: torch.Tensor  # the magnitudes on the upper half (0 elsewhere), then on group 2
+    lower_part: torch.Tensor  # on the lower half, then on group 0
+    part: torch.Tensor  # scratch: the sign flags, a group's members, its magnitudes
     positive: torch.Tensor  # (numel,) bool
-    upper: torch.Tensor  # (chunks, chunk) bool: the first split's upper half
-    lower: torch.Tensor  # its lower half
-    second: torch.Tensor  # the second split's upper halves
-    mask: torch.Tensor  # one group's members
+    upper: torch.Tensor  # (chunks, chunk) bool: ``up``
+    second: torch.Tensor  # bool: ``split``
     groups: torch.Tensor  # (chunks, chunk) uint8 indices into the signed scales: L * (sign bit) + group
     index: torch.Tensor  # the same, int64, for gather
     signed: torch.Tensor  # (chunks, 2 L) float32: the chunk's scales negated, then as they are
@@ -172,11 +180,11 @@ class _Work:
         def grid(kind: torch.dtype) -> torch.Tensor:
             return torch.zeros(chunks, chunk, dtype=kind, device=device)
 
-        flags = [grid(torch.bool) for _ in range(4)]
         return cls(
-            numel, tail, grid(dtype), grid(dtype), members, torch.empty(numel, dtype=torch.bool, device=device),
-            *flags, grid(torch.uint8), grid(torch.long),
-            torch.empty(chunks, 2 * levels, dtype=torch.float32, device=device), grid(torch.float32),
+            numel, tail, grid(dtype), members, *(grid(dtype) for _ in range(5)),
+            torch.empty(numel, dtype=torch.bool, device=device), grid(torch.bool), grid(torch.bool),
+            grid(torch.uint8), grid(torch.long), torch.empty(chunks, 2 * levels, dtype=torch.float32, device=device),
+            grid(torch.float32),
         )  # fmt: skip
 
     def leading(self, numel: int, chunk: int, members: torch.Tensor) -> _Work:
@@ -186,9 +194,9 @@ class _Work:
         rows = slice(0, chunks)
         self.magnitudes.view(-1)[numel : chunks * chunk].zero_()
         return _Work(
-            numel, numel - (chunks - 1) * chunk, self.magnitudes[rows], self.product[rows], members,
-            self.positive[:numel], self.upper[rows], self.lower[rows], self.second[rows], self.mask[rows],
-            self.groups[rows], self.index[rows], self.signed[rows], self.decoded[rows],
+            numel, numel - (chunks - 1) * chunk, self.magnitudes[rows], members, self.up[rows], self.split[rows],
+            self.upper_part[rows], self.lower_part[rows], self.part[rows], self.positive[:numel], self.upper[rows],
+            self.second[rows], self.groups[rows], self.index[rows], self.signed[rows], self.decoded[rows],
         )  # fmt: skip
 
     def signed_scales(self, scales: torch.Tensor) -> torch.Tensor:
@@ -211,12 +219,6 @@ class _Work:
 def _means(sums: list[torch.Tensor], counts: list[torch.Tensor]) -> torch.Tensor:
     """``(chunks, groups)`` float32: each group's sum over its members per chunk (0 where it has none)."""
     return torch.stack([(total / n.clamp(min=1)).float() for total, n in zip(sums, counts, strict=True)], dim=1)
-
-
-def _count(flags: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """Per chunk, how many ``flags`` are set, in ``scratch``'s dtype (a float sum of 0/1 up to a chunk's size is
-    exact; ``scratch`` is overwritten)."""
-    return scratch.copy_(flags.view(torch.uint8)).sum(dim=1)
 
 
 class SignCodec:
@@ -282,11 +284,6 @@ class SignCodec:
         """
         return torch.empty(max(1, math.ceil(numel / self.chunk)) * self.chunk, dtype=torch.float32, device=device)
 
-    def _masked_sum(self, work: _Work, members: torch.Tensor) -> torch.Tensor:
-        """Per chunk, the sum of the magnitudes of ``members``: multiplying by 0/1 is exact, so it is the sum of
-        the magnitudes with every other entry set to 0."""
-        return torch.mul(work.magnitudes, members.view(torch.uint8), out=work.product).sum(dim=1)
-
     def encode(
         self, residual: torch.Tensor, out: torch.Tensor | None = None
     ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -322,31 +319,38 @@ class SignCodec:
         """:meth:`encode` of one block, in one pass (``out`` as for :meth:`encode`)."""
         numel = residual.numel()
         work = self._buffers(numel, residual.dtype, residual.device)
-        magnitudes, tail = work.magnitudes, work.tail
+        magnitudes, tail, dtype = work.magnitudes, work.tail, residual.dtype
         torch.abs(residual, out=magnitudes.view(-1)[:numel])
-        positive = torch.ge(residual, 0, out=work.positive)
+        positive = work.positive.copy_(torch.ge(residual, 0, out=work.part.view(-1)[:numel]))
         message = [pack_bits(positive)]
         sums, counts = [magnitudes.sum(dim=1)], [work.members]  # one group: every entry (the padding is 0)
         if self.levels >= 2:  # the chunk's magnitudes split at their mean
-            upper = torch.ge(magnitudes, _means(sums, counts).to(magnitudes.dtype), out=work.upper)
-            upper[-1, tail:] = False
-            lower = torch.logical_not(upper, out=work.lower)
-            lower[-1, tail:] = False
-            high = _count(upper, work.product)
-            sums = [self._masked_sum(work, lower), self._masked_sum(work, upper)]
+            up = torch.ge(magnitudes, _means(sums, counts).to(dtype), out=work.up)
+            up[-1, tail:] = 0
+            high = up.sum(dim=1)
+            # a group's magnitudes: |r| on its members, 0 elsewhere (each a product with 1 or 0, or a difference
+            # with 0 or with itself, so exactly the magnitudes masked)
+            upper_part = torch.mul(magnitudes, up, out=work.upper_part)
+            lower_part = torch.sub(magnitudes, upper_part, out=work.lower_part)
+            sums = [lower_part.sum(dim=1), upper_part.sum(dim=1)]
             counts = [counts[0] - high, high]
-            message.append(pack_bits(upper.view(-1)[:numel]))
+            message.append(pack_bits(work.upper.copy_(up).view(-1)[:numel]))
         if self.levels == 4:  # each half split at its own mean
-            means = _means(sums, counts).to(magnitudes.dtype)
-            second = torch.ge(magnitudes, means[:, 1:], out=work.second).logical_and_(upper)
-            second.logical_or_(torch.ge(magnitudes, means[:, :1], out=work.mask).logical_and_(lower))
-            message.append(pack_bits(second.view(-1)[:numel]))
-            seconds = _count(second, work.product)
-            high = _count(torch.logical_and(upper, second, out=work.mask), work.product)
-            sums = []
-            for half in (lower, upper):  # group 2h (below the half's mean), then 2h + 1
-                sums.append(self._masked_sum(work, torch.logical_not(second, out=work.mask).logical_and_(half)))
-                sums.append(self._masked_sum(work, torch.logical_and(second, half, out=work.mask)))
+            means = _means(sums, counts).to(dtype)
+            split = torch.ge(magnitudes, means[:, 1:], out=work.split).mul_(up)
+            below = torch.ge(magnitudes, means[:, :1], out=work.part)
+            split.add_(torch.gt(below, up, out=below))  # the lower half's entries at or above its mean
+            split[-1, tail:] = 0
+            message.append(pack_bits(work.second.copy_(split).view(-1)[:numel]))
+            seconds = split.sum(dim=1)
+            top = torch.mul(up, split, out=work.part)  # group 3: the upper half at or above its mean
+            high = top.sum(dim=1)
+            top_sum = top.mul_(magnitudes).sum(dim=1)
+            upper_part.sub_(top)  # group 2
+            lower_high = torch.mul(lower_part, split, out=work.part)  # group 1
+            lower_high_sum = lower_high.sum(dim=1)
+            lower_part.sub_(lower_high)  # group 0
+            sums = [lower_part.sum(dim=1), lower_high_sum, upper_part.sum(dim=1), top_sum]
             counts = [counts[0] - (seconds - high), seconds - high, counts[1] - high, high]
         scales = _means(sums, counts)
         # the index into the signed scales: levels * (sign bit) + group, the group's bits read as a binary number
