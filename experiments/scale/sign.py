@@ -36,10 +36,6 @@ def _means(sums: list[Tensor], counts: list[Tensor]) -> Tensor:
     return torch.stack([(total / n.clamp(min=1)).float() for total, n in zip(sums, counts, strict=True)], dim=-1)
 
 
-def _count(flags: Tensor, dtype: torch.dtype) -> Tensor:
-    return flags.view(torch.uint8).to(dtype).sum(dim=-1)
-
-
 def sign_values(residual: Tensor, chunk: int, levels: int) -> Tensor:
     """The scaled-sign code's decoded values of every row of ``residual`` (module docstring), float32.
 
@@ -60,40 +56,41 @@ def sign_values(residual: Tensor, chunk: int, levels: int) -> Tensor:
     members[-1] = tail
     magnitudes = torch.zeros(rows, chunks, chunk, dtype=dtype, device=device)
     torch.abs(residual, out=magnitudes.view(rows, -1)[:, :numel])
-    positive = residual >= 0
-
-    def masked_sum(members_: Tensor) -> Tensor:
-        return torch.mul(magnitudes, members_.view(torch.uint8)).sum(dim=-1)
-
     sums, counts = [magnitudes.sum(dim=-1)], [members]
-    upper = second = None
-    if levels >= 2:  # the chunk's magnitudes split at their mean
-        upper = magnitudes >= _means(sums, counts).to(dtype)
-        upper[:, -1, tail:] = False
-        lower = upper.logical_not()
-        lower[:, -1, tail:] = False
-        high = _count(upper, dtype)
-        sums = [masked_sum(lower), masked_sum(upper)]
+    up = split = None
+    if levels >= 2:  # the chunk's magnitudes split at their mean; the flags are 0/1 in the residual's dtype
+        up = torch.ge(magnitudes, _means(sums, counts).to(dtype), out=torch.empty_like(magnitudes))
+        up[:, -1, tail:] = 0
+        high = up.sum(dim=-1)
+        upper_part = magnitudes * up  # the magnitudes on the upper half, 0 elsewhere
+        lower_part = magnitudes - upper_part
+        sums = [lower_part.sum(dim=-1), upper_part.sum(dim=-1)]
         counts = [counts[0] - high, high]
     if levels == 4:  # each half split at its own mean
         means = _means(sums, counts).to(dtype)
-        second = (magnitudes >= means[..., 1:]).logical_and_(upper)
-        second.logical_or_((magnitudes >= means[..., :1]).logical_and_(lower))
-        seconds = _count(second, dtype)
-        high = _count(upper & second, dtype)
-        sums = []
-        for half in (lower, upper):  # group 2h (below the half's mean), then 2h + 1
-            sums.append(masked_sum(second.logical_not() & half))
-            sums.append(masked_sum(second & half))
+        split = torch.ge(magnitudes, means[..., 1:], out=torch.empty_like(magnitudes)).mul_(up)
+        below = torch.ge(magnitudes, means[..., :1], out=torch.empty_like(magnitudes))
+        split.add_(torch.gt(below, up, out=below))  # the lower half's entries at or above its mean
+        split[:, -1, tail:] = 0
+        seconds = split.sum(dim=-1)
+        top = up * split  # group 3
+        high = top.sum(dim=-1)
+        top_sum = top.mul_(magnitudes).sum(dim=-1)
+        upper_part.sub_(top)  # group 2
+        lower_high = lower_part * split  # group 1
+        lower_part.sub_(lower_high)  # group 0
+        sums = [lower_part.sum(dim=-1), lower_high.sum(dim=-1), upper_part.sum(dim=-1), top_sum]
         counts = [counts[0] - (seconds - high), seconds - high, counts[1] - high, high]
     scales = _means(sums, counts)  # (rows, chunks, levels)
     if levels == 1:
         values = scales.expand(-1, -1, chunk)
     else:
-        groups = upper.to(torch.uint8) if levels == 2 else upper.to(torch.uint8) * 2 + second.to(torch.uint8)
+        groups = up.bool().view(torch.uint8)
+        if levels == 4:
+            groups = groups * 2 + split.bool().view(torch.uint8)
         values = scales.gather(-1, groups.long())
-    sign = positive.to(torch.int8) * 2 - 1
-    return values.reshape(rows, -1)[:, :numel] * sign
+    sign = torch.ge(residual, 0, out=torch.empty(residual.shape, dtype=torch.float32, device=device))
+    return values.reshape(rows, -1)[:, :numel] * sign.mul_(2).sub_(1)
 
 
 def directed_edges(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
@@ -146,6 +143,7 @@ class BatchedChocoSign:
         self.levels, self.block_rows = check_levels("BatchedChocoSign", levels), block_rows
         self.rows: dict[tuple[int, int], int] = {}  # directed edge (i, j) -> row of ``public``: x-hat_{i|j}
         self.public: Tensor | None = None
+        self._work: tuple[Tensor, Tensor, Tensor] | None = None  # a step's residuals, values and corrections
         self.bytes_per_message = sum(message_bytes(numel, chunk, levels) for _, numel in segments)
 
     def reserve(self, src: np.ndarray, dst: np.ndarray, like: Tensor) -> None:
@@ -168,16 +166,27 @@ class BatchedChocoSign:
             self.rows.update({edge: start + i for i, edge in enumerate(new)})
         return np.array([self.rows[int(a), int(b)] for a, b in zip(src, dst, strict=True)], dtype=np.int64)
 
-    def encode(self, residual: Tensor) -> Tensor:
+    def _buffers(self, rows: int, like: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """(residuals, values, corrections) of ``rows`` rows like ``like``'s, kept from step to step: a fresh tensor
+        of n rows is a fresh mapping of memory on the CPU, whose first touch costs more than the arithmetic."""
+        shape = (rows, like.shape[1])
+        work = self._work
+        if work is None or work[0].shape != shape or work[0].dtype != like.dtype or work[0].device != like.device:
+            values = torch.empty(shape, dtype=torch.float32, device=like.device)
+            work = self._work = (like.new_empty(shape), values, like.new_empty(shape))
+        return work
+
+    def encode(self, residual: Tensor, out: Tensor | None = None) -> Tensor:
         """Each row's decoded message, bucket by bucket and ``block_rows`` rows at a time.
 
         Args:
             residual: (rows, P) residuals.
+            out: a float32 (rows, P) tensor to write the values into; None: a new one.
 
         Returns:
-            (rows, P) float32 values.
+            (rows, P) float32 values (``out`` when given).
         """
-        values = torch.empty(residual.shape, dtype=torch.float32, device=residual.device)
+        values = torch.empty(residual.shape, dtype=torch.float32, device=residual.device) if out is None else out
         rows = self.block_rows
         if rows is None:
             rows = max(1, (CPU_BLOCK if residual.device.type == "cpu" else DEVICE_BLOCK) // residual.shape[1])
@@ -215,7 +224,12 @@ class BatchedChocoSign:
             mine_t = torch.as_tensor(mine, device=device)
             public_mine = self.public[mine_t]
         identity = len(src) == plan.n and np.array_equal(src, np.arange(plan.n))
-        values = self.encode((y if identity else y[src_t]) - public_mine)
+        residuals, values, corrections = self._buffers(len(src), y)
+        if identity:
+            torch.sub(y, public_mine, out=residuals)
+        else:
+            torch.index_select(y, 0, src_t, out=residuals).sub_(public_mine)
+        values = self.encode(residuals, out=values)
         if mine_t is None:
             public_mine += values
         else:  # every directed edge once a step: no index repeats, one addition per element
@@ -225,7 +239,8 @@ class BatchedChocoSign:
         for slot, nodes in zip(plan.slots, plan.active, strict=True):
             count = len(nodes)
             here = slice(first, first + count)
-            correction = self.public[theirs_t[here]] - public_mine[here]
+            correction = torch.index_select(self.public, 0, theirs_t[here], out=corrections[:count])
+            correction.sub_(public_mine[here])
             weights = slot.weights[nodes]
             if identity and count == plan.n and (weights == weights[0]).all():
                 y.add_(correction, alpha=self.gamma * float(weights[0]))
