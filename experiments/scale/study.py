@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 import gossip
 from experiments.scale.config import EngineConfig
@@ -114,6 +115,8 @@ def sweep(name: str, steps: int = STEPS, warmup: int | None = None) -> list[Engi
 def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_every: int, out: Path) -> dict:
     """Train one configuration with one seed, appending its records to ``out``/steps.csv; return its summary.
 
+    A progress bar on stderr shows the steps done and the last record's training and validation loss.
+
     Args:
         config: the configuration (its ``seed`` is replaced).
         seed: the seed.
@@ -134,8 +137,10 @@ def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_eve
                 validation_batches(corpus.validation, EVAL_BATCH, config.block_size, EVAL_BATCHES)]  # fmt: skip
     engine = Engine(config, corpus.train, device, grad_mode)
     started, losses, rows = time.perf_counter(), [], []
+    progress = tqdm(total=config.steps, desc=f"{config.name} seed {seed}", unit="step", mininterval=30.0)
     for step in range(config.steps):
         losses.append(engine.step(step).mean())
+        progress.update()
         if (step + 1) % record_every == 0 or step + 1 == config.steps:
             block = float(torch.stack(losses).mean())
             if not math.isfinite(block):
@@ -145,7 +150,9 @@ def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_eve
                          "train_loss": block,
                          **engine.evaluate(held_out), "bytes_per_worker": engine.bytes_per_worker(),
                          "seconds": time.perf_counter() - started})  # fmt: skip
+            progress.set_postfix(train=f"{block:.3f}", val=f"{rows[-1]['avg_val_loss']:.3f}", refresh=False)
             losses = []
+    progress.close()
     append_rows(out / "steps.csv", rows)
     last = rows[-1]
     summary = {key: last[key] for key in ("config", "seed", "workers", "batch", "warmup", "schedule", "step")}
