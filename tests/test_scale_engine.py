@@ -92,6 +92,23 @@ def test_the_engine_reproduces_the_simulators_trajectory(arm, n, train):
     _compare(EngineConfig(name=arm, workers=n, **TINY, **ARMS[arm]), train)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine's CUDA path needs a CUDA device")
+@pytest.mark.parametrize(("arm", "loss_atol"), [("exact-adamw", 1e-3), ("pipeline", 2e-2)])
+def test_the_engine_runs_on_cuda_unchanged_and_follows_the_simulator(arm, loss_atol, train):
+    """On a GPU the engine runs the same algorithms (every rank's bytes equal the simulator's, which do not depend on
+    rounding) and its losses stay within ``loss_atol`` of the simulator's on the CPU (other kernels round otherwise,
+    and the sign codes amplify a rounding into a flipped bit)."""
+    config = EngineConfig(name=arm, workers=8, **TINY, **ARMS[arm])
+    reference = simulated_trajectory(config, train, STEPS)
+    engine = Engine(config, train, "cuda")
+    for t, expected in enumerate(reference):
+        losses = engine.step(t).cpu()
+        assert torch.isfinite(losses).all() and engine.parameters.is_cuda
+        torch.testing.assert_close(losses, expected["losses"], rtol=0, atol=loss_atol, msg=f"{arm}, step {t}".__add__)
+        assert engine.bytes_per_worker() == float(expected["bytes"].mean())
+
+
 @pytest.mark.parametrize(("n", "schedule"), [(8, "ring"), (8, "random_matchings"), (12, "")])
 def test_the_pipeline_is_reproduced_on_other_schedules(n, schedule, train):
     config = EngineConfig(
@@ -377,6 +394,48 @@ def test_a_sweep_and_its_report_run_end_to_end_and_pair_runs_of_one_warm_up(tmp_
     assert report.main(["--results", str(tmp_path)]) == 0
     (row,) = read_csv(tmp_path / "gaps.csv")
     assert (row["workers"], row["warmup"], row["arm"], row["ddp_curve_points"]) == (8, 2, "pipeline", 2)
+
+
+def test_a_budget_skips_the_runs_predicted_not_to_fit_and_runs_the_rest_in_the_order_named(
+    tmp_path, capsys, monkeypatch
+):
+    from experiments.scale import study
+    from experiments.shared import read_csv
+
+    order = ["smoke-n12-b2-ddp-s6-warmup2", "smoke-n8-b2-pipeline-s6-warmup2", "smoke-n8-b2-ddp-s6-warmup2"]
+    predicted = dict(zip(order, (5.0, 50.0, 5.0), strict=True))
+    asked = []
+
+    def predict(config, *_):
+        asked.append(config.name)
+        return predicted[config.name]
+
+    monkeypatch.setattr(study, "predicted_seconds", predict)
+    args = ["--sweep", "smoke", "--steps", "6", "--record-every", "3", "--seeds", "0", "1", "--device", "cpu"]
+    threads = torch.get_num_threads()
+    try:
+        assert study.main([*args, "--budget", "30", "--only", *order, "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    ran = [(r["config"], r["seed"]) for r in read_csv(tmp_path / "summary.csv")]
+    assert ran == [(order[0], 0), (order[2], 0), (order[0], 1), (order[2], 1)]  # seed by seed
+    assert asked == order  # one prediction a configuration, whatever its seeds
+    out = capsys.readouterr().out
+    assert out.count(f"{order[1]} seed 0: skipped, predicted 50 s with") == 1 and f"{order[1]} seed 1: skipped" in out
+
+
+def test_the_predicted_time_of_a_run_grows_with_its_steps():
+    from experiments.scale import study
+
+    config = study.sweep("smoke", steps=6)[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        short = study.predicted_seconds(config, "cpu", "batched", record_every=3)
+        long = study.predicted_seconds(config.replace(steps=6000), "cpu", "batched", record_every=3)
+    finally:
+        torch.set_num_threads(threads)
+    assert 0 < short < long and math.isfinite(long)
 
 
 def test_the_report_on_the_committed_results_prints_and_keeps_what_it_cannot_redo(tmp_path, capsys):

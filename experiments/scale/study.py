@@ -15,7 +15,10 @@ schedule) and ``gossip`` (the same PowerGossip with AdamW, no trackers). Every `
 to ``steps.csv`` the training loss (mean over workers and over the block of steps), the averaged model's and the
 mean local validation loss (up to 8 workers evenly spaced) on held-out batches, the consensus distance Xi and the
 bytes each worker has sent; at the end one line to ``summary.csv``. A run already in ``summary.csv`` is skipped, so
-an interrupted sweep resumes where it stopped. ``--time`` instead times a few steps of each arm per n.
+an interrupted sweep resumes where it stopped. Runs go seed by seed (every configuration of seed 0, then of seed 1,
+...), so that a sweep cut short leaves whole pairs; ``--budget S`` starts a run only while it is predicted
+(:func:`predicted_seconds`) to end within S seconds of the start, for a machine lent for a fixed time.
+``--time`` instead times a few steps of each arm per n.
 
 Every run warms the learning rate up as ``gossip-train`` does (:func:`gossip.app.train.default_warmup_steps`:
 ``steps // 10``, at most 100) unless ``--warmup`` names another length, which the run's name then carries
@@ -112,6 +115,51 @@ def sweep(name: str, steps: int = STEPS, warmup: int | None = None) -> list[Engi
     return runs
 
 
+def _data(config: EngineConfig, device: str) -> tuple:
+    """The corpus (its training bytes feed the workers) and the held-out batches every record evaluates."""
+    corpus = load_corpus(None, block_size=config.block_size)
+    held_out = [(x.to(device), y.to(device)) for x, y in
+                validation_batches(corpus.validation, EVAL_BATCH, config.block_size, EVAL_BATCHES)]  # fmt: skip
+    return corpus, held_out
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def predicted_seconds(config: EngineConfig, device: str, grad_mode: str, record_every: int, probe: int = 2) -> float:
+    """How long :func:`run` would take: an engine is built and steps once, then ``probe`` steps and one evaluation
+    are timed; the prediction is the build and first step, plus ``steps`` times a probed step, plus one evaluation
+    per record.
+
+    Args:
+        config: the configuration.
+        device: where the engine runs.
+        grad_mode: how the per-worker gradients are computed.
+        record_every: steps between two records (each evaluates).
+        probe: steps timed.
+
+    Returns:
+        Seconds.
+    """
+    corpus, held_out = _data(config, device)
+    started = time.perf_counter()
+    engine = Engine(config, corpus.train, device, grad_mode)
+    engine.step(0)
+    _synchronize(device)
+    built = time.perf_counter() - started
+    started = time.perf_counter()
+    for step in range(1, probe + 1):
+        engine.step(step)
+    _synchronize(device)
+    per_step = (time.perf_counter() - started) / probe
+    started = time.perf_counter()
+    engine.evaluate(held_out)
+    per_record = time.perf_counter() - started
+    return built + config.steps * per_step + math.ceil(config.steps / record_every) * per_record
+
+
 def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_every: int, out: Path) -> dict:
     """Train one configuration with one seed, appending its records to ``out``/steps.csv; return its summary.
 
@@ -132,9 +180,7 @@ def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_eve
         FloatingPointError: the training loss is not finite.
     """
     config = config.replace(seed=seed)
-    corpus = load_corpus(None, block_size=config.block_size)
-    held_out = [(x.to(device), y.to(device)) for x, y in
-                validation_batches(corpus.validation, EVAL_BATCH, config.block_size, EVAL_BATCHES)]  # fmt: skip
+    corpus, held_out = _data(config, device)
     engine = Engine(config, corpus.train, device, grad_mode)
     started, losses, rows = time.perf_counter(), [], []
     progress = tqdm(total=config.steps, desc=f"{config.name} seed {seed}", unit="step", mininterval=30.0)
@@ -206,13 +252,11 @@ def time_steps(workers: list[int], batch: int, steps: int, device: str, grad_mod
         for arm in arms:
             engine = Engine(_arm(arm, "time-", workers=n, batch=batch), corpus.train, device, grad_mode)
             engine.step(0)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
+            _synchronize(device)
             started, cpu = time.perf_counter(), time.process_time()
             for step in range(1, steps + 1):
                 engine.step(step)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
+            _synchronize(device)
             seconds, cpu = (time.perf_counter() - started) / steps, (time.process_time() - cpu) / steps
             rows.append({"workers": n, "batch": batch, "arm": arm, "seconds_per_step": seconds,
                          "cpu_seconds_per_step": cpu, "device": device, "grad_mode": grad_mode})  # fmt: skip
@@ -232,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", nargs="+", default=["strong", "weak", "topology"],
                         choices=["strong", "weak", "topology", "smoke"])  # fmt: skip
-    parser.add_argument("--only", nargs="*", help="run only these configuration names")
+    parser.add_argument("--only", nargs="*", help="run only these configuration names, in this order")
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=STEPS)
@@ -244,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grad-mode", default="batched", choices=["loop", "vmap", "batched"])
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--list", action="store_true", help="print the runs and exit")
+    parser.add_argument("--budget", type=float, metavar="SECONDS",
+                        help="run the runs in order while each is predicted to end within these seconds from the start "
+                             "(predicted_seconds: a few steps timed first), skip the others")  # fmt: skip
     parser.add_argument("--time", type=int, nargs="*", metavar="N", help="time the arms' steps at these n instead")
     parser.add_argument("--time-batch", type=int, default=WEAK_BATCH)
     args = parser.parse_args(argv)
@@ -258,13 +305,24 @@ def main(argv: list[str] | None = None) -> int:
     configs = list({c.name: c for c in configs}.values())  # a run two sweeps share runs once
     configs = [c for c in configs if any(f"-{arm}" in c.name for arm in args.arms)]
     if args.only:
-        configs = [c for c in configs if c.name in args.only]
+        named = {c.name: c for c in configs}
+        configs = [named[name] for name in args.only if name in named]
     done = done_runs(args.out / "summary.csv")
-    jobs = [(c, s) for c in configs for s in args.seeds if (c.name, s) not in done]
+    jobs = [(c, s) for s in args.seeds for c in configs if (c.name, s) not in done]  # a seed's pairs together
+    deadline = None if args.budget is None else time.monotonic() + args.budget
+    predictions: dict[str, float] = {}
     for config, seed in jobs:
         if args.list:
             print(f"{config.name} seed {seed}: n={config.workers} b={config.batch} {config.build_schedule().name}")
             continue
+        if deadline is not None:
+            if config.name not in predictions:
+                predictions[config.name] = predicted_seconds(config, args.device, args.grad_mode, args.record_every)
+            left = deadline - time.monotonic()
+            if predictions[config.name] > left:
+                print(f"{config.name} seed {seed}: skipped, predicted {predictions[config.name]:.0f} s with "
+                      f"{left:.0f} s of the budget left", flush=True)  # fmt: skip
+                continue
         summary = run(config, seed, args.device, args.grad_mode, args.record_every, args.out)
         print(summary, flush=True)
     return 0
