@@ -19,7 +19,7 @@ echo "engine on cuda: exit $?" | tee -a "$out/gpu_tier.txt"
 runs=${RUNS:-n1024-b1-ddp n1024-b1-pipeline n256-b4-ddp n256-b4-pipeline n64-b16-ddp n64-b16-pipeline}
 budget=$(( ${TOTAL:-540} - SECONDS ))
 # shellcheck disable=SC2086 # RUNS, SWEEPS, SEEDS and ARGS are lists
-timeout $(( budget + 30 )) python3 -m experiments.scale --device "${DEVICE:-cuda}" --sweep ${SWEEPS:-strong weak} \
+timeout $(( budget > 0 ? budget + 30 : 30 )) python3 -m experiments.scale --device "${DEVICE:-cuda}" --sweep ${SWEEPS:-strong weak} \
     --seeds ${SEEDS:-0 1 2} ${ARGS:-} --budget "$budget" --only $runs --out "$out" > "$out/runs.txt" 2>&1
 echo "runs: exit $?" | tee -a "$out/runs.txt"
 cat "$out/gpu.txt"

@@ -128,6 +128,16 @@ def _synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _timed_steps(engine: Engine, first: int, count: int, device: str) -> tuple[float, float]:
+    """Wall and process CPU seconds per step of ``engine``'s steps ``first`` ... ``first + count - 1``."""
+    _synchronize(device)
+    started, cpu = time.perf_counter(), time.process_time()
+    for step in range(first, first + count):
+        engine.step(step)
+    _synchronize(device)
+    return (time.perf_counter() - started) / count, (time.process_time() - cpu) / count
+
+
 def predicted_seconds(config: EngineConfig, device: str, grad_mode: str, record_every: int, probe: int = 2) -> float:
     """How long :func:`run` would take: an engine is built and steps once, then ``probe`` steps and one evaluation
     are timed; the prediction is the build and first step, plus ``steps`` times a probed step, plus one evaluation
@@ -149,11 +159,7 @@ def predicted_seconds(config: EngineConfig, device: str, grad_mode: str, record_
     engine.step(0)
     _synchronize(device)
     built = time.perf_counter() - started
-    started = time.perf_counter()
-    for step in range(1, probe + 1):
-        engine.step(step)
-    _synchronize(device)
-    per_step = (time.perf_counter() - started) / probe
+    per_step, _ = _timed_steps(engine, 1, probe, device)
     started = time.perf_counter()
     engine.evaluate(held_out)
     per_record = time.perf_counter() - started
@@ -252,12 +258,7 @@ def time_steps(workers: list[int], batch: int, steps: int, device: str, grad_mod
         for arm in arms:
             engine = Engine(_arm(arm, "time-", workers=n, batch=batch), corpus.train, device, grad_mode)
             engine.step(0)
-            _synchronize(device)
-            started, cpu = time.perf_counter(), time.process_time()
-            for step in range(1, steps + 1):
-                engine.step(step)
-            _synchronize(device)
-            seconds, cpu = (time.perf_counter() - started) / steps, (time.process_time() - cpu) / steps
+            seconds, cpu = _timed_steps(engine, 1, steps, device)
             rows.append({"workers": n, "batch": batch, "arm": arm, "seconds_per_step": seconds,
                          "cpu_seconds_per_step": cpu, "device": device, "grad_mode": grad_mode})  # fmt: skip
             print(f"n={n} b={batch} {arm}: {seconds:.3f} s/step ({cpu:.3f} s of CPU)", flush=True)

@@ -348,9 +348,8 @@ class SignCodec:
             top_sum = top.mul_(magnitudes).sum(dim=1)
             upper_part.sub_(top)  # group 2
             lower_high = torch.mul(lower_part, split, out=work.part)  # group 1
-            lower_high_sum = lower_high.sum(dim=1)
             lower_part.sub_(lower_high)  # group 0
-            sums = [lower_part.sum(dim=1), lower_high_sum, upper_part.sum(dim=1), top_sum]
+            sums = [lower_part.sum(dim=1), lower_high.sum(dim=1), upper_part.sum(dim=1), top_sum]
             counts = [counts[0] - (seconds - high), seconds - high, counts[1] - high, high]
         scales = _means(sums, counts)
         # the index into the signed scales: levels * (sign bit) + group, the group's bits read as a binary number
