@@ -11,6 +11,7 @@ its program with it; and ranks that ``mpiexec`` starts through it meet (MPICH's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import warm_python as stand_in
 from helpers.launch import _env, mpiexec, start_worker
 from helpers.warm_workers import warm_python
 
@@ -184,6 +186,34 @@ def test_a_program_killed_by_a_signal_kills_the_stand_in_with_it(tmp_path):
     code = "import os, signal; open('pid', 'w').write(f'{os.getpid()}\\n'); os.kill(os.getpid(), signal.SIGKILL)"
     process = subprocess.Popen([python(), "-c", code], cwd=tmp_path)
     assert process.wait(timeout=60) == -signal.SIGKILL
+
+
+IGNORES_SIGUSR1_AND_FAILS = """
+import os, signal, sys, time
+signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+open("pid", "w").write(f"{os.getpid()}\\n")
+time.sleep(0.2)
+sys.exit(1)
+"""
+
+
+def test_signals_that_reach_the_stand_in_as_its_program_ends_leave_its_exit_status_alone(tmp_path):
+    """As Hydra signals every survivor each time a rank fails: signals keep coming while the program exits."""
+    for attempt in range(10):
+        (tmp_path / "pid").unlink(missing_ok=True)
+        process, _ = _started(python(), IGNORES_SIGUSR1_AND_FAILS, tmp_path)
+        while process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGUSR1)
+            time.sleep(0.0005)
+        assert process.returncode == 1, f"attempt {attempt}: the stand-in ended {process.returncode}"
+
+
+def test_the_relay_passes_a_signal_on_and_ignores_a_program_that_has_already_ended():
+    running = subprocess.Popen(["sleep", "30"])
+    stand_in.relay_to(running.pid)(signal.SIGTERM, None)
+    assert running.wait(timeout=30) == -signal.SIGTERM  # reaped: no process has this pid any more
+    stand_in.relay_to(running.pid)(signal.SIGTERM, None)  # raises ProcessLookupError without the guard
 
 
 def test_a_killed_stand_in_takes_its_program_with_it(tmp_path):

@@ -9,6 +9,7 @@ worker ended: its exit status, or killed by the same signal. Arguments the serve
 option other than ``-u``) or a server that does not answer: it becomes the real interpreter instead (``exec``).
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -61,6 +62,21 @@ def _end_as(status: int) -> None:
     os._exit(128 - status)  # a signal whose default is not to end the process
 
 
+def relay_to(pid: int):
+    """A handler that passes the signal it receives on to process ``pid``, and ignores it once ``pid`` has ended.
+
+    The server reaps the program before it says how it ended, so a signal can reach the stand-in in between; the
+    stand-in then ends as its program did, and an error raised here would end it otherwise (a traceback, then killed
+    by the launcher's next signal once the interpreter's finalization has restored the default handlers).
+    """
+
+    def relay(received: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, received)
+
+    return relay
+
+
 def main() -> None:
     # held until the program exists, then relayed to it: a signal never ends the stand-in while its program runs on
     signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
@@ -83,7 +99,7 @@ def main() -> None:
         print("warm python: the server closed the connection before forking", file=sys.stderr)
         os._exit(1)
     for number in RELAYED:
-        signal.signal(number, lambda received, _frame: os.kill(started["pid"], received))
+        signal.signal(number, relay_to(started["pid"]))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)
     ended = _read_line(connection)
     if ended is None:
