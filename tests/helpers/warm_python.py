@@ -16,6 +16,7 @@ import signal
 import socket
 import struct
 import sys
+from collections.abc import Callable
 
 HEADER = struct.Struct("!Q")  # as helpers.warm_workers.HEADER: the JSON request's length
 #: what a launcher sends its workers and a worker must receive; SIGKILL and SIGSTOP cannot be caught (the server
@@ -62,7 +63,7 @@ def _end_as(status: int) -> None:
     os._exit(128 - status)  # a signal whose default is not to end the process
 
 
-def relay_to(pid: int):
+def relay_to(pid: int) -> Callable[[int, object], None]:
     """A handler that passes the signal it receives on to process ``pid``, and ignores it once ``pid`` has ended.
 
     The server reaps the program before it says how it ended, so a signal can reach the stand-in in between; the
