@@ -396,6 +396,42 @@ def test_a_sweep_and_its_report_run_end_to_end_and_pair_runs_of_one_warm_up(tmp_
     assert (row["workers"], row["warmup"], row["arm"], row["ddp_curve_points"]) == (8, 2, "pipeline", 2)
 
 
+def test_a_run_cut_short_leaves_its_curve_so_far_and_its_rerun_replaces_it(tmp_path, monkeypatch):
+    from experiments.scale import study
+    from experiments.shared import read_csv
+
+    name, finished = "smoke-n8-b2-ddp-s6-warmup2", "smoke-n8-b2-pipeline-s6-warmup2"
+    common = ["--sweep", "smoke", "--steps", "6", "--record-every", "3", "--seeds", "0", "--device", "cpu"]
+    common += ["--out", str(tmp_path)]
+    step = Engine.step
+
+    def taken_back_at_step_4(engine, t):
+        if t == 4:
+            raise KeyboardInterrupt("the machine is taken back")
+        return step(engine, t)
+
+    threads = torch.get_num_threads()
+    try:
+        assert study.main([*common, "--only", finished]) == 0
+        other = read_csv(tmp_path / "steps.csv")  # a finished run of another configuration: left alone
+        monkeypatch.setattr(Engine, "step", taken_back_at_step_4)
+        with pytest.raises(KeyboardInterrupt):
+            study.main([*common, "--only", name, finished])
+        cut = [r for r in read_csv(tmp_path / "steps.csv") if r["config"] == name]
+        assert [r["step"] for r in cut] == [3]  # its curve up to the record before the cut
+        assert [r["config"] for r in read_csv(tmp_path / "summary.csv")] == [finished]  # not a finished run
+        monkeypatch.setattr(Engine, "step", step)
+        assert study.main([*common, "--only", name, finished]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = read_csv(tmp_path / "steps.csv")
+    rerun = [r for r in rows if r["config"] == name]
+    assert [r["step"] for r in rerun] == [3, 6]  # the rerun's records, once
+    assert cut[0] == rerun[0] | {"seconds": cut[0]["seconds"]}  # the same seed: the same record, bar the time
+    assert [r for r in rows if r["config"] != name] == other
+    assert [r["config"] for r in read_csv(tmp_path / "summary.csv")] == [finished, name]
+
+
 def test_a_budget_skips_the_runs_predicted_not_to_fit_and_runs_the_rest_in_the_order_named(
     tmp_path, capsys, monkeypatch
 ):

@@ -6,7 +6,8 @@
 # gpu.txt: the GPU and torch. gpu_tier.txt: the engine on CUDA (`pytest -m gpu tests/test_scale_engine.py`: every
 # rank's bytes equal the simulator's, the losses follow it). runs.txt, summary.csv, steps.csv: the configurations
 # of RUNS, seed by seed (SEEDS), each started only while `--budget` predicts it to end before TOTAL seconds (540 by
-# default) from the script's start. Then on this machine: `python -m experiments.scale.report --results <folder>`.
+# default) from the script's start; a run the timeout cuts leaves its curve so far in steps.csv (not in summary.csv).
+# Then on this machine: `python -m experiments.scale.report --results <folder>`.
 # DEVICE, SWEEPS and ARGS (more arguments of `python -m experiments.scale`) let it run elsewhere, e.g. tiny on a CPU.
 set -u
 out=${OUT:-/tmp/scale_device}

@@ -17,7 +17,10 @@ mean local validation loss (up to 8 workers evenly spaced) on held-out batches, 
 bytes each worker has sent; at the end one line to ``summary.csv``. A run already in ``summary.csv`` is skipped, so
 an interrupted sweep resumes where it stopped. Runs go seed by seed (every configuration of seed 0, then of seed 1,
 ...), so that a sweep cut short leaves whole pairs; ``--budget S`` starts a run only while it is predicted
-(:func:`predicted_seconds`) to end within S seconds of the start, for a machine lent for a fixed time.
+(:func:`predicted_seconds`) to end within S seconds of the start, for a machine lent for a fixed time. A run
+appends each record to ``steps.csv`` as it is made, so a run cut short (a lent machine taken back, a timeout)
+leaves its curve up to its last record; it is not in ``summary.csv``, so the next sweep runs it again, first
+removing those rows.
 ``--time`` instead times a few steps of each arm per n.
 
 Every run warms the learning rate up as ``gossip-train`` does (:func:`gossip.app.train.default_warmup_steps`:
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -167,7 +171,8 @@ def predicted_seconds(config: EngineConfig, device: str, grad_mode: str, record_
 
 
 def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_every: int, out: Path) -> dict:
-    """Train one configuration with one seed, appending its records to ``out``/steps.csv; return its summary.
+    """Train one configuration with one seed, appending each record to ``out``/steps.csv as it is made (after
+    removing the rows an earlier, unfinished run of the same configuration and seed left there); return its summary.
 
     A progress bar on stderr shows the steps done and the last record's training and validation loss.
 
@@ -186,6 +191,7 @@ def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_eve
         FloatingPointError: the training loss is not finite.
     """
     config = config.replace(seed=seed)
+    forget_unfinished(out / "steps.csv", config.name, seed)
     corpus, held_out = _data(config, device)
     engine = Engine(config, corpus.train, device, grad_mode)
     started, losses, rows = time.perf_counter(), [], []
@@ -202,10 +208,10 @@ def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_eve
                          "train_loss": block,
                          **engine.evaluate(held_out), "bytes_per_worker": engine.bytes_per_worker(),
                          "seconds": time.perf_counter() - started})  # fmt: skip
+            append_rows(out / "steps.csv", rows[-1:])
             progress.set_postfix(train=f"{block:.3f}", val=f"{rows[-1]['avg_val_loss']:.3f}", refresh=False)
             losses = []
     progress.close()
-    append_rows(out / "steps.csv", rows)
     last = rows[-1]
     summary = {key: last[key] for key in ("config", "seed", "workers", "batch", "warmup", "schedule", "step")}
     summary |= {
@@ -219,6 +225,32 @@ def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_eve
     }
     append_rows(out / "summary.csv", [summary])
     return summary
+
+
+def forget_unfinished(path: Path, name: str, seed: int) -> None:
+    """Remove from ``steps.csv`` the rows of configuration ``name`` and ``seed`` (those of a run that did not
+    finish, about to run again), leaving every other row as it was written; the file is replaced atomically.
+
+    Args:
+        path: ``steps.csv`` (nothing happens when it does not exist).
+        name: the configuration's name.
+        seed: the seed.
+    """
+    if not path.exists():
+        return
+    with path.open(newline="") as handle:
+        lines = list(csv.reader(handle))
+    if not lines:
+        return
+    header, rows = lines[0], lines[1:]
+    config, seed_column = header.index("config"), header.index("seed")
+    kept = [row for row in rows if not (row[config] == name and int(row[seed_column]) == seed)]
+    if len(kept) == len(rows):
+        return
+    partial = path.with_name(path.name + ".partial")
+    with partial.open("w", newline="") as handle:
+        csv.writer(handle).writerows([header, *kept])
+    os.replace(partial, path)
 
 
 def done_runs(path: Path, step: int | None = None) -> set[tuple[str, int]]:
