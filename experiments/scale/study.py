@@ -194,7 +194,7 @@ def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_eve
     forget_unfinished(out / "steps.csv", config.name, seed)
     corpus, held_out = _data(config, device)
     engine = Engine(config, corpus.train, device, grad_mode)
-    started, losses, rows = time.perf_counter(), [], []
+    started, losses = time.perf_counter(), []
     progress = tqdm(total=config.steps, desc=f"{config.name} seed {seed}", unit="step", mininterval=30.0)
     for step in range(config.steps):
         losses.append(engine.step(step).mean())
@@ -203,16 +203,15 @@ def run(config: EngineConfig, seed: int, device: str, grad_mode: str, record_eve
             block = float(torch.stack(losses).mean())
             if not math.isfinite(block):
                 raise FloatingPointError(f"{config.name} seed {seed}: training loss {block} at step {step}")
-            rows.append({"config": config.name, "seed": seed, "workers": config.workers, "batch": config.batch,
-                         "warmup": config.warmup_steps(), "schedule": engine.schedule.name, "step": step + 1,
-                         "train_loss": block,
-                         **engine.evaluate(held_out), "bytes_per_worker": engine.bytes_per_worker(),
-                         "seconds": time.perf_counter() - started})  # fmt: skip
-            append_rows(out / "steps.csv", rows[-1:])
-            progress.set_postfix(train=f"{block:.3f}", val=f"{rows[-1]['avg_val_loss']:.3f}", refresh=False)
+            last = {"config": config.name, "seed": seed, "workers": config.workers, "batch": config.batch,
+                    "warmup": config.warmup_steps(), "schedule": engine.schedule.name, "step": step + 1,
+                    "train_loss": block,
+                    **engine.evaluate(held_out), "bytes_per_worker": engine.bytes_per_worker(),
+                    "seconds": time.perf_counter() - started}  # fmt: skip
+            append_rows(out / "steps.csv", [last])
+            progress.set_postfix(train=f"{block:.3f}", val=f"{last['avg_val_loss']:.3f}", refresh=False)
             losses = []
     progress.close()
-    last = rows[-1]
     summary = {key: last[key] for key in ("config", "seed", "workers", "batch", "warmup", "schedule", "step")}
     summary |= {
         "final_avg_val_loss": last["avg_val_loss"],
