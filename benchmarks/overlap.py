@@ -16,7 +16,8 @@ Runs, side by side in one job on every rank (same model, same batch size, same d
   communication time adds the trackers' exchange run blocking.
 * ``default`` -- the library's default pipeline exactly as ``gossip.wrap`` builds it (``gossip.Pipeline()``:
   PowerGossip rank 4, ChocoSign trackers, ``optim.MomentumTrackingAdamW`` with the gossiped mean gradient),
-  read against ``local-adamw``, run with it.
+  read against ``local-adamw``, run with it. ``previous-defaults``: the main job's defaults before it
+  (``gossip-train --outer-every 10``: the main job's PowerGossip and an exact average every 10 steps).
 * ``ddp`` -- torch ``DistributedDataParallel`` on the Gloo process group (bucketed gradient all-reduce overlapped
   with backward). Its waiting is not observable from outside, so: exposed = DDP step time - local step time;
   communication time = a blocking ``all_reduce`` of a flat tensor of the gradients' size, timed separately.
@@ -139,17 +140,29 @@ def algorithms(size: int) -> dict[str, Method]:
         found["pg-delayed"] = Method(
             lambda: PowerGossip(rank=4, num_iterations=2, message_dtype=torch.float16, delayed_last_iteration=True)
         )
-        # the main job's defaults as gossip-train resolves them: that PowerGossip every step and an exact average of
-        # the replicas every 10 steps (an outer step, lr 1, no momentum, over an all-reduce)
+        # the main job's defaults before the pipeline (`gossip-train --outer-every 10`): that PowerGossip every step
+        # and an exact average of the replicas every 10 steps (an outer step, lr 1, no momentum, over an all-reduce)
         from gossip.app.train import TrainConfig, make_algorithm, resolve
 
-        found["main-job-defaults"] = Method(lambda: make_algorithm(resolve(TrainConfig(), size)[0]))
+        previous = TrainConfig(outer_every=10)
+        found["previous-defaults"] = Method(lambda: make_algorithm(resolve(previous, size)[0]))
         found["mt-exact"] = momentum_tracking("exact", size)
         found["mt-pg"] = momentum_tracking("powergossip", size)
         found["mt-sign"] = momentum_tracking("powergossip", size, trackers="sign", every=64)
     except ImportError:
         pass
     return found
+
+
+def method_names(methods: str) -> list[str]:
+    """The names of a ``--methods`` list, each one this benchmark measures (the gossip methods of
+    :func:`algorithms` and ``ddp``), or a ValueError naming the unknown ones and the known."""
+    names = methods.split(",")
+    known = [*algorithms(2), "ddp"]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    return names
 
 
 def make_model(name: str) -> nn.Module:
@@ -340,7 +353,7 @@ def run(args: argparse.Namespace) -> None:
     comm = gossip.init(args.backend, timeout=600.0)
     probe = make_model(args.model)
     batches = make_batches(args.model, probe, args.batch, comm.rank, args.warmup + args.steps)
-    methods = args.methods.split(",")
+    methods = method_names(args.methods)
     adamw = any(m.startswith(("mt-", "default")) for m in methods)
     order = ["local", *(["local-adamw"] if adamw else [])]
     order += [m for m in methods if m != "ddp"] + (["ddp"] if "ddp" in methods else [])  # ddp reads local's step
@@ -438,6 +451,10 @@ def main() -> None:
     parser.add_argument("--nprocs", type=int, default=0, help="spawn this many local processes (loopback)")
     parser.add_argument("--out", default="", help="write the table as JSON here (rank 0)")
     args = parser.parse_args()
+    try:
+        method_names(args.methods)
+    except ValueError as error:
+        parser.error(str(error))
     if args.nprocs:
         sys.exit(spawn(args, sys.argv[1:]))
     run(args)

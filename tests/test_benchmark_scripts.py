@@ -4,6 +4,7 @@ of failing in torch's CUDA initialisation (the tier's tests skip the same way, t
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -92,6 +93,37 @@ def test_the_overlap_benchmarks_momentum_tracking_is_the_main_jobs(monkeypatch, 
         assert type(method.gradient_tracking).__name__ == trackers
     optimizer = method.make_optimizer(torch.nn.Linear(3, 2))
     assert isinstance(optimizer, optim.MomentumTrackingAdamW) and optimizer.second_moment_every == every
+
+
+def test_the_overlap_benchmarks_defaults_are_the_pipeline_and_the_previous_hybrid(monkeypatch):
+    """`default` times what `gossip.wrap` builds; `previous-defaults` what `gossip-train --outer-every 10` trains
+    with: the main job's PowerGossip and an outer step over an all-reduce every 10 steps."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gossip
+
+    methods = load("overlap.py").algorithms(4)
+    assert methods["default"].pipeline == gossip.Pipeline()
+    previous = methods["previous-defaults"].make_algorithm()
+    assert isinstance(previous, gossip.OuterOptimizer) and previous.local_steps == 10
+    assert isinstance(previous.averaging, gossip.AllReduce)
+    between = previous.between
+    assert isinstance(between, gossip.PowerGossip)
+    assert (between.matrix_rank, between.num_iterations, between.message_dtype) == (4, 2, torch.float16)
+
+
+def test_the_overlap_benchmark_refuses_a_method_it_does_not_measure_and_the_device_check_names_known_ones(
+    monkeypatch,
+):
+    """An unknown name in ``--methods`` is an error naming it, not a row silently left out; every ``--methods`` of
+    the prepared device call (benchmarks/device_check.sh) is one the benchmark measures."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    names = load("overlap.py").method_names
+    assert names("default,ddp") == ["default", "ddp"]
+    with pytest.raises(ValueError, match="unknown main-job-defaults;"):
+        names("default,main-job-defaults")
+    script = (BENCHMARKS / "device_check.sh").read_text()
+    lists = re.findall(r"--methods (\S+)", script)
+    assert lists and all(names(methods) for methods in lists)
 
 
 def test_the_sign_codec_benchmark_compares_its_results_with_the_baselines_bit_for_bit(monkeypatch, capsys, tmp_path):
