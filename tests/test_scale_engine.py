@@ -396,6 +396,26 @@ def test_a_sweep_and_its_report_run_end_to_end_and_pair_runs_of_one_warm_up(tmp_
     assert (row["workers"], row["warmup"], row["arm"], row["ddp_curve_points"]) == (8, 2, "pipeline", 2)
 
 
+def test_a_name_in_only_that_is_not_a_run_of_the_sweeps_is_an_error_not_an_empty_sweep(tmp_path, capsys):
+    """A misspelt configuration, or one that --arms or --max-workers leaves out, stops the command before any run
+    with the name in the message, instead of running the rest and exiting 0."""
+    from experiments.scale import study
+
+    common = ["--sweep", "smoke", "--steps", "6", "--seeds", "0", "--device", "cpu", "--out", str(tmp_path)]
+    threads = torch.get_num_threads()
+    try:
+        for wrong, extra in [
+            ("smoke-n8-b2-pipelin-s6-warmup2", []),
+            ("smoke-n8-b2-ddp-s6-warmup2", ["--arms", "pipeline"]),
+        ]:
+            with pytest.raises(SystemExit) as stopped:
+                study.main([*common, *extra, "--only", "smoke-n8-b2-pipeline-s6-warmup2", wrong])
+            assert stopped.value.code == 2 and f"--only: {wrong}: not a run of --sweep smoke" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
+    assert not (tmp_path / "summary.csv").exists()  # nothing ran
+
+
 def test_a_run_cut_short_leaves_its_curve_so_far_and_its_rerun_replaces_it(tmp_path, monkeypatch):
     from experiments.scale import study
     from experiments.shared import read_csv

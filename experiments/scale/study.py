@@ -338,7 +338,13 @@ def main(argv: list[str] | None = None) -> int:
     configs = [c for c in configs if any(f"-{arm}" in c.name for arm in args.arms)]
     if args.only:
         named = {c.name: c for c in configs}
-        configs = [named[name] for name in args.only if name in named]
+        unknown = [name for name in args.only if name not in named]
+        if unknown:
+            parser.error(
+                f"--only: {', '.join(unknown)}: not a run of --sweep {' '.join(args.sweep)} with --arms "
+                f"{' '.join(args.arms)} and --max-workers {args.max_workers} (--list without --only prints them)"
+            )
+        configs = [named[name] for name in args.only]
     done = done_runs(args.out / "summary.csv")
     jobs = [(c, s) for s in args.seeds for c in configs if (c.name, s) not in done]  # a seed's pairs together
     deadline = None if args.budget is None else time.monotonic() + args.budget
