@@ -468,3 +468,46 @@ def test_momentum_tracking_trains():
     per_rank = gossip.simulate(N, losses)
     first, last = sum(r[0] for r in per_rank) / N, sum(r[-1] for r in per_rank) / N
     assert last < 0.8 * first
+
+
+class _Branches(torch.nn.Module):
+    """A head no step reaches (``unused``) and a branch that only the odd ranks reach, on even steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.branch = torch.nn.Linear(6, 8), torch.nn.Linear(8, 8)
+        self.head, self.unused = torch.nn.Linear(8, 3), torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, through_branch: bool) -> torch.Tensor:
+        hidden = torch.relu(self.body(x))
+        return self.head(hidden + self.branch(hidden) if through_branch else hidden)
+
+
+def _steps_with_unreached_parameters(comm, trackers: str) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model, optimizer = gossip.Pipeline(trackers=trackers).wrap(_Branches(), comm, lr=1e-2)
+    generator = torch.Generator().manual_seed(comm.rank)
+    for step in range(6):
+        x, y = torch.randn(8, 6, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+        torch.nn.functional.cross_entropy(model(x, comm.rank % 2 == 1 and step % 2 == 0), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    named = dict(model.module.named_parameters())
+    steps = {name: optimizer.state[p]["step"] for name, p in named.items()}
+    model.close()
+    return steps, {name: p.detach().clone() for name, p in named.items()}
+
+
+@pytest.mark.parametrize("trackers", ["sign", "exact"])
+def test_a_parameter_a_step_does_not_reach_counts_as_a_zero_gradient_in_the_first_moment_too(trackers):
+    """The tracker counts a missing ``.grad`` as 0; the first moment before it must too, or the optimizer steps a
+    parameter whose moments never counted a step (a bias correction of 1 - beta^0 = 0: NaN). Every parameter's
+    moments count every step, the replicas stay finite, and with exact trackers the head no rank reaches, whose
+    trackers stay 0, stays equal on every rank."""
+    per_rank = gossip.simulate(N, _steps_with_unreached_parameters, trackers)
+    for rank, (steps, values) in enumerate(per_rank):
+        assert set(steps.values()) == {6}, (rank, steps)
+        assert all(value.isfinite().all() for value in values.values()), rank
+    if trackers == "exact":
+        for _, values in per_rank[1:]:
+            assert torch.equal(values["unused.weight"], per_rank[0][1]["unused.weight"])

@@ -9,7 +9,9 @@ things inside ``optimizer.step()``, after the parameters' mixing and before the 
    (``mean_gradient="gossip"``, the default), or all-reduced at once (``"allreduce"``), in the buckets' layout (a
    parameter without ``.grad`` contributes zeros); :mod:`gossip.wrapper.mean_gradient` has both;
 2. :meth:`MomentumSource.prepare_momentum`, which writes the rank's first moment into ``.grad``, where the tracker
-   (``gradient_tracking=True``) mixes it.
+   (``gradient_tracking=True``) mixes it. On a step with gradients, a parameter the step did not reach is given a
+   zero ``.grad`` first (:meth:`gossip.wrapper.tracking.GradientTracker.fill_missing_gradients`): the zero gradient
+   the tracker counts it as, so that its first moment decays and counts the step like every other's.
 
 The ranks must agree on the optimizer: a rank that samples the mean gradient while another does not would wait for
 a peer that never joins, and one tracking first moments beside one tracking gradients would average quantities of

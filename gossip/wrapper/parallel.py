@@ -590,8 +590,10 @@ class DecentralizedDataParallel(nn.Module):
         """
         if momentum is not None and self._momentum_prepared_at != self.step_count:
             sample, self._sampled_at = self._sampled_at != self.step_count, self.step_count  # attempted once a step
-            assert self._mean_gradient is not None  # a momentum source without trackers is refused before
+            # a momentum source without trackers is refused before
+            assert self._mean_gradient is not None and self.tracker is not None
             with torch.no_grad():
+                self.tracker.fill_missing_gradients()  # a parameter this step did not reach: a zero gradient
                 self._mean_gradient.take(momentum, self.step_count, sample)
             momentum.prepare_momentum()
             self._momentum_prepared_at = self.step_count
