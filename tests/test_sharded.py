@@ -249,3 +249,13 @@ def test_loading_another_runs_sharded_checkpoint_is_refused_naming_the_differenc
         assert result["other_run"].startswith("CheckpointMismatchError"), result["other_run"]
         assert result["other_run"].count("rank 0") == 1 and "(replica 0, shard 0)" in result["other_run"]
         assert "this run uses algorithm" in result["other_run"] and "'rank': 2" in result["other_run"]
+
+
+def test_a_parameter_no_step_reaches_counts_every_step_as_a_zero_gradient_on_the_shards(per_rank):
+    """Sign trackers and momentum tracking on FSDP2 shards, with a head no forward reaches: every parameter's first
+    moment counts the 4 steps and every replica stays finite (no bias correction of 1 - beta^0)."""
+    for rank, result in enumerate(per_rank):
+        unreached = result["unreached"]
+        assert set(unreached["steps"].values()) == {4}, (rank, unreached["steps"])
+        assert all(unreached["finite"].values()), (rank, unreached["finite"])
+        assert "unused.weight" in unreached["steps"]

@@ -359,9 +359,9 @@ class GradientTracker:
         """
         if not any(p.grad is not None for p in self._parameters):
             return False
-        for parameter in self._parameters:
+        for parameter, view in zip(self._parameters, self._tracker_views, strict=True):
             if parameter.grad is None:
-                parameter.grad = torch.zeros_like(parameter)
+                parameter.grad = torch.zeros_like(view)  # laid out as the tracker reads it (a local shard)
         return True
 
     def _read_gradients(self) -> None:

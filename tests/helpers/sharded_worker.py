@@ -423,6 +423,35 @@ def frozen_parameters(mesh: DeviceMesh, lanes: Lanes, result: dict) -> None:
     model.close()
 
 
+class _WithUnusedHead(nn.Module):
+    """``_net`` beside a head that no forward reaches."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = _net()
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def unreached_parameter(mesh: DeviceMesh, lanes: Lanes, result: dict) -> None:
+    """The pipeline's parts on the shards of a model with a head no step reaches: FSDP2 leaves its gradient None,
+    the wrapper gives it a zero one before the first moment (the tracker's reading of a missing gradient)."""
+    net = _WithUnusedHead()
+    fully_shard(net.net[0], mesh=mesh["shard"])
+    fully_shard(net, mesh=mesh["shard"])
+    schedule = topologies.from_matrix(torch.tensor(W).numpy(), name="w")
+    model = ShardedDecentralizedDataParallel(net, lanes, schedule, gossip.PowerGossip(rank=1), gradient_tracking="sign")
+    optimizer = _momentum_optimizer(model.parameters())
+    _train(model, optimizer, lanes, range(4))
+    result["unreached"] = {
+        "steps": {name: optimizer.state[p]["step"] for name, p in net.named_parameters()},
+        "finite": {name: bool(p.full_tensor().isfinite().all()) for name, p in net.named_parameters()},
+    }
+    model.close()
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -439,6 +468,7 @@ def main() -> None:
     powergossip_blocks(mesh, lanes, result)
     checkpoint_resume(mesh, lanes, out_dir, result)
     pipeline_resume(mesh, lanes, out_dir, result)
+    unreached_parameter(mesh, lanes, result)
     refusals(mesh, lanes, out_dir, result)
     lanes.lane.close()
     lanes.shard.close()
