@@ -416,6 +416,14 @@ def test_a_name_in_only_that_is_not_a_run_of_the_sweeps_is_an_error_not_an_empty
     assert not (tmp_path / "summary.csv").exists()  # nothing ran
 
 
+def test_the_report_on_a_folder_without_runs_names_what_is_missing(tmp_path, capsys):
+    from experiments.scale import report
+
+    with pytest.raises(SystemExit) as stopped:
+        report.main(["--results", str(tmp_path)])
+    assert stopped.value.code == 2 and f"no summary.csv in {tmp_path}" in capsys.readouterr().err
+
+
 def test_a_run_cut_short_leaves_its_curve_so_far_and_its_rerun_replaces_it(tmp_path, monkeypatch):
     from experiments.scale import study
     from experiments.shared import read_csv

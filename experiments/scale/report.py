@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     curves_path = args.results / "steps.csv"  # not committed: the runs write it
+    if not (args.results / "summary.csv").exists():
+        parser.error(f"no summary.csv in {args.results} (python -m experiments.scale --out {args.results} writes it)")
     summary, steps = read_csv(args.results / "summary.csv"), read_csv(curves_path) if curves_path.exists() else []
     rows = gaps(summary, steps)
     if not rows:
