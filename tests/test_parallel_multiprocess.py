@@ -124,3 +124,15 @@ def test_powergossip_with_a_delayed_last_iteration_equals_the_simulator_and_resu
         assert checkpoint["resumed_at"] == 3
         assert torch.equal(checkpoint["resumed"], checkpoint["uninterrupted"]), f"{backend} rank {rank}"
         assert torch.equal(checkpoint["resumed"], oracle[rank]["delayed_checkpoint"]["resumed"]), f"rank {rank}"
+
+
+def test_two_wrappers_on_one_communicator_do_not_cross_and_equal_the_simulator(results, oracle):
+    """A model and a critic, each wrapped by the default pipeline on the same communicator and stepped in turn:
+    the model trains as it does wrapped alone (on the simulator), and both equal the simulator on the backend."""
+    backend, per_rank = results
+    for rank in range(N):
+        expected = oracle[rank]["two_wrappers"]
+        assert torch.equal(expected["first"], expected["alone"]), f"simulator rank {rank}"
+        got = per_rank[rank]["two_wrappers"]
+        for name in ("first", "critic", "alone"):
+            assert torch.equal(got[name], expected[name]), f"{backend} rank {rank}: {name}"

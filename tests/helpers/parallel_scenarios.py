@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+import gossip
 import optim
 import topologies
 from gossip.algorithms.exact import ExactGossip
@@ -177,6 +178,42 @@ def averaged_and_consensus(comm) -> dict[str, Any]:
     return {"before": before, "inside": inside, "after": after, "consensus": consensus}
 
 
+def two_wrappers(comm, steps: int = 6) -> dict[str, torch.Tensor]:
+    """Two models wrapped by the default pipeline on one communicator and stepped in turn, a critic trained on the
+    first model's detached output: the first's loss does not depend on the critic, so its trajectory must be the one
+    it has wrapped alone (``alone``, the same steps without the critic), whatever the two wrappers' messages
+    interleave."""
+
+    def run(with_critic: bool) -> list[torch.Tensor]:
+        first, first_optimizer = gossip.wrap(make_mlp(comm.rank), comm, lr=1e-2)
+        critic = critic_optimizer = None
+        if with_critic:
+            critic_module = nn.Linear(OUT, 1)
+            generator = torch.Generator().manual_seed(50 + comm.rank)
+            with torch.no_grad():
+                for p in critic_module.parameters():
+                    p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+            critic, critic_optimizer = gossip.wrap(critic_module, comm, lr=1e-2)
+        for step in range(steps):
+            x, y = batch(comm.rank, step)
+            output = first(x)
+            if critic is not None:
+                critic(output.detach()).pow(2).mean().backward()
+                critic_optimizer.step()
+                critic_optimizer.zero_grad()
+            nn.functional.mse_loss(output, y).backward()
+            first_optimizer.step()
+            first_optimizer.zero_grad()
+        trained = [flat_parameters(model) for model in (first, critic) if model is not None]
+        for model in (first, critic):
+            if model is not None:
+                model.close()
+        return trained
+
+    (first, critic), (alone,) = run(True), run(False)
+    return {"first": first, "critic": critic, "alone": alone}
+
+
 SKIP_RANK, SKIP_STEP = 1, 2
 
 
@@ -210,6 +247,7 @@ def run_all(comm, directory: Path) -> dict[str, Any]:
         "checkpoint": checkpoint_resume(comm, directory / "checkpoint"),
         "averaged": averaged_and_consensus(comm),
         "grad_scaler_skip": skip_one_update(comm, True),
+        "two_wrappers": two_wrappers(comm),
         "tracking": train(comm, 8, gradient_tracking=True),
         "tracking_checkpoint": checkpoint_resume(comm, directory / "tracking", gradient_tracking=True),
         "delayed": train(comm, 8, algorithm=delayed_powergossip()),
