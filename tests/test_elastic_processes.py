@@ -127,17 +127,19 @@ def vector(values: list[float]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64)
 
 
-def mixing_outcome(rows: dict[int, dict], uid: int, step: int) -> tuple[str, int | None]:
-    """What the mixing did to ``uid`` at ``step``: ("kept" or "averaged", its partner in the step's group)."""
+def mixing_outcome(rows: dict[int, dict], uid: int, step: int) -> tuple[str, int | None, float]:
+    """What the mixing did to ``uid`` at ``step``: ("kept" or "averaged", its partner in the step's group, the
+    partner's weight in the schedule of the group's size)."""
     row = rows[step]
     before, mixed = vector(row["before"]), vector(row["after"]) - delta(uid, step)
     group = row["group"]
     schedule, _ = schedule_for("one_peer_hypercube", len(group))
-    partners = [group[p] for p, _ in schedule.peers(group.index(uid), step).in_peers]
+    partners = [(group[p], weight) for p, weight in schedule.peers(group.index(uid), step).in_peers]
+    partner, weight = partners[0] if partners else (None, 0.0)
     if torch.allclose(mixed, before, rtol=1e-12, atol=0):
-        return "kept", partners[0] if partners else None
+        return "kept", partner, weight
     assert partners, f"member {uid} step {step}: replica changed with no partner"
-    return "averaged", partners[0]
+    return "averaged", partner, weight
 
 
 @pytest.mark.multiprocess
@@ -162,7 +164,7 @@ def test_survivors_finish_and_log_who_left(job):
     assert {int(line.split()[3].rstrip(":")) for line in lines if f"epoch {max(epochs)}:" in line} == set(survivors)
     for uid in dead:
         assert any(f"{uid} (killed by SIGKILL)" in line for line in lines)
-    wanted = "random_matchings (fallback: one_peer_hypercube over 3 ranks"
+    wanted = "base_graph (fallback: one_peer_hypercube over 3 ranks"
     assert all(wanted in line for line in lines if "members [0, 2, 3]" in line or "members [0, 1, 3]" in line)
 
 
@@ -226,19 +228,19 @@ def check_both_ends_or_neither(runs: dict[int, list[dict]], n: int, steps: int, 
     checked_with_dead = 0
     for step in range(steps):
         for uid in survivors:
-            outcome, partner = mixing_outcome(by_step[uid], uid, step)
+            outcome, partner, weight = mixing_outcome(by_step[uid], uid, step)
             if partner is None:
                 continue
             mine = vector(by_step[uid][step]["before"])
             theirs = replica_at(by_step[partner], step)
-            if outcome == "averaged":  # exactly the average with the partner's replica of this step
+            if outcome == "averaged":  # exactly the schedule's combination with the partner's replica of this step
                 mixed = vector(by_step[uid][step]["after"]) - delta(uid, step)
-                torch.testing.assert_close(mixed, (mine + theirs) / 2, rtol=1e-12, atol=0)
+                torch.testing.assert_close(mixed, mine * (1 - weight) + theirs * weight, rtol=1e-12, atol=0)
             if partner in dead:
                 checked_with_dead += 1
                 continue
             assert by_step[partner][step]["group"] == by_step[uid][step]["group"] or outcome == "kept"
-            other, back = mixing_outcome(by_step[partner], partner, step)
+            other, back, _ = mixing_outcome(by_step[partner], partner, step)
             if outcome == "averaged":
                 assert (other, back) == ("averaged", uid), f"step {step}: {uid} averaged with {partner}, not back"
             else:
@@ -582,10 +584,10 @@ def test_restarted_worker_joins_with_its_donors_replica(tmp_path, kills):
     by_step[2] = {row["step"]: row for row in rows}
     for step in range(first, steps):
         for uid in (*survivors, 2):
-            outcome, partner = mixing_outcome(by_step[uid], uid, step)
+            outcome, partner, _ = mixing_outcome(by_step[uid], uid, step)
             if partner is None or partner not in by_step:  # none, or the worker that died (as in the kills above)
                 continue
-            other, back = mixing_outcome(by_step[partner], partner, step)
+            other, back, _ = mixing_outcome(by_step[partner], partner, step)
             assert (outcome == "averaged") == (other == "averaged" and back == uid), f"step {step}: {uid}/{partner}"
 
 

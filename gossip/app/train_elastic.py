@@ -8,7 +8,9 @@ that step is already posted, so the kill lands mid-exchange, with no clean-up, a
 at the same step die together (:func:`gossip.app.elastic_launch.die_together`).
 
 Elastic settings: PowerGossip runs one power iteration and no periodic average unless given (real-process elastic
-needs one exchange per step); the default schedule is ``one_peer_hypercube`` (a power of two) or ``random_matchings``;
+needs one exchange per step); the default schedule is the main job's (:func:`gossip.default_schedule`:
+``one_peer_hypercube`` for a power of two, else ``base_graph``), and after a change the same family over the new
+size or its fallback (:func:`gossip.wrapper.elastic.schedule_for`);
 gradient tracking restarts the trackers at every change (each at its own last input) and runs blocking (no
 ``--tracking-overlap``), and momentum tracking's sample of the mean gradient is taken once a step at most, skipped
 where a change interrupts it (:class:`gossip.wrapper.elastic_run.ElasticRun`); the sampled consensus distance is off
@@ -69,9 +71,6 @@ from gossip.wrapper.parallel import DecentralizedDataParallel
 
 logger = logging.getLogger("gossip")
 
-#: The schedule of an elastic run when none is given and the world size is not a power of two.
-ELASTIC_FALLBACK_SCHEDULE = "random_matchings"
-
 
 def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str]]:
     """:func:`gossip.app.train.resolve`, with the elastic defaults (see the module docstring).
@@ -111,8 +110,6 @@ def resolve_elastic(config: TrainConfig, world_size: int) -> tuple[TrainConfig, 
     elastic = dataclasses.replace(
         config, average_every=0, outer_every=0, power_iterations=1, mean_gradient="allreduce", tracker_hops=1
     )
-    if config.schedule is None and not (world_size >= 2 and world_size & (world_size - 1) == 0):
-        elastic.schedule = ELASTIC_FALLBACK_SCHEDULE
     return resolve(elastic, world_size)
 
 

@@ -8,8 +8,9 @@ catches it, takes part in the decision of the next epoch, resolves the step in f
 
 **A mixing step with a peer that died or left mid-exchange is completed or skipped on both ends, never on one.**
 Real-process elastic runs need a schedule with at most one partner per rank and step (in-peer = out-peer:
-``one_peer_hypercube``, ``one_peer_ring``, ``random_matchings``) and an algorithm whose step is one exchange
-(``ExactGossip``, ``PowerGossip`` with one iteration). For the step s a rank was in (its exchange posted, or not):
+``one_peer_hypercube``, ``base_graph``, ``one_peer_ring``, ``random_matchings``) and an algorithm whose step is one
+exchange (``ExactGossip``, ``PowerGossip`` with one iteration). For the step s a rank was in (its exchange posted,
+or not):
 
 * *completed* when its partner is a member of the new epoch and posted its own step-s exchange (the decision holds
   every member's last posted step): both posted, neither abandons a posted transfer, so both ends apply it;
@@ -104,8 +105,8 @@ def check_supported(schedule: Schedule, algorithm: Algorithm) -> None:
             if len(ins) > 1 or ins != outs:
                 raise ElasticUnsupportedError(
                     f"elastic: schedule '{schedule.name}' gives rank {rank} the partners {sorted(ins | outs)} at "
-                    f"step {step}; elastic runs need one partner per step (one_peer_hypercube, one_peer_ring, "
-                    "random_matchings), so that a step with a dead peer is skipped on both ends"
+                    f"step {step}; elastic runs need one partner per step (one_peer_hypercube, base_graph, "
+                    "one_peer_ring, random_matchings), so that a step with a dead peer is skipped on both ends"
                 )
     one_exchange = isinstance(algorithm, ExactGossip | PowerGossip | ChocoSign)
     if not one_exchange or getattr(algorithm, "num_iterations", 1) != 1:
