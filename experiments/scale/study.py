@@ -6,8 +6,8 @@ worker i draws rank i's batches of ``ShardedBatches``):
 * ``strong``: a fixed global batch of ``GLOBAL_BATCH`` sequences, n in (16, 64, 256, 1024), b = B / n;
 * ``weak``: a fixed ``WEAK_BATCH`` sequences per worker, n in (16, 64, 256);
 * ``topology``: the default pipeline at ``WEAK_BATCH`` per worker on the one-peer hypercube, random matchings and
-  the ring at n = 64 and 256, and at n = 96 (not a power of two) on the one-peer Base-2 graph
-  (:func:`topologies.base_graph`, the default there), random matchings and the ring, with DDP at each n.
+  the ring at n = 64 and 256, and at n = 24 and 96 (not powers of two) on the one-peer Base-2 graph
+  (:func:`topologies.base_graph`, the default there) and random matchings (and the ring at 96), with DDP at each n.
 
 Arms: ``ddp`` (the gradients all-reduced, AdamW), ``pipeline`` (:class:`gossip.Pipeline`'s defaults: PowerGossip
 rank 4 x 2 in float16, sign momentum trackers, the mean gradient's second moment every 64 steps gossiped along the
@@ -104,7 +104,8 @@ def sweep(name: str, steps: int = STEPS, warmup: int | None = None) -> list[Engi
         for n in WEAK_WORKERS:
             runs += [_arm(a, workers=n, batch=WEAK_BATCH, steps=steps, warmup=warmup) for a in ARMS]
     elif name == "topology":
-        for n, schedules in ((64, ("one_peer_hypercube", "random_matchings", "ring")),
+        for n, schedules in ((24, ("base_graph", "random_matchings")),
+                             (64, ("one_peer_hypercube", "random_matchings", "ring")),
                              (96, ("base_graph", "random_matchings", "ring")),
                              (256, ("one_peer_hypercube", "random_matchings", "ring"))):  # fmt: skip
             fields = {"workers": n, "batch": WEAK_BATCH, "steps": steps, "warmup": warmup}
