@@ -41,9 +41,10 @@ def test_compare_16_rho_values_match_the_spec(capsys):
     out = capsys.readouterr().out
     assert _row(out, "ring")[5] == "0.9493"  # F.3 table
     assert _row(out, "static_exponential")[5] == "0.6000"  # 1 - 2/(1 + log2 16)
-    assert _row(out, "one_peer_hypercube")[7:] == ["0.0000", "4"]  # exact after log2 16 steps
-    assert _row(out, "one_peer_exponential")[7:] == ["0.0000", "4"]
-    assert _row(out, "complete")[-1] == "1"
+    assert _row(out, "one_peer_hypercube")[7:9] == ["0.0000", "4"]  # exact after log2 16 steps
+    assert _row(out, "one_peer_exponential")[7:9] == ["0.0000", "4"]
+    assert _row(out, "complete")[-2:] == ["1", "0.938"]  # one step; the floor of W = J, (n - 1) / n
+    assert _row(out, "one_peer_hypercube")[-1] == _row(out, "base_graph")[-1] == "1.625"
 
 
 def test_compare_says_which_schedules_are_skipped_and_why(capsys):

@@ -218,3 +218,55 @@ def test_torus_of_a_prime_number_of_ranks_is_refused():
 
     with pytest.raises(ScheduleError, match="n=7 has no such split"):
         by_name("torus", 7)
+
+
+@pytest.mark.parametrize("n", [2, 5, 12])
+def test_the_noise_floor_of_exact_averaging_at_every_step_is_one_minus_one_over_n(n):
+    """W = J: the disagreement is the last step's centred noise, whose variance per coordinate is (n - 1) / n."""
+    assert analysis.noise_floor(topologies.complete(n)) == pytest.approx((n - 1) / n, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "build", [lambda: topologies.ring(8), lambda: topologies.torus(3, 4), lambda: topologies.ring(5)]
+)
+def test_the_noise_floor_of_a_static_symmetric_w_is_its_eigenvalues_sum(build):
+    """One W every step: S = W S W + (I - J) is diagonal in W's eigenvectors, so the floor is
+    (1/n) sum over the eigenvalues lambda != 1 of 1 / (1 - lambda^2)."""
+    schedule = build()
+    eigenvalues = np.sort(np.linalg.eigvalsh(schedule.mixing_matrix(0)))[:-1]  # the 1 of the mean left out
+    expected = float(np.sum(1.0 / (1.0 - eigenvalues**2))) / schedule.n
+    assert analysis.noise_floor(schedule) == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_noise_floor_of_a_time_varying_schedule_is_the_simulated_steady_state():
+    """The Base-2 graph over 6 ranks (period 4, a rank idle in some steps): x <- W(t) x + xi simulated for 20,000
+    steps on 64 coordinates, its mean Xi^2 per coordinate after a burn-in, within 3 % of the computed floor."""
+    schedule = topologies.base_graph(6)
+    generator = np.random.default_rng(0)
+    values, seen = np.zeros((6, 64)), []
+    for t in range(20_000):
+        values = analysis.apply_step(schedule, t, values) + generator.standard_normal((6, 64))
+        if t >= 100:
+            seen.append(float(np.mean(np.sum((values - values.mean(axis=0)) ** 2, axis=0))) / 6)
+    assert np.mean(seen) == pytest.approx(analysis.noise_floor(schedule), rel=0.03)
+
+
+def _unvalidated(matrix: np.ndarray, name: str) -> topologies.Schedule:
+    """A static schedule of ``matrix`` built without validation (which refuses both below)."""
+    rows, cols = np.nonzero(matrix)
+    return topologies.Schedule(len(matrix), name, lambda t: (rows, cols, matrix[rows, cols]), 1, validate=False)
+
+
+def test_the_noise_floor_is_infinite_without_mixing_and_undefined_when_the_mean_drifts():
+    assert analysis.noise_floor(_unvalidated(np.eye(4), "identity")) == math.inf
+    drifting = np.array([[0.5, 0.5, 0.0], [0.5, 0.5, 0.0], [0.0, 0.5, 0.5]])  # rows sum to 1, columns do not
+    assert math.isnan(analysis.noise_floor(_unvalidated(drifting, "drifting")))
+
+
+def test_the_noise_floor_ranks_the_one_peer_schedules_at_24_ranks():
+    """Where n is not a power of two the Base-2 graph leaves ranks idle and sustains a wider spread than random
+    matchings; at a power of two it is the hypercube, below random matchings."""
+    floors = {name: analysis.noise_floor(topologies.by_name(name, 24)) for name in ("base_graph", "random_matchings")}
+    assert floors["random_matchings"] < floors["base_graph"]
+    at_16 = {name: analysis.noise_floor(topologies.by_name(name, 16)) for name in ("base_graph", "random_matchings")}
+    assert at_16["base_graph"] == analysis.noise_floor(topologies.one_peer_hypercube(16)) < at_16["random_matchings"]

@@ -33,6 +33,7 @@ def _describe(args: argparse.Namespace) -> None:
     if schedule.period == 1 and s.symmetric:
         print(f"optimal gamma*      {analysis.optimal_overrelaxation(schedule):.4f}")
     print(f"steps to consensus  {_fmt_steps(s.steps_to_consensus)} (Xi_t^2 <= {args.tol:g} Xi_0^2, worst case)")
+    print(f"noise floor         {s.noise_floor:.4g} (steady Xi^2 per coordinate, unit noise per rank and step)")
     groups = schedule.groups(0)
     if groups is not None:
         print(f"groups at t=0       {groups}")
@@ -44,7 +45,8 @@ def _describe(args: argparse.Namespace) -> None:
 
 
 def _table(rows: list[ScheduleSummary]) -> str:
-    header = ("schedule", "period", "in-deg", "sym", "d.s.", "max rho/step", "min gap/step", "rho/period", "steps")
+    header = ("schedule", "period", "in-deg", "sym", "d.s.", "max rho/step", "min gap/step", "rho/period", "steps",
+              "floor")  # fmt: skip
     lines = [header]
     for s in rows:
         lines.append(
@@ -58,6 +60,7 @@ def _table(rows: list[ScheduleSummary]) -> str:
                 f"{min(s.step_gaps):.4f}",
                 f"{s.period_rho:.4f}",
                 _fmt_steps(s.steps_to_consensus),
+                f"{s.noise_floor:.3f}",
             )
         )
     widths = [max(len(line[c]) for line in lines) for c in range(len(header))]
@@ -68,7 +71,8 @@ def _compare(args: argparse.Namespace) -> None:
     built, skipped = compare(args.n, args.tol)
     print(f"built-in schedules at n={args.n} (rho = ||W - J||_2 and gap = 1 - |lambda_2(W)| per step;")
     print("rho/period for the product over one period, or over the first steps checked when aperiodic;")
-    print(f"steps = worst case steps to Xi_t^2 <= {args.tol:g} * Xi_0^2)")
+    print(f"steps = worst case steps to Xi_t^2 <= {args.tol:g} * Xi_0^2; floor = the steady Xi^2 per coordinate")
+    print("when every rank adds unit noise each step, as gradient steps do: lower keeps replicas closer)")
     print(_table(built))
     for name, reason in skipped:
         print(f"skipped {name}: {reason}")

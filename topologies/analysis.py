@@ -263,6 +263,64 @@ def simulate_consensus(schedule: Schedule, steps: int, *, dim: int = 16, seed: i
     return np.array(trajectory)
 
 
+def _conjugate(schedule: Schedule, t: int, covariance: np.ndarray) -> np.ndarray:
+    """W(t) S W(t)^T for a symmetric S, by two sparse steps."""
+    return apply_step(schedule, t, apply_step(schedule, t, covariance).T).T
+
+
+def noise_floor(schedule: Schedule, *, max_doublings: int = 64) -> float:
+    r"""The consensus distance gossip settles at when every step adds unit noise to every rank.
+
+    The replicas follow :math:`X_{t+1} = W(t) X_t + \Xi_t`, :math:`\Xi_t` independent standard normal per rank and
+    coordinate: plain gossip of a model whose ranks each add a fresh gradient step, the setting of the consensus
+    distance's recursion in Koloskova et al. (ICML 2020, "A Unified Theory of Decentralized SGD with Changing
+    Topology and Local Updates"). For a doubly stochastic W the disagreement :math:`D = (I - J) X` follows
+    :math:`D_{t+1} = W(t) D_t + (I - J) \Xi_t`, so its covariance per coordinate obeys
+
+    .. math::  S_{t+1} = W(t)\, S_t\, W(t)^T + (I - J).
+
+    Over one period (the first ``window`` steps when aperiodic, as :func:`period_product`) that is
+    :math:`S \mapsto \Phi S \Phi^T + Q`, whose fixed point :math:`S^* = \sum_k \Phi^k Q (\Phi^k)^T` is summed by
+    doubling (:math:`S \leftarrow S + A S A^T`, :math:`A \leftarrow A^2`, from :math:`A = \Phi - J`). The floor is
+    :math:`\operatorname{tr}(S_t) / n`, the steady :math:`\Xi_t^2` per coordinate, averaged over the period's steps
+    from :math:`S^*`. Exact averaging at every step (W = J) gives (n - 1) / n, its least value; a schedule that
+    leaves ranks idle, or mixes slowly, more: the replicas' spread that a per-step noise sustains.
+
+    Args:
+        schedule: the schedule.
+        max_doublings: the most doublings (the sum covers :math:`2^{\text{max\_doublings}}` periods).
+
+    Returns:
+        The floor; ``inf`` when the period's product does not contract the disagreement within that sum (ranks
+            that never meet), ``nan`` when a W(t) is not doubly stochastic (the mean itself drifts).
+    """
+    n = schedule.n
+    if not schedule.is_doubly_stochastic:
+        return math.nan
+    if n == 1:
+        return 0.0
+    centering = np.eye(n) - 1.0 / n
+    product, covariance = np.eye(n), np.zeros((n, n))
+    for t in schedule.check_steps:
+        product = apply_step(schedule, t, product)
+        covariance = _conjugate(schedule, t, covariance) + centering
+    steady, contraction = covariance, product - 1.0 / n
+    for _ in range(max_doublings):
+        steady = steady + contraction @ steady @ contraction.T
+        contraction = contraction @ contraction
+        if not np.isfinite(contraction).all() or np.abs(contraction).max() > 1e12:
+            return math.inf
+        if np.abs(contraction).max() < 1e-14:
+            break
+    else:
+        return math.inf
+    floors = []
+    for t in schedule.check_steps:
+        steady = _conjugate(schedule, t, steady) + centering
+        floors.append(float(np.trace(steady)) / n)
+    return float(np.mean(floors))
+
+
 def steps_to_consensus(schedule: Schedule, tol: float = 1e-6, *, max_steps: int = 100_000) -> int | None:
     """The smallest t with ||(I - J) W(t-1) ... W(0)||_2^2 <= tol.
 

@@ -28,6 +28,8 @@ class ScheduleSummary:
         step_gaps: the spectral gap 1 - |lambda_2(W(t))| per step.
         period_rho: ||Pi - J||_2 for the product Pi over those steps.
         steps_to_consensus: the worst-case steps to the tolerance, or None when not reached.
+        noise_floor: the consensus distance a unit noise per rank and step sustains
+            (:func:`topologies.analysis.noise_floor`).
     """
 
     name: str
@@ -42,6 +44,7 @@ class ScheduleSummary:
     step_gaps: tuple[float, ...]
     period_rho: float
     steps_to_consensus: int | None
+    noise_floor: float
 
     @property
     def period_label(self) -> str:
@@ -50,7 +53,7 @@ class ScheduleSummary:
 
 
 def summarize(schedule: Schedule, tol: float = CONSENSUS_TOL) -> ScheduleSummary:
-    """The period, in-degree range, flags, rho and gap per step, rho per period and steps to consensus.
+    """The period, in-degree range, flags, rho and gap per step, rho per period, steps to consensus, noise floor.
 
     rho = ||W - J||_2 (:func:`topologies.analysis.rho`), gap = 1 - |lambda_2(W)|
     (:func:`topologies.analysis.spectral_gap`), each for every step of ``schedule.check_steps``.
@@ -79,6 +82,7 @@ def summarize(schedule: Schedule, tol: float = CONSENSUS_TOL) -> ScheduleSummary
         step_gaps=tuple(float(g) for g in analysis.step_gaps(schedule)),
         period_rho=analysis.period_rho(schedule),
         steps_to_consensus=analysis.steps_to_consensus(schedule, tol),
+        noise_floor=analysis.noise_floor(schedule),
     )
 
 
