@@ -34,6 +34,7 @@ import pytest
 import torch
 from torch.func import functional_call, grad
 
+import gossip
 import topologies
 from experiments.scale.config import EngineConfig
 from experiments.scale.engine import Engine
@@ -109,7 +110,7 @@ def test_the_engine_runs_on_cuda_unchanged_and_follows_the_simulator(arm, loss_a
         assert engine.bytes_per_worker() == float(expected["bytes"].mean())
 
 
-@pytest.mark.parametrize(("n", "schedule"), [(8, "ring"), (8, "random_matchings"), (12, "")])
+@pytest.mark.parametrize(("n", "schedule"), [(8, "ring"), (8, "random_matchings"), (12, ""), (12, "base_graph")])
 def test_the_pipeline_is_reproduced_on_other_schedules(n, schedule, train):
     config = EngineConfig(
         name=f"pipeline-{schedule}",
@@ -120,7 +121,7 @@ def test_the_pipeline_is_reproduced_on_other_schedules(n, schedule, train):
         **TINY,
     )
     engine = _compare(config, train, steps=8)
-    assert engine.schedule.name == (schedule or "base_graph")
+    assert engine.schedule.name == (schedule or gossip.default_schedule(n))
 
 
 def test_momentum_tracking_with_exact_trackers_and_an_all_reduced_mean_gradient_is_reproduced(train):
