@@ -164,7 +164,7 @@ def test_survivors_finish_and_log_who_left(job):
     assert {int(line.split()[3].rstrip(":")) for line in lines if f"epoch {max(epochs)}:" in line} == set(survivors)
     for uid in dead:
         assert any(f"{uid} (killed by SIGKILL)" in line for line in lines)
-    wanted = "random_matchings (fallback: one_peer_hypercube over 3 ranks"
+    wanted = "base_graph (fallback: one_peer_hypercube over 3 ranks"
     assert all(wanted in line for line in lines if "members [0, 2, 3]" in line or "members [0, 1, 3]" in line)
 
 

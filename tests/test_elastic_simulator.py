@@ -22,8 +22,8 @@ import pytest
 import torch
 from torch import nn
 
-import gossip
 import optim
+import topologies
 from gossip import DecentralizedDataParallel, ExactGossip, PeriodicAverage, PowerGossip
 from gossip.errors import InvalidArgumentError
 from gossip.wrapper.elastic import schedule_for
@@ -81,7 +81,7 @@ def test_exact_gossip_mean_after_departure_and_join():
     expected = (7 * before_join + snapshots[16][donor]) / 8
     torch.testing.assert_close(mean(members, range(8)), expected, rtol=0, atol=1e-12)
     # the 7-rank epoch could not be a hypercube: it fell back and said why
-    assert epochs[1].schedule.startswith("random_matchings (fallback: one_peer_hypercube")
+    assert epochs[1].schedule.startswith("base_graph (fallback: one_peer_hypercube")
     assert epochs[2].schedule == "one_peer_hypercube"
 
 
@@ -125,16 +125,15 @@ def test_joiner_receives_donor_parameters_and_optimizer_state(make_optimizer):
 
 
 def test_schedule_fallback_and_family_kept():
-    """A one-peer family that cannot be built falls back to random matchings, the default schedule's choice where
-    n is not a power of two (the complete graph for one rank); a family that can is kept."""
+    """A one-peer family that cannot be built falls back to the one-peer Base-2 graph, the default schedule's
+    choice there, exact after one period; a family that can is kept."""
     assert schedule_for("one_peer_hypercube", 4)[1] == "one_peer_hypercube"
-    for n in (3, 5, 6, 7):
+    for n in (1, 3, 5, 6, 7):
         schedule, note = schedule_for("one_peer_hypercube", n)
-        assert note.startswith("random_matchings (fallback: one_peer_hypercube") and schedule.n == n
-        assert schedule.name == gossip.default_schedule(n)
-    assert schedule_for("one_peer_hypercube", 1)[1].startswith("complete (fallback")
-    assert schedule_for("one_peer_ring", 5)[1].startswith("random_matchings (fallback")
-    assert schedule_for("base_graph", 6)[1] == "base_graph"
+        assert note.startswith("base_graph (fallback: one_peer_hypercube") and schedule.n == n
+        assert schedule.period == topologies.by_name("base_graph", n).period  # the exact average's steps
+    assert schedule_for("one_peer_ring", 5)[1].startswith("base_graph (fallback")
+    assert schedule_for("random_matchings", 5)[1] == "random_matchings"
     assert schedule_for("torus", 5)[1].startswith("ring (fallback")
     assert schedule_for("ring", 5)[1] == "ring"
 
@@ -230,8 +229,8 @@ def test_checkpoint_records_the_members(tmp_path):
 
 @pytest.mark.parametrize(
     ("family", "after"),
-    [("base_graph", "base_graph"), ("one_peer_hypercube", "random_matchings (fallback")],
-    ids=["periodic", "without-period-fallback"],
+    [("one_peer_hypercube", "base_graph (fallback"), ("random_matchings", "random_matchings")],
+    ids=["periodic-fallback", "without-period"],
 )
 def test_no_collective_inside_a_step_after_a_change(monkeypatch, family, after):
     from gossip.backends.simulator import SimulatorCommunicator

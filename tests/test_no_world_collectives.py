@@ -29,7 +29,7 @@ def _assert_pure_gossip(results: list[dict], n: int, samples: int) -> None:
 @pytest.mark.parametrize("n", [4, 6, 12])
 def test_the_default_pipeline_issues_no_collective_on_the_simulator(n, second_moment, samples):
     results = gossip.simulate(n, default_pipeline_run, "gossip", second_moment)
-    assert results[0]["schedule"] == ("one_peer_hypercube" if n == 4 else "random_matchings")
+    assert results[0]["schedule"] == ("one_peer_hypercube" if n == 4 else "base_graph")
     assert results[0]["tracker_hops"] == gossip.default_tracker_hops(n)
     _assert_pure_gossip(results, n, samples)
 

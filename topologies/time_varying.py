@@ -104,7 +104,7 @@ def one_peer_exponential(n: int) -> Schedule:
         ScheduleError: ``n`` is not a power of two >= 2.
     """
     n, tau = _require_power_of_two(
-        "one_peer_exponential", "n", n, hint="use random_matchings(n), base_graph(n) or static_exponential(n)"
+        "one_peer_exponential", "n", n, hint="use base_graph(n) (exact after one period) or static_exponential(n)"
     )
     ranks = np.arange(n)
 
@@ -130,7 +130,7 @@ def one_peer_hypercube(n: int) -> Schedule:
     Raises:
         ScheduleError: ``n`` is not a power of two >= 2.
     """
-    hint = "use random_matchings(n) otherwise, or base_graph(n) (exact after one period)"
+    hint = "use base_graph(n) otherwise (exact after one period, any n)"
     n, tau = _require_power_of_two("one_peer_hypercube", "n", n, hint=hint)
     ranks = np.arange(n)
     return Schedule(

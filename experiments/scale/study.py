@@ -6,9 +6,8 @@ worker i draws rank i's batches of ``ShardedBatches``):
 * ``strong``: a fixed global batch of ``GLOBAL_BATCH`` sequences, n in (16, 64, 256, 1024), b = B / n;
 * ``weak``: a fixed ``WEAK_BATCH`` sequences per worker, n in (16, 64, 256);
 * ``topology``: the default pipeline at ``WEAK_BATCH`` per worker on the one-peer hypercube, random matchings and
-  the ring at n = 64 and 256, and at n = 24 and 96 (not powers of two) on random matchings (the default there,
-  :func:`gossip.default_schedule`) and the one-peer Base-2 graph (:func:`topologies.base_graph`; and the ring at 96),
-  with DDP at each n.
+  the ring at n = 64 and 256, and at n = 24 and 96 (not powers of two) on the one-peer Base-2 graph
+  (:func:`topologies.base_graph`, the default there) and random matchings (and the ring at 96), with DDP at each n.
 
 Arms: ``ddp`` (the gradients all-reduced, AdamW), ``pipeline`` (:class:`gossip.Pipeline`'s defaults: PowerGossip
 rank 4 x 2 in float16, sign momentum trackers, the mean gradient's second moment every 64 steps gossiped along the

@@ -10,8 +10,8 @@ Two ways to run it:
   launcher's environment).
 
 Defaults (:data:`gossip.app.train.DEFAULTS`, the library's default pipeline, :class:`gossip.Pipeline`): PowerGossip
-at rank 4 with 2 power iterations per step and its products in float16 on one_peer_hypercube (random_matchings
-when the number of workers is not a power of two: :func:`gossip.default_schedule`), each worker's first moment
+at rank 4 with 2 power iterations per step and its products in float16 on one_peer_hypercube (base_graph when the
+number of workers is not a power of two: one peer a step, exact after one period), each worker's first moment
 tracked by sign-compressed trackers (:class:`gossip.ChocoSign`) and :class:`optim.MomentumTrackingAdamW` dividing by
 the mean gradient's second moment, sampled every 64 steps and averaged by gossip; no collective between the first
 step and the end but the evaluations (``--eval-every``). 500 steps of 16 x 64 bytes per worker, lr 3e-3 with warmup

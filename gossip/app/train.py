@@ -59,6 +59,7 @@ DILOCO = "diloco"
 DILOCO_DEFAULTS = {"local_steps": LOCAL_STEPS, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MOMENTUM}
 ALGORITHM_CHOICES = tuple(sorted([*gossip.ALGORITHMS, DDP]))
 DEFAULT_SCHEDULE = "one_peer_hypercube"
+FALLBACK_SCHEDULE = "base_graph"
 PIPELINE = gossip.Pipeline()  # the library's default pipeline, which the main job's defaults follow
 SAMPLE_PROMPT = "def "
 SAMPLE_BYTES = 80
@@ -300,8 +301,8 @@ def resolve(config: TrainConfig, world_size: int) -> tuple[TrainConfig, list[str
         resolved.schedule = gossip.default_schedule(world_size)
         if resolved.schedule != DEFAULT_SCHEDULE:
             notes.append(
-                f"schedule: {resolved.schedule} ({DEFAULT_SCHEDULE} needs a power of two >= 2 workers; "
-                "gossip.default_schedule)"
+                f"schedule: {resolved.schedule}, exact after {topologies.by_name(resolved.schedule, world_size).period}"
+                f" steps ({DEFAULT_SCHEDULE} needs a power of two >= 2 workers)"
             )
     if config.accum_iter is None:
         resolved.accum_iter = max(1, world_size // 4)

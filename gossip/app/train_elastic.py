@@ -9,7 +9,7 @@ at the same step die together (:func:`gossip.app.elastic_launch.die_together`).
 
 Elastic settings: PowerGossip runs one power iteration and no periodic average unless given (real-process elastic
 needs one exchange per step); the default schedule is the main job's (:func:`gossip.default_schedule`:
-``one_peer_hypercube`` for a power of two, else ``random_matchings``), and after a change the same family over the new
+``one_peer_hypercube`` for a power of two, else ``base_graph``), and after a change the same family over the new
 size or its fallback (:func:`gossip.wrapper.elastic.schedule_for`);
 gradient tracking restarts the trackers at every change (each at its own last input) and runs blocking (no
 ``--tracking-overlap``), and momentum tracking's sample of the mean gradient is taken once a step at most, skipped

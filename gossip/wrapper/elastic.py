@@ -37,10 +37,10 @@ from topologies import Schedule, registry
 from topologies.schedule import ScheduleError
 
 #: Families tried, in order, when the requested one cannot be built for the new number of ranks (e.g. a
-#: hypercube needs n = 2^k). A one-peer family falls back to random matchings (any n >= 2: the default schedule
-#: where n is not a power of two, :func:`gossip.default_schedule`), then to the complete graph (one rank); any
-#: other family to the ring, the complete graph the last resort.
-ONE_PEER_FALLBACKS = ("random_matchings", "complete")
+#: hypercube needs n = 2^k). A one-peer family falls back to the one-peer Base-2 graph, which exists for every n
+#: and averages exactly after one period (:func:`topologies.base_graph`, the default schedule where n is not a
+#: power of two, and the hypercube where it is); any other to the ring, the complete graph the last resort.
+ONE_PEER_FALLBACKS = ("base_graph",)
 FALLBACKS = ("ring", "complete")
 
 #: The sequence number of the hand-over's two exchanges (the size, then the state): far above any step's.

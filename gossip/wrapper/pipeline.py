@@ -2,8 +2,9 @@ r"""The default pipeline in one call: pure gossip that learns like DDP, no colle
 
 ``model, optimizer = gossip.wrap(net, comm, lr=3e-3)`` builds the library's default (:class:`Pipeline`):
 
-* the schedule: the one-peer hypercube when n is a power of two (one peer per step, the exact average after
-  log2(n) steps), else random matchings (:func:`default_schedule`);
+* the schedule: the one-peer hypercube when n is a power of two, else the one-peer Base-2 graph
+  (:func:`topologies.base_graph`): one peer per step, the exact average after one period, for any n
+  (:func:`default_schedule`);
 * the parameters: :class:`gossip.PowerGossip` at rank 4 with 2 power iterations per step, its products in float16
   (Vogels et al. 2020);
 * the trackers: the wrapper's gradient tracking mixes each rank's first moment (momentum tracking, Takezawa et al.,
@@ -80,26 +81,16 @@ def default_tracker_hops(n: int) -> int:
 
 
 def default_schedule(n: int) -> str:
-    """The default schedule's name for n ranks: of the one-peer schedules, the one whose replicas stay closest.
-
-    Training adds a gradient step to every rank each step, so the spread the replicas keep is the schedule's
-    noise floor (:func:`topologies.noise_floor`: the steady consensus distance of x <- W(t) x + xi), set by how much
-    one step contracts the disagreement. At a power of two the one-peer hypercube pairs every rank every step and
-    averages exactly after log2(n) steps, below random matchings' floor. Elsewhere no one-peer schedule does both:
-    the one-peer Base-2 graph (:func:`topologies.base_graph`), exact after one period, leaves ranks idle in some
-    steps and has a higher floor than random matchings at every such n >= 5 (docs/design.md F.4), which pair every
-    rank each step (all but one when n is odd).
+    """The default schedule's name for n ranks.
 
     Args:
         n: the number of ranks, >= 1.
 
     Returns:
-        ``"one_peer_hypercube"`` when n is a power of two >= 2, ``"random_matchings"`` for any other n >= 2, and
-            ``"base_graph"`` for one rank (its single step W = [1]).
+        ``"one_peer_hypercube"`` when n is a power of two >= 2, else ``"base_graph"`` (its one-peer version, equal
+            to the hypercube at powers of two; one rank: its single step W = [1]).
     """
-    if n >= 2 and n & (n - 1) == 0:
-        return "one_peer_hypercube"
-    return "random_matchings" if n >= 2 else "base_graph"
+    return "one_peer_hypercube" if n >= 2 and n & (n - 1) == 0 else "base_graph"
 
 
 @dataclasses.dataclass(frozen=True)
