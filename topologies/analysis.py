@@ -300,11 +300,10 @@ def noise_floor(schedule: Schedule, *, max_doublings: int = 64) -> float:
     if n == 1:
         return 0.0
     centering = np.eye(n) - 1.0 / n
-    product, covariance = np.eye(n), np.zeros((n, n))
-    for t in schedule.check_steps:
-        product = apply_step(schedule, t, product)
-        covariance = _conjugate(schedule, t, covariance) + centering
-    steady, contraction = covariance, product - 1.0 / n
+    steady = np.zeros((n, n))
+    for t in schedule.check_steps:  # Q: one period's noise from S = 0
+        steady = _conjugate(schedule, t, steady) + centering
+    contraction = period_product(schedule) - 1.0 / n
     for _ in range(max_doublings):
         steady = steady + contraction @ steady @ contraction.T
         contraction = contraction @ contraction

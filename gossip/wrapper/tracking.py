@@ -347,22 +347,18 @@ class GradientTracker:
         self._previous_views, self._fresh_views = self._fresh_views, self._previous_views
         self._corrected_at = step
 
-    def fill_missing_gradients(self) -> bool:
+    def fill_missing_gradients(self) -> None:
         """Give each parameter without ``.grad`` a zero one, on a step where another has a gradient.
 
         The zero gradient :meth:`track` counts it as, made visible before the tracker runs: a momentum source's
         first moment (:mod:`gossip.wrapper.momentum`) then decays with it and counts the step, as the tracked
         first moments of the ranks that did use the parameter do. A step without any gradient is left as it is.
-
-        Returns:
-            Whether the step has gradients.
         """
         if not any(p.grad is not None for p in self._parameters):
-            return False
+            return
         for parameter, view in zip(self._parameters, self._tracker_views, strict=True):
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(view)  # laid out as the tracker reads it (a local shard)
-        return True
 
     def _read_gradients(self) -> None:
         """g^t <- each parameter's ``.grad`` (a missing one counts as 0), into the fresh buffers."""
